@@ -1,0 +1,93 @@
+"""Server configuration: one validated dataclass, read once from the environment.
+
+Every knob has a default that serves ``distilgpt2`` on a small CPU box. A bad value
+fails at startup with a ``ConfigError`` that names the variable, never later at
+request time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # Model: a hub id, a local checkpoint directory, or "fake" (FakeEngine, no torch).
+    model_id: str = "distilgpt2"
+    # Most sequences decoded together in one step (the batch's slot cap).
+    max_batch_size: int = 8
+    # Most requests waiting for a slot; one more gets a 503.
+    max_queue_depth: int = 1024
+    # Upper bound a request may ask for in max_new_tokens.
+    max_new_tokens_limit: int = 512
+    # "auto" picks cuda when available, else cpu; or "cpu", "cuda", "cuda:N".
+    device: str = "auto"
+    # Tokens of KV cache per slot (prompt + generated). 0 = the model's context window.
+    max_model_len: int = 0
+    # Torch intra-op threads. 0 = the physical cores of this machine.
+    num_threads: int = 0
+    # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
+    stop_token_ids: tuple[int, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    def __post_init__(self) -> None:
+        _check(self.model_id.strip() != "", "MODEL_ID", "must not be empty")
+        _check(1 <= self.max_batch_size <= 1024, "MAX_BATCH_SIZE", "must be in [1, 1024]")
+        _check(1 <= self.max_queue_depth <= 1_000_000, "MAX_QUEUE_DEPTH", "must be in [1, 1000000]")
+        _check(1 <= self.max_new_tokens_limit <= 1_000_000, "MAX_NEW_TOKENS_LIMIT", "must be in [1, 1000000]")
+        _check(self.max_model_len >= 0, "MAX_MODEL_LEN", "must be >= 0 (0 = the model's context window)")
+        _check(0 <= self.num_threads <= 1024, "NUM_THREADS", "must be in [0, 1024]")
+        _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
+        _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")
+        dev = self.device
+        _check(
+            dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+            "DEVICE",
+            f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
+        )
+
+    @property
+    def is_fake(self) -> bool:
+        return self.model_id == "fake"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
+        """Build the config from environment variables (upper-case field names)."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            name = f.name.upper()
+            raw = env.get(name)
+            if raw is None or raw.strip() == "":
+                continue
+            values[f.name] = _parse(name, raw.strip(), f.default)
+        return cls(**values)
+
+
+def _check(ok: bool, var: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{var} {message}")
+
+
+def _parse(var: str, raw: str, default: object) -> object:
+    """Parse one variable to the type of its default."""
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, tuple):
+            return tuple(int(part) for part in raw.split(",") if part.strip())
+    except ValueError:
+        kind = "a comma-separated list of integers" if isinstance(default, tuple) else "an integer"
+        raise ConfigError(f"{var} must be {kind} (got {raw!r})") from None
+    return raw

@@ -1,0 +1,349 @@
+"""The engine seam: what the scheduler may ask of whatever executes the model.
+
+``InferenceEngine`` is the contract (capacity, admit, step, abort, reset).
+``BatchEngine`` implements the sequence bookkeeping every engine shares: slots as
+contiguous rows, stopping, eviction and row compaction; subclasses supply only the
+tensor work (``_prefill``, ``_decode``, ``_move_row``, ``_reset_state``).
+``FakeEngine`` is deterministic and torch-free, for model-free tests. ``HFEngine``
+runs a Hugging Face GPT-2-family checkpoint through the hand-written forward in
+``gpt2.py``. This module imports no torch: ``HFEngine`` imports it when built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from typing import Callable, Iterable
+
+from config import Config
+from sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("minibatch.engine")
+
+
+class AdmissionError(ValueError):
+    """A sequence cannot be admitted (too long, empty, over capacity). Nothing was admitted."""
+
+
+class InferenceEngine(ABC):
+    """Executes sequences; the scheduler decides which and when.
+
+    Threading: every method but ``encode``/``decode`` is called from one worker thread
+    at a time (the scheduler's), never concurrently.
+    """
+
+    capacity: int  # most sequences active at once
+    max_context: int  # prompt + generated tokens one sequence may hold
+    model_name: str
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt."""
+
+    @abstractmethod
+    def decode(self, token_ids: list[int]) -> str:
+        """Detokenize generated ids (special tokens skipped)."""
+
+    @abstractmethod
+    def num_active(self) -> int:
+        """Sequences currently holding a slot."""
+
+    @abstractmethod
+    def admit(self, seqs: list[Sequence]) -> list[int]:
+        """Atomically admit ``seqs``: prefill them and give each its first token.
+
+        Returns their seq_ids. On any failure nothing is admitted, the active batch is
+        untouched and the exception propagates. A sequence that finishes on its first
+        token comes back already finished and holds no slot.
+        """
+
+    @abstractmethod
+    def step(self) -> list[Sequence]:
+        """Advance every active sequence by exactly one token; return those that finished."""
+
+    @abstractmethod
+    def abort(self, seq_id: int) -> bool:
+        """Finish an active sequence as aborted and free its slot. False if it is not active."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop every active sequence and return to an empty, usable state (after a failure)."""
+
+    def check_admissible(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never be admitted, or None. Cheap; called before queueing."""
+        if seq.prompt_len == 0:
+            return "prompt is empty after tokenization"
+        if seq.prompt_len + seq.max_new_tokens > self.max_context:
+            return (
+                f"prompt ({seq.prompt_len} tokens) + max_new_tokens ({seq.max_new_tokens}) "
+                f"exceeds the model's context window of {self.max_context} tokens"
+            )
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+
+class BatchEngine(InferenceEngine):
+    """Sequence bookkeeping over ``capacity`` rows; the active sequences fill rows [0, n)."""
+
+    def __init__(self, capacity: int, max_context: int, stop_token_ids: Iterable[int]) -> None:
+        self.capacity = capacity
+        self.max_context = max_context
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self._rows: list[Sequence] = []  # _rows[r] owns row r of the KV cache
+        self._steps = 0
+        self._peak_batch = 0
+        self._tokens = 0
+
+    # --- tensor work, supplied by subclasses -------------------------------------------------
+    @abstractmethod
+    def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
+        """Run the prompts into rows [first_row, first_row + len(seqs)); return first tokens."""
+
+    @abstractmethod
+    def _decode(self, seqs: list[Sequence]) -> list[int]:
+        """One token for each of rows [0, len(seqs)); seqs[r] owns row r."""
+
+    def _move_row(self, src: int, dst: int, length: int) -> None:
+        """Move row src's cached positions [0, length) to row dst."""
+
+    def _reset_state(self) -> None:
+        """Forget all cached state."""
+
+    # --- the seam ----------------------------------------------------------------------------
+    def num_active(self) -> int:
+        return len(self._rows)
+
+    def active_sequences(self) -> list[Sequence]:
+        return list(self._rows)
+
+    def admit(self, seqs: list[Sequence]) -> list[int]:
+        if not seqs:
+            return []
+        if len(self._rows) + len(seqs) > self.capacity:
+            raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - len(self._rows)}")
+        for seq in seqs:
+            reason = self.check_admissible(seq)
+            if reason:
+                raise AdmissionError(f"sequence {seq.seq_id}: {reason}")
+        start = time.perf_counter()
+        first_tokens = self._prefill(seqs, len(self._rows))  # may raise: nothing is committed yet
+        now = time.perf_counter()
+        self._rows.extend(seqs)
+        for seq, token in zip(seqs, first_tokens):
+            seq.status = SequenceStatus.RUNNING
+            seq.admit_time = start
+            if not seq.ignore_eos:
+                seq.stop_token_ids = seq.stop_token_ids | self.stop_token_ids
+            seq.append_token(token, now)
+        self._tokens += len(seqs)
+        self._peak_batch = max(self._peak_batch, len(self._rows))
+        self._evict([s for s in seqs if s.is_finished])
+        return [s.seq_id for s in seqs]
+
+    def step(self) -> list[Sequence]:
+        if not self._rows:
+            return []
+        tokens = self._decode(self._rows)
+        now = time.perf_counter()
+        for seq, token in zip(self._rows, tokens):
+            seq.append_token(token, now)
+        self._steps += 1
+        self._tokens += len(self._rows)
+        self._peak_batch = max(self._peak_batch, len(self._rows))
+        finished = [s for s in self._rows if s.is_finished]
+        self._evict(finished)
+        return finished
+
+    def abort(self, seq_id: int) -> bool:
+        for seq in self._rows:
+            if seq.seq_id == seq_id:
+                seq.finish(SequenceStatus.FINISHED_ABORTED)
+                self._evict([seq])
+                return True
+        return False
+
+    def reset(self) -> None:
+        self._rows.clear()
+        self._reset_state()
+
+    def stats(self) -> dict[str, int]:
+        return {"steps": self._steps, "peak_batch": self._peak_batch, "generated_tokens": self._tokens}
+
+    def _evict(self, leaving: list[Sequence]) -> None:
+        """Free the rows of ``leaving`` and keep the survivors in rows [0, n) by moving tail rows into holes."""
+        if not leaving:
+            return
+        gone = {self._rows.index(s) for s in leaving}
+        keep = len(self._rows) - len(gone)
+        holes = sorted(r for r in gone if r < keep)
+        movers = [r for r in range(keep, len(self._rows)) if r not in gone]
+        for src, dst in zip(movers, holes):
+            # The row holds K/V for every token but the newest, which has not been fed yet.
+            self._move_row(src, dst, self._rows[src].num_tokens - 1)
+            self._rows[dst] = self._rows[src]
+        del self._rows[keep:]
+
+
+class FakeEngine(BatchEngine):
+    """Model-free engine: deterministic tokens, byte-level tokenizer, same lifecycle as HFEngine.
+
+    Token ids: 0 is EOS, 1..256 are the bytes 0..255. By default a sequence's n-th token is a
+    lowercase letter chosen from its prompt and n, so every answer identifies its prompt.
+    ``token_fn(seq) -> id`` overrides that; ``admit_fault(seqs)`` and ``step_fault(step_no)``
+    may raise to inject failures; ``step_delay`` sleeps per step to mimic compute.
+    """
+
+    EOS = 0
+
+    def __init__(
+        self,
+        capacity: int = 8,
+        max_context: int = 1024,
+        stop_token_ids: Iterable[int] = (0,),
+        token_fn: Callable[[Sequence], int] | None = None,
+        admit_fault: Callable[[list[Sequence]], None] | None = None,
+        step_fault: Callable[[int], None] | None = None,
+        step_delay: float = 0.0,
+    ) -> None:
+        super().__init__(capacity, max_context, stop_token_ids)
+        self.model_name = "fake"
+        self.token_fn = token_fn or self.letter_token
+        self.admit_fault = admit_fault
+        self.step_fault = step_fault
+        self.step_delay = step_delay
+        self.step_calls = 0
+        self.resets = 0
+
+    @staticmethod
+    def letter_token(seq: Sequence) -> int:
+        letter = (sum(seq.prompt_token_ids) * 7 + len(seq.output_token_ids) * 3) % 26
+        return ord("a") + letter + 1
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 1 for b in text.encode("utf-8")]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t - 1 for t in token_ids if 1 <= t <= 256).decode("utf-8", errors="replace")
+
+    def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
+        if self.admit_fault:
+            self.admit_fault(seqs)
+        return [self.token_fn(s) for s in seqs]
+
+    def _decode(self, seqs: list[Sequence]) -> list[int]:
+        self.step_calls += 1
+        if self.step_fault:
+            self.step_fault(self.step_calls)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        return [self.token_fn(s) for s in seqs]
+
+    def _reset_state(self) -> None:
+        self.resets += 1
+
+
+class HFEngine(BatchEngine):
+    """A Hugging Face GPT-2-family checkpoint on the hand-written forward over a preallocated KV cache.
+
+    Loads tokenizer and model with ``from_pretrained(model_id)`` (hub id or local directory),
+    copies the weights into ``gpt2.GPT2`` and drops the HF module.
+    """
+
+    SUPPORTED = ("gpt2",)
+
+    def __init__(self, config: Config) -> None:
+        import torch  # deferred: the server stack must stay importable without torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from gpt2 import GPT2
+
+        torch.set_num_threads(config.num_threads or physical_cores())
+        self.device = resolve_device(config.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_id)
+        hf_model = AutoModelForCausalLM.from_pretrained(config.model_id, dtype=torch.float32)
+        hf_config = hf_model.config
+        if hf_config.model_type not in self.SUPPORTED:
+            raise ValueError(
+                f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
+                f"supported: {', '.join(self.SUPPORTED)}"
+            )
+        window = hf_config.n_positions
+        max_context = min(window, config.max_model_len) if config.max_model_len else window
+        super().__init__(config.max_batch_size, max_context, eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids))
+        self.model_name = config.model_id
+        self.model = GPT2(hf_model.eval(), config.max_batch_size, max_context, self.device)
+        del hf_model
+        log.info(
+            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, %d threads",
+            config.model_id, self.device, self.capacity, max_context,
+            self.model.kv.nbytes / 2**20, self.model.onednn, torch.get_num_threads(),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
+        rows = list(range(first_row, first_row + len(seqs)))
+        return self.model.prefill([s.prompt_token_ids for s in seqs], rows).tolist()
+
+    def _decode(self, seqs: list[Sequence]) -> list[int]:
+        tokens = [s.last_token_id for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        return self.model.decode(tokens, positions).tolist()
+
+    def _move_row(self, src: int, dst: int, length: int) -> None:
+        self.model.kv.move_row(src, dst, length)
+
+
+def eos_ids(hf_model, tokenizer) -> set[int]:
+    """EOS ids from the generation config (may be a list), else the tokenizer's."""
+    eos = getattr(hf_model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads share a core's FPUs)."""
+    try:
+        cores = set()
+        cpu = phys = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    phys = value.strip()
+                elif key == "core id" and cpu in os.sched_getaffinity(0):
+                    cores.add((phys, value.strip()))
+        if cores:
+            return len(cores)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return os.cpu_count() or 1
+
+
+def build_engine(config: Config) -> InferenceEngine:
+    """The engine MODEL_ID asks for: ``fake`` -> FakeEngine, anything else -> HFEngine."""
+    if config.is_fake:
+        return FakeEngine(capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids))
+    return HFEngine(config)

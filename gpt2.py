@@ -1,0 +1,159 @@
+"""A hand-written GPT-2 forward over the preallocated KV cache (nanoGPT-style, one file).
+
+The weights come from a loaded Hugging Face ``GPT2LMHeadModel``; the math is the same
+as HF's (pre-LayerNorm blocks, fused QKV, tanh-GELU MLP, tied lm_head), so greedy
+tokens match ``generate(do_sample=False)`` exactly (the parity tests guard this).
+
+Two entry points, both pure functions of (tokens, positions, cache):
+- ``prefill``: several prompts packed into one ``[T, C]`` activation (no padding);
+  the linears run once over all T tokens, attention runs per prompt, and each
+  prompt's K/V lands in its own cache row. Logits only for each prompt's last token.
+- ``decode``: one token for each of the rows ``[0, B)``; K/V written in place at each
+  row's own position, attention over a view of the cache, masked per row length.
+
+Shapes: C = n_embd, H = n_head, D = C / H, V = vocab, L = positions attended.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kv_cache import KVCache
+
+# HF activation_function name -> oneDNN post-op algorithm for GELU.
+_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+
+def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN pre-packed linears: CPU fp32 only (measured 2-3x F.linear at decode shapes)."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """y = x @ W^T + b with W pre-packed once for oneDNN on CPU; plain F.linear elsewhere.
+
+    x: [N, in] -> y: [N, out]. ``gelu`` fuses the activation, ``add`` fuses a residual.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, batch_hint: int) -> None:
+        self.onednn = onednn
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if onednn else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], approximate)
+        return F.gelu(F.linear(x, self.weight, self.bias), approximate=approximate)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return torch.addmm(residual, x, self.weight.t()) if self.bias is None else F.linear(x, self.weight, self.bias) + residual
+
+
+class Block:
+    """One transformer block's weights (Conv1D weights transposed to [out, in])."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, onednn: bool, batch_hint: int) -> None:
+        def lin(name: str) -> Linear:
+            return Linear(sd[f"{prefix}{name}.weight"].t().contiguous(), sd[f"{prefix}{name}.bias"], onednn, batch_hint)
+
+        self.ln_1 = (sd[f"{prefix}ln_1.weight"], sd[f"{prefix}ln_1.bias"])
+        self.ln_2 = (sd[f"{prefix}ln_2.weight"], sd[f"{prefix}ln_2.bias"])
+        self.c_attn = lin("attn.c_attn")  # [C] -> [3C]
+        self.attn_proj = lin("attn.c_proj")  # [C] -> [C]
+        self.c_fc = lin("mlp.c_fc")  # [C] -> [4C]
+        self.mlp_proj = lin("mlp.c_proj")  # [4C] -> [C]
+
+
+class GPT2:
+    """GPT-2 weights plus the KV cache, with ``prefill`` and ``decode`` steps that return greedy ids."""
+
+    def __init__(self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device) -> None:
+        cfg = hf_model.config
+        if getattr(cfg, "reorder_and_upcast_attn", False):
+            raise ValueError("GPT-2 option reorder_and_upcast_attn is not supported by the fast engine")
+        if cfg.activation_function not in _ACTIVATIONS:
+            raise ValueError(f"GPT-2 activation {cfg.activation_function!r} is not supported by the fast engine")
+        self.n_layer, self.n_head, self.n_embd = cfg.n_layer, cfg.n_head, cfg.n_embd
+        self.head_dim = self.n_embd // self.n_head
+        self.eps = cfg.layer_norm_epsilon
+        self.gelu_approx = _ACTIVATIONS[cfg.activation_function]
+        scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        inverse_layer = getattr(cfg, "scale_attn_by_inverse_layer_idx", False)
+        self.attn_scales = [scale / (i + 1) if inverse_layer else scale for i in range(self.n_layer)]
+        self.device = device
+
+        sd = {k: v.detach().to(device=device, dtype=torch.float32).contiguous() for k, v in hf_model.state_dict().items()}
+        base = "transformer."
+        onednn = use_onednn(device, torch.float32)
+        self.onednn = onednn
+        self.wte = sd[base + "wte.weight"]  # [V, C]
+        self.wpe = sd[base + "wpe.weight"]  # [P, C]
+        self.blocks = [Block(sd, f"{base}h.{i}.", onednn, capacity) for i in range(self.n_layer)]
+        self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
+        self.lm_head = Linear(sd.get("lm_head.weight", self.wte), None, onednn, capacity)  # [C] -> [V]
+        self.kv = KVCache(self.n_layer, capacity, self.n_head, max_len, self.head_dim, device)
+        self._rows = torch.arange(capacity, device=device)
+        self._positions = torch.arange(max_len, device=device)
+
+    def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.layer_norm(x, (self.n_embd,), wb[0], wb[1], self.eps)
+
+    def _mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, C] -> x + MLP(LN(x)): [N, C]."""
+        return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2), self.gelu_approx), x)
+
+    def _greedy(self, x_last: torch.Tensor) -> torch.Tensor:
+        """x_last: [N, C] final hidden states -> [N] argmax token ids."""
+        return self.lm_head(self._ln(x_last, self.ln_f)).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Run whole prompts, fill their cache rows, return each prompt's next token: [len(prompts)]."""
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], device=self.device)  # [T]
+        pos = torch.cat([self._positions[:n] for n in lengths])  # [T]
+        x = self.wte[ids] + self.wpe[pos]  # [T, C]
+        T, H, D = x.shape[0], self.n_head, self.head_dim
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        for layer, block in enumerate(self.blocks):
+            qkv = block.c_attn(self._ln(x, block.ln_1)).view(T, 3, H, D)
+            att = torch.empty(T, H, D, device=self.device)
+            for start, n, row in zip(starts, lengths, rows):
+                q, k, v = qkv[start : start + n].permute(1, 2, 0, 3)  # each [H, n, D]
+                self.kv.write_prompt(layer, row, k, v)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.attn_scales[layer])
+                att[start : start + n] = out.transpose(0, 1)  # [n, H, D]
+            x = block.attn_proj.add(att.view(T, self.n_embd), x)
+            x = self._mlp(block, x)
+        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
+        return self._greedy(x[last])
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns [B] next ids."""
+        B, H, D = len(token_ids), self.n_head, self.head_dim
+        ids = torch.tensor(token_ids, device=self.device)  # [B]
+        pos = torch.tensor(positions, device=self.device)  # [B]
+        length = max(positions) + 1  # L: longest row's context
+        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)  # [B, 1, 1, L]
+        rows = self._rows[:B]
+        x = self.wte[ids] + self.wpe[pos]  # [B, C]
+        for layer, block in enumerate(self.blocks):
+            q, k, v = block.c_attn(self._ln(x, block.ln_1)).view(B, 3, H, D).unbind(1)  # each [B, H, D]
+            self.kv.write_step(layer, rows, pos, k, v)
+            keys, values = self.kv.view(layer, B, length)  # [B, H, L, D]
+            att = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.attn_scales[layer]
+            )  # [B, H, 1, D]
+            x = block.attn_proj.add(att.view(B, self.n_embd), x)
+            x = self._mlp(block, x)
+        return self._greedy(x)

@@ -1,0 +1,67 @@
+"""Static batching baseline: one left-padded batch through HF ``generate(do_sample=False)``.
+
+The whole batch runs to its largest ``max_new_tokens``; each row is then trimmed to its
+own budget and its first stop token. This is what continuous batching is measured
+against (``scripts/benchmark.py``) and the reference of the parity tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+class HFModelRunner:
+    def __init__(self, model_id: str, device: str = "cpu", num_threads: int = 0, model=None, tokenizer=None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_id)
+        self.model = model or AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
+        self.model.to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_ids: list[int] = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        # Left padding needs some pad id; the attention mask hides it, so EOS serves when none is set.
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    @torch.inference_mode()
+    def run_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        ignore_eos: bool = False,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> list[list[int]]:
+        """Generate greedily for a batch of token-id prompts; returns each row's new tokens."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left-padded
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
+        gen = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(max_new_tokens),
+            eos_token_id=sorted(stops) or None,
+            pad_token_id=self.pad_id,
+        )
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen
+        )  # [B, W + new]
+        return [trim(out[row, width:].tolist(), budget, stops) for row, budget in enumerate(max_new_tokens)]
+
+
+def trim(tokens: list[int], budget: int, stops: set[int]) -> list[int]:
+    """A row's tokens up to its own budget, ending at (and keeping) its first stop token."""
+    tokens = tokens[:budget]
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens

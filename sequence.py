@@ -1,0 +1,107 @@
+"""One object per request: its inputs, its status, its tokens and its timestamps.
+
+The scheduler creates a ``Sequence`` when a request arrives (WAITING), the engine
+moves it to RUNNING at admission and to a FINISHED_* status when it ends. The
+finished statuses say *why* and map one-to-one onto the API's ``finish_reason``.
+Sequences are keyed by an internal ``seq_id``; the client's ``request_id`` is a
+label only, so two requests with the same id never see each other's tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+_seq_ids = itertools.count(1)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"  # reached its own max_new_tokens
+    FINISHED_ABORTED = "finished_aborted"  # cancelled (client left, shutdown)
+    FINISHED_ERROR = "finished_error"  # the engine failed while it ran
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    request_id: str = ""
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False  # when True the engine's EOS/stop ids are not added
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+    # perf_counter() timestamps; None until the event happens.
+    arrival_time: float = field(default_factory=time.perf_counter)
+    admit_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record one generated token and finish the sequence if it should stop."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish(SequenceStatus.FINISHED_STOPPED, now)
+        elif len(self.output_token_ids) >= self.max_new_tokens:
+            self.finish(SequenceStatus.FINISHED_LENGTH, now)
+
+    def finish(self, status: SequenceStatus, now: float | None = None, error: str | None = None) -> None:
+        assert status.is_finished, status
+        if self.is_finished:
+            return
+        self.status = status
+        self.error = error
+        self.finish_time = time.perf_counter() if now is None else now
+
+    def metrics_ms(self) -> dict[str, float]:
+        """Per-request latency breakdown in milliseconds (all from arrival)."""
+        end = self.finish_time if self.finish_time is not None else time.perf_counter()
+        admit = self.admit_time if self.admit_time is not None else end
+        first = self.first_token_time if self.first_token_time is not None else end
+        return {
+            "queue_wait_ms": (admit - self.arrival_time) * 1e3,
+            "ttft_ms": (first - self.arrival_time) * 1e3,
+            "generate_ms": (end - admit) * 1e3,
+            "e2e_ms": (end - self.arrival_time) * 1e3,
+        }
