@@ -246,36 +246,43 @@ class FakeEngine(BatchEngine):
         self.resets += 1
 
 
+# HF config.model_type -> (module, class) of our hand-written forward for that family. Each
+# class takes (hf_model, capacity, max_len, device), has ``context_window(hf_config)``, ``kv``
+# (a KVCache), ``onednn``, and ``prefill(prompts, rows)`` / ``decode(tokens, positions)``
+# returning logits.
+MODEL_FAMILIES = {"gpt2": ("gpt2", "GPT2")}
+
+
 class HFEngine(BatchEngine):
-    """A Hugging Face GPT-2-family checkpoint on the hand-written forward over a preallocated KV cache.
+    """A Hugging Face checkpoint on our hand-written forward over a preallocated KV cache.
 
     Loads tokenizer and model with ``from_pretrained(model_id)`` (hub id or local directory),
-    copies the weights into ``gpt2.GPT2`` and drops the HF module.
+    copies the weights into the family's forward (``MODEL_FAMILIES``) and drops the HF module.
     """
-
-    SUPPORTED = ("gpt2",)
 
     def __init__(self, config: Config) -> None:
         import torch  # deferred: the server stack must stay importable without torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from gpt2 import GPT2
+        import importlib
 
         torch.set_num_threads(config.num_threads or physical_cores())
         self.device = resolve_device(config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_id)
         hf_model = AutoModelForCausalLM.from_pretrained(config.model_id, dtype=torch.float32)
         hf_config = hf_model.config
-        if hf_config.model_type not in self.SUPPORTED:
+        if hf_config.model_type not in MODEL_FAMILIES:
             raise ValueError(
                 f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
-                f"supported: {', '.join(self.SUPPORTED)}"
+                f"supported: {', '.join(sorted(MODEL_FAMILIES))}"
             )
-        window = hf_config.n_positions
+        module, cls = MODEL_FAMILIES[hf_config.model_type]
+        family = getattr(importlib.import_module(module), cls)
+        window = family.context_window(hf_config)
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         super().__init__(config.max_batch_size, max_context, eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids))
         self.model_name = config.model_id
-        self.model = GPT2(hf_model.eval(), config.max_batch_size, max_context, self.device)
+        self.model = family(hf_model.eval(), config.max_batch_size, max_context, self.device)
         del hf_model
         log.info(
             "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, %d threads",
@@ -291,12 +298,16 @@ class HFEngine(BatchEngine):
 
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
         rows = list(range(first_row, first_row + len(seqs)))
-        return self.model.prefill([s.prompt_token_ids for s in seqs], rows).tolist()
+        return self._next_tokens(self.model.prefill([s.prompt_token_ids for s in seqs], rows), seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
         tokens = [s.last_token_id for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
-        return self.model.decode(tokens, positions).tolist()
+        return self._next_tokens(self.model.decode(tokens, positions), seqs)
+
+    def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
+        """logits: [N, V] for seqs -> one token id each (greedy)."""
+        return logits.argmax(dim=-1).tolist()
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
         self.model.kv.move_row(src, dst, length)

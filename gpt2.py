@@ -74,7 +74,11 @@ class Block:
 
 
 class GPT2:
-    """GPT-2 weights plus the KV cache, with ``prefill`` and ``decode`` steps that return greedy ids."""
+    """GPT-2 weights plus the KV cache, with ``prefill`` and ``decode`` steps that return logits."""
+
+    @staticmethod
+    def context_window(hf_config) -> int:
+        return hf_config.n_positions
 
     def __init__(self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device) -> None:
         cfg = hf_model.config
@@ -111,13 +115,13 @@ class GPT2:
         """x: [N, C] -> x + MLP(LN(x)): [N, C]."""
         return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2), self.gelu_approx), x)
 
-    def _greedy(self, x_last: torch.Tensor) -> torch.Tensor:
-        """x_last: [N, C] final hidden states -> [N] argmax token ids."""
-        return self.lm_head(self._ln(x_last, self.ln_f)).argmax(dim=-1)
+    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        """x_last: [N, C] final hidden states -> [N, V] logits."""
+        return self.lm_head(self._ln(x_last, self.ln_f))
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
-        """Run whole prompts, fill their cache rows, return each prompt's next token: [len(prompts)]."""
+        """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
         lengths = [len(p) for p in prompts]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)  # [T]
         pos = torch.cat([self._positions[:n] for n in lengths])  # [T]
@@ -135,11 +139,11 @@ class GPT2:
             x = block.attn_proj.add(att.view(T, self.n_embd), x)
             x = self._mlp(block, x)
         last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
-        return self._greedy(x[last])
+        return self._logits(x[last])
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns [B] next ids."""
+        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
         B, H, D = len(token_ids), self.n_head, self.head_dim
         ids = torch.tensor(token_ids, device=self.device)  # [B]
         pos = torch.tensor(positions, device=self.device)  # [B]
@@ -156,4 +160,4 @@ class GPT2:
             )  # [B, H, 1, D]
             x = block.attn_proj.add(att.view(B, self.n_embd), x)
             x = self._mlp(block, x)
-        return self._greedy(x)
+        return self._logits(x)

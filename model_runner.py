@@ -8,7 +8,7 @@ against (``scripts/benchmark.py``) and the reference of the parity tests.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 class HFModelRunner:
@@ -46,14 +46,15 @@ class HFModelRunner:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
-        gen = GenerationConfig(
+        # Passed as keywords: a GenerationConfig with eos_token_id=None would fall back to the
+        # model's default EOS, silently breaking ignore_eos.
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
             do_sample=False,
             max_new_tokens=max(max_new_tokens),
             eos_token_id=sorted(stops) or None,
             pad_token_id=self.pad_id,
-        )
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen
         )  # [B, W + new]
         return [trim(out[row, width:].tolist(), budget, stops) for row, budget in enumerate(max_new_tokens)]
 

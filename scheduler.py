@@ -35,7 +35,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
         self.on_tokens: Callable[[list[Sequence]], None] | None = None  # after each step, for streaming
-        self._futures: dict[int, asyncio.Future[Sequence]] = {}
+        # Every submitted, unresolved sequence (waiting, being admitted, or running) and its future.
+        self._pending: dict[int, tuple[Sequence, asyncio.Future[Sequence]]] = {}
         self._aborts: set[int] = set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wakeup = asyncio.Event()
@@ -56,7 +57,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_queue_depth:
             raise QueueFullError(f"queue is full ({self.max_queue_depth} waiting)")
         future: asyncio.Future[Sequence] = asyncio.get_running_loop().create_future()
-        self._futures[seq.seq_id] = future
+        self._pending[seq.seq_id] = (seq, future)
         self.waiting.append(seq)
         self._wakeup.set()
         return future
@@ -69,7 +70,7 @@ class Scheduler:
                 seq.finish(SequenceStatus.FINISHED_ABORTED)
                 self._resolve(seq)
                 return
-        if seq_id in self.running:
+        if seq_id in self._pending:  # running, or being admitted right now
             self._aborts.add(seq_id)
             self._wakeup.set()
 
@@ -81,7 +82,7 @@ class Scheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for seq in [*self.waiting, *self.running.values()]:
+        for seq, _ in list(self._pending.values()):  # waiting, mid-admission or running
             seq.finish(SequenceStatus.FINISHED_ABORTED, error="server is shutting down")
             self._resolve(seq)
         self.waiting.clear()
@@ -91,7 +92,7 @@ class Scheduler:
     # --- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self._aborts:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -157,11 +158,18 @@ class Scheduler:
     async def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, set()
         for seq_id in aborts:
-            seq = self.running.pop(seq_id, None)
-            if seq is not None:
+            seq = self.running.get(seq_id)
+            if seq is None:  # finished meanwhile
+                continue
+            try:
                 await self._call_engine(self.engine.abort, seq_id)
-                seq.finish(SequenceStatus.FINISHED_ABORTED)
-                self._resolve(seq)
+            except Exception as exc:  # engine state is suspect: treat like a failed step
+                log.error("engine abort of sequence %d failed: %s", seq_id, exc, exc_info=True)
+                await self._fail_running(f"engine abort failed: {exc}")
+                return
+            del self.running[seq_id]
+            seq.finish(SequenceStatus.FINISHED_ABORTED)
+            self._resolve(seq)
 
     async def _fail_running(self, error: str) -> None:
         for seq in self.running.values():
@@ -174,6 +182,6 @@ class Scheduler:
             log.exception("engine reset failed")
 
     def _resolve(self, seq: Sequence) -> None:
-        future = self._futures.pop(seq.seq_id, None)
+        _, future = self._pending.pop(seq.seq_id, (None, None))
         if future is not None and not future.done():
             future.set_result(seq)

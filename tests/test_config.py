@@ -1,0 +1,215 @@
+"""Config: defaults, Config.from_env parsing of every variable, and ConfigError naming the variable."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from config import Config, ConfigError
+
+ALL_VARS = (
+    "MODEL_ID", "MAX_BATCH_SIZE", "MAX_QUEUE_DEPTH", "MAX_NEW_TOKENS_LIMIT", "DEVICE",
+    "MAX_MODEL_LEN", "NUM_THREADS", "STOP_TOKEN_IDS", "HOST", "PORT",
+)
+
+
+def test_defaults():
+    cfg = Config()
+    assert cfg.model_id == "distilgpt2"
+    assert cfg.max_batch_size == 8
+    assert cfg.max_queue_depth == 1024
+    assert cfg.max_new_tokens_limit == 512
+    assert cfg.device == "auto"
+    assert cfg.max_model_len == 0
+    assert cfg.num_threads == 0
+    assert cfg.stop_token_ids == ()
+    assert cfg.host == "127.0.0.1"
+    assert cfg.port == 8000
+    assert not cfg.is_fake
+
+
+def test_every_variable_has_a_field():
+    assert sorted(f.name.upper() for f in dataclasses.fields(Config)) == sorted(ALL_VARS)
+
+
+def test_from_env_empty_mapping_gives_defaults():
+    assert Config.from_env({}) == Config()
+
+
+@pytest.mark.parametrize("raw", ["", "   ", "\t"])
+@pytest.mark.parametrize("var", ALL_VARS)
+def test_blank_value_means_default(var, raw):
+    assert Config.from_env({var: raw}) == Config()
+
+
+def test_unrelated_variables_ignored():
+    assert Config.from_env({"PATH": "/bin", "max_batch_size": "3", "FOO": "x"}) == Config()
+
+
+@pytest.mark.parametrize(
+    "var, raw, field, expected",
+    [
+        ("MODEL_ID", "fake", "model_id", "fake"),
+        ("MODEL_ID", "  /models/tiny  ", "model_id", "/models/tiny"),
+        ("MODEL_ID", "openai-community/gpt2", "model_id", "openai-community/gpt2"),
+        ("MAX_BATCH_SIZE", "1", "max_batch_size", 1),
+        ("MAX_BATCH_SIZE", " 16 ", "max_batch_size", 16),
+        ("MAX_BATCH_SIZE", "1024", "max_batch_size", 1024),
+        ("MAX_QUEUE_DEPTH", "1", "max_queue_depth", 1),
+        ("MAX_QUEUE_DEPTH", "1000000", "max_queue_depth", 1_000_000),
+        ("MAX_NEW_TOKENS_LIMIT", "1", "max_new_tokens_limit", 1),
+        ("MAX_NEW_TOKENS_LIMIT", "2048", "max_new_tokens_limit", 2048),
+        ("DEVICE", "auto", "device", "auto"),
+        ("DEVICE", "cpu", "device", "cpu"),
+        ("DEVICE", "cuda", "device", "cuda"),
+        ("DEVICE", "cuda:0", "device", "cuda:0"),
+        ("DEVICE", " cuda:12 ", "device", "cuda:12"),
+        ("MAX_MODEL_LEN", "0", "max_model_len", 0),
+        ("MAX_MODEL_LEN", "256", "max_model_len", 256),
+        ("NUM_THREADS", "0", "num_threads", 0),
+        ("NUM_THREADS", "4", "num_threads", 4),
+        ("NUM_THREADS", "1024", "num_threads", 1024),
+        ("STOP_TOKEN_IDS", "5", "stop_token_ids", (5,)),
+        ("STOP_TOKEN_IDS", "1,2,3", "stop_token_ids", (1, 2, 3)),
+        ("STOP_TOKEN_IDS", " 7 , 9 ", "stop_token_ids", (7, 9)),
+        ("STOP_TOKEN_IDS", "0,50256,", "stop_token_ids", (0, 50256)),
+        ("STOP_TOKEN_IDS", "4,,8", "stop_token_ids", (4, 8)),
+        ("HOST", "0.0.0.0", "host", "0.0.0.0"),
+        ("HOST", "::1", "host", "::1"),
+        ("PORT", "1", "port", 1),
+        ("PORT", "8080", "port", 8080),
+        ("PORT", "65535", "port", 65535),
+    ],
+)
+def test_from_env_parses(var, raw, field, expected):
+    cfg = Config.from_env({var: raw})
+    assert getattr(cfg, field) == expected
+    assert type(getattr(cfg, field)) is type(expected)
+    # Every other field keeps its default.
+    others = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config) if f.name != field}
+    defaults = {f.name: getattr(Config(), f.name) for f in dataclasses.fields(Config) if f.name != field}
+    assert others == defaults
+
+
+def test_from_env_all_at_once():
+    env = {
+        "MODEL_ID": "fake", "MAX_BATCH_SIZE": "3", "MAX_QUEUE_DEPTH": "7", "MAX_NEW_TOKENS_LIMIT": "99",
+        "DEVICE": "cpu", "MAX_MODEL_LEN": "128", "NUM_THREADS": "2", "STOP_TOKEN_IDS": "11,12",
+        "HOST": "0.0.0.0", "PORT": "9001",
+    }
+    assert Config.from_env(env) == Config(
+        model_id="fake", max_batch_size=3, max_queue_depth=7, max_new_tokens_limit=99, device="cpu",
+        max_model_len=128, num_threads=2, stop_token_ids=(11, 12), host="0.0.0.0", port=9001,
+    )
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch):
+    for var in ALL_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MAX_BATCH_SIZE", "5")
+    monkeypatch.setenv("MODEL_ID", "fake")
+    cfg = Config.from_env()
+    assert cfg.max_batch_size == 5
+    assert cfg.is_fake
+
+
+@pytest.mark.parametrize(
+    "var, raw",
+    [
+        ("MAX_BATCH_SIZE", "abc"),
+        ("MAX_BATCH_SIZE", "1.5"),
+        ("MAX_BATCH_SIZE", "0"),
+        ("MAX_BATCH_SIZE", "-1"),
+        ("MAX_BATCH_SIZE", "1025"),
+        ("MAX_QUEUE_DEPTH", "many"),
+        ("MAX_QUEUE_DEPTH", "0"),
+        ("MAX_QUEUE_DEPTH", "1000001"),
+        ("MAX_NEW_TOKENS_LIMIT", "ten"),
+        ("MAX_NEW_TOKENS_LIMIT", "0"),
+        ("MAX_NEW_TOKENS_LIMIT", "-5"),
+        ("MAX_NEW_TOKENS_LIMIT", "1000001"),
+        ("DEVICE", "gpu"),
+        ("DEVICE", "mps"),
+        ("DEVICE", "cuda:"),
+        ("DEVICE", "cuda:x"),
+        ("DEVICE", "cuda:-1"),
+        ("DEVICE", "cpu:0"),
+        ("MAX_MODEL_LEN", "-1"),
+        ("MAX_MODEL_LEN", "1k"),
+        ("NUM_THREADS", "-1"),
+        ("NUM_THREADS", "1025"),
+        ("NUM_THREADS", "two"),
+        ("STOP_TOKEN_IDS", "a"),
+        ("STOP_TOKEN_IDS", "1,b"),
+        ("STOP_TOKEN_IDS", "1;2"),
+        ("STOP_TOKEN_IDS", "-1"),
+        ("STOP_TOKEN_IDS", "3,-7"),
+        ("PORT", "0"),
+        ("PORT", "65536"),
+        ("PORT", "-80"),
+        ("PORT", "http"),
+        ("PORT", "80.0"),
+    ],
+)
+def test_bad_value_raises_config_error_naming_variable(var, raw):
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({var: raw})
+    message = str(info.value)
+    assert re.match(rf"{var}\b", message), message
+    # No other variable is blamed.
+    assert not any(other in message for other in ALL_VARS if other != var)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "var, raw",
+    [("MAX_BATCH_SIZE", "abc"), ("PORT", "80.0"), ("NUM_THREADS", "two"), ("STOP_TOKEN_IDS", "1,b")],
+)
+def test_parse_error_quotes_the_raw_value(var, raw):
+    with pytest.raises(ConfigError, match=re.escape(repr(raw))):
+        Config.from_env({var: raw})
+
+
+def test_parse_error_is_not_chained_to_value_error():
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({"PORT": "x"})
+    assert info.value.__cause__ is None
+    assert info.value.__suppress_context__
+
+
+@pytest.mark.parametrize(
+    "kwargs, var",
+    [
+        ({"model_id": ""}, "MODEL_ID"),
+        ({"model_id": "   "}, "MODEL_ID"),
+        ({"max_batch_size": 0}, "MAX_BATCH_SIZE"),
+        ({"max_queue_depth": 0}, "MAX_QUEUE_DEPTH"),
+        ({"max_new_tokens_limit": 0}, "MAX_NEW_TOKENS_LIMIT"),
+        ({"device": "tpu"}, "DEVICE"),
+        ({"max_model_len": -2}, "MAX_MODEL_LEN"),
+        ({"num_threads": 2000}, "NUM_THREADS"),
+        ({"stop_token_ids": (1, -1)}, "STOP_TOKEN_IDS"),
+        ({"port": 70000}, "PORT"),
+    ],
+)
+def test_direct_construction_is_validated(kwargs, var):
+    with pytest.raises(ConfigError, match=rf"^{var}\b"):
+        Config(**kwargs)
+
+
+def test_device_error_quotes_the_value():
+    with pytest.raises(ConfigError, match="'gpu'"):
+        Config(device="gpu")
+
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_batch_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("model_id, fake", [("fake", True), ("Fake", False), ("distilgpt2", False), ("fake2", False)])
+def test_is_fake(model_id, fake):
+    assert Config(model_id=model_id).is_fake is fake

@@ -1,0 +1,516 @@
+"""HTTP contract through a real ASGI client over FakeEngine: shapes, validation, backpressure, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from conftest import run
+from config import Config
+from engine import FakeEngine
+from server import create_app
+
+TIMEOUT = 20.0
+LIMIT = 64  # MAX_NEW_TOKENS_LIMIT in most tests
+
+
+def expected_text(prompt: str, n: int) -> str:
+    """FakeEngine's default answer, computed independently of letter_token."""
+    s = sum(b + 1 for b in prompt.encode("utf-8"))
+    return "".join(chr(ord("a") + (s * 7 + i * 3) % 26) for i in range(n))
+
+
+def expected_ids(prompt: str, n: int) -> list[int]:
+    return [ord(c) + 1 for c in expected_text(prompt, n)]
+
+
+@asynccontextmanager
+async def serving(engine: FakeEngine | None = None, **config):
+    config.setdefault("max_new_tokens_limit", LIMIT)
+    app = create_app(config=Config(model_id="fake", **config), engine=engine or FakeEngine(capacity=4))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            client.app = app  # type: ignore[attr-defined]
+            yield client
+
+
+def bounded(coro_fn, timeout: float = TIMEOUT):
+    return run(asyncio.wait_for(coro_fn(), timeout))
+
+
+async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def assert_error(r: httpx.Response, status: int, kind: str | None = None, contains: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "code"}, err
+    assert isinstance(err["message"], str) and err["message"].strip(), err
+    assert isinstance(err["type"], str) and err["type"], err
+    assert err["code"] == status
+    if kind is not None:
+        assert err["type"] == kind, err
+    if contains is not None:
+        assert contains in err["message"], err
+    return err
+
+
+def assert_ok(r: httpx.Response, prompt: str, n: int, request_id: str | None = None) -> dict:
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"request_id", "text", "token_ids", "finish_reason", "usage", "metrics"}
+    assert body["text"] == expected_text(prompt, n)
+    assert body["token_ids"] == expected_ids(prompt, n)
+    assert body["finish_reason"] == "length"
+    p = len(prompt.encode("utf-8"))
+    assert body["usage"] == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    if request_id is not None:
+        assert body["request_id"] == request_id
+    return body
+
+
+class Gate:
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.entered = threading.Event()
+
+    def wait(self, *_):
+        self.entered.set()
+        assert self.open.wait(TIMEOUT), "gate never opened"
+
+
+# --- success -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, n", [("hello", 4), ("x", 1), ("héllo 😀", 7), ("a b\nc", LIMIT)])
+def test_generate_200_shape(prompt, n):
+    async def body():
+        async with serving(FakeEngine(max_context=1024)) as c:
+            r = await c.post("/generate", json={"prompt": prompt, "max_new_tokens": n, "request_id": "abc-1"})
+            b = assert_ok(r, prompt, n, request_id="abc-1")
+            m = b["metrics"]
+            assert set(m) == {"queue_wait_ms", "ttft_ms", "generate_ms", "e2e_ms"}
+            assert all(isinstance(v, float) and v >= 0 for v in m.values()), m
+            assert m["queue_wait_ms"] <= m["ttft_ms"] <= m["e2e_ms"]
+            assert m["generate_ms"] <= m["e2e_ms"]
+
+    bounded(body)
+
+
+def test_request_id_generated_when_absent():
+    async def body():
+        async with serving() as c:
+            r1 = await c.post("/generate", json={"prompt": "hi"})
+            r2 = await c.post("/generate", json={"prompt": "hi", "request_id": None})
+            b1 = assert_ok(r1, "hi", 16)  # default max_new_tokens
+            b2 = assert_ok(r2, "hi", 16)
+            assert b1["request_id"].startswith("req-") and len(b1["request_id"]) > 8
+            assert b1["request_id"] != b2["request_id"]
+
+    bounded(body)
+
+
+def test_finish_reason_stop():
+    def token_fn(s):
+        return FakeEngine.EOS if len(s.output_token_ids) == 2 else ord("z") + 1
+
+    async def body():
+        async with serving(FakeEngine(token_fn=token_fn)) as c:
+            r = await c.post("/generate", json={"prompt": "abc", "max_new_tokens": 10})
+            assert r.status_code == 200, r.text
+            b = r.json()
+            assert b["finish_reason"] == "stop"
+            assert b["token_ids"] == [ord("z") + 1, ord("z") + 1, 0]
+            assert b["text"] == "zz"  # EOS is not text
+            assert b["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+    bounded(body)
+
+
+def test_config_stop_token_ids_reach_the_built_engine():
+    stop = ord(expected_text("abc", 3)[2]) + 1  # the third letter of the answer to "abc"
+
+    async def body():
+        app = create_app(config=Config(model_id="fake", max_batch_size=3, stop_token_ids=(stop,)))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                h = (await c.get("/health")).json()
+                assert h["model"] == "fake" and h["capacity"] == 3
+                r = await c.post("/generate", json={"prompt": "abc", "max_new_tokens": 10})
+                assert r.json()["finish_reason"] == "stop"
+                assert r.json()["token_ids"] == expected_ids("abc", 3)
+
+    bounded(body)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, -0.0])
+def test_temperature_zero_accepted(temperature):
+    async def body():
+        async with serving() as c:
+            r = await c.post("/generate", json={"prompt": "t", "max_new_tokens": 2, "temperature": temperature})
+            assert_ok(r, "t", 2)
+
+    bounded(body)
+
+
+def test_context_window_boundary():
+    async def body():
+        async with serving(FakeEngine(max_context=16)) as c:
+            prompt = "p" * (16 - 10)
+            ok = await c.post("/generate", json={"prompt": prompt, "max_new_tokens": 10})
+            assert_ok(ok, prompt, 10)
+            over = await c.post("/generate", json={"prompt": prompt + "q", "max_new_tokens": 10})
+            assert_error(over, 422, "invalid_request_error", "context window of 16 tokens")
+
+    bounded(body)
+
+
+def test_max_new_tokens_at_the_limit():
+    async def body():
+        async with serving(FakeEngine(max_context=4096), max_new_tokens_limit=8) as c:
+            assert_ok(await c.post("/generate", json={"prompt": "l", "max_new_tokens": 8}), "l", 8)
+            assert_error(await c.post("/generate", json={"prompt": "l", "max_new_tokens": 9}), 422, contains="[1, 8]")
+
+    bounded(body)
+
+
+def test_concurrent_requests_each_get_their_own_answer():
+    async def body():
+        async with serving(FakeEngine(capacity=3, step_delay=0.001)) as c:
+            reqs = [(f"prompt number {i}", 1 + (i * 5) % 13, f"id-{i % 4}") for i in range(24)]
+            rs = await asyncio.gather(
+                *(c.post("/generate", json={"prompt": p, "max_new_tokens": n, "request_id": rid}) for p, n, rid in reqs)
+            )
+            for (p, n, rid), r in zip(reqs, rs):
+                assert_ok(r, p, n, request_id=rid)
+            h = (await c.get("/health")).json()
+            assert h["engine"]["peak_batch"] == 3
+            assert h["running"] == 0 and h["waiting"] == 0
+
+    bounded(body)
+
+
+# --- health ----------------------------------------------------------------------------------------------
+
+
+def test_health_ok():
+    async def body():
+        async with serving(FakeEngine(capacity=5)) as c:
+            await c.post("/generate", json={"prompt": "x", "max_new_tokens": 3})
+            r = await c.get("/health")
+            assert r.status_code == 200
+            h = r.json()
+            assert h["status"] == "ok"
+            assert h["model"] == "fake"
+            assert h["capacity"] == 5
+            assert h["running"] == 0 and h["waiting"] == 0
+            assert h["engine"] == {"steps": 2, "peak_batch": 1, "generated_tokens": 3}
+
+    bounded(body)
+
+
+def test_health_and_generate_503_before_lifespan():
+    async def body():
+        app = create_app(config=Config(model_id="fake"), engine=FakeEngine())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            r = await c.get("/health")
+            assert r.status_code == 503
+            assert r.json()["status"] == "loading"
+            g = await c.post("/generate", json={"prompt": "x"})
+            assert_error(g, 503, "unavailable", "not ready")
+
+    bounded(body)
+
+
+def test_health_503_after_lifespan_ended():
+    async def body():
+        app = create_app(config=Config(model_id="fake"), engine=FakeEngine())
+        async with app.router.lifespan_context(app):
+            pass
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            assert (await c.get("/health")).status_code == 503
+            assert_error(await c.post("/generate", json={"prompt": "x"}), 503, "unavailable")
+
+    bounded(body)
+
+
+def test_health_dead_when_scheduler_loop_died():
+    async def body():
+        async with serving() as c:
+            sched = c.app.state.server.scheduler
+            sched._task.cancel()
+            await wait_until(lambda: not sched.alive)
+            r = await c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "dead"
+            assert_error(await c.post("/generate", json={"prompt": "x"}), 503, "unavailable")
+
+    bounded(body)
+
+
+# --- validation ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({}, "prompt"),
+        ({"max_new_tokens": 4}, "prompt"),
+        ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": -3}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": LIMIT + 1}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": 10**30}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": "8"}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": 8.0}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": 8.5}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": True}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": None}, "max_new_tokens"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": True}, "prompt"),
+        ({"prompt": ["a"]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"prompt": "x", "temperature": True}, "temperature"),
+        ({"prompt": "x", "temperature": "0"}, "temperature"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "request_id": ""}, "request_id"),
+        ({"prompt": "x", "request_id": 7}, "request_id"),
+        ({"prompt": "x", "request_id": "r" * 257}, "request_id"),
+        ({"prompt": "x", "stream": True}, "stream"),
+        ({"prompt": "x", "Prompt": "y"}, "Prompt"),
+    ],
+)
+def test_422_for_invalid_fields(payload, field):
+    async def body():
+        async with serving() as c:
+            r = await c.post("/generate", json=payload)
+            err = assert_error(r, 422, "invalid_request_error")
+            assert field in err["message"], err
+
+    bounded(body)
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_422_for_non_finite_temperature(literal):
+    async def body():
+        async with serving() as c:
+            raw = '{"prompt": "x", "temperature": %s}' % literal
+            if literal == "1e999":
+                assert math.isinf(json.loads(raw)["temperature"])
+            r = await c.post("/generate", content=raw, headers={"content-type": "application/json"})
+            err = assert_error(r, 422, "invalid_request_error")
+            assert "temperature" in err["message"]
+
+    bounded(body)
+
+
+@pytest.mark.parametrize(
+    "raw, contains",
+    [
+        ('{"prompt": ', "malformed JSON"),
+        ('{"prompt": "x",}', "malformed JSON"),
+        ("{'prompt': 'x'}", "malformed JSON"),
+        ("not json", "malformed JSON"),
+        ("[]", "JSON object"),
+        ('["prompt", "x"]', "JSON object"),
+        ('"prompt"', "JSON object"),
+        ("42", "JSON object"),
+        ("null", None),
+        ("", None),
+        ('{"prompt": "\\ud800"}', "prompt"),
+        ('{"prompt": "ok \\udfff tail"}', "prompt"),
+        ('{"prompt": "x", "request_id": "\\ud83d"}', "request_id"),
+    ],
+)
+def test_422_for_bad_bodies(raw, contains):
+    async def body():
+        async with serving() as c:
+            r = await c.post("/generate", content=raw.encode(), headers={"content-type": "application/json"})
+            assert_error(r, 422, "invalid_request_error", contains)
+
+    bounded(body)
+
+
+def test_paired_surrogate_escapes_are_fine():
+    async def body():
+        async with serving() as c:
+            raw = '{"prompt": "smile \\ud83d\\ude00", "max_new_tokens": 3}'
+            r = await c.post("/generate", content=raw, headers={"content-type": "application/json"})
+            assert_ok(r, "smile 😀", 3)
+
+    bounded(body)
+
+
+def test_non_json_content_type_is_a_422_with_a_hint():
+    async def body():
+        async with serving() as c:
+            r = await c.post("/generate", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+            assert_error(r, 422, "invalid_request_error", "Content-Type: application/json")
+
+    bounded(body)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1, 1e-9, 2.0])
+def test_400_for_sampling(temperature):
+    async def body():
+        async with serving() as c:
+            r = await c.post("/generate", json={"prompt": "x", "temperature": temperature})
+            assert_error(r, 400, "invalid_request_error", "temperature must be 0")
+
+    bounded(body)
+
+
+def test_422_context_window_with_multibyte_prompt():
+    async def body():
+        async with serving(FakeEngine(max_context=10)) as c:
+            r = await c.post("/generate", json={"prompt": "ééé", "max_new_tokens": 5})  # 6 byte tokens + 5
+            assert_error(r, 422, "invalid_request_error", "prompt (6 tokens) + max_new_tokens (5)")
+            assert_ok(await c.post("/generate", json={"prompt": "ééé", "max_new_tokens": 4}), "ééé", 4)
+
+    bounded(body)
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/nope", 404), ("GET", "/generate", 405), ("POST", "/health", 405)])
+def test_routing_errors_have_the_error_shape(method, path, status):
+    async def body():
+        async with serving() as c:
+            assert_error(await c.request(method, path), status)
+
+    bounded(body)
+
+
+# --- overload and failures -----------------------------------------------------------------------------
+
+
+def test_503_when_queue_is_full():
+    async def body():
+        gate = Gate()
+        eng = FakeEngine(capacity=1, step_fault=gate.wait)
+        try:
+            async with serving(eng, max_queue_depth=1) as c:
+                sched = c.app.state.server.scheduler
+                first = asyncio.create_task(c.post("/generate", json={"prompt": "one", "max_new_tokens": 3}))
+                await wait_until(lambda: len(sched.running) == 1 and gate.entered.is_set(), what="first running")
+                second = asyncio.create_task(c.post("/generate", json={"prompt": "two", "max_new_tokens": 2}))
+                await wait_until(lambda: len(sched.waiting) == 1, what="second queued")
+                r = await c.post("/generate", json={"prompt": "three", "max_new_tokens": 2})
+                assert_error(r, 503, "overloaded", "queue is full")
+                h = await c.get("/health")
+                assert h.json()["running"] == 1 and h.json()["waiting"] == 1
+                gate.open.set()
+                r1, r2 = await asyncio.wait_for(asyncio.gather(first, second), 10)
+                assert_ok(r1, "one", 3)
+                assert_ok(r2, "two", 2)
+                assert_ok(await c.post("/generate", json={"prompt": "three", "max_new_tokens": 2}), "three", 2)
+        finally:
+            gate.open.set()
+
+    bounded(body)
+
+
+def test_burst_over_a_tiny_queue_gets_some_503s():
+    async def body():
+        async with serving(FakeEngine(capacity=1, step_delay=0.01), max_queue_depth=1) as c:
+            prompts = [f"burst {i}" for i in range(8)]
+            rs = await asyncio.gather(*(c.post("/generate", json={"prompt": p, "max_new_tokens": 10}) for p in prompts))
+            codes = [r.status_code for r in rs]
+            assert set(codes) <= {200, 503}, codes
+            assert codes.count(200) >= 1 and codes.count(503) >= 1, codes
+            for p, r in zip(prompts, rs):
+                if r.status_code == 200:
+                    assert_ok(r, p, 10)
+                else:
+                    assert_error(r, 503, "overloaded", "queue is full")
+
+    bounded(body)
+
+
+def test_500_when_engine_step_raises_and_server_keeps_serving():
+    def fault(step_no):
+        if step_no == 2:
+            raise RuntimeError("CUDA went sideways")
+
+    async def body():
+        eng = FakeEngine(capacity=2, step_fault=fault)
+        async with serving(eng) as c:
+            r = await c.post("/generate", json={"prompt": "doomed", "max_new_tokens": 5})
+            err = assert_error(r, 500, "server_error")
+            assert "generation failed" in err["message"] and "CUDA went sideways" in err["message"]
+            # The failed request is answered before the loop resets the engine.
+            await wait_until(lambda: eng.resets == 1, what="engine reset")
+            assert_ok(await c.post("/generate", json={"prompt": "fine", "max_new_tokens": 5}), "fine", 5)
+            h = await c.get("/health")
+            assert h.status_code == 200 and h.json()["status"] == "ok"
+
+    bounded(body)
+
+
+def test_500_when_admit_raises_and_server_keeps_serving():
+    calls = {"n": 0}
+
+    def fault(seqs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("prefill out of memory")
+
+    async def body():
+        async with serving(FakeEngine(admit_fault=fault)) as c:
+            err = assert_error(await c.post("/generate", json={"prompt": "a", "max_new_tokens": 3}), 500, "server_error")
+            assert "prefill out of memory" in err["message"]
+            assert_ok(await c.post("/generate", json={"prompt": "b", "max_new_tokens": 3}), "b", 3)
+
+    bounded(body)
+
+
+def test_client_disconnect_frees_the_slot():
+    async def body():
+        eng = FakeEngine(capacity=1, step_delay=0.002, max_context=1_000_000)
+        async with serving(eng, max_new_tokens_limit=100_000) as c:
+            sched = c.app.state.server.scheduler
+            task = asyncio.create_task(c.post("/generate", json={"prompt": "long", "max_new_tokens": 100_000}))
+            await wait_until(lambda: len(sched.running) == 1, what="long running")
+            (seq,) = sched.running.values()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await wait_until(lambda: not sched.running and eng.num_active() == 0, what="slot freed")
+            assert seq.finish_reason == "abort"
+            assert len(seq.output_token_ids) < 100_000
+            assert_ok(await c.post("/generate", json={"prompt": "next", "max_new_tokens": 3}), "next", 3)
+
+    bounded(body)
+
+
+def test_shutdown_answers_in_flight_requests():
+    async def body():
+        gate = Gate()
+        eng = FakeEngine(capacity=1, step_fault=gate.wait)
+        app = create_app(config=Config(model_id="fake"), engine=eng)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                async with app.router.lifespan_context(app):
+                    sched = app.state.server.scheduler
+                    tasks = [asyncio.create_task(c.post("/generate", json={"prompt": f"s{i}", "max_new_tokens": 4}))
+                             for i in range(3)]
+                    await wait_until(lambda: gate.entered.is_set() and len(sched.waiting) == 2, what="in flight")
+                rs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            for r in rs:
+                assert_error(r, 503, "unavailable", "shutting down")
+        finally:
+            gate.open.set()
+
+    bounded(body)
