@@ -39,7 +39,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, batch_hint: int) -> None:
         self.onednn = onednn
         self.bias = bias
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if onednn else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
