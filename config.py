@@ -34,6 +34,15 @@ class Config:
     num_threads: int = 0
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
+    # Name the OpenAI endpoints answer to (GET /v1/models, the "model" field). "" = MODEL_ID.
+    served_model_name: str = ""
+    # Chat template (Jinja) for models without one, as text or a path to a file. "" = the tokenizer's own.
+    chat_template: str = ""
+    # Seconds a request may wait in the queue / live in total before it ends with a timeout. 0 = no limit.
+    max_queue_time_s: float = 0.0
+    request_timeout_s: float = 0.0
+    # Most top logprobs a request may ask for.
+    max_logprobs: int = 5
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -46,6 +55,9 @@ class Config:
         _check(0 <= self.num_threads <= 1024, "NUM_THREADS", "must be in [0, 1024]")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")
+        _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")
+        _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
+        _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
@@ -56,6 +68,20 @@ class Config:
     @property
     def is_fake(self) -> bool:
         return self.model_id == "fake"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model."""
+        return self.served_model_name or self.model_id
+
+    def chat_template_text(self) -> str | None:
+        """CHAT_TEMPLATE as template text: a file's contents when it names a file, else itself."""
+        if not self.chat_template:
+            return None
+        if os.path.isfile(self.chat_template):
+            with open(self.chat_template, encoding="utf-8") as f:
+                return f.read()
+        return self.chat_template
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
@@ -85,9 +111,14 @@ def _parse(var: str, raw: str, default: object) -> object:
             return raw.lower() in ("1", "true", "yes")
         if isinstance(default, int):
             return int(raw)
+        if isinstance(default, float):
+            value = float(raw)
+            if value != value:  # NaN
+                raise ValueError(raw)
+            return value
         if isinstance(default, tuple):
             return tuple(int(part) for part in raw.split(",") if part.strip())
     except ValueError:
-        kind = "a comma-separated list of integers" if isinstance(default, tuple) else "an integer"
+        kind = {tuple: "a comma-separated list of integers", float: "a number"}.get(type(default), "an integer")
         raise ConfigError(f"{var} must be {kind} (got {raw!r})") from None
     return raw

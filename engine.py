@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Callable, Iterable
 
 from config import Config
+from sampling import TokenLogprobs
 from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.engine")
@@ -25,6 +26,10 @@ log = logging.getLogger("minibatch.engine")
 
 class AdmissionError(ValueError):
     """A sequence cannot be admitted (too long, empty, over capacity). Nothing was admitted."""
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template (and none is configured), or rendering it failed."""
 
 
 class InferenceEngine(ABC):
@@ -36,11 +41,12 @@ class InferenceEngine(ABC):
 
     capacity: int  # most sequences active at once
     max_context: int  # prompt + generated tokens one sequence may hold
+    vocab_size: int  # token ids are in [0, vocab_size)
     model_name: str
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Tokenize a prompt."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize a prompt (a rendered chat template already holds its special tokens)."""
 
     @abstractmethod
     def decode(self, token_ids: list[int]) -> str:
@@ -70,6 +76,10 @@ class InferenceEngine(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Drop every active sequence and return to an empty, usable state (after a failure)."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render chat messages into a prompt that ends where the assistant's answer begins."""
+        raise ChatTemplateError(f"model {self.model_name!r} has no chat template")
 
     def check_admissible(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never be admitted, or None. Cheap; called before queueing."""
@@ -211,6 +221,7 @@ class FakeEngine(BatchEngine):
     ) -> None:
         super().__init__(capacity, max_context, stop_token_ids)
         self.model_name = "fake"
+        self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
         self.admit_fault = admit_fault
         self.step_fault = step_fault
@@ -223,8 +234,11 @@ class FakeEngine(BatchEngine):
         letter = (sum(seq.prompt_token_ids) * 7 + len(seq.output_token_ids) * 3) % 26
         return ord("a") + letter + 1
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t - 1 for t in token_ids if 1 <= t <= 256).decode("utf-8", errors="replace")
@@ -232,7 +246,7 @@ class FakeEngine(BatchEngine):
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
         if self.admit_fault:
             self.admit_fault(seqs)
-        return [self.token_fn(s) for s in seqs]
+        return self._next_tokens(seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
         self.step_calls += 1
@@ -240,7 +254,15 @@ class FakeEngine(BatchEngine):
             self.step_fault(self.step_calls)
         if self.step_delay:
             time.sleep(self.step_delay)
-        return [self.token_fn(s) for s in seqs]
+        return self._next_tokens(seqs)
+
+    def _next_tokens(self, seqs: list[Sequence]) -> list[int]:
+        """token_fn per sequence; a requested logprob is 0.0 (the fake is certain of its choice)."""
+        tokens = [self.token_fn(s) for s in seqs]
+        for seq, token in zip(seqs, tokens):
+            if seq.logprobs is not None:
+                seq.output_logprobs.append(TokenLogprobs(token, 0.0, [(token, 0.0)][: seq.logprobs]))
+        return tokens
 
     def _reset_state(self) -> None:
         self.resets += 1
@@ -250,7 +272,7 @@ class FakeEngine(BatchEngine):
 # class takes (hf_model, capacity, max_len, device), has ``context_window(hf_config)``, ``kv``
 # (a KVCache), ``onednn``, and ``prefill(prompts, rows)`` / ``decode(tokens, positions)``
 # returning logits.
-MODEL_FAMILIES = {"gpt2": ("gpt2", "GPT2")}
+MODEL_FAMILIES = {"gpt2": ("gpt2", "GPT2"), "llama": ("llama", "Llama")}
 
 
 class HFEngine(BatchEngine):
@@ -266,10 +288,14 @@ class HFEngine(BatchEngine):
 
         import importlib
 
+        from checkpoints import load_errors, resolve_model_id
+
         torch.set_num_threads(config.num_threads or physical_cores())
         self.device = resolve_device(config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_id)
-        hf_model = AutoModelForCausalLM.from_pretrained(config.model_id, dtype=torch.float32)
+        model_id = resolve_model_id(config.model_id)  # a .gguf file -> its converted checkpoint directory
+        with load_errors(model_id):  # a hub id that cannot load -> an error naming the offline fetch command
+            self.tokenizer = AutoTokenizer.from_pretrained(model_id)
+            hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
         hf_config = hf_model.config
         if hf_config.model_type not in MODEL_FAMILIES:
             raise ValueError(
@@ -282,6 +308,8 @@ class HFEngine(BatchEngine):
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         super().__init__(config.max_batch_size, max_context, eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids))
         self.model_name = config.model_id
+        self.vocab_size = hf_config.vocab_size
+        self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
         self.model = family(hf_model.eval(), config.max_batch_size, max_context, self.device)
         del hf_model
         log.info(
@@ -290,8 +318,21 @@ class HFEngine(BatchEngine):
             self.model.kv.nbytes / 2**20, self.model.onednn, torch.get_num_threads(),
         )
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError(
+                f"model {self.model_name!r} has no chat template; set CHAT_TEMPLATE to a Jinja template "
+                "(text or a file path) to use /v1/chat/completions"
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # a template that raises on these messages (e.g. role order)
+            raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -306,11 +347,25 @@ class HFEngine(BatchEngine):
         return self._next_tokens(self.model.decode(tokens, positions), seqs)
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
-        """logits: [N, V] for seqs -> one token id each (greedy)."""
-        return logits.argmax(dim=-1).tolist()
+        """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
 
-    def _move_row(self, src: int, dst: int, length: int) -> None:
-        self.model.kv.move_row(src, dst, length)
+        Logprobs, where asked for, come from the raw logits (before penalties and temperature).
+        """
+        from sampling import logprobs, sample
+
+        tokens = sample(
+            logits,
+            [s.sampling for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+        )
+        wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if wanted:
+            k = max(seqs[i].logprobs for i in wanted)
+            rows = logits if len(wanted) == len(seqs) else logits[wanted]
+            for i, lp in zip(wanted, logprobs(rows, [tokens[i] for i in wanted], k)):
+                seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
+        return tokens
 
 
 def eos_ids(hf_model, tokenizer) -> set[int]:

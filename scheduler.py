@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -34,10 +35,13 @@ class Scheduler:
         self.max_queue_depth = max_queue_depth
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
-        self.on_tokens: Callable[[list[Sequence]], None] | None = None  # after each step, for streaming
+        self.on_tokens: Callable[[list[Sequence]], None] | None = None  # after each admit/step (benchmarks)
         # Every submitted, unresolved sequence (waiting, being admitted, or running) and its future.
         self._pending: dict[int, tuple[Sequence, asyncio.Future[Sequence]]] = {}
-        self._aborts: set[int] = set()
+        # Per-sequence callbacks after each admit/step that gave it tokens (streaming, stop strings).
+        self._listeners: dict[int, Callable[[Sequence], None]] = {}
+        # Running sequences to end at the next step boundary: seq_id -> (status, error).
+        self._aborts: dict[int, tuple[SequenceStatus, str | None]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -52,26 +56,35 @@ class Scheduler:
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def submit(self, seq: Sequence) -> asyncio.Future[Sequence]:
-        """Queue a sequence; the future resolves with it once finished. Raises QueueFullError."""
+    def submit(self, seq: Sequence, listener: Callable[[Sequence], None] | None = None) -> asyncio.Future[Sequence]:
+        """Queue a sequence; the future resolves with it once finished. Raises QueueFullError.
+
+        ``listener(seq)`` runs on the event loop after every admit/step that gave ``seq`` tokens.
+        """
         if len(self.waiting) >= self.max_queue_depth:
             raise QueueFullError(f"queue is full ({self.max_queue_depth} waiting)")
         future: asyncio.Future[Sequence] = asyncio.get_running_loop().create_future()
         self._pending[seq.seq_id] = (seq, future)
+        if listener is not None:
+            self._listeners[seq.seq_id] = listener
         self.waiting.append(seq)
         self._wakeup.set()
         return future
 
     def abort(self, seq_id: int) -> None:
         """Cancel a sequence: dropped from the queue now, or freed at the next step boundary."""
+        self.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, seq_id: int, status: SequenceStatus, error: str | None = None) -> None:
+        """End a sequence early with ``status`` (abort, a matched stop string, a timeout)."""
         for seq in self.waiting:
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
-                seq.finish(SequenceStatus.FINISHED_ABORTED)
+                seq.finish(status, error=error)
                 self._resolve(seq)
                 return
-        if seq_id in self._pending:  # running, or being admitted right now
-            self._aborts.add(seq_id)
+        if seq_id in self._pending and seq_id not in self._aborts:  # running, or being admitted now
+            self._aborts[seq_id] = (status, error)
             self._wakeup.set()
 
     async def stop(self) -> None:
@@ -97,6 +110,7 @@ class Scheduler:
                 await self._wakeup.wait()
                 continue
             try:
+                self._expire(time.perf_counter())
                 await self._apply_aborts()
                 newcomers = self._schedule()
                 if newcomers:
@@ -108,6 +122,14 @@ class Scheduler:
             except Exception:  # a bug here must not strand requests: fail the active set, go on
                 log.exception("scheduler iteration failed; failing %d running sequences", len(self.running))
                 await self._fail_running("internal scheduler error")
+
+    def _expire(self, now: float) -> None:
+        """End what is past its time limits: waiting ones now, running ones at this boundary."""
+        for seq in [s for s in self.waiting if _overdue(s, now, waiting=True)]:
+            self.finish(seq.seq_id, SequenceStatus.FINISHED_TIMEOUT, _timeout_message(seq, now))
+        for seq in self.running.values():
+            if _overdue(seq, now, waiting=False):
+                self.finish(seq.seq_id, SequenceStatus.FINISHED_TIMEOUT, _timeout_message(seq, now))
 
     def _schedule(self) -> list[Sequence]:
         """FCFS: take the oldest waiting sequences that fit in the free slots."""
@@ -131,12 +153,12 @@ class Scheduler:
                 self._resolve(seq)
             return
         for seq in newcomers:
-            if seq.is_finished:  # finished on its first token: never held a slot
-                self._resolve(seq)
-            else:
+            if not seq.is_finished:  # one finished on its first token never held a slot
                 self.running[seq.seq_id] = seq
-        if self.on_tokens:
-            self.on_tokens(newcomers)
+        self._notify(newcomers)
+        for seq in newcomers:
+            if seq.is_finished:
+                self._resolve(seq)
 
     async def _step(self) -> None:
         try:
@@ -149,15 +171,25 @@ class Scheduler:
             )
             await self._fail_running(f"engine step failed: {exc}")
             return
-        if self.on_tokens:
-            self.on_tokens(list(self.running.values()))
+        self._notify(list(self.running.values()))
         for seq in finished:
             self.running.pop(seq.seq_id, None)
             self._resolve(seq)
 
+    def _notify(self, seqs: list[Sequence]) -> None:
+        if self.on_tokens:
+            self.on_tokens(seqs)
+        for seq in seqs:
+            listener = self._listeners.get(seq.seq_id)
+            if listener is not None:
+                try:
+                    listener(seq)
+                except Exception:  # a listener's bug must not take the batch down
+                    log.exception("listener of sequence %d failed", seq.seq_id)
+
     async def _apply_aborts(self) -> None:
-        aborts, self._aborts = self._aborts, set()
-        for seq_id in aborts:
+        aborts, self._aborts = self._aborts, {}
+        for seq_id, (status, error) in aborts.items():
             seq = self.running.get(seq_id)
             if seq is None:  # finished meanwhile
                 continue
@@ -168,7 +200,7 @@ class Scheduler:
                 await self._fail_running(f"engine abort failed: {exc}")
                 return
             del self.running[seq_id]
-            seq.finish(SequenceStatus.FINISHED_ABORTED)
+            seq.finish(status, error=error)
             self._resolve(seq)
 
     async def _fail_running(self, error: str) -> None:
@@ -182,6 +214,20 @@ class Scheduler:
             log.exception("engine reset failed")
 
     def _resolve(self, seq: Sequence) -> None:
+        self._listeners.pop(seq.seq_id, None)
         _, future = self._pending.pop(seq.seq_id, (None, None))
         if future is not None and not future.done():
             future.set_result(seq)
+
+
+def _overdue(seq: Sequence, now: float, waiting: bool) -> bool:
+    if seq.deadline is not None and now > seq.deadline:
+        return True
+    return waiting and seq.queue_deadline is not None and now > seq.queue_deadline
+
+
+def _timeout_message(seq: Sequence, now: float) -> str:
+    waited = now - seq.arrival_time
+    if seq.status is SequenceStatus.WAITING:
+        return f"timed out after {waited:.1f}s waiting in the queue"
+    return f"timed out after {waited:.1f}s (request time limit)"

@@ -13,6 +13,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from sampling import SamplingParams
 
 _seq_ids = itertools.count(1)
 
@@ -23,6 +26,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
     FINISHED_LENGTH = "finished_length"  # reached its own max_new_tokens
     FINISHED_ABORTED = "finished_aborted"  # cancelled (client left, shutdown)
+    FINISHED_TIMEOUT = "finished_timeout"  # past its queue or request time limit
     FINISHED_ERROR = "finished_error"  # the engine failed while it ran
 
     @property
@@ -34,6 +38,7 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_TIMEOUT: "timeout",
     SequenceStatus.FINISHED_ERROR: "error",
 }
 
@@ -45,6 +50,12 @@ class Sequence:
     request_id: str = ""
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False  # when True the engine's EOS/stop ids are not added
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
+    output_logprobs: list[Any] = field(default_factory=list)  # one sampling.TokenLogprobs per output token
+    # perf_counter() deadlines; None = no limit. Past them the scheduler ends it as FINISHED_TIMEOUT.
+    queue_deadline: float | None = None
+    deadline: float | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -12,6 +12,7 @@ from config import Config, ConfigError
 ALL_VARS = (
     "MODEL_ID", "MAX_BATCH_SIZE", "MAX_QUEUE_DEPTH", "MAX_NEW_TOKENS_LIMIT", "DEVICE",
     "MAX_MODEL_LEN", "NUM_THREADS", "STOP_TOKEN_IDS", "HOST", "PORT",
+    "SERVED_MODEL_NAME", "CHAT_TEMPLATE", "MAX_QUEUE_TIME_S", "REQUEST_TIMEOUT_S", "MAX_LOGPROBS",
 )
 
 
@@ -213,3 +214,35 @@ def test_config_is_frozen():
 @pytest.mark.parametrize("model_id, fake", [("fake", True), ("Fake", False), ("distilgpt2", False), ("fake2", False)])
 def test_is_fake(model_id, fake):
     assert Config(model_id=model_id).is_fake is fake
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "field", "value"),
+    [
+        ("MAX_QUEUE_TIME_S", "2.5", "max_queue_time_s", 2.5),
+        ("REQUEST_TIMEOUT_S", "30", "request_timeout_s", 30.0),
+        ("MAX_LOGPROBS", "3", "max_logprobs", 3),
+        ("SERVED_MODEL_NAME", "my-model", "served_model_name", "my-model"),
+    ],
+)
+def test_operational_variables_parse(var, raw, field, value):
+    assert getattr(Config.from_env({var: raw}), field) == value
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [("MAX_QUEUE_TIME_S", "abc"), ("MAX_QUEUE_TIME_S", "nan"), ("MAX_QUEUE_TIME_S", "-1"),
+     ("REQUEST_TIMEOUT_S", "inf"), ("MAX_LOGPROBS", "21"), ("MAX_LOGPROBS", "1.5")],
+)
+def test_operational_variables_reject_bad_values(var, raw):
+    with pytest.raises(ConfigError, match=var):
+        Config.from_env({var: raw})
+
+
+def test_chat_template_reads_a_file(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert Config(chat_template=str(path)).chat_template_text() == "{{ messages }}"
+    assert Config(chat_template="{{ x }}").chat_template_text() == "{{ x }}"
+    assert Config().chat_template_text() is None
+    assert Config(model_id="m", served_model_name="").model_name == "m"

