@@ -367,6 +367,9 @@ class HFEngine(BatchEngine):
                 seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
         return tokens
 
+    def _move_row(self, src: int, dst: int, length: int) -> None:
+        self.model.kv.move_row(src, dst, length)
+
 
 def eos_ids(hf_model, tokenizer) -> set[int]:
     """EOS ids from the generation config (may be a list), else the tokenizer's."""

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from engine import ChatTemplateError
 from generation import Chunk, Generation
 from schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, OpenAIFields
-from server import (
+from http_common import (
     APIError,
     ServerState,
     check_finished,
