@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     jobs = []
     for w in workloads:
-        caps = (SWEEP_CAPACITIES[:3] if args.quick else SWEEP_CAPACITIES) if w == "sweep" else (0,)
+        caps = (SWEEP_CAPACITIES[:2] if args.quick else SWEEP_CAPACITIES) if w == "sweep" else (0,)
         jobs += [(w, c, s) for c in caps for s in systems]
     results: dict = {w: {} for w in workloads}
     for w, cap, system in tqdm(jobs, desc="benchmark", unit="run"):
