@@ -8,8 +8,11 @@ request time.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Mapping
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ConfigError(ValueError):
@@ -45,6 +48,22 @@ class Config:
     max_logprobs: int = 5
     host: str = "127.0.0.1"
     port: int = 8000
+    # --- operations (see ops.py) ---
+    # Level of the server's logs (one key=value line per finished request at INFO).
+    log_level: str = "INFO"
+    # When set, every endpoint but /health, /ready and /metrics needs "Authorization: Bearer <key>".
+    api_key: str = field(default="", repr=False)
+    # Largest request body in bytes; beyond it, 413.
+    max_body_bytes: int = 1_048_576
+    # Longest prompt in characters (after the chat template), checked before tokenizing; beyond it, 422. 0 = no limit.
+    max_prompt_chars: int = 100_000
+    # Most HTTP requests in flight at once (probes excluded); beyond it, 429. 0 = no limit.
+    max_concurrent_requests: int = 2048
+    # Seconds in-flight requests get to finish after SIGTERM before the rest are aborted.
+    drain_timeout_s: float = 30.0
+    # MODEL_ID=fake only (tests, demos): seconds each decode step sleeps; every Nth decode step raises (0 = never).
+    fake_step_delay_s: float = 0.0
+    fake_step_fault_every: int = 0
 
     def __post_init__(self) -> None:
         _check(self.model_id.strip() != "", "MODEL_ID", "must not be empty")
@@ -58,6 +77,14 @@ class Config:
         _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")
         _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
+        _check(self.log_level.upper() in _LOG_LEVELS, "LOG_LEVEL", f"must be one of {', '.join(_LOG_LEVELS)} (got {self.log_level!r})")
+        _check(self.api_key == self.api_key.strip(), "API_KEY", "must not start or end with whitespace")
+        _check(1024 <= self.max_body_bytes <= 2**31, "MAX_BODY_BYTES", "must be in [1024, 2147483648]")
+        _check(0 <= self.max_prompt_chars <= 100_000_000, "MAX_PROMPT_CHARS", "must be in [0, 100000000] (0 = no limit)")
+        _check(0 <= self.max_concurrent_requests <= 1_000_000, "MAX_CONCURRENT_REQUESTS", "must be in [0, 1000000] (0 = no limit)")
+        _check(0 <= self.drain_timeout_s <= 3600, "DRAIN_TIMEOUT_S", "must be a number in [0, 3600]")
+        _check(0 <= self.fake_step_delay_s <= 60, "FAKE_STEP_DELAY_S", "must be a number in [0, 60]")
+        _check(self.fake_step_fault_every >= 0, "FAKE_STEP_FAULT_EVERY", "must be >= 0 (0 = never)")
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),

@@ -71,7 +71,7 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def abort(self, seq_id: int) -> bool:
-        """Finish an active sequence as aborted and free its slot. False if it is not active."""
+        """Free an active sequence's slot; it finishes as aborted unless it already has a finished status. False if not active."""
 
     @abstractmethod
     def reset(self) -> None:

@@ -36,6 +36,7 @@ class Generation:
         self.decoder = IncrementalDecoder(engine.decode, seq.prompt_token_ids, stop or [])
         self.chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()  # None: the sequence has finished
         self._fed = 0  # output tokens already given to the decoder
+        self._sent = 0  # output tokens already carried by a chunk
         self.future: asyncio.Future[Sequence] | None = None
 
     def start(self) -> None:
@@ -52,7 +53,7 @@ class Generation:
         new = seq.output_token_ids[self._fed :]
         if not new or self.decoder.finished:
             return
-        start, self._fed = self._fed, len(seq.output_token_ids)
+        self._fed = len(seq.output_token_ids)
         text_ids = new
         if seq.status is SequenceStatus.FINISHED_STOPPED and new[-1] in seq.stop_token_ids:
             text_ids = new[:-1]  # a stop token ends the answer; its text is not part of it
@@ -62,8 +63,14 @@ class Generation:
                 self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
             elif seq.status is SequenceStatus.FINISHED_LENGTH:
                 seq.status = SequenceStatus.FINISHED_STOPPED  # the stop string came with the last token
-        if delta.text or delta.stopped:
-            self.chunks.put_nowait(Chunk(delta.text, list(new), seq.output_logprobs[start : start + len(new)]))
+        text = delta.text
+        if seq.is_finished and not self.decoder.finished:
+            text += self.decoder.flush()  # no more tokens: release what was held back for them
+        if text or self.decoder.finished:
+            # Token ids (and logprobs) whose text was held back ride along with the next chunk, and
+            # the last chunk carries whatever is left, so the chunks hold every generated token once.
+            start, self._sent = self._sent, self._fed
+            self.chunks.put_nowait(Chunk(text, seq.output_token_ids[start : self._fed], seq.output_logprobs[start : self._fed]))
 
     async def result(self, disconnected: asyncio.Future | None = None) -> Sequence | None:
         """Wait until finished; None (and the sequence cancelled) if ``disconnected`` fires first."""

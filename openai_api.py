@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable
 from fastapi import APIRouter, Request
 
 from engine import ChatTemplateError
+from ops import check_prompt_chars
 from generation import Chunk, Generation
 from schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, OpenAIFields
 from http_common import (
@@ -60,7 +61,7 @@ def openai_router(state: Callable[[], ServerState]) -> APIRouter:
             prompt_text = st.engine.decode(prompt_ids)
         else:
             prompt_text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-            prompt_ids = st.engine.encode(prompt_text)
+            prompt_ids = st.engine.encode(check_prompt_chars(st, prompt_text))
         max_tokens = check_max_tokens(st, req.max_tokens or 16, "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
         gen = start_generation(st, make_sequence(st, prompt_ids, max_tokens, req, rid, req.logprobs), req.stop)
@@ -88,7 +89,7 @@ def openai_router(state: Callable[[], ServerState]) -> APIRouter:
             prompt_text = st.engine.apply_chat_template(messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages") from None
-        prompt_ids = st.engine.encode(prompt_text, add_special_tokens=False)  # the template holds them
+        prompt_ids = st.engine.encode(check_prompt_chars(st, prompt_text), add_special_tokens=False)  # the template holds them
         room = max(1, st.engine.max_context - len(prompt_ids))
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = check_max_tokens(st, asked, "max_completion_tokens") if asked else min(room, st.config.max_new_tokens_limit)
@@ -182,7 +183,7 @@ async def openai_events(
         if first is not None:
             yield sse({**base, "choices": [first]})
         async for chunk in gen.stream(disconnected):
-            if chunk.text:
+            if chunk.text or chunk.logprobs:  # tokens with no text of their own still carry their logprobs
                 yield sse({**base, "choices": [frame(chunk.text, chunk, None)]})
         if disconnected.done():
             return
@@ -201,9 +202,14 @@ async def openai_events(
 def completion_events(st, gen: Generation, request: Request, name: str, echo: str, with_usage: bool):
     base = {"id": gen.seq.request_id, "object": "text_completion", "created": int(time.time()), "model": name}
     wants_logprobs = gen.seq.logprobs is not None
+    offset = len(echo)  # text_offset counts from the start of the whole text, as in the non-streamed answer
 
     def frame(text: str, chunk: Chunk | None, finish: str | None) -> dict:
-        lp = completion_logprobs(st, chunk.logprobs, 0) if wants_logprobs and chunk is not None else None
+        nonlocal offset
+        lp = None
+        if wants_logprobs and chunk is not None:
+            lp = completion_logprobs(st, chunk.logprobs, offset)
+            offset += sum(len(tok) for tok in lp["tokens"])
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
 
     first = {"index": 0, "text": echo, "logprobs": None, "finish_reason": None} if echo else None

@@ -36,6 +36,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
         self.on_tokens: Callable[[list[Sequence]], None] | None = None  # after each admit/step (benchmarks)
+        # Observability hooks (server metrics); one that raises is logged and never stops the loop.
+        # on_engine_call("prefill" | "decode", sequences that got a token, seconds) after each successful admit/step;
+        # on_resolved(seq) exactly once per submitted sequence, as its future resolves.
+        self.on_engine_call: Callable[[str, list[Sequence], float], None] | None = None
+        self.on_resolved: Callable[[Sequence], None] | None = None
         # Every submitted, unresolved sequence (waiting, being admitted, or running) and its future.
         self._pending: dict[int, tuple[Sequence, asyncio.Future[Sequence]]] = {}
         # Per-sequence callbacks after each admit/step that gave it tokens (streaming, stop strings).
@@ -55,6 +60,11 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Submitted sequences not yet resolved (waiting, being admitted, or running)."""
+        return len(self._pending)
 
     def submit(self, seq: Sequence, listener: Callable[[Sequence], None] | None = None) -> asyncio.Future[Sequence]:
         """Queue a sequence; the future resolves with it once finished. Raises QueueFullError.
@@ -140,6 +150,7 @@ class Scheduler:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _admit(self, newcomers: list[Sequence]) -> None:
+        start = time.perf_counter()
         try:
             await self._call_engine(self.engine.admit, newcomers)
         except Exception as exc:
@@ -152,6 +163,7 @@ class Scheduler:
                 seq.finish(SequenceStatus.FINISHED_ERROR, error=f"admission failed: {exc}")
                 self._resolve(seq)
             return
+        self._hook(self.on_engine_call, "prefill", newcomers, time.perf_counter() - start)
         for seq in newcomers:
             if not seq.is_finished:  # one finished on its first token never held a slot
                 self.running[seq.seq_id] = seq
@@ -161,6 +173,7 @@ class Scheduler:
                 self._resolve(seq)
 
     async def _step(self) -> None:
+        start = time.perf_counter()
         try:
             finished = await self._call_engine(self.engine.step)
         except Exception as exc:
@@ -171,7 +184,9 @@ class Scheduler:
             )
             await self._fail_running(f"engine step failed: {exc}")
             return
-        self._notify(list(self.running.values()))
+        batch = list(self.running.values())
+        self._hook(self.on_engine_call, "decode", batch, time.perf_counter() - start)
+        self._notify(batch)
         for seq in finished:
             self.running.pop(seq.seq_id, None)
             self._resolve(seq)
@@ -193,6 +208,9 @@ class Scheduler:
             seq = self.running.get(seq_id)
             if seq is None:  # finished meanwhile
                 continue
+            # The scheduler says why it ends (abort, stop string, timeout); the engine only frees the
+            # slot, and its own "aborted" mark does not override a status already set.
+            seq.finish(status, error=error)
             try:
                 await self._call_engine(self.engine.abort, seq_id)
             except Exception as exc:  # engine state is suspect: treat like a failed step
@@ -200,7 +218,6 @@ class Scheduler:
                 await self._fail_running(f"engine abort failed: {exc}")
                 return
             del self.running[seq_id]
-            seq.finish(status, error=error)
             self._resolve(seq)
 
     async def _fail_running(self, error: str) -> None:
@@ -216,8 +233,18 @@ class Scheduler:
     def _resolve(self, seq: Sequence) -> None:
         self._listeners.pop(seq.seq_id, None)
         _, future = self._pending.pop(seq.seq_id, (None, None))
+        if future is not None:
+            self._hook(self.on_resolved, seq)
         if future is not None and not future.done():
             future.set_result(seq)
+
+    @staticmethod
+    def _hook(fn, *args) -> None:
+        if fn is not None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("observability hook %r failed", fn)
 
 
 def _overdue(seq: Sequence, now: float, waiting: bool) -> bool:

@@ -13,6 +13,8 @@ ALL_VARS = (
     "MODEL_ID", "MAX_BATCH_SIZE", "MAX_QUEUE_DEPTH", "MAX_NEW_TOKENS_LIMIT", "DEVICE",
     "MAX_MODEL_LEN", "NUM_THREADS", "STOP_TOKEN_IDS", "HOST", "PORT",
     "SERVED_MODEL_NAME", "CHAT_TEMPLATE", "MAX_QUEUE_TIME_S", "REQUEST_TIMEOUT_S", "MAX_LOGPROBS",
+    "LOG_LEVEL", "API_KEY", "MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_CONCURRENT_REQUESTS", "DRAIN_TIMEOUT_S",
+    "FAKE_STEP_DELAY_S", "FAKE_STEP_FAULT_EVERY",
 )
 
 
@@ -246,3 +248,74 @@ def test_chat_template_reads_a_file(tmp_path):
     assert Config(chat_template="{{ x }}").chat_template_text() == "{{ x }}"
     assert Config().chat_template_text() is None
     assert Config(model_id="m", served_model_name="").model_name == "m"
+
+
+# --- operations: logging, auth, limits, drain, FakeEngine knobs ------------------------------------
+
+
+def test_operations_defaults():
+    cfg = Config()
+    assert cfg.log_level == "INFO"
+    assert cfg.api_key == ""
+    assert cfg.max_body_bytes == 1_048_576
+    assert cfg.max_prompt_chars == 100_000
+    assert cfg.max_concurrent_requests == 2048
+    assert cfg.drain_timeout_s == 30.0
+    assert cfg.fake_step_delay_s == 0.0 and cfg.fake_step_fault_every == 0
+    assert cfg.host == "127.0.0.1"  # the default bind stays local
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "field", "value"),
+    [
+        ("LOG_LEVEL", "debug", "log_level", "debug"),
+        ("LOG_LEVEL", "WARNING", "log_level", "WARNING"),
+        ("API_KEY", "s3cret-key", "api_key", "s3cret-key"),
+        ("MAX_BODY_BYTES", "1024", "max_body_bytes", 1024),
+        ("MAX_BODY_BYTES", "10485760", "max_body_bytes", 10_485_760),
+        ("MAX_PROMPT_CHARS", "0", "max_prompt_chars", 0),
+        ("MAX_PROMPT_CHARS", "5000", "max_prompt_chars", 5000),
+        ("MAX_CONCURRENT_REQUESTS", "0", "max_concurrent_requests", 0),
+        ("MAX_CONCURRENT_REQUESTS", "64", "max_concurrent_requests", 64),
+        ("DRAIN_TIMEOUT_S", "0", "drain_timeout_s", 0.0),
+        ("DRAIN_TIMEOUT_S", "2.5", "drain_timeout_s", 2.5),
+        ("FAKE_STEP_DELAY_S", "0.01", "fake_step_delay_s", 0.01),
+        ("FAKE_STEP_FAULT_EVERY", "7", "fake_step_fault_every", 7),
+    ],
+)
+def test_operations_variables_parse(var, raw, field, value):
+    cfg = Config.from_env({var: raw})
+    assert getattr(cfg, field) == value
+    assert type(getattr(cfg, field)) is type(value)
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("LOG_LEVEL", "verbose"), ("LOG_LEVEL", "10"),
+        ("MAX_BODY_BYTES", "0"), ("MAX_BODY_BYTES", "1023"), ("MAX_BODY_BYTES", "1e6"), ("MAX_BODY_BYTES", "3000000000"),
+        ("MAX_PROMPT_CHARS", "-1"), ("MAX_PROMPT_CHARS", "lots"),
+        ("MAX_CONCURRENT_REQUESTS", "-1"), ("MAX_CONCURRENT_REQUESTS", "1000001"),
+        ("DRAIN_TIMEOUT_S", "-1"), ("DRAIN_TIMEOUT_S", "nan"), ("DRAIN_TIMEOUT_S", "inf"), ("DRAIN_TIMEOUT_S", "3601"),
+        ("FAKE_STEP_DELAY_S", "-0.1"), ("FAKE_STEP_DELAY_S", "61"),
+        ("FAKE_STEP_FAULT_EVERY", "-2"), ("FAKE_STEP_FAULT_EVERY", "0.5"),
+    ],
+)
+def test_operations_variables_reject_bad_values(var, raw):
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({var: raw})
+    message = str(info.value)
+    assert re.match(rf"{var}\b", message), message
+    assert not any(other in message for other in ALL_VARS if other != var)
+
+
+def test_api_key_is_not_in_the_repr():
+    cfg = Config(api_key="top-secret-value")
+    assert "top-secret-value" not in repr(cfg)
+    assert cfg == Config.from_env({"API_KEY": "top-secret-value"})
+
+
+def test_api_key_with_surrounding_whitespace_is_rejected_when_built_directly():
+    with pytest.raises(ConfigError, match=r"^API_KEY\b"):
+        Config(api_key=" key")
+    assert Config.from_env({"API_KEY": " key\n"}).api_key == "key"  # the environment's value is stripped

@@ -96,6 +96,24 @@ def test_llama_prompts_from_one_token_to_hundreds(llama_dir, llama_ref):
         assert seq.output_token_ids == expected(llama_ref, seq, set())
 
 
+def test_llama_with_attention_and_mlp_biases(tmp_path):
+    model_dir = build_checkpoint(str(tmp_path), arch="llama", seed=4, overrides={"attention_bias": True, "mlp_bias": True})
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(4)
+    biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
+    assert len(biases) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    with torch.no_grad():
+        for bias in biases:  # HF initializes biases to zero: make them matter
+            bias.normal_(0.0, 0.3)
+    model.save_pretrained(model_dir)
+    ref = Reference(model_dir)
+    engine = make_engine(model_dir, capacity=3)
+    seqs = seqs_for(ref, PROMPTS[:3], [10, 4, 12], ignore_eos=True)
+    drive(engine, [(0, seqs)])
+    for seq in seqs:
+        assert seq.output_token_ids == expected(ref, seq, set())
+
+
 # --- RoPE variants ------------------------------------------------------------------------------
 
 SCALED_ROPE = {

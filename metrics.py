@@ -1,0 +1,178 @@
+"""Prometheus metrics (``GET /metrics``) and the one-line-per-request log. No torch.
+
+Every app gets its own ``CollectorRegistry`` (tests build many apps in one process). Names carry
+the ``minibatch:`` prefix, like vLLM's ``vllm:``. Three sources feed them:
+
+* the scheduler's hooks: ``on_engine_call`` after every successful prefill/decode (step time,
+  batch size, tokens, inter-token latency) and ``on_resolved`` once per sequence (finish reason,
+  queue time, TTFT, end-to-end latency from the sequence's own timestamps, and the log line);
+* the HTTP layer: rejections by reason (``rejected``);
+* gauges read at scrape time from the live state (running, waiting, KV usage, in flight, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sequence import Sequence, SequenceStatus
+
+disable_created_metrics()  # no *_created series: one sample per counter, like vLLM
+
+# Text exposition format 0.0.4 (OpenMetrics would rename the colon-prefixed families).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+REJECT_REASONS = (
+    "auth", "too_large", "too_many_connections", "draining", "validation", "queue_full", "not_ready", "timeout",
+)
+
+request_log = logging.getLogger("minibatch.requests")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServerMetrics:
+    """All metrics of one app. ``live()`` returns the scrape-time gauges' values (or None before startup)."""
+
+    def __init__(self, live: Callable[[], dict[str, float] | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = "minibatch:"
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(
+            p + "request_success", "Requests that ended, by finish reason (every queued request lands here once).",
+            ["finished_reason"], registry=r,
+        )
+        self.request_rejected = Counter(
+            p + "request_rejected", "Requests refused without a result, by reason.", ["reason"], registry=r,
+        )
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between a sequence's consecutive tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish, every finish reason.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to admission into the batch.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram(p + "engine_step_seconds", "Engine call time: prefill (admission) or decode step.",
+                                   ["phase"], buckets=_STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram(p + "batch_size", "Sequences in each decode step.",
+                                    buckets=_BATCH_BUCKETS, registry=r)
+        for reason in FINISH_REASONS:  # every series exists from the start (rate() needs a zero)
+            self.request_success.labels(reason)
+        for reason in REJECT_REASONS:
+            self.request_rejected.labels(reason)
+        for phase in ("prefill", "decode"):
+            self.step_time.labels(phase)
+        r.register(_LiveCollector(live))
+        self._last_token: dict[int, float] = {}  # seq_id -> time of its latest token (for inter-token latency)
+
+    # --- feeds ---------------------------------------------------------------------------------
+    def on_engine_call(self, phase: str, seqs: list[Sequence], seconds: float) -> None:
+        now = time.perf_counter()
+        self.step_time.labels(phase).observe(seconds)
+        self.generation_tokens.inc(len(seqs))
+        if phase == "prefill":
+            self.prompt_tokens.inc(sum(s.prompt_len for s in seqs))
+            for seq in seqs:
+                self._last_token[seq.seq_id] = seq.first_token_time or now
+            return
+        self.batch_size.observe(len(seqs))
+        last = self._last_token
+        for seq in seqs:
+            prev = last.get(seq.seq_id)
+            if prev is not None:
+                self.itl.observe(now - prev)
+            last[seq.seq_id] = now
+
+    def on_resolved(self, seq: Sequence) -> None:
+        self._last_token.pop(seq.seq_id, None)
+        reason = seq.finish_reason or "abort"
+        self.request_success.labels(reason).inc()
+        end = seq.finish_time if seq.finish_time is not None else time.perf_counter()
+        self.e2e.observe(max(0.0, end - seq.arrival_time))
+        if seq.admit_time is not None:
+            self.queue_time.observe(max(0.0, seq.admit_time - seq.arrival_time))
+        elif seq.status is SequenceStatus.FINISHED_TIMEOUT:
+            self.rejected("timeout")  # timed out in the queue: never served
+        if seq.first_token_time is not None:
+            self.ttft.observe(max(0.0, seq.first_token_time - seq.arrival_time))
+        if request_log.isEnabledFor(logging.INFO):
+            m = seq.metrics_ms()
+            fields = {
+                "request_id": seq.request_id, "finish_reason": reason,
+                "prompt_tokens": seq.prompt_len, "completion_tokens": len(seq.output_token_ids),
+                "queue_ms": round(m["queue_wait_ms"], 1) if seq.admit_time is not None else None,
+                "ttft_ms": round(m["ttft_ms"], 1) if seq.first_token_time is not None else None,
+                "e2e_ms": round(m["e2e_ms"], 1),
+            }
+            if seq.error:
+                fields["error"] = seq.error
+            request_log.info("%s", logfmt("request_finished", **fields))
+
+    def rejected(self, reason: str) -> None:
+        self.request_rejected.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    """Gauges (and engine failure counters) computed from the live server at scrape time."""
+
+    _GAUGES = {
+        "num_requests_running": "Sequences holding a batch slot.",
+        "num_requests_waiting": "Sequences waiting for a slot.",
+        "kv_cache_usage_perc": "KV-cache rows in use / rows (one preallocated row per slot), 0..1.",
+        "num_requests_in_flight": "HTTP requests in flight (probes and /metrics excluded).",
+        "batch_capacity": "Batch slots (MAX_BATCH_SIZE).",
+        "ready": "1 when /ready answers 200.",
+        "draining": "1 while draining for shutdown.",
+    }
+
+    def __init__(self, live: Callable[[], dict[str, float] | None]) -> None:
+        self.live = live
+
+    def collect(self):
+        values = self.live() or {}
+        for name, doc in self._GAUGES.items():
+            yield GaugeMetricFamily(f"minibatch:{name}", doc, value=float(values.get(name, 0.0)))
+        failures = CounterMetricFamily(
+            "minibatch:engine_failures", "Engine calls that raised (their sequences ended with an error).",
+            labels=["phase"],
+        )
+        failures.add_metric(["prefill"], float(values.get("failed_admits", 0)))
+        failures.add_metric(["decode"], float(values.get("failed_steps", 0)))
+        yield failures
+
+
+_BARE = re.compile(r"[A-Za-z0-9_.:/@+-]+")
+
+
+def logfmt(event: str, **fields) -> str:
+    """``event k=v ...``; values that are not bare words are JSON-quoted (no newlines or quotes get through)."""
+    parts = [event]
+    for key, value in fields.items():
+        if value is None:
+            text = "-"
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = str(value)
+        else:
+            text = str(value)
+            if not _BARE.fullmatch(text):
+                text = json.dumps(text)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)

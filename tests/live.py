@@ -1,0 +1,170 @@
+"""Real uvicorn servers on 127.0.0.1 for the reliability tests, started and stopped by the test itself.
+
+* ``ProcessServer``: ``python server.py`` in a subprocess configured by environment variables
+  (what an operator runs; receives real signals; its RSS is its own).
+* ``ThreadServer``: ``uvicorn.Server`` in a thread of the test process, serving an app object
+  (so a test can inject a ``FakeEngine`` with faults and look at the engine afterwards).
+
+Both pick a free port, wait for ``/ready``, and stop only what they started (the subprocess by its
+own pid: SIGTERM, then SIGKILL if it does not exit in time).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float, alive=lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"server exited before {url}/ready answered 200")
+        try:
+            r = httpx.get(f"{url}/ready", timeout=2)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}/ready not 200 within {timeout:.0f}s (last: {last})")
+
+
+class ProcessServer:
+    def __init__(self, env: dict[str, str], ready_timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        full_env = {k: v for k, v in os.environ.items() if k not in _CONFIG_VARS}
+        full_env.update({"HOST": "127.0.0.1", "PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
+        full_env.update(env)
+        self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full_env,
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_ready(self.url, ready_timeout, alive=lambda: self.proc.poll() is None)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"server did not come up; its log:\n{self.output()}") from None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_kib(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def __enter__(self) -> "ProcessServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+class ThreadServer:
+    def __init__(self, app, ready_timeout: float = 30.0) -> None:
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.thread.start()
+        try:
+            wait_ready(self.url, ready_timeout, alive=self.thread.is_alive)
+        except Exception:
+            self.stop()
+            raise
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "uvicorn thread did not stop"
+
+    def __enter__(self) -> "ThreadServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text (``labels`` like ``finished_reason="stop"``)."""
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(key)
+
+
+def fake_text(prompt: str, n: int) -> str:
+    """FakeEngine's default answer, computed independently of its letter_token."""
+    s = sum(b + 1 for b in prompt.encode("utf-8"))
+    return "".join(chr(ord("a") + (s * 7 + i * 3) % 26) for i in range(n))
+
+
+def _config_vars() -> set[str]:
+    import dataclasses
+
+    from config import Config
+
+    return {f.name.upper() for f in dataclasses.fields(Config)}
+
+
+_CONFIG_VARS = _config_vars()
