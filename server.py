@@ -244,7 +244,7 @@ async def generate_events(st: ServerState, gen: Generation, request: Request) ->
     seq = gen.seq
     try:
         async for chunk in gen.stream(disconnected):
-            if chunk.text:
+            if chunk.text or chunk.token_ids:  # a token with no text of its own (EOS) still counts
                 yield sse({"request_id": seq.request_id, "text": chunk.text, "token_ids": chunk.token_ids})
         if disconnected.done():
             return

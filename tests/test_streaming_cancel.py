@@ -129,11 +129,6 @@ def test_generate_stream_equals_non_streamed(token_fn, n):
     bounded(body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server.generate_events sends only chunks with text and ends with token_ids [], so a last "
-    "token without text of its own (EOS) never reaches the client; the non-streamed token_ids include it",
-)
 def test_generate_stream_token_ids_include_the_eos():
     def token_fn(seq):
         return FakeEngine.EOS if len(seq.output_token_ids) == 3 else ord("k") + 1
@@ -171,12 +166,6 @@ def test_stream_never_emits_a_stop_string_even_partially():
     bounded(body)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler._apply_aborts/BatchEngine.abort: engine.abort marks a sequence ended by a stop string "
-    "FINISHED_ABORTED before the scheduler records FINISHED_STOPPED; /generate answers 503 "
-    "'request aborted: cancelled' (stream: an error event) instead of finish_reason 'stop'",
-)
 def test_stop_string_ends_with_finish_reason_stop():
     async def body():
         async with serving(FakeEngine(token_fn=spelling(STOP_TEXT))) as c:
@@ -358,29 +347,10 @@ def test_queue_time_limit_is_504_and_the_request_never_runs():
     bounded(body)
 
 
-def test_request_time_limit_ends_the_request_and_releases_its_slot():
-    async def body():
-        eng = SpyEngine(capacity=2, step_delay=0.002)
-        async with serving(eng, request_timeout_s=0.2) as c:
-            r = await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE})
-            assert r.status_code >= 500, r.text
-            assert_error_shape(r.json(), r.status_code)
-            (seq,) = eng.admitted
-            assert seq.is_finished and len(seq.output_token_ids) < HUGE
-            await async_wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
-            ok = await c.post("/generate", json={"prompt": "quick", "max_new_tokens": 2})
-            assert ok.status_code == 200
+def test_request_time_limit_is_504_and_releases_the_slot():
+    """REQUEST_TIMEOUT_S ends a running request at a step boundary: 504 on /generate and on
+    /v1/completions, an error event on a stream; the slot is free again."""
 
-    bounded(body)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler._apply_aborts/BatchEngine.abort: a running sequence past REQUEST_TIMEOUT_S is re-marked "
-    "FINISHED_ABORTED by engine.abort before the scheduler records FINISHED_TIMEOUT, so the answer is "
-    "503 'request aborted: cancelled' instead of 504",
-)
-def test_request_time_limit_is_504():
     async def body():
         eng = SpyEngine(capacity=2, step_delay=0.002)
         async with serving(eng, request_timeout_s=0.2) as c:
@@ -388,10 +358,17 @@ def test_request_time_limit_is_504():
             assert r.status_code == 504, r.text
             err = assert_error_shape(r.json(), 504, "timed out", "request time limit")
             assert err["type"] == "timeout"
-            o = await c.post("/v1/completions", json={"model": "fake", "prompt": "slow", "max_tokens": HUGE})
-            assert o.status_code == 504 and assert_error_shape(o.json(), 504, "request time limit")
-            events = parse_sse((await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE, "stream": True})).text)
-            assert_error_shape(events[-1] if events[-1] != "[DONE]" else events[-2], 504, "request time limit")
+            (seq,) = eng.admitted
+            assert seq.finish_reason == "timeout" and len(seq.output_token_ids) < HUGE
             await async_wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+
+            o = await c.post("/v1/completions", json={"model": "fake", "prompt": "slow", "max_tokens": HUGE})
+            assert o.status_code == 504, o.text
+            assert_error_shape(o.json(), 504, "request time limit")
+            events = parse_sse((await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE, "stream": True})).text)
+            assert_error_shape(events[-1], 504, "request time limit")
+            await async_wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+            ok = await c.post("/generate", json={"prompt": "quick", "max_new_tokens": 2})
+            assert ok.status_code == 200
 
     bounded(body)
