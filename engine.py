@@ -5,8 +5,9 @@
 contiguous rows, stopping, eviction and row compaction; subclasses supply only the
 tensor work (``_prefill``, ``_decode``, ``_move_row``, ``_reset_state``).
 ``FakeEngine`` is deterministic and torch-free, for model-free tests. ``HFEngine``
-runs a Hugging Face GPT-2-family checkpoint through the hand-written forward in
-``gpt2.py``. This module imports no torch: ``HFEngine`` imports it when built.
+runs a Hugging Face checkpoint (GPT-2 or Llama family) through our hand-written
+forward (``gpt2.py``, ``llama.py``). This module imports no torch: ``HFEngine``
+imports it when built.
 """
 
 from __future__ import annotations

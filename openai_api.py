@@ -67,7 +67,7 @@ def openai_router(state: Callable[[], ServerState]) -> APIRouter:
         gen = start_generation(st, make_sequence(st, prompt_ids, max_tokens, req, rid, req.logprobs), req.stop)
         echo = prompt_text if req.echo else ""
         if req.stream:
-            return sse_response(completion_events(st, gen, request, name, echo, include_usage(req)), gen)
+            return sse_response(completion_events(st, gen, request, name, echo, include_usage(req)))
         done = await gen.result(disconnect_future(request))
         if done is None:
             return error_response(499, "client disconnected", "cancelled")
@@ -99,7 +99,7 @@ def openai_router(state: Callable[[], ServerState]) -> APIRouter:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = start_generation(st, make_sequence(st, prompt_ids, max_tokens, req, rid, k), req.stop)
         if req.stream:
-            return sse_response(chat_events(st, gen, request, name, include_usage(req)), gen)
+            return sse_response(chat_events(st, gen, request, name, include_usage(req)))
         done = await gen.result(disconnect_future(request))
         if done is None:
             return error_response(499, "client disconnected", "cancelled")

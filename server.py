@@ -166,7 +166,7 @@ def create_app(config: Config | None = None, engine: InferenceEngine | None = No
         )
         gen = start_generation(st, seq, req.stop)
         if req.stream:
-            return sse_response(generate_events(st, gen, request), gen)
+            return sse_response(generate_events(st, gen, request))
         done = await gen.result(disconnect_future(request))
         if done is None:
             return error_response(499, "client disconnected", "cancelled")
