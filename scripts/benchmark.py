@@ -412,7 +412,12 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
 
 
 def resolve_model(name: str) -> tuple[str, str]:
-    """(directory or id to load, note). Falls back to a distilgpt2-shaped random checkpoint offline."""
+    """(directory or id to load, note). A .gguf file is converted once (checkpoints.py); distilgpt2
+    falls back to a distilgpt2-shaped random checkpoint offline."""
+    from checkpoints import is_gguf, resolve_model_id
+
+    if is_gguf(name):
+        return resolve_model_id(name), f"model: {name} (GGUF, dequantized to fp32)"
     try:
         from transformers import AutoConfig
 
