@@ -188,6 +188,34 @@ def test_smollm2_gguf_parity(smollm2_gguf, smollm2_ref, gguf_cache):
     assert "Paris" in engine.decode(first[0].output_token_ids)  # real weights, correctly dequantized
 
 
+def test_smollm2_chat_endpoint_applies_its_template_and_knows_paris(smollm2_gguf, smollm2_ref, gguf_cache):
+    """/v1/chat/completions renders SmolLM2's own chat template; greedy answer mentions Paris."""
+    import asyncio
+
+    import httpx
+
+    from config import Config
+    from server import create_app
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = smollm2_ref.tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    app = create_app(Config(model_id=smollm2_gguf, max_batch_size=2, max_model_len=512))
+
+    async def ask() -> httpx.Response:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+                return await client.post("/v1/chat/completions", json={
+                    "messages": question, "temperature": 0, "max_tokens": 24,
+                })
+
+    r = asyncio.run(asyncio.wait_for(ask(), timeout=300))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"], body
+    assert body["usage"]["prompt_tokens"] == len(smollm2_ref.tokenizer.encode(rendered, add_special_tokens=False))
+
+
 def test_smollm2_conversion_is_cached(smollm2_gguf, smollm2_ref, gguf_cache, monkeypatch):
     def no_conversion(*args):
         raise AssertionError("converted again although the cache holds it")
