@@ -6,17 +6,15 @@ import asyncio
 import json
 import math
 import threading
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
-from conftest import run
+from conftest import TIMEOUT, assert_error, bounded, serving, wait_until
 from config import Config
 from engine import FakeEngine
 from server import create_app
 
-TIMEOUT = 20.0
 LIMIT = 64  # MAX_NEW_TOKENS_LIMIT in most tests
 
 
@@ -28,45 +26,6 @@ def expected_text(prompt: str, n: int) -> str:
 
 def expected_ids(prompt: str, n: int) -> list[int]:
     return [ord(c) + 1 for c in expected_text(prompt, n)]
-
-
-@asynccontextmanager
-async def serving(engine: FakeEngine | None = None, **config):
-    config.setdefault("max_new_tokens_limit", LIMIT)
-    app = create_app(config=Config(model_id="fake", **config), engine=engine or FakeEngine(capacity=4))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            client.app = app  # type: ignore[attr-defined]
-            yield client
-
-
-def bounded(coro_fn, timeout: float = TIMEOUT):
-    return run(asyncio.wait_for(coro_fn(), timeout))
-
-
-async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
-
-
-def assert_error(r: httpx.Response, status: int, kind: str | None = None, contains: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"].strip(), err
-    assert isinstance(err["type"], str) and err["type"], err
-    assert err["code"] == status
-    if kind is not None:
-        assert err["type"] == kind, err
-    if contains is not None:
-        assert contains in err["message"], err
-    return err
 
 
 def assert_ok(r: httpx.Response, prompt: str, n: int, request_id: str | None = None) -> dict:

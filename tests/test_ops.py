@@ -7,56 +7,18 @@ import asyncio
 import json
 import logging
 import threading
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
-from conftest import run
+from conftest import TIMEOUT, assert_error, bounded, serving, wait_until
 from config import Config
 from engine import FakeEngine
 from live import fake_text, metric
 from metrics import logfmt
 from server import create_app
 
-TIMEOUT = 20.0
 KEY = "test-key-0123456789"
-
-
-@asynccontextmanager
-async def serving(engine: FakeEngine | None = None, **config):
-    config.setdefault("max_new_tokens_limit", 64)
-    app = create_app(config=Config(model_id="fake", **config), engine=engine or FakeEngine(capacity=4))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            client.app = app  # type: ignore[attr-defined]
-            yield client
-
-
-def bounded(coro_fn, timeout: float = TIMEOUT):
-    return run(asyncio.wait_for(coro_fn(), timeout))
-
-
-async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
-
-
-def assert_error(r: httpx.Response, status: int, kind: str | None = None, contains: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    err = body["error"]
-    assert err["code"] == status and err["message"].strip()
-    if kind is not None:
-        assert err["type"] == kind, err
-    if contains is not None:
-        assert contains in err["message"], err
-    return err
 
 
 class Gate:

@@ -14,12 +14,11 @@ import threading
 
 import pytest
 
-from conftest import run
+from conftest import TIMEOUT, bounded, wait_until
 from engine import FakeEngine
 from scheduler import QueueFullError, Scheduler
 from sequence import Sequence, SequenceStatus
 
-TIMEOUT = 20.0
 _fake = FakeEngine()
 
 
@@ -31,19 +30,6 @@ def expected_ids(prompt: str, n: int) -> list[int]:
     """FakeEngine's default tokens for ``prompt``, computed independently of letter_token."""
     s = sum(b + 1 for b in prompt.encode("utf-8"))
     return [ord("a") + 1 + (s * 7 + i * 3) % 26 for i in range(n)]
-
-
-def bounded(coro_fn, timeout: float = TIMEOUT):
-    return run(asyncio.wait_for(coro_fn(), timeout))
-
-
-async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 async def gather_all(futures, timeout: float = 15.0):
