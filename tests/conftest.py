@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 from contextlib import asynccontextmanager
 
 import pytest
@@ -19,6 +20,18 @@ def run(coro):
 
 
 TIMEOUT = 20.0  # seconds any single async test may take
+
+
+class Gate:
+    """A switch the engine's worker thread waits on (pass ``gate.wait`` as a FakeEngine fault hook)."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.entered = threading.Event()
+
+    def wait(self, *_):
+        self.entered.set()
+        assert self.open.wait(TIMEOUT), "gate never opened"
 
 
 @asynccontextmanager

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
 
 import httpx
 import pytest
 
-from conftest import TIMEOUT, assert_error, bounded, serving, wait_until
+from conftest import assert_error, bounded, Gate, serving, wait_until
 from config import Config
 from engine import FakeEngine
 from server import create_app
@@ -40,16 +39,6 @@ def assert_ok(r: httpx.Response, prompt: str, n: int, request_id: str | None = N
     if request_id is not None:
         assert body["request_id"] == request_id
     return body
-
-
-class Gate:
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.entered = threading.Event()
-
-    def wait(self, *_):
-        self.entered.set()
-        assert self.open.wait(TIMEOUT), "gate never opened"
 
 
 # --- success -------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import checkpoints  # noqa: E402
 from config import Config  # noqa: E402
 from engine import HFEngine  # noqa: E402
 from make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
-from sequence import Sequence  # noqa: E402
 from test_parity import PROMPTS, Reference, drive, engine_stops, expected, seqs_for  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 
 import httpx
 import pytest
 
-from conftest import TIMEOUT, assert_error, bounded, serving, wait_until
+from conftest import assert_error, bounded, Gate, serving, wait_until
 from config import Config
 from engine import FakeEngine
 from live import fake_text, metric
@@ -19,16 +18,6 @@ from metrics import logfmt
 from server import create_app
 
 KEY = "test-key-0123456789"
-
-
-class Gate:
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.entered = threading.Event()
-
-    def wait(self, *_):
-        self.entered.set()
-        assert self.open.wait(TIMEOUT), "gate never opened"
 
 
 async def scrape(c: httpx.AsyncClient) -> str:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 
 import pytest
 
-from conftest import TIMEOUT, bounded, wait_until
+from conftest import bounded, Gate, wait_until
 from engine import FakeEngine
 from scheduler import QueueFullError, Scheduler
 from sequence import Sequence, SequenceStatus
@@ -60,18 +59,6 @@ class RecordingEngine(FakeEngine):
         self.events += [("finish", s.seq_id) for s in finished]
         self.active_log.append(self.num_active())
         return finished
-
-
-class Gate:
-    """A switch the engine's worker thread waits on."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.entered = threading.Event()
-
-    def wait(self, *_):
-        self.entered.set()
-        assert self.open.wait(TIMEOUT), "gate never opened"
 
 
 async def started(engine, depth: int = 1024) -> Scheduler:
