@@ -35,6 +35,9 @@ class Config:
     max_model_len: int = 0
     # Torch intra-op threads. 0 = the physical cores of this machine.
     num_threads: int = 0
+    # Decode-step linears through the small-batch AVX2 kernel (small_gemm.c, compiled once with the
+    # system C compiler); off, or where it cannot build, every linear uses oneDNN.
+    small_gemm: bool = True
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
     # Name the OpenAI endpoints answer to (GET /v1/models, the "model" field). "" = MODEL_ID.
@@ -146,6 +149,8 @@ def _parse(var: str, raw: str, default: object) -> object:
         if isinstance(default, tuple):
             return tuple(int(part) for part in raw.split(",") if part.strip())
     except ValueError:
-        kind = {tuple: "a comma-separated list of integers", float: "a number"}.get(type(default), "an integer")
+        kind = {tuple: "a comma-separated list of integers", float: "a number", bool: "true or false (or 1/0, yes/no)"}.get(
+            type(default), "an integer"
+        )
         raise ConfigError(f"{var} must be {kind} (got {raw!r})") from None
     return raw

@@ -311,12 +311,12 @@ class HFEngine(BatchEngine):
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
-        self.model = family(hf_model.eval(), config.max_batch_size, max_context, self.device)
+        self.model = family(hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm)
         del hf_model
         log.info(
-            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, %d threads",
+            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, %d threads",
             config.model_id, self.device, self.capacity, max_context,
-            self.model.kv.nbytes / 2**20, self.model.onednn, torch.get_num_threads(),
+            self.model.kv.nbytes / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -16,9 +16,13 @@ Shapes: C = n_embd, H = n_head, D = C / H, V = vocab, L = positions attended.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
+import small_gemm
 from kv_cache import KVCache
 
 # HF activation_function name -> oneDNN post-op algorithm for GELU.
@@ -31,39 +35,62 @@ def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x @ W^T + b with W pre-packed once for oneDNN on CPU; plain F.linear elsewhere.
+    """y = x @ W^T + b with W pre-packed once for the CPU kernels; plain F.linear elsewhere.
 
     x: [N, in] -> y: [N, out]. ``gelu`` fuses the activation, ``add`` fuses a residual.
+    On CPU, calls with at most ``small_gemm.MAX_ROWS`` rows (decode steps) go to the compiled
+    small-batch kernel when it is available (``small``), larger ones to oneDNN.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, batch_hint: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, batch_hint: int, small: bool = False) -> None:
         self.onednn = onednn
-        self.bias = bias
+        self.bias = bias.contiguous() if bias is not None else None
         self.out_features, self.in_features = weight.shape
+        self.small = small_gemm.pack(weight) if small else None  # [ceil(out / 8), in, 8]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if onednn else weight
 
+    def _use_small(self, x: torch.Tensor) -> bool:
+        return self.small is not None and x.shape[0] <= small_gemm.MAX_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_small(x):
+            return small_gemm.matmul(x, self.small, self.out_features, self.bias)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        if self._use_small(x):
+            return F.gelu(small_gemm.matmul(x, self.small, self.out_features, self.bias), approximate=approximate)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], approximate)
         return F.gelu(F.linear(x, self.weight, self.bias), approximate=approximate)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self._use_small(x):
+            return small_gemm.matmul(x, self.small, self.out_features, self.bias, residual)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         return torch.addmm(residual, x, self.weight.t()) if self.bias is None else F.linear(x, self.weight, self.bias) + residual
 
 
+def linear_factory(device: torch.device, capacity: int, want_small: bool) -> tuple[Callable[..., Linear], bool, bool]:
+    """-> (make_linear(weight, bias), oneDNN on?, small-batch kernel on?) for this device.
+
+    The small-batch kernel runs only where oneDNN does (CPU fp32), when asked for, and when it
+    built; it costs a second packed copy of every weight.
+    """
+    onednn = use_onednn(device, torch.float32)
+    small = want_small and onednn and small_gemm.load() is not None
+    return functools.partial(Linear, onednn=onednn, batch_hint=capacity, small=small), onednn, small
+
+
 class Block:
     """One transformer block's weights (Conv1D weights transposed to [out, in])."""
 
-    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, onednn: bool, batch_hint: int) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, make_linear: Callable[..., Linear]) -> None:
         def lin(name: str) -> Linear:
-            return Linear(sd[f"{prefix}{name}.weight"].t().contiguous(), sd[f"{prefix}{name}.bias"], onednn, batch_hint)
+            return make_linear(sd[f"{prefix}{name}.weight"].t().contiguous(), sd[f"{prefix}{name}.bias"])
 
         self.ln_1 = (sd[f"{prefix}ln_1.weight"], sd[f"{prefix}ln_1.bias"])
         self.ln_2 = (sd[f"{prefix}ln_2.weight"], sd[f"{prefix}ln_2.bias"])
@@ -80,7 +107,9 @@ class GPT2:
     def context_window(hf_config) -> int:
         return hf_config.n_positions
 
-    def __init__(self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device, use_small_gemm: bool = True
+    ) -> None:
         cfg = hf_model.config
         if getattr(cfg, "reorder_and_upcast_attn", False):
             raise ValueError("GPT-2 option reorder_and_upcast_attn is not supported by the fast engine")
@@ -97,13 +126,12 @@ class GPT2:
 
         sd = {k: v.detach().to(device=device, dtype=torch.float32).contiguous() for k, v in hf_model.state_dict().items()}
         base = "transformer."
-        onednn = use_onednn(device, torch.float32)
-        self.onednn = onednn
+        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm)
         self.wte = sd[base + "wte.weight"]  # [V, C]
         self.wpe = sd[base + "wpe.weight"]  # [P, C]
-        self.blocks = [Block(sd, f"{base}h.{i}.", onednn, capacity) for i in range(self.n_layer)]
+        self.blocks = [Block(sd, f"{base}h.{i}.", make_linear) for i in range(self.n_layer)]
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
-        self.lm_head = Linear(sd.get("lm_head.weight", self.wte), None, onednn, capacity)  # [C] -> [V]
+        self.lm_head = make_linear(sd.get("lm_head.weight", self.wte), None)  # [C] -> [V]
         self.kv = KVCache(self.n_layer, capacity, self.n_head, max_len, self.head_dim, device)
         self._rows = torch.arange(capacity, device=device)
         self._positions = torch.arange(max_len, device=device)

@@ -15,7 +15,8 @@ Grouped-query attention stores only the K/V heads in the cache (``KVCache.n_head
 Decode attends without expanding them: query head ``h`` uses K/V head ``h // G``, so the
 queries are viewed as ``[B, KVH, G, D]`` -- G queries against one K/V head -- which is the
 same attention with no copy of the cache. Q, K and V come from one fused linear, gate and up
-from another; on CPU every linear is oneDNN pre-packed (``gpt2.Linear``). The RoPE cos/sin
+from another; on CPU every linear is pre-packed (``gpt2.Linear``: oneDNN, and the compiled
+small-batch kernel for decode steps). The RoPE cos/sin
 tables are computed once for ``max_len`` positions.
 
 Shapes: C = hidden_size, H = query heads, KVH = K/V heads, G = H / KVH, D = head_dim,
@@ -24,10 +25,12 @@ I = intermediate_size, V = vocab, L = positions attended.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from gpt2 import Linear, use_onednn
+from gpt2 import Linear, linear_factory
 from kv_cache import KVCache
 
 # RoPE types whose frequencies are fixed at load time (HF recomputes "dynamic" and "longrope"
@@ -83,12 +86,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Block:
     """One decoder layer's weights: fused QKV and gate+up linears, RMSNorm weights."""
 
-    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, onednn: bool, batch_hint: int) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, make_linear: Callable[..., Linear]) -> None:
         def fused(names: list[str]) -> Linear:
             weights = [sd[f"{prefix}{n}.weight"] for n in names]  # each [out_i, C]
             biases = [sd.get(f"{prefix}{n}.bias") for n in names]
             bias = torch.cat(biases) if biases[0] is not None else None
-            return Linear(torch.cat(weights).contiguous(), bias, onednn, batch_hint)
+            return make_linear(torch.cat(weights).contiguous(), bias)
 
         self.ln_1 = sd[f"{prefix}input_layernorm.weight"]  # [C]
         self.ln_2 = sd[f"{prefix}post_attention_layernorm.weight"]  # [C]
@@ -105,7 +108,9 @@ class Llama:
     def context_window(hf_config) -> int:
         return hf_config.max_position_embeddings
 
-    def __init__(self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device, use_small_gemm: bool = True
+    ) -> None:
         cfg = hf_model.config
         if cfg.hidden_act != "silu":
             raise ValueError(f"Llama activation {cfg.hidden_act!r} is not supported by the fast engine (only silu)")
@@ -122,13 +127,12 @@ class Llama:
         self.cos, self.sin = rope_tables(cfg, self.head_dim, max_len, device)  # each [max_len, 1, D]
 
         sd = {k: v.detach().to(device=device, dtype=torch.float32).contiguous() for k, v in hf_model.state_dict().items()}
-        onednn = use_onednn(device, torch.float32)
-        self.onednn = onednn
+        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm)
         self.embed = sd["model.embed_tokens.weight"]  # [V, C]
-        self.blocks = [Block(sd, f"model.layers.{i}.", onednn, capacity) for i in range(self.n_layer)]
+        self.blocks = [Block(sd, f"model.layers.{i}.", make_linear) for i in range(self.n_layer)]
         self.norm = sd["model.norm.weight"]  # [C]
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
-        self.lm_head = Linear(self.embed if tied else sd["lm_head.weight"], None, onednn, capacity)  # [C] -> [V]
+        self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None)  # [C] -> [V]
         self.kv = KVCache(self.n_layer, capacity, self.n_kv_head, max_len, self.head_dim, device)
         self._rows = torch.arange(capacity, device=device)
         self._positions = torch.arange(max_len, device=device)

@@ -11,7 +11,7 @@ from config import Config, ConfigError
 
 ALL_VARS = (
     "MODEL_ID", "MAX_BATCH_SIZE", "MAX_QUEUE_DEPTH", "MAX_NEW_TOKENS_LIMIT", "DEVICE",
-    "MAX_MODEL_LEN", "NUM_THREADS", "STOP_TOKEN_IDS", "HOST", "PORT",
+    "MAX_MODEL_LEN", "NUM_THREADS", "SMALL_GEMM", "STOP_TOKEN_IDS", "HOST", "PORT",
     "SERVED_MODEL_NAME", "CHAT_TEMPLATE", "MAX_QUEUE_TIME_S", "REQUEST_TIMEOUT_S", "MAX_LOGPROBS",
     "LOG_LEVEL", "API_KEY", "MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_CONCURRENT_REQUESTS", "DRAIN_TIMEOUT_S",
     "FAKE_STEP_DELAY_S", "FAKE_STEP_FAULT_EVERY",
@@ -27,6 +27,7 @@ def test_defaults():
     assert cfg.device == "auto"
     assert cfg.max_model_len == 0
     assert cfg.num_threads == 0
+    assert cfg.small_gemm is True
     assert cfg.stop_token_ids == ()
     assert cfg.host == "127.0.0.1"
     assert cfg.port == 8000
@@ -74,6 +75,11 @@ def test_unrelated_variables_ignored():
         ("NUM_THREADS", "0", "num_threads", 0),
         ("NUM_THREADS", "4", "num_threads", 4),
         ("NUM_THREADS", "1024", "num_threads", 1024),
+        ("SMALL_GEMM", "false", "small_gemm", False),
+        ("SMALL_GEMM", "0", "small_gemm", False),
+        ("SMALL_GEMM", "No", "small_gemm", False),
+        ("SMALL_GEMM", "true", "small_gemm", True),
+        ("SMALL_GEMM", "1", "small_gemm", True),
         ("STOP_TOKEN_IDS", "5", "stop_token_ids", (5,)),
         ("STOP_TOKEN_IDS", "1,2,3", "stop_token_ids", (1, 2, 3)),
         ("STOP_TOKEN_IDS", " 7 , 9 ", "stop_token_ids", (7, 9)),
@@ -133,6 +139,8 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
         ("MAX_NEW_TOKENS_LIMIT", "0"),
         ("MAX_NEW_TOKENS_LIMIT", "-5"),
         ("MAX_NEW_TOKENS_LIMIT", "1000001"),
+        ("SMALL_GEMM", "maybe"),
+        ("SMALL_GEMM", "2"),
         ("DEVICE", "gpu"),
         ("DEVICE", "mps"),
         ("DEVICE", "cuda:"),

@@ -84,8 +84,10 @@ def reference(model_dir) -> Reference:
     return Reference(model_dir)
 
 
-def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ...] = ()) -> HFEngine:
-    return HFEngine(Config(model_id=model_dir, max_batch_size=capacity, stop_token_ids=stop_token_ids, num_threads=2))
+def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ...] = (), **config) -> HFEngine:
+    return HFEngine(
+        Config(model_id=model_dir, max_batch_size=capacity, stop_token_ids=stop_token_ids, num_threads=2, **config)
+    )
 
 
 def drive(engine: HFEngine, batches: list[tuple[int, list[Sequence]]]) -> None:
@@ -153,6 +155,20 @@ def test_mid_stream_join_short_request_leaves_first(model_dir, reference):
     drive(engine, [(0, longs), (7, short)])
     assert short[0].finish_time < min(s.finish_time for s in longs)
     for seq in longs + short:
+        assert seq.output_token_ids == expected(reference, seq, set())
+
+
+@pytest.mark.parametrize("small_gemm", [True, False], ids=["small-gemm", "onednn-only"])
+def test_both_linear_kernels_across_the_small_batch_threshold(model_dir, reference, small_gemm):
+    """20 ragged sequences: the batch shrinks from 20 through 16 (small_gemm.MAX_ROWS) to 1,
+    so decode steps switch from oneDNN to the small-batch kernel mid-run (when it is on)."""
+    engine = make_engine(model_dir, capacity=20, small_gemm=small_gemm)
+    if small_gemm:
+        assert engine.model.small_gemm, "the small-batch kernel did not build here"
+    budgets = [1 + (i * 7) % 23 for i in range(20)]
+    seqs = seqs_for(reference, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(20)], budgets, ignore_eos=True)
+    drive(engine, [(0, seqs)])
+    for seq in seqs:
         assert seq.output_token_ids == expected(reference, seq, set())
 
 
