@@ -71,6 +71,16 @@ class InferenceEngine(ABC):
         """Advance every active sequence by exactly one token; return those that finished."""
 
     @abstractmethod
+    def admit_and_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Advance every active sequence by one token and admit ``seqs`` (first token) in one call.
+
+        Returns every sequence that finished, newcomers included. An engine that runs both in
+        one forward streams the weights once instead of twice. Atomic: on failure nothing is
+        committed (no token appended, no newcomer admitted), so the caller may retry the
+        admission and the step separately to find out which part fails.
+        """
+
+    @abstractmethod
     def abort(self, seq_id: int) -> bool:
         """Free an active sequence's slot; it finishes as aborted unless it already has a finished status. False if not active."""
 
@@ -134,15 +144,53 @@ class BatchEngine(InferenceEngine):
     def admit(self, seqs: list[Sequence]) -> list[int]:
         if not seqs:
             return []
+        self._check_newcomers(seqs)
+        start = time.perf_counter()
+        first_tokens = self._prefill(seqs, len(self._rows))  # may raise: nothing is committed yet
+        self._commit_newcomers(seqs, first_tokens, start, time.perf_counter())
+        self._evict([s for s in seqs if s.is_finished])
+        return [s.seq_id for s in seqs]
+
+    def step(self) -> list[Sequence]:
+        if not self._rows:
+            return []
+        tokens = self._decode(self._rows)
+        self._commit_step(tokens, time.perf_counter())
+        finished = [s for s in self._rows if s.is_finished]
+        self._evict(finished)
+        return finished
+
+    def admit_and_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        if not seqs:
+            return self.step()
+        if not self._rows:
+            self.admit(seqs)
+            return [s for s in seqs if s.is_finished]
+        self._check_newcomers(seqs)
+        start = time.perf_counter()
+        step_tokens, first_tokens = self._mixed(self._rows, seqs, len(self._rows))  # may raise: nothing committed
+        now = time.perf_counter()
+        self._commit_step(step_tokens, now)
+        self._commit_newcomers(seqs, first_tokens, start, now)
+        finished = [s for s in self._rows if s.is_finished]
+        self._evict(finished)
+        return finished
+
+    def _mixed(self, running: list[Sequence], seqs: list[Sequence], first_row: int) -> tuple[list[int], list[int]]:
+        """Next tokens for ``running`` (rows [0, n)) and first tokens for ``seqs`` (prefilled into rows
+        [first_row, ...)). This default runs the two apart; engines that can, fuse them into one forward."""
+        return self._decode(running), self._prefill(seqs, first_row)
+
+    def _check_newcomers(self, seqs: list[Sequence]) -> None:
         if len(self._rows) + len(seqs) > self.capacity:
             raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - len(self._rows)}")
         for seq in seqs:
             reason = self.check_admissible(seq)
             if reason:
                 raise AdmissionError(f"sequence {seq.seq_id}: {reason}")
-        start = time.perf_counter()
-        first_tokens = self._prefill(seqs, len(self._rows))  # may raise: nothing is committed yet
-        now = time.perf_counter()
+
+    def _commit_newcomers(self, seqs: list[Sequence], first_tokens: list[int], start: float, now: float) -> None:
+        """The newcomers take rows [n, n + len(seqs)) with their first tokens."""
         self._rows.extend(seqs)
         for seq, token in zip(seqs, first_tokens):
             seq.status = SequenceStatus.RUNNING
@@ -152,22 +200,14 @@ class BatchEngine(InferenceEngine):
             seq.append_token(token, now)
         self._tokens += len(seqs)
         self._peak_batch = max(self._peak_batch, len(self._rows))
-        self._evict([s for s in seqs if s.is_finished])
-        return [s.seq_id for s in seqs]
 
-    def step(self) -> list[Sequence]:
-        if not self._rows:
-            return []
-        tokens = self._decode(self._rows)
-        now = time.perf_counter()
+    def _commit_step(self, tokens: list[int], now: float) -> None:
+        """Each active sequence (rows [0, n), in order) takes its next token."""
         for seq, token in zip(self._rows, tokens):
             seq.append_token(token, now)
         self._steps += 1
         self._tokens += len(self._rows)
         self._peak_batch = max(self._peak_batch, len(self._rows))
-        finished = [s for s in self._rows if s.is_finished]
-        self._evict(finished)
-        return finished
 
     def abort(self, seq_id: int) -> bool:
         for seq in self._rows:
@@ -346,6 +386,15 @@ class HFEngine(BatchEngine):
         tokens = [s.last_token_id for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
         return self._next_tokens(self.model.decode(tokens, positions), seqs)
+
+    def _mixed(self, running: list[Sequence], seqs: list[Sequence], first_row: int) -> tuple[list[int], list[int]]:
+        """One forward for both: the weights stream once (a decode step alone is bound by that)."""
+        rows = list(range(first_row, first_row + len(seqs)))
+        logits = self.model.forward(
+            [s.last_token_id for s in running], [s.num_tokens - 1 for s in running], [s.prompt_token_ids for s in seqs], rows
+        )  # [len(running) + len(seqs), V]
+        tokens = self._next_tokens(logits, running + seqs)
+        return tokens[: len(running)], tokens[len(running) :]
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.

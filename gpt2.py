@@ -147,45 +147,60 @@ class GPT2:
         """x_last: [N, C] final hidden states -> [N, V] logits."""
         return self.lm_head(self._ln(x_last, self.ln_f))
 
-    @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
+        return self.forward([], [], prompts, rows)
+
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
+        return self.forward(token_ids, positions)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
+    ) -> torch.Tensor:
+        """One forward over a mixed batch: decode rows [0, B) (token_ids[b] at positions[b]) and
+        prefill whole prompts into cache rows ``rows``. The B decode tokens and the T prompt tokens
+        share every linear (one pass over the weights); attention runs per part.
+
+        Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
+        """
+        B, H, D = len(token_ids), self.n_head, self.head_dim
         lengths = [len(p) for p in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], device=self.device)  # [T]
-        pos = torch.cat([self._positions[:n] for n in lengths])  # [T]
-        x = self.wte[ids] + self.wpe[pos]  # [T, C]
-        T, H, D = x.shape[0], self.n_head, self.head_dim
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]  # each prompt's first row in x
+        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], device=self.device)  # [B + T]
+        pos = torch.cat([torch.tensor(positions, device=self.device, dtype=torch.long)] + [self._positions[:n] for n in lengths])
+        x = self.wte[ids] + self.wpe[pos]  # [B + T, C]
+        N = x.shape[0]
+        decode = self._decode_attention_inputs(pos[:B]) if B else None
         for layer, block in enumerate(self.blocks):
-            qkv = block.c_attn(self._ln(x, block.ln_1)).view(T, 3, H, D)
-            att = torch.empty(T, H, D, device=self.device)
+            qkv = block.c_attn(self._ln(x, block.ln_1)).view(N, 3, H, D)
+            att = torch.empty(N, H, D, device=self.device)
+            if B:
+                att[:B] = self._decode_attention(layer, qkv[:B], decode)
             for start, n, row in zip(starts, lengths, rows):
                 q, k, v = qkv[start : start + n].permute(1, 2, 0, 3)  # each [H, n, D]
                 self.kv.write_prompt(layer, row, k, v)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.attn_scales[layer])
                 att[start : start + n] = out.transpose(0, 1)  # [n, H, D]
-            x = block.attn_proj.add(att.view(T, self.n_embd), x)
+            x = block.attn_proj.add(att.view(N, self.n_embd), x)
             x = self._mlp(block, x)
-        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
-        return self._logits(x[last])
-
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
-        B, H, D = len(token_ids), self.n_head, self.head_dim
-        ids = torch.tensor(token_ids, device=self.device)  # [B]
-        pos = torch.tensor(positions, device=self.device)  # [B]
-        length = max(positions) + 1  # L: longest row's context
-        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)  # [B, 1, 1, L]
-        rows = self._rows[:B]
-        x = self.wte[ids] + self.wpe[pos]  # [B, C]
-        for layer, block in enumerate(self.blocks):
-            q, k, v = block.c_attn(self._ln(x, block.ln_1)).view(B, 3, H, D).unbind(1)  # each [B, H, D]
-            self.kv.write_step(layer, rows, pos, k, v)
-            keys, values = self.kv.view(layer, B, length)  # [B, H, L, D]
-            att = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.attn_scales[layer]
-            )  # [B, H, 1, D]
-            x = block.attn_proj.add(att.view(B, self.n_embd), x)
-            x = self._mlp(block, x)
+        if prompts:  # logits only where a token is sampled: decode rows and each prompt's last position
+            x = x[torch.tensor(list(range(B)) + [s + n - 1 for s, n in zip(starts, lengths)], device=self.device)]
         return self._logits(x)
+
+    def _decode_attention_inputs(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """pos: [B] positions of the decode tokens -> (rows [B], pos, mask [B, 1, 1, L], L)."""
+        B = pos.shape[0]
+        length = int(pos.max()) + 1  # L: longest row's context
+        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)
+        return self._rows[:B], pos, mask, length
+
+    def _decode_attention(self, layer: int, qkv: torch.Tensor, inputs) -> torch.Tensor:
+        """qkv: [B, 3, H, D] of the decode tokens -> attention output [B, H, D]; K/V written in place first."""
+        rows, pos, mask, length = inputs
+        q, k, v = qkv.unbind(1)  # each [B, H, D]
+        self.kv.write_step(layer, rows, pos, k, v)
+        keys, values = self.kv.view(layer, rows.shape[0], length)  # each [B, H, L, D]: a view, no copy
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.attn_scales[layer])
+        return out.squeeze(2)  # [B, H, D]

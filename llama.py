@@ -158,19 +158,37 @@ class Llama:
         """x_last: [N, C] final hidden states -> [N, V] logits."""
         return self.lm_head(self._rms(x_last, self.norm))
 
-    @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
+        return self.forward([], [], prompts, rows)
+
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
+        return self.forward(token_ids, positions)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
+    ) -> torch.Tensor:
+        """One forward over a mixed batch: decode rows [0, B) (token_ids[b] at positions[b]) and
+        prefill whole prompts into cache rows ``rows``; the linears see all B + T tokens at once.
+
+        Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
+        """
+        B, H, D = len(token_ids), self.n_head, self.head_dim
         lengths = [len(p) for p in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], device=self.device)  # [T]
-        pos = torch.cat([self._positions[:n] for n in lengths])  # [T]
-        x = self.embed[ids]  # [T, C]
-        rope = self.cos[pos], self.sin[pos]  # each [T, 1, D]
-        T, H, D = x.shape[0], self.n_head, self.head_dim
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]  # each prompt's first row in x
+        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], device=self.device)  # [B + T]
+        pos = torch.cat([torch.tensor(positions, device=self.device, dtype=torch.long)] + [self._positions[:n] for n in lengths])
+        x = self.embed[ids]  # [B + T, C]
+        N = x.shape[0]
+        rope = self.cos[pos], self.sin[pos]  # each [B + T, 1, D]
+        decode = self._decode_attention_inputs(pos[:B]) if B else None
         for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, rope)  # [T, H, D], [T, KVH, D], [T, KVH, D]
-            att = torch.empty(T, H, D, device=self.device)
+            q, k, v = self._qkv(block, x, rope)  # [N, H, D], [N, KVH, D], [N, KVH, D]
+            att = torch.empty(N, H, D, device=self.device)
+            if B:
+                att[:B] = self._decode_attention(layer, q[:B], k[:B], v[:B], decode)
             for start, n, row in zip(starts, lengths, rows):
                 span = slice(start, start + n)
                 qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [h, n, D]
@@ -179,29 +197,28 @@ class Llama:
                     qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
                 )  # [H, n, D]
                 att[span] = out.transpose(0, 1)  # [n, H, D]
-            x = block.o_proj.add(att.view(T, H * D), x)
+            x = block.o_proj.add(att.view(N, H * D), x)
             x = self._mlp(block, x)
-        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=self.device)
-        return self._logits(x[last])
-
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
-        B, H, KVH, G, D = len(token_ids), self.n_head, self.n_kv_head, self.group, self.head_dim
-        ids = torch.tensor(token_ids, device=self.device)  # [B]
-        pos = torch.tensor(positions, device=self.device)  # [B]
-        length = max(positions) + 1  # L: longest row's context
-        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)  # [B, 1, 1, L]
-        rows = self._rows[:B]
-        x = self.embed[ids]  # [B, C]
-        rope = self.cos[pos], self.sin[pos]  # each [B, 1, D]
-        for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, rope)  # [B, H, D], [B, KVH, D], [B, KVH, D]
-            self.kv.write_step(layer, rows, pos, k, v)
-            keys, values = self.kv.view(layer, B, length)  # each [B, KVH, L, D]: a view, no copy
-            att = F.scaled_dot_product_attention(
-                q.reshape(B, KVH, G, D), keys, values, attn_mask=mask, scale=self.scale
-            )  # [B, KVH, G, D]: query head h = kv * G + g reads K/V head kv
-            x = block.o_proj.add(att.reshape(B, H * D), x)
-            x = self._mlp(block, x)
+        if prompts:  # logits only where a token is sampled: decode rows and each prompt's last position
+            x = x[torch.tensor(list(range(B)) + [s + n - 1 for s, n in zip(starts, lengths)], device=self.device)]
         return self._logits(x)
+
+    def _decode_attention_inputs(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """pos: [B] positions of the decode tokens -> (rows [B], pos, mask [B, 1, 1, L], L)."""
+        B = pos.shape[0]
+        length = int(pos.max()) + 1  # L: longest row's context
+        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)
+        return self._rows[:B], pos, mask, length
+
+    def _decode_attention(self, layer: int, q, k, v, inputs) -> torch.Tensor:
+        """q: [B, H, D], k, v: [B, KVH, D] of the decode tokens -> attention output [B, H, D].
+
+        K/V are written in place first; query head h = kv * G + g reads K/V head kv, so the
+        queries are viewed as [B, KVH, G, D] against the cache view [B, KVH, L, D]: no copy.
+        """
+        rows, pos, mask, length = inputs
+        B, KVH, G, D = q.shape[0], self.n_kv_head, self.group, self.head_dim
+        self.kv.write_step(layer, rows, pos, k, v)
+        keys, values = self.kv.view(layer, B, length)  # each [B, KVH, L, D]
+        out = F.scaled_dot_product_attention(q.reshape(B, KVH, G, D), keys, values, attn_mask=mask, scale=self.scale)
+        return out.view(B, self.n_head, D)

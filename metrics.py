@@ -3,7 +3,7 @@
 Every app gets its own ``CollectorRegistry`` (tests build many apps in one process). Names carry
 the ``minibatch:`` prefix, like vLLM's ``vllm:``. Three sources feed them:
 
-* the scheduler's hooks: ``on_engine_call`` after every successful prefill/decode (step time,
+* the scheduler's hooks: ``on_engine_call`` after every successful engine call (step time,
   batch size, tokens, inter-token latency) and ``on_resolved`` once per sequence (finish reason,
   queue time, TTFT, end-to-end latency from the sequence's own timestamps, and the log line);
 * the HTTP layer: rejections by reason (``rejected``);
@@ -16,12 +16,15 @@ import json
 import logging
 import re
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from scheduler import EngineCall
 
 disable_created_metrics()  # no *_created series: one sample per counter, like vLLM
 
@@ -67,32 +70,32 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to admission into the batch.",
                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram(p + "engine_step_seconds", "Engine call time: prefill (admission) or decode step.",
+        self.step_time = Histogram(p + "engine_step_seconds", "Engine call time: prefill (admission), decode step, or mixed (both in one forward).",
                                    ["phase"], buckets=_STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram(p + "batch_size", "Sequences in each decode step.",
+        self.batch_size = Histogram(p + "batch_size", "Sequences in each decode step (newcomers prefilled in the same forward included).",
                                     buckets=_BATCH_BUCKETS, registry=r)
         for reason in FINISH_REASONS:  # every series exists from the start (rate() needs a zero)
             self.request_success.labels(reason)
         for reason in REJECT_REASONS:
             self.request_rejected.labels(reason)
-        for phase in ("prefill", "decode"):
+        for phase in ("prefill", "decode", "mixed"):
             self.step_time.labels(phase)
         r.register(_LiveCollector(live))
         self._last_token: dict[int, float] = {}  # seq_id -> time of its latest token (for inter-token latency)
 
     # --- feeds ---------------------------------------------------------------------------------
-    def on_engine_call(self, phase: str, seqs: list[Sequence], seconds: float) -> None:
+    def on_engine_call(self, call: EngineCall) -> None:
         now = time.perf_counter()
-        self.step_time.labels(phase).observe(seconds)
-        self.generation_tokens.inc(len(seqs))
-        if phase == "prefill":
-            self.prompt_tokens.inc(sum(s.prompt_len for s in seqs))
-            for seq in seqs:
-                self._last_token[seq.seq_id] = seq.first_token_time or now
+        self.step_time.labels(call.phase).observe(call.seconds)
+        self.generation_tokens.inc(len(call.prefilled) + len(call.decoded))
+        self.prompt_tokens.inc(sum(s.prompt_len for s in call.prefilled))
+        for seq in call.prefilled:
+            self._last_token[seq.seq_id] = seq.first_token_time or now
+        if not call.decoded:
             return
-        self.batch_size.observe(len(seqs))
+        self.batch_size.observe(len(call.decoded) + len(call.prefilled))
         last = self._last_token
-        for seq in seqs:
+        for seq in call.decoded:
             prev = last.get(seq.seq_id)
             if prev is not None:
                 self.itl.observe(now - prev)

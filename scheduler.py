@@ -1,13 +1,16 @@
 """The continuous batcher: decides who runs, between engine steps, on the event loop.
 
 Each iteration: apply pending aborts, admit waiting sequences FCFS into free capacity,
-then run one ``engine.step()``. Engine calls run in a single worker thread, never on
-the event loop, so HTTP keeps flowing while the model computes. Every submitted
+and advance every running sequence by one token: one ``engine.admit_and_step()`` call
+when there are both (newcomers' prefill rides in the decode step's forward, so the
+weights stream once), else ``engine.admit()`` or ``engine.step()``. Engine calls run in a
+single worker thread, never on the event loop, so HTTP keeps flowing while the model computes. Every submitted
 sequence's future resolves exactly once, with the sequence itself, the moment it
 finishes (its status says why: stop, length, abort or error).
 
 Failure isolation: a failing ``admit`` fails only its newcomers; a failing ``step``
-fails the active set, resets the engine, and the loop goes on serving the queue.
+fails the active set, resets the engine, and the loop goes on serving the queue. A failing
+``admit_and_step`` commits nothing, so the scheduler retries the two apart to apply those rules.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Callable
 
 from engine import InferenceEngine
@@ -29,6 +33,22 @@ class QueueFullError(Exception):
     """The waiting queue is at MAX_QUEUE_DEPTH."""
 
 
+@dataclass
+class EngineCall:
+    """One successful engine call, as the ``on_engine_call`` hook sees it."""
+
+    seconds: float  # wall time of the call
+    prefilled: list[Sequence] = field(default_factory=list)  # newcomers that got their first token
+    decoded: list[Sequence] = field(default_factory=list)  # running sequences that got one more token
+
+    @property
+    def phase(self) -> str:
+        """"prefill", "decode", or "mixed" (both in one call)."""
+        if self.prefilled and self.decoded:
+            return "mixed"
+        return "prefill" if self.prefilled else "decode"
+
+
 class Scheduler:
     def __init__(self, engine: InferenceEngine, max_queue_depth: int) -> None:
         self.engine = engine
@@ -37,9 +57,9 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
         self.on_tokens: Callable[[list[Sequence]], None] | None = None  # after each admit/step (benchmarks)
         # Observability hooks (server metrics); one that raises is logged and never stops the loop.
-        # on_engine_call("prefill" | "decode", sequences that got a token, seconds) after each successful admit/step;
+        # on_engine_call(EngineCall) after each successful admit/step/admit_and_step;
         # on_resolved(seq) exactly once per submitted sequence, as its future resolves.
-        self.on_engine_call: Callable[[str, list[Sequence], float], None] | None = None
+        self.on_engine_call: Callable[[EngineCall], None] | None = None
         self.on_resolved: Callable[[Sequence], None] | None = None
         # Every submitted, unresolved sequence (waiting, being admitted, or running) and its future.
         self._pending: dict[int, tuple[Sequence, asyncio.Future[Sequence]]] = {}
@@ -123,10 +143,13 @@ class Scheduler:
                 self._expire(time.perf_counter())
                 await self._apply_aborts()
                 newcomers = self._schedule()
-                if newcomers:
-                    await self._admit(newcomers)
-                if self.running:
-                    await self._step()
+                if newcomers and self.running:
+                    await self._admit_and_step(newcomers)
+                else:
+                    if newcomers:
+                        await self._admit(newcomers)
+                    if self.running:
+                        await self._step()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug here must not strand requests: fail the active set, go on
@@ -163,14 +186,35 @@ class Scheduler:
                 seq.finish(SequenceStatus.FINISHED_ERROR, error=f"admission failed: {exc}")
                 self._resolve(seq)
             return
-        self._hook(self.on_engine_call, "prefill", newcomers, time.perf_counter() - start)
-        for seq in newcomers:
-            if not seq.is_finished:  # one finished on its first token never held a slot
+        self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers))
+        self._took_tokens(newcomers, [s for s in newcomers if s.is_finished])
+
+    async def _admit_and_step(self, newcomers: list[Sequence]) -> None:
+        """Admit and step in one engine call; if it fails (nothing committed), retry the two apart
+        so that an admission failure fails only the newcomers and a step failure only the batch."""
+        start = time.perf_counter()
+        batch = list(self.running.values())
+        try:
+            finished = await self._call_engine(self.engine.admit_and_step, newcomers)
+        except Exception as exc:
+            log.warning("admit_and_step failed (%s); retrying admission and step apart", exc)
+            await self._admit(newcomers)
+            if self.running:
+                await self._step()
+            return
+        self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers, decoded=batch))
+        self._took_tokens(batch + newcomers, finished)
+
+    def _took_tokens(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
+        """After an engine call gave ``seqs`` a token each: the unfinished hold slots, listeners
+        hear, the finished resolve."""
+        for seq in seqs:
+            if not seq.is_finished:
                 self.running[seq.seq_id] = seq
-        self._notify(newcomers)
-        for seq in newcomers:
-            if seq.is_finished:
-                self._resolve(seq)
+        self._notify(seqs)
+        for seq in finished:
+            self.running.pop(seq.seq_id, None)
+            self._resolve(seq)
 
     async def _step(self) -> None:
         start = time.perf_counter()
@@ -185,11 +229,8 @@ class Scheduler:
             await self._fail_running(f"engine step failed: {exc}")
             return
         batch = list(self.running.values())
-        self._hook(self.on_engine_call, "decode", batch, time.perf_counter() - start)
-        self._notify(batch)
-        for seq in finished:
-            self.running.pop(seq.seq_id, None)
-            self._resolve(seq)
+        self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, decoded=batch))
+        self._took_tokens(batch, finished)
 
     def _notify(self, seqs: list[Sequence]) -> None:
         if self.on_tokens:

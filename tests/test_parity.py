@@ -90,14 +90,23 @@ def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ..
     )
 
 
-def drive(engine: HFEngine, batches: list[tuple[int, list[Sequence]]]) -> None:
-    """Step the engine; admit each (step_no, seqs) group at that step (when capacity allows)."""
+def drive(engine: HFEngine, batches: list[tuple[int, list[Sequence]]], fused: bool = True) -> None:
+    """Step the engine; admit each (step_no, seqs) group at that step (when capacity allows).
+
+    fused: a group joining a running batch is prefilled in the decode step's forward
+    (``admit_and_step``, as the scheduler does); else ``admit`` then ``step``.
+    """
     pending = sorted(batches, key=lambda b: b[0])
     step = 0
     while pending or engine.num_active():
-        while pending and pending[0][0] <= step and engine.num_active() + len(pending[0][1]) <= engine.capacity:
-            engine.admit(pending.pop(0)[1])
-        engine.step()
+        joining = []
+        while pending and pending[0][0] <= step and engine.num_active() + len(joining) + len(pending[0][1]) <= engine.capacity:
+            joining += pending.pop(0)[1]
+        if fused and joining and engine.num_active():
+            engine.admit_and_step(joining)
+        else:
+            engine.admit(joining)
+            engine.step()
         step += 1
         assert step < 10_000
 
@@ -148,11 +157,12 @@ def test_stop_token_the_model_really_emits(model_dir, reference):
         assert seq.output_token_ids == expected(reference, seq, stops)
 
 
-def test_mid_stream_join_short_request_leaves_first(model_dir, reference):
+@pytest.mark.parametrize("fused", [True, False], ids=["admit_and_step", "admit-then-step"])
+def test_mid_stream_join_short_request_leaves_first(model_dir, reference, fused):
     engine = make_engine(model_dir, capacity=4)
     longs = seqs_for(reference, PROMPTS[:3], [40, 40, 40], ignore_eos=True)
     short = seqs_for(reference, [PROMPTS[4]], [4], ignore_eos=True)
-    drive(engine, [(0, longs), (7, short)])
+    drive(engine, [(0, longs), (7, short)], fused=fused)
     assert short[0].finish_time < min(s.finish_time for s in longs)
     for seq in longs + short:
         assert seq.output_token_ids == expected(reference, seq, set())
@@ -160,14 +170,15 @@ def test_mid_stream_join_short_request_leaves_first(model_dir, reference):
 
 @pytest.mark.parametrize("small_gemm", [True, False], ids=["small-gemm", "onednn-only"])
 def test_both_linear_kernels_across_the_small_batch_threshold(model_dir, reference, small_gemm):
-    """20 ragged sequences: the batch shrinks from 20 through 16 (small_gemm.MAX_ROWS) to 1,
-    so decode steps switch from oneDNN to the small-batch kernel mid-run (when it is on)."""
+    """20 ragged sequences, 6 more joining mid-run in mixed steps: the batch shrinks from 20
+    through 16 (small_gemm.MAX_ROWS) to 1, so decode steps switch from oneDNN to the small-batch
+    kernel mid-run (when it is on)."""
     engine = make_engine(model_dir, capacity=20, small_gemm=small_gemm)
     if small_gemm:
         assert engine.model.small_gemm, "the small-batch kernel did not build here"
-    budgets = [1 + (i * 7) % 23 for i in range(20)]
-    seqs = seqs_for(reference, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(20)], budgets, ignore_eos=True)
-    drive(engine, [(0, seqs)])
+    budgets = [1 + (i * 7) % 23 for i in range(26)]
+    seqs = seqs_for(reference, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(26)], budgets, ignore_eos=True)
+    drive(engine, [(0, seqs[:20]), (3, seqs[20:23]), (9, seqs[23:])])
     for seq in seqs:
         assert seq.output_token_ids == expected(reference, seq, set())
 

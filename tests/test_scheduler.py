@@ -60,6 +60,17 @@ class RecordingEngine(FakeEngine):
         self.active_log.append(self.num_active())
         return finished
 
+    def admit_and_step(self, seqs):
+        if not seqs or not self.num_active():  # the base class delegates to admit() / step(), logged above
+            return super().admit_and_step(seqs)
+        finished = super().admit_and_step(seqs)
+        ids = [s.seq_id for s in seqs]
+        self.admitted += ids
+        self.admit_groups.append(ids)
+        self.events += [("admit", i) for i in ids] + [("finish", s.seq_id) for s in finished]
+        self.active_log.append(self.num_active())
+        return finished
+
 
 async def started(engine, depth: int = 1024) -> Scheduler:
     sched = Scheduler(engine, max_queue_depth=depth)
@@ -310,13 +321,15 @@ def test_admit_exception_fails_only_its_newcomers(bad, caplog):
 
 
 def test_admit_exception_fails_the_whole_group_but_not_the_running_batch():
+    """The newcomers join a running batch, so they first ride in a mixed admit+step call; its
+    failure commits nothing, the retry apart fails only the group, the old batch finishes."""
     async def body():
-        calls = {"n": 0}
+        groups = []
 
         def fault(seqs):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise Boom("second admit")
+            groups.append([s.request_id for s in seqs])
+            if any(s.request_id.startswith("new") for s in seqs):
+                raise Boom("new group cannot prefill")
 
         gate = Gate()
         eng = FakeEngine(capacity=4, admit_fault=fault, step_fault=gate.wait)
@@ -325,7 +338,7 @@ def test_admit_exception_fails_the_whole_group_but_not_the_running_batch():
             old = [make_seq(f"old{i}", 4) for i in range(2)]
             futs_old = [sched.submit(s) for s in old]
             await wait_until(lambda: gate.entered.is_set(), what="first step")
-            new = [make_seq(f"new{i}", 4) for i in range(2)]  # admitted together at the next boundary
+            new = [make_seq(f"new{i}", 4, request_id=f"new{i}") for i in range(2)]  # admitted together at the next boundary
             futs_new = [sched.submit(s) for s in new]
             gate.open.set()
             await gather_all(futs_old + futs_new)
@@ -335,7 +348,10 @@ def test_admit_exception_fails_the_whole_group_but_not_the_running_batch():
         for i, s in enumerate(old):
             assert_ok(s, f"old{i}")
         for s in new:
-            assert s.status is SequenceStatus.FINISHED_ERROR and "second admit" in s.error
+            assert s.status is SequenceStatus.FINISHED_ERROR and "new group cannot prefill" in s.error
+            assert s.output_token_ids == []
+        assert groups[1:] == [["new0", "new1"], ["new0", "new1"]]  # the mixed call, then the retry apart
+        assert sched.failed_admits == 2 and sched.failed_steps == 0 and eng.resets == 0
 
     bounded(body)
 
@@ -343,12 +359,15 @@ def test_admit_exception_fails_the_whole_group_but_not_the_running_batch():
 @pytest.mark.parametrize("fail_step", [1, 2, 4])
 def test_step_exception_fails_active_set_and_loop_goes_on(fail_step, caplog):
     async def body():
-        victims: list[Sequence] = []
+        victims: set[Sequence] = set()
 
         def fault(step_no):
-            if step_no == fail_step:
-                victims.extend(eng._rows)  # the active set of the failing step
-                raise Boom(f"decode exploded at {step_no}")
+            # From step fail_step on, any decode holding long0 explodes. A newcomer joining then
+            # rides in a mixed admit+step call first: it fails, commits nothing, and the retry
+            # apart (admit, then step) fails with the newcomer in the active set.
+            if step_no >= fail_step and any(s is first[1] for s in eng._rows):
+                victims.update(eng._rows)  # the active set of the failing step
+                raise Boom(f"decode exploded at {fail_step}+")
 
         eng = RecordingEngine(capacity=4, step_fault=fault)
         sched = await started(eng)
@@ -367,7 +386,7 @@ def test_step_exception_fails_active_set_and_loop_goes_on(fail_step, caplog):
         assert set(first[1:]) <= set(victims)
         for s in victims:
             assert s.status is SequenceStatus.FINISHED_ERROR
-            assert "engine step failed" in s.error and f"decode exploded at {fail_step}" in s.error
+            assert "engine step failed" in s.error and f"decode exploded at {fail_step}+" in s.error
             n = len(s.output_token_ids)
             assert 1 <= n < s.max_new_tokens
             assert s.output_token_ids == expected_ids(prompts[s.seq_id], n)  # nothing from the failed step

@@ -67,14 +67,39 @@ def test_on_engine_call_reports_prefill_and_decode_batches():
     async def body():
         sched = Scheduler(FakeEngine(capacity=3), max_queue_depth=10)
         calls = []
-        sched.on_engine_call = lambda phase, seqs, seconds: calls.append((phase, len(seqs), seconds))
+        sched.on_engine_call = lambda call: calls.append((call.phase, len(call.prefilled), len(call.decoded), call.seconds))
         sched.start()
         futures = [sched.submit(seq(f"p{i}", 3)) for i in range(3)]
         await asyncio.wait_for(asyncio.gather(*futures), 10)
         await sched.stop()
-        assert calls[0][:2] == ("prefill", 3)
-        assert [c[:2] for c in calls[1:]] == [("decode", 3), ("decode", 3)]
-        assert all(c[2] >= 0 for c in calls)
+        assert calls[0][:3] == ("prefill", 3, 0)
+        assert [c[:3] for c in calls[1:]] == [("decode", 0, 3), ("decode", 0, 3)]
+        assert all(c[3] >= 0 for c in calls)
+
+    run(asyncio.wait_for(body(), 30))
+
+
+def test_a_newcomer_joining_a_running_batch_rides_in_one_mixed_call():
+    """capacity 2: "short" leaves after 2 tokens and "late" joins the running "long" in one call."""
+    async def body():
+        eng = FakeEngine(capacity=2)
+        sched = Scheduler(eng, max_queue_depth=10)
+        calls = []
+        sched.on_engine_call = lambda call: calls.append(
+            (call.phase, [s.request_id for s in call.prefilled], [s.request_id for s in call.decoded])
+        )
+        sched.start()
+        long, short, late = seq("long", 5), seq("short", 2), seq("late", 3)
+        done = await asyncio.wait_for(asyncio.gather(*(sched.submit(s) for s in (long, short, late))), 10)
+        await sched.stop()
+        assert [len(d.output_token_ids) for d in done] == [5, 2, 3]
+        assert calls[:3] == [
+            ("prefill", ["long", "short"], []),
+            ("decode", [], ["long", "short"]),  # short finishes: its slot frees
+            ("mixed", ["late"], ["long"]),  # late's prefill and long's decode in one engine call
+        ]
+        assert all(phase != "prefill" for phase, _, _ in calls[1:])
+        assert len(calls) == 5 and eng.stats()["generated_tokens"] == 10
 
     run(asyncio.wait_for(body(), 30))
 
