@@ -4,12 +4,14 @@ The weights come from a loaded Hugging Face ``GPT2LMHeadModel``; the math is the
 as HF's (pre-LayerNorm blocks, fused QKV, tanh-GELU MLP, tied lm_head), so greedy
 tokens match ``generate(do_sample=False)`` exactly (the parity tests guard this).
 
-Two entry points, both pure functions of (tokens, positions, cache):
-- ``prefill``: several prompts packed into one ``[T, C]`` activation (no padding);
-  the linears run once over all T tokens, attention runs per prompt, and each
-  prompt's K/V lands in its own cache row. Logits only for each prompt's last token.
-- ``decode``: one token for each of the rows ``[0, B)``; K/V written in place at each
-  row's own position, attention over a view of the cache, masked per row length.
+One entry point, ``forward``, a pure function of (tokens, positions, cache) over a mixed batch
+(``prefill`` and ``decode`` are its two halves alone):
+- decode: one token for each of the rows ``[0, B)``; K/V written in place at each row's own
+  position, attention over a view of the cache, masked per row length;
+- prefill: whole prompts packed after them into one ``[B + T, C]`` activation (no padding);
+  attention runs causally per prompt, and each prompt's K/V lands in its own cache row.
+The linears run once over all B + T tokens: a step that admits newcomers streams the weights
+once. Logits only for the decode rows and each prompt's last token.
 
 Shapes: C = n_embd, H = n_head, D = C / H, V = vocab, L = positions attended.
 """

@@ -2,11 +2,12 @@
 
 A decode step multiplies B rows (B = batch, a few to a few dozen) by every weight matrix, so
 it is bound by streaming weights from memory. Measured on the 2-core AVX2 box this project is
-benchmarked on (distilgpt2 shapes, weights cold in cache, 2 threads, GB/s of weights streamed):
+benchmarked on (all 25 linears of distilgpt2 in turn, 324 MB, weights cold in cache, 2 threads,
+GB/s of weights streamed; two runs a minute apart, /tmp-free script in the README's roofline notes):
 
-    rows M            1      4      8     16     32
-    oneDNN packed   13.0    8.6    7.6    6.5    4.1
-    this kernel     13.4   11.3   10.5    7.8    4.7
+    rows M                 1          4          8          16         32
+    oneDNN packed     13.7-13.9  6.5-10.6    8.0-8.3    6.1-7.0    4.5-5.1
+    this kernel       15.5-16.8  13.1-16.1  12.3-15.0   7.9-9.6    4.6-4.9
 
 so it is used for M <= ``MAX_ROWS`` and oneDNN (better at prefill sizes) above. The kernel
 needs AVX2 + FMA and a C compiler with OpenMP; without them ``load()`` returns None, says why

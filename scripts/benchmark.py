@@ -276,8 +276,8 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def linear_shapes(model) -> list[tuple[int, int]]:
-    """(out, in) of every linear in our model (blocks and lm_head), found by walking its attributes."""
+def model_linears(model) -> list:
+    """Every ``gpt2.Linear`` of our model (blocks and lm_head), found by walking its attributes."""
     from gpt2 import Linear
 
     found, seen = [], set()
@@ -287,7 +287,7 @@ def linear_shapes(model) -> list[tuple[int, int]]:
             return
         seen.add(id(obj))
         if isinstance(obj, Linear):
-            found.append((obj.out_features, obj.in_features))
+            found.append(obj)
         elif isinstance(obj, (list, tuple)):
             for x in obj:
                 walk(x)
@@ -297,6 +297,11 @@ def linear_shapes(model) -> list[tuple[int, int]]:
 
     walk(model)
     return found
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    """(out, in) of every linear in our model."""
+    return [(lin.out_features, lin.in_features) for lin in model_linears(model)]
 
 
 def decode_cost(model, batch: int, context: int) -> tuple[float, float]:
@@ -365,6 +370,45 @@ def overhead_and_roofline(engine, batch_sizes: list[int], prompt_len: int, steps
     return rows
 
 
+def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[dict]:
+    """Per row count M: GB/s of weights streamed through every linear of the model in turn, by
+    oneDNN and by the small-batch kernel (small_gemm.c), on the model's own packed weights.
+    Runs in a worker thread of its own, as the engine does."""
+    import torch
+
+    import small_gemm
+
+    linears = model_linears(model)
+    if not linears or not linears[0].onednn:
+        return []
+    weight_bytes = sum(lin.out_features * lin.in_features * 4 for lin in linears)
+
+    def onednn(x, lin):
+        return torch.ops.mkldnn._linear_pointwise(x, lin.weight, None, "none", [], "")
+
+    def kernel(x, lin):
+        return small_gemm.matmul(x, lin.small, lin.out_features)
+
+    def rate(fn, m: int) -> float:
+        xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
+        runs = []
+        for _ in range(repeats + 1):  # the first pass warms up
+            runs.append(_timed(lambda: [fn(xs[lin.in_features], lin) for lin in linears]))
+        return weight_bytes / min(runs[1:]) / 1e9
+
+    def measure() -> list[dict]:
+        out = []
+        for m in rows:
+            entry = {"rows": m, "onednn_gb_s": rate(onednn, m)}
+            if linears[0].small is not None:
+                entry["small_gemm_gb_s"] = rate(kernel, m)
+            out.append(entry)
+        return out
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(measure).result()
+
+
 # --- worker and driver ---------------------------------------------------------------------------
 def worker(args) -> None:
     """Run one system on one workload (one capacity); print one JSON line."""
@@ -389,6 +433,7 @@ def worker(args) -> None:
         sizes = [b for b in (1, 8, 32) if b <= capacity] if not args.quick else [min(2, capacity)]
         result["machine_peaks"] = peaks
         result["overhead"] = overhead_and_roofline(once.engine, sizes, 64, 8 if args.quick else 24, peaks)
+        result["linear_kernels"] = linear_kernel_rates(once.engine.model, (1, 8) if args.quick else (1, 4, 8, 16, 32))
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -501,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(results[w])
             if "overhead" in results[w].get("ours", {}):
                 print_overhead(results[w]["ours"])
+                print_linear_kernels(results[w]["ours"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats,
@@ -542,6 +588,17 @@ def print_overhead(ours: dict) -> None:
         print(f"{o['batch']:>5} {o['context']:>7} {o['engine_step_ms']:>9.1f} {o['bare_step_ms']:>8.1f} "
               f"{o['overhead_pct']:>7.1f}% {o['bare_gflops']:>8.1f} {o['bare_weight_gb_s']:>12.1f} "
               f"{o['roofline_step_ms']:>11.1f} {o['roofline_fraction'] * 100:>10.0f}%")
+
+
+def print_linear_kernels(ours: dict) -> None:
+    rates = ours.get("linear_kernels") or []
+    if not rates:
+        return
+    print("\nweights streamed per second through every linear (GB/s), by rows per call:")
+    print(f"{'rows':>5} {'oneDNN':>8} {'small_gemm':>10}")
+    for r in rates:
+        small = f"{r['small_gemm_gb_s']:>10.1f}" if "small_gemm_gb_s" in r else f"{'off':>10}"
+        print(f"{r['rows']:>5} {r['onednn_gb_s']:>8.1f} {small}")
 
 
 def print_sweep(results: dict) -> None:

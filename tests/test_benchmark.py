@@ -45,6 +45,11 @@ def test_quick_seed_benchmark_writes_json_for_every_system(tiny_model_dir, tmp_p
     overhead = ours["overhead"][0]
     assert overhead["engine_step_ms"] > 0 and overhead["bare_step_ms"] > 0 and 0 < overhead["roofline_fraction"]
     assert ours["machine_peaks"]["matmul_gflops"] > 0
+    kernels = ours["linear_kernels"]
+    assert [k["rows"] for k in kernels] == [1, 8] and all(k["onednn_gb_s"] > 0 for k in kernels)
+    if small_gemm_builds():
+        assert all(k["small_gemm_gb_s"] > 0 for k in kernels)
+    assert "weights streamed per second through every linear" in proc.stdout
     assert (plots / "latency_cdf_seed.png").stat().st_size > 1000
     assert "== workload seed ==" in proc.stdout and "ours" in proc.stdout
 
@@ -56,3 +61,9 @@ def test_quick_sweep_plots_throughput_vs_capacity(tiny_model_dir, tmp_path):
     assert set(sweep) == {"1", "2"} and all(v["tokens_per_s"] > 0 for v in sweep.values())
     assert sweep["1"]["capacity"] == 1 and sweep["2"]["capacity"] == 2
     assert (plots / "throughput_vs_capacity.png").stat().st_size > 1000
+
+
+def small_gemm_builds() -> bool:
+    import small_gemm
+
+    return small_gemm.load() is not None
