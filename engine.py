@@ -310,9 +310,10 @@ class FakeEngine(BatchEngine):
 
 
 # HF config.model_type -> (module, class) of our hand-written forward for that family. Each
-# class takes (hf_model, capacity, max_len, device), has ``context_window(hf_config)``, ``kv``
-# (a KVCache), ``onednn``, and ``prefill(prompts, rows)`` / ``decode(tokens, positions)``
-# returning logits.
+# class takes (hf_model, capacity, max_len, device, use_small_gemm=...), has
+# ``context_window(hf_config)``, ``kv`` (a KVCache), ``onednn``, ``small_gemm``, and is a
+# ``gpt2.MixedForward``: ``forward(tokens, positions, prompts, rows)`` over a mixed batch,
+# ``prefill(prompts, rows)`` and ``decode(tokens, positions)``, each returning logits.
 MODEL_FAMILIES = {"gpt2": ("gpt2", "GPT2"), "llama": ("llama", "Llama")}
 
 

@@ -19,6 +19,7 @@ Shapes: C = n_embd, H = n_head, D = C / H, V = vocab, L = positions attended.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -87,6 +88,59 @@ def linear_factory(device: torch.device, capacity: int, want_small: bool) -> tup
     return functools.partial(Linear, onednn=onednn, batch_hint=capacity, small=small), onednn, small
 
 
+@dataclass
+class MixedBatch:
+    """Where each token of one mixed forward sits: B decode tokens first, then the prompts back to back.
+
+    Shared by every model family's ``forward``; built once per forward, used by every layer.
+    """
+
+    ids: torch.Tensor  # [B + T] token ids
+    pos: torch.Tensor  # [B + T] positions
+    n_decode: int  # B: decode rows [0, B) of the activation and of the KV cache
+    prompts: list[tuple[int, int, int]]  # per prompt: (first row in the activation, length, KV cache row)
+    decode_rows: torch.Tensor  # [B]: cache rows of the decode tokens (0..B-1)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L]: row b attends positions <= pos[b]; None when B = 0
+    decode_length: int  # L: the longest decode row's context
+    sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
+
+    @classmethod
+    def build(
+        cls, token_ids: list[int], positions: list[int], prompts: list[list[int]], rows: list[int], arange: torch.Tensor
+    ) -> "MixedBatch":
+        """``arange``: a preallocated ``torch.arange`` at least as long as any position or row count."""
+        B, dev = len(token_ids), arange.device
+        lengths = [len(p) for p in prompts]
+        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
+        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], device=dev)
+        pos = torch.cat([torch.tensor(positions, device=dev, dtype=torch.long)] + [arange[:n] for n in lengths])
+        length = max(positions) + 1 if B else 0
+        mask = (arange[:length] <= pos[:B, None]).view(B, 1, 1, length) if B else None
+        sample = [*range(B), *(s + n - 1 for s, n in zip(starts, lengths))] if prompts else None
+        return cls(
+            ids, pos, B, list(zip(starts, lengths, rows)), arange[:B], mask, length,
+            torch.tensor(sample, device=dev) if sample is not None else None,
+        )
+
+
+class MixedForward:
+    """What the engine calls on a model family: ``forward`` over a mixed batch (subclasses), and
+    its two halves alone."""
+
+    def forward(
+        self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
+        return self.forward([], [], prompts, rows)
+
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
+        return self.forward(token_ids, positions)
+
+
 class Block:
     """One transformer block's weights (Conv1D weights transposed to [out, in])."""
 
@@ -102,7 +156,7 @@ class Block:
         self.mlp_proj = lin("mlp.c_proj")  # [4C] -> [C]
 
 
-class GPT2:
+class GPT2(MixedForward):
     """GPT-2 weights plus the KV cache, with ``prefill`` and ``decode`` steps that return logits."""
 
     @staticmethod
@@ -135,8 +189,7 @@ class GPT2:
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
         self.lm_head = make_linear(sd.get("lm_head.weight", self.wte), None)  # [C] -> [V]
         self.kv = KVCache(self.n_layer, capacity, self.n_head, max_len, self.head_dim, device)
-        self._rows = torch.arange(capacity, device=device)
-        self._positions = torch.arange(max_len, device=device)
+        self._arange = torch.arange(max(capacity, max_len), device=device)  # rows and positions
 
     def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.n_embd,), wb[0], wb[1], self.eps)
@@ -149,14 +202,6 @@ class GPT2:
         """x_last: [N, C] final hidden states -> [N, V] logits."""
         return self.lm_head(self._ln(x_last, self.ln_f))
 
-    def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
-        """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
-        return self.forward([], [], prompts, rows)
-
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
-        return self.forward(token_ids, positions)
-
     @torch.inference_mode()
     def forward(
         self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
@@ -167,42 +212,32 @@ class GPT2:
 
         Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
         """
-        B, H, D = len(token_ids), self.n_head, self.head_dim
-        lengths = [len(p) for p in prompts]
-        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]  # each prompt's first row in x
-        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], device=self.device)  # [B + T]
-        pos = torch.cat([torch.tensor(positions, device=self.device, dtype=torch.long)] + [self._positions[:n] for n in lengths])
-        x = self.wte[ids] + self.wpe[pos]  # [B + T, C]
+        batch = MixedBatch.build(token_ids, positions, prompts, rows, self._arange)
+        B, H, D = batch.n_decode, self.n_head, self.head_dim
+        x = self.wte[batch.ids] + self.wpe[batch.pos]  # [B + T, C]
         N = x.shape[0]
-        decode = self._decode_attention_inputs(pos[:B]) if B else None
         for layer, block in enumerate(self.blocks):
             qkv = block.c_attn(self._ln(x, block.ln_1)).view(N, 3, H, D)
             att = torch.empty(N, H, D, device=self.device)
             if B:
-                att[:B] = self._decode_attention(layer, qkv[:B], decode)
-            for start, n, row in zip(starts, lengths, rows):
+                att[:B] = self._decode_attention(layer, qkv[:B], batch)
+            for start, n, row in batch.prompts:
                 q, k, v = qkv[start : start + n].permute(1, 2, 0, 3)  # each [H, n, D]
                 self.kv.write_prompt(layer, row, k, v)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.attn_scales[layer])
                 att[start : start + n] = out.transpose(0, 1)  # [n, H, D]
             x = block.attn_proj.add(att.view(N, self.n_embd), x)
             x = self._mlp(block, x)
-        if prompts:  # logits only where a token is sampled: decode rows and each prompt's last position
-            x = x[torch.tensor(list(range(B)) + [s + n - 1 for s, n in zip(starts, lengths)], device=self.device)]
-        return self._logits(x)
+        # Logits only where a token is sampled: the decode rows and each prompt's last position.
+        return self._logits(x if batch.sample_rows is None else x[batch.sample_rows])
 
-    def _decode_attention_inputs(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """pos: [B] positions of the decode tokens -> (rows [B], pos, mask [B, 1, 1, L], L)."""
-        B = pos.shape[0]
-        length = int(pos.max()) + 1  # L: longest row's context
-        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)
-        return self._rows[:B], pos, mask, length
-
-    def _decode_attention(self, layer: int, qkv: torch.Tensor, inputs) -> torch.Tensor:
+    def _decode_attention(self, layer: int, qkv: torch.Tensor, batch: MixedBatch) -> torch.Tensor:
         """qkv: [B, 3, H, D] of the decode tokens -> attention output [B, H, D]; K/V written in place first."""
-        rows, pos, mask, length = inputs
+        B = batch.n_decode
         q, k, v = qkv.unbind(1)  # each [B, H, D]
-        self.kv.write_step(layer, rows, pos, k, v)
-        keys, values = self.kv.view(layer, rows.shape[0], length)  # each [B, H, L, D]: a view, no copy
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.attn_scales[layer])
+        self.kv.write_step(layer, batch.decode_rows, batch.pos[:B], k, v)
+        keys, values = self.kv.view(layer, B, batch.decode_length)  # each [B, H, L, D]: a view, no copy
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=batch.decode_mask, scale=self.attn_scales[layer]
+        )  # [B, H, 1, D]
         return out.squeeze(2)  # [B, H, D]

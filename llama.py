@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from gpt2 import Linear, linear_factory
+from gpt2 import Linear, MixedBatch, MixedForward, linear_factory
 from kv_cache import KVCache
 
 # RoPE types whose frequencies are fixed at load time (HF recomputes "dynamic" and "longrope"
@@ -101,7 +101,7 @@ class Block:
         self.down = fused(["mlp.down_proj"])  # [I] -> [C]
 
 
-class Llama:
+class Llama(MixedForward):
     """Llama weights plus the KV cache, with ``prefill`` and ``decode`` steps that return logits."""
 
     @staticmethod
@@ -134,8 +134,7 @@ class Llama:
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
         self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None)  # [C] -> [V]
         self.kv = KVCache(self.n_layer, capacity, self.n_kv_head, max_len, self.head_dim, device)
-        self._rows = torch.arange(capacity, device=device)
-        self._positions = torch.arange(max_len, device=device)
+        self._arange = torch.arange(max(capacity, max_len), device=device)  # rows and positions
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [N, C] -> weight * x / rms(x): [N, C]."""
@@ -158,14 +157,6 @@ class Llama:
         """x_last: [N, C] final hidden states -> [N, V] logits."""
         return self.lm_head(self._rms(x_last, self.norm))
 
-    def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
-        """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
-        return self.forward([], [], prompts, rows)
-
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
-        return self.forward(token_ids, positions)
-
     @torch.inference_mode()
     def forward(
         self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
@@ -175,21 +166,17 @@ class Llama:
 
         Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
         """
-        B, H, D = len(token_ids), self.n_head, self.head_dim
-        lengths = [len(p) for p in prompts]
-        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]  # each prompt's first row in x
-        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], device=self.device)  # [B + T]
-        pos = torch.cat([torch.tensor(positions, device=self.device, dtype=torch.long)] + [self._positions[:n] for n in lengths])
-        x = self.embed[ids]  # [B + T, C]
+        batch = MixedBatch.build(token_ids, positions, prompts, rows, self._arange)
+        B, H, D = batch.n_decode, self.n_head, self.head_dim
+        x = self.embed[batch.ids]  # [B + T, C]
         N = x.shape[0]
-        rope = self.cos[pos], self.sin[pos]  # each [B + T, 1, D]
-        decode = self._decode_attention_inputs(pos[:B]) if B else None
+        rope = self.cos[batch.pos], self.sin[batch.pos]  # each [B + T, 1, D]
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, rope)  # [N, H, D], [N, KVH, D], [N, KVH, D]
             att = torch.empty(N, H, D, device=self.device)
             if B:
-                att[:B] = self._decode_attention(layer, q[:B], k[:B], v[:B], decode)
-            for start, n, row in zip(starts, lengths, rows):
+                att[:B] = self._decode_attention(layer, q[:B], k[:B], v[:B], batch)
+            for start, n, row in batch.prompts:
                 span = slice(start, start + n)
                 qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [h, n, D]
                 self.kv.write_prompt(layer, row, kp, vp)
@@ -199,26 +186,19 @@ class Llama:
                 att[span] = out.transpose(0, 1)  # [n, H, D]
             x = block.o_proj.add(att.view(N, H * D), x)
             x = self._mlp(block, x)
-        if prompts:  # logits only where a token is sampled: decode rows and each prompt's last position
-            x = x[torch.tensor(list(range(B)) + [s + n - 1 for s, n in zip(starts, lengths)], device=self.device)]
-        return self._logits(x)
+        # Logits only where a token is sampled: the decode rows and each prompt's last position.
+        return self._logits(x if batch.sample_rows is None else x[batch.sample_rows])
 
-    def _decode_attention_inputs(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """pos: [B] positions of the decode tokens -> (rows [B], pos, mask [B, 1, 1, L], L)."""
-        B = pos.shape[0]
-        length = int(pos.max()) + 1  # L: longest row's context
-        mask = (self._positions[:length] <= pos[:, None]).view(B, 1, 1, length)
-        return self._rows[:B], pos, mask, length
-
-    def _decode_attention(self, layer: int, q, k, v, inputs) -> torch.Tensor:
+    def _decode_attention(self, layer: int, q, k, v, batch: MixedBatch) -> torch.Tensor:
         """q: [B, H, D], k, v: [B, KVH, D] of the decode tokens -> attention output [B, H, D].
 
         K/V are written in place first; query head h = kv * G + g reads K/V head kv, so the
         queries are viewed as [B, KVH, G, D] against the cache view [B, KVH, L, D]: no copy.
         """
-        rows, pos, mask, length = inputs
-        B, KVH, G, D = q.shape[0], self.n_kv_head, self.group, self.head_dim
-        self.kv.write_step(layer, rows, pos, k, v)
-        keys, values = self.kv.view(layer, B, length)  # each [B, KVH, L, D]
-        out = F.scaled_dot_product_attention(q.reshape(B, KVH, G, D), keys, values, attn_mask=mask, scale=self.scale)
+        B, KVH, G, D = batch.n_decode, self.n_kv_head, self.group, self.head_dim
+        self.kv.write_step(layer, batch.decode_rows, batch.pos[:B], k, v)
+        keys, values = self.kv.view(layer, B, batch.decode_length)  # each [B, KVH, L, D]
+        out = F.scaled_dot_product_attention(
+            q.reshape(B, KVH, G, D), keys, values, attn_mask=batch.decode_mask, scale=self.scale
+        )  # [B, KVH, G, D]
         return out.view(B, self.n_head, D)
