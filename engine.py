@@ -380,16 +380,14 @@ class HFEngine(BatchEngine):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
-        rows = list(range(first_row, first_row + len(seqs)))
-        return self._next_tokens(self.model.prefill([s.prompt_token_ids for s in seqs], rows), seqs)
+        return self._mixed([], seqs, first_row)[1]
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
-        tokens = [s.last_token_id for s in seqs]
-        positions = [s.num_tokens - 1 for s in seqs]
-        return self._next_tokens(self.model.decode(tokens, positions), seqs)
+        return self._mixed(seqs, [], len(seqs))[0]
 
     def _mixed(self, running: list[Sequence], seqs: list[Sequence], first_row: int) -> tuple[list[int], list[int]]:
-        """One forward for both: the weights stream once (a decode step alone is bound by that)."""
+        """One forward for both (either may be empty): the weights stream once (a decode step alone is
+        bound by that)."""
         rows = list(range(first_row, first_row + len(seqs)))
         logits = self.model.forward(
             [s.last_token_id for s in running], [s.num_tokens - 1 for s in running], [s.prompt_token_ids for s in seqs], rows

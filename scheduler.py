@@ -3,10 +3,10 @@
 Each iteration: apply pending aborts, admit waiting sequences FCFS into free capacity,
 and advance every running sequence by one token: one ``engine.admit_and_step()`` call
 when there are both (newcomers' prefill rides in the decode step's forward, so the
-weights stream once), else ``engine.admit()`` or ``engine.step()``. Engine calls run in a
-single worker thread, never on the event loop, so HTTP keeps flowing while the model computes. Every submitted
-sequence's future resolves exactly once, with the sequence itself, the moment it
-finishes (its status says why: stop, length, abort or error).
+weights stream once), else ``engine.admit()`` or ``engine.step()``. Engine calls run in
+a single worker thread, never on the event loop, so HTTP keeps flowing while the model
+computes. Every submitted sequence's future resolves exactly once, with the sequence
+itself, the moment it finishes (its status says why: stop, length, abort or error).
 
 Failure isolation: a failing ``admit`` fails only its newcomers; a failing ``step``
 fails the active set, resets the engine, and the loop goes on serving the queue. A failing

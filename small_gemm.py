@@ -3,7 +3,8 @@
 A decode step multiplies B rows (B = batch, a few to a few dozen) by every weight matrix, so
 it is bound by streaming weights from memory. Measured on the 2-core AVX2 box this project is
 benchmarked on (all 25 linears of distilgpt2 in turn, 324 MB, weights cold in cache, 2 threads,
-GB/s of weights streamed; two runs a minute apart, /tmp-free script in the README's roofline notes):
+GB/s of weights streamed; two runs a minute apart; ``scripts/benchmark.py`` reports the same
+table for any model as ``linear_kernels``):
 
     rows M                 1          4          8          16         32
     oneDNN packed     13.7-13.9  6.5-10.6    8.0-8.3    6.1-7.0    4.5-5.1
