@@ -49,7 +49,7 @@ def wait_ready(url: str, timeout: float, alive=lambda: True) -> None:
 
 
 class ProcessServer:
-    def __init__(self, env: dict[str, str], ready_timeout: float = 60.0) -> None:
+    def __init__(self, env: dict[str, str], ready_timeout: float = 60.0, preexec_fn=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {k: v for k, v in os.environ.items() if k not in _CONFIG_VARS}
@@ -58,7 +58,7 @@ class ProcessServer:
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full_env,
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
         )
         try:
             wait_ready(self.url, ready_timeout, alive=lambda: self.proc.poll() is None)

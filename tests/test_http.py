@@ -358,6 +358,7 @@ def test_503_when_queue_is_full():
                 await wait_until(lambda: len(sched.waiting) == 1, what="second queued")
                 r = await c.post("/generate", json={"prompt": "three", "max_new_tokens": 2})
                 assert_error(r, 503, "overloaded", "queue is full")
+                assert r.headers["retry-after"] == "1"
                 h = await c.get("/health")
                 assert h.json()["running"] == 1 and h.json()["waiting"] == 1
                 gate.open.set()
@@ -398,7 +399,8 @@ def test_500_when_engine_step_raises_and_server_keeps_serving():
         async with serving(eng) as c:
             r = await c.post("/generate", json={"prompt": "doomed", "max_new_tokens": 5})
             err = assert_error(r, 500, "server_error")
-            assert "generation failed" in err["message"] and "CUDA went sideways" in err["message"]
+            # A stable message: the exception's own text stays in the server log.
+            assert err["message"] == "generation failed: engine step failed"
             # The failed request is answered before the loop resets the engine.
             await wait_until(lambda: eng.resets == 1, what="engine reset")
             assert_ok(await c.post("/generate", json={"prompt": "fine", "max_new_tokens": 5}), "fine", 5)
@@ -419,7 +421,7 @@ def test_500_when_admit_raises_and_server_keeps_serving():
     async def body():
         async with serving(FakeEngine(admit_fault=fault)) as c:
             err = assert_error(await c.post("/generate", json={"prompt": "a", "max_new_tokens": 3}), 500, "server_error")
-            assert "prefill out of memory" in err["message"]
+            assert err["message"] == "generation failed: admission failed"
             assert_ok(await c.post("/generate", json={"prompt": "b", "max_new_tokens": 3}), "b", 3)
 
     bounded(body)
