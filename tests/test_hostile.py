@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from conftest import run
-from live import ProcessServer, fake_text, metric
+from conftest import fake_text, run
+from live import ProcessServer, metric
 
 OK_BODY = {"prompt": "hello", "max_new_tokens": 3}
 

@@ -10,10 +10,10 @@ import logging
 import httpx
 import pytest
 
-from conftest import assert_error, bounded, Gate, serving, wait_until
+from conftest import assert_error, bounded, fake_text, Gate, serving, wait_until
 from config import Config
 from engine import FakeEngine
-from live import fake_text, metric
+from live import metric
 from metrics import logfmt
 from server import create_app
 

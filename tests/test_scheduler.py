@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import bounded, Gate, wait_until
+from conftest import bounded, fake_ids, Gate, wait_until
 from engine import FakeEngine
 from scheduler import QueueFullError, Scheduler, WaitingQueue
 from sequence import Sequence, SequenceStatus
@@ -24,12 +24,6 @@ _fake = FakeEngine()
 
 def make_seq(prompt: str = "hello", max_new: int = 4, request_id: str = "") -> Sequence:
     return Sequence(prompt_token_ids=_fake.encode(prompt), max_new_tokens=max_new, request_id=request_id)
-
-
-def expected_ids(prompt: str, n: int) -> list[int]:
-    """FakeEngine's default tokens for ``prompt``, computed independently of letter_token."""
-    s = sum(b + 1 for b in prompt.encode("utf-8"))
-    return [ord("a") + 1 + (s * 7 + i * 3) % 26 for i in range(n)]
 
 
 async def gather_all(futures, timeout: float = 15.0):
@@ -81,7 +75,7 @@ async def started(engine, depth: int = 1024) -> Scheduler:
 
 def assert_ok(s: Sequence, prompt: str) -> None:
     assert s.status is SequenceStatus.FINISHED_LENGTH, (s.status, s.error)
-    assert s.output_token_ids == expected_ids(prompt, s.max_new_tokens)
+    assert s.output_token_ids == fake_ids(prompt, s.max_new_tokens)
 
 
 # --- capacity, order, eviction ---------------------------------------------------------------------
@@ -390,7 +384,7 @@ def test_step_exception_fails_active_set_and_loop_goes_on(fail_step, caplog):
             assert s.error == "engine step failed"
             n = len(s.output_token_ids)
             assert 1 <= n < s.max_new_tokens
-            assert s.output_token_ids == expected_ids(prompts[s.seq_id], n)  # nothing from the failed step
+            assert s.output_token_ids == fake_ids(prompts[s.seq_id], n)  # nothing from the failed step
         for s in first[1:]:
             assert len(s.output_token_ids) == fail_step  # first token + the good steps
         for s in first + queued:
@@ -512,7 +506,7 @@ def test_abort_running_sequence_frees_its_slot():
         assert long.status is SequenceStatus.FINISHED_ABORTED
         assert long.finish_reason == "abort"
         assert 3 <= len(long.output_token_ids) < 100_000
-        assert long.output_token_ids == expected_ids("long", len(long.output_token_ids))
+        assert long.output_token_ids == fake_ids("long", len(long.output_token_ids))
         await gather_all([fn])
         assert_ok(nxt, "next")
         await sched.stop()
