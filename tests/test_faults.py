@@ -21,11 +21,11 @@ import threading
 import time
 
 import httpx
-
 from conftest import TIMEOUT, run
+from live import ThreadServer, fake_text, metric
+
 from config import Config
 from engine import FakeEngine
-from live import ThreadServer, fake_text, metric
 from server import create_app
 
 
@@ -56,8 +56,15 @@ def assert_idle(srv: ThreadServer) -> None:
 
     def idle() -> bool:
         text = scrape(srv.url)
-        return all(metric(text, f"minibatch:{name}") == 0 for name in
-                   ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_requests_in_flight"))
+        return all(
+            metric(text, f"minibatch:{name}") == 0
+            for name in (
+                "num_requests_running",
+                "num_requests_waiting",
+                "kv_cache_usage_perc",
+                "num_requests_in_flight",
+            )
+        )
 
     wait_for(idle, what="the server to be idle")
     assert httpx.get(f"{srv.url}/ready", timeout=10).status_code == 200
@@ -108,8 +115,11 @@ async def post(c: httpx.AsyncClient, url: str, payload: dict, stream: bool) -> t
         r = await c.post(f"{url}/generate", json=payload)
         return r.status_code, r.json()
     async with c.stream("POST", f"{url}/generate", json={**payload, "stream": True}) as r:
-        events = [json.loads(line[6:]) async for line in r.aiter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:])
+            async for line in r.aiter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     if events and "error" in events[-1]:
         return events[-1]["error"]["code"], events[-1]
     return r.status_code, {"text": "".join(e["text"] for e in events), "finish_reason": events[-1].get("finish_reason")}
@@ -120,8 +130,12 @@ async def fire(url: str, held: HeldStart | None, requests: list[tuple[str, str, 
     ``held`` (the engine's hook), or all at once without it. Returns {request_id: (status, body)}."""
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=500)) as c:
         send = [
-            lambda rid=rid, p=p, n=n, i=i: post(c, url, {"request_id": rid, "prompt": p, "max_new_tokens": n},
-                                                bool(stream_every) and i % stream_every == 0)
+            lambda rid=rid, p=p, n=n, i=i: post(
+                c,
+                url,
+                {"request_id": rid, "prompt": p, "max_new_tokens": n},
+                bool(stream_every) and i % stream_every == 0,
+            )
             for i, (rid, p, n) in enumerate(requests)
         ]
         tasks = await queue_in_order(c, url, held, send) if held else [asyncio.create_task(fn()) for fn in send]
@@ -171,8 +185,9 @@ def test_step_faults_fail_only_the_active_batch_and_the_server_keeps_serving():
         assert metric(text, "minibatch:engine_failures_total", 'phase="decode"') == len(poisoned)
         # Later traffic is unaffected.
         again = run(fire(srv.url, None, [(f"after-{i}", f"after {i}", 5) for i in range(8)]))
-        assert all(code == 200 and body["text"] == fake_text(f"after {i}", 5)
-                   for i, (code, body) in enumerate(again.values()))
+        assert all(
+            code == 200 and body["text"] == fake_text(f"after {i}", 5) for i, (code, body) in enumerate(again.values())
+        )
 
 
 def test_admit_faults_fail_only_their_newcomers():
@@ -227,8 +242,9 @@ while True:
 def test_killed_streaming_client_frees_its_slot():
     eng = FakeEngine(capacity=1, step_delay=0.005, max_context=1_000_000)
     with start(eng, max_new_tokens_limit=100_000) as srv:
-        client = subprocess.Popen([sys.executable, "-c", _KILLABLE_CLIENT, str(srv.port), "100000"],
-                                  stdout=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            [sys.executable, "-c", _KILLABLE_CLIENT, str(srv.port), "100000"], stdout=subprocess.PIPE, text=True
+        )
         try:
             line = client.stdout.readline().strip()  # bounded: the client's socket has a timeout
             assert line == "streaming", line
@@ -261,8 +277,12 @@ def test_many_streaming_clients_dropped_mid_stream():
         try:
             for _ in range(12):  # 4 running, 8 waiting
                 s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-                s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+                s.sendall(
+                    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
                 socks.append(s)
             wait_for(lambda: queued() == (4, 8), what="4 running and 8 waiting")
         finally:
@@ -299,8 +319,12 @@ def test_a_fault_while_clients_disconnect_loses_nothing():
 
         async def body():
             async with httpx.AsyncClient(timeout=30) as c:
-                send = [lambda rid=rid: c.post(f"{srv.url}/generate", json={
-                    "request_id": rid, "prompt": prompts[rid], "max_new_tokens": 30}) for rid in prompts]
+                send = [
+                    lambda rid=rid: c.post(
+                        f"{srv.url}/generate", json={"request_id": rid, "prompt": prompts[rid], "max_new_tokens": 30}
+                    )
+                    for rid in prompts
+                ]
                 tasks = dict(zip(prompts, await queue_in_order(c, srv.url, held, send)))
                 await wait_async(lambda: asyncio.sleep(0, in_step.is_set()), what="the faulty step")
                 for rid in leavers:
@@ -308,8 +332,11 @@ def test_a_fault_while_clients_disconnect_loses_nothing():
 
                 async def noticed() -> bool:  # the server saw all three leave while the step was running
                     text = (await c.get(f"{srv.url}/metrics")).text
-                    return (metric(text, "minibatch:num_requests_in_flight") == 7
-                            and finished(text, "abort") == 2 and metric(text, "minibatch:num_requests_waiting") == 4)
+                    return (
+                        metric(text, "minibatch:num_requests_in_flight") == 7
+                        and finished(text, "abort") == 2
+                        and metric(text, "minibatch:num_requests_waiting") == 4
+                    )
 
                 await wait_async(noticed, what="the server to notice the disconnects")
                 go.set()
@@ -326,7 +353,9 @@ def test_a_fault_while_clients_disconnect_loses_nothing():
                 assert isinstance(r, asyncio.CancelledError), (rid, r)
             elif rid in batch:
                 err = r.json()["error"]
-                assert r.status_code == 500 and "engine step failed: injected fault during disconnects" in err["message"]
+                assert (
+                    r.status_code == 500 and "engine step failed: injected fault during disconnects" in err["message"]
+                )
             else:
                 assert r.status_code == 200 and r.json()["text"] == fake_text(prompts[rid], 30), (rid, r.text)
         assert_idle(srv)

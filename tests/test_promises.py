@@ -12,8 +12,8 @@ import json
 
 import httpx
 import pytest
-
 from conftest import Gate, assert_error, bounded, serving, wait_until
+
 from config import Config
 from engine import FakeEngine
 from server import create_app
@@ -50,7 +50,7 @@ def sse_events(body: str) -> list:
     for block in body.split("\n\n"):
         if block.strip():
             assert block.startswith("data: "), block
-            data = block[len("data: "):]
+            data = block[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -61,7 +61,7 @@ def completion(r: httpx.Response) -> tuple[str, dict]:
     return body["choices"][0]["text"], body["usage"]
 
 
-# --- /v1/completions ---------------------------------------------------------------------------------------------
+# --- /v1/completions ----------------------------------------------------------------------------------------
 
 
 def test_completion_prompt_may_be_a_list_holding_one_string():
@@ -118,7 +118,7 @@ def test_echo_and_logprobs_together_are_refused():
     bounded(body)
 
 
-# --- /v1/chat/completions budgets ----------------------------------------------------------------------------------
+# --- /v1/chat/completions budgets ---------------------------------------------------------------------------
 
 
 def test_chat_takes_max_tokens_or_max_completion_tokens():
@@ -153,7 +153,7 @@ def test_chat_default_budget_is_the_rest_of_the_window_capped_at_the_limit(max_c
     bounded(body)
 
 
-# --- unknown fields -------------------------------------------------------------------------------------------------
+# --- unknown fields -----------------------------------------------------------------------------------------
 
 
 def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
@@ -162,8 +162,10 @@ def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
 
     async def body():
         async with serving() as c:
-            for path, payload in [("/v1/completions", {"prompt": "fields", "max_tokens": 4}),
-                                  ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})]:
+            for path, payload in [
+                ("/v1/completions", {"prompt": "fields", "max_tokens": 4}),
+                ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4}),
+            ]:
                 plain = await c.post(path, json=payload)
                 extra = await c.post(path, json={**payload, **unknown})
                 assert plain.status_code == extra.status_code == 200, extra.text
@@ -175,7 +177,7 @@ def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
     bounded(body)
 
 
-# --- limits: 0 means none, and what is counted ----------------------------------------------------------------------
+# --- limits: 0 means none, and what is counted --------------------------------------------------------------
 
 
 def test_max_prompt_chars_counts_the_rendered_chat_template():
@@ -209,13 +211,17 @@ def test_max_prompt_chars_0_means_no_limit():
 
     async def body():
         async with serving(FakeEngine(max_context=200_000)) as c:
-            assert_error(await c.post("/generate", json={"prompt": prompt, "max_new_tokens": 1}), 422,
-                         contains="MAX_PROMPT_CHARS")
+            assert_error(
+                await c.post("/generate", json={"prompt": prompt, "max_new_tokens": 1}),
+                422,
+                contains="MAX_PROMPT_CHARS",
+            )
         async with serving(FakeEngine(max_context=200_000), max_prompt_chars=0) as c:
-            for path, payload in [("/generate", {"prompt": prompt, "max_new_tokens": 1}),
-                                  ("/v1/completions", {"prompt": prompt, "max_tokens": 1}),
-                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
-                                                            "max_tokens": 1})]:
+            for path, payload in [
+                ("/generate", {"prompt": prompt, "max_new_tokens": 1}),
+                ("/v1/completions", {"prompt": prompt, "max_tokens": 1}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}),
+            ]:
                 r = await c.post(path, json=payload)
                 assert r.status_code == 200, (path, r.text[:300])
                 assert r.json()["usage"]["prompt_tokens"] >= 150_000
@@ -232,8 +238,10 @@ def test_max_concurrent_requests_0_means_no_limit():
         eng = FakeEngine(capacity=256, step_fault=gate.wait)
         try:
             async with serving(eng, max_concurrent_requests=0, max_queue_depth=4096) as c:
-                tasks = [asyncio.create_task(c.post("/generate", json={"prompt": f"c{i}", "max_new_tokens": 2}))
-                         for i in range(n)]
+                tasks = [
+                    asyncio.create_task(c.post("/generate", json={"prompt": f"c{i}", "max_new_tokens": 2}))
+                    for i in range(n)
+                ]
                 in_flight = 0.0
 
                 def all_in() -> bool:
@@ -278,18 +286,21 @@ def test_time_limits_0_mean_none():
     bounded(body)
 
 
-# --- time limits on streams -------------------------------------------------------------------------------------------
+# --- time limits on streams ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "path, payload",
-    [("/generate", {"prompt": "late", "max_new_tokens": 2}),
-     ("/v1/completions", {"prompt": "late", "max_tokens": 2}),
-     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})],
+    [
+        ("/generate", {"prompt": "late", "max_new_tokens": 2}),
+        ("/v1/completions", {"prompt": "late", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ],
     ids=["generate", "completions", "chat"],
 )
 def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
-    """README: past MAX_QUEUE_TIME_S "the request ends with a 504 (`"type": "timeout"`), or an error event in a stream"."""
+    """README: past MAX_QUEUE_TIME_S "the request ends with a **504** (`"type": "timeout"`), or an error
+    event in a stream"."""
 
     async def body():
         eng = FakeEngine(capacity=1, step_delay=0.002, max_context=1_000_000)
@@ -317,7 +328,7 @@ def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
     bounded(body)
 
 
-# --- auth, drain --------------------------------------------------------------------------------------------------------
+# --- auth, drain --------------------------------------------------------------------------------------------
 
 
 def test_api_key_is_required_on_chat():
@@ -349,7 +360,9 @@ def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
 
     async def body():
         gate = Gate()
-        app = create_app(config=Config(model_id="fake", log_level="WARNING"), engine=FakeEngine(capacity=1, step_fault=gate.wait))
+        app = create_app(
+            config=Config(model_id="fake", log_level="WARNING"), engine=FakeEngine(capacity=1, step_fault=gate.wait)
+        )
         lifespan = app.router.lifespan_context(app)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
             await lifespan.__aenter__()

@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-
 from conftest import assert_error, bounded
+
 from config import Config
 from server import create_app
 
@@ -44,7 +44,7 @@ def ok(r: httpx.Response) -> dict:
     return r.json()
 
 
-# --- MAX_MODEL_LEN ------------------------------------------------------------------------------------------------
+# --- MAX_MODEL_LEN ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("max_model_len, window", [(0, WINDOW), (48, 48), (5000, WINDOW)], ids=["0", "N", "beyond"])
@@ -61,7 +61,9 @@ def test_max_model_len_bounds_prompt_plus_budget(tiny_model_dir, max_model_len, 
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": window - p + 1})
             assert_error(r, 422, "invalid_request_error", f"context window of {window} tokens")
             if window < WINDOW:  # fill the slot's KV cache to its last position
-                b = ok(await c.post("/generate", json={"prompt": PROMPT, "max_new_tokens": window - p, "ignore_eos": True}))
+                b = ok(
+                    await c.post("/generate", json={"prompt": PROMPT, "max_new_tokens": window - p, "ignore_eos": True})
+                )
                 assert b["usage"] == {"prompt_tokens": p, "completion_tokens": window - p, "total_tokens": window}
                 assert b["finish_reason"] == "length"
 
@@ -79,7 +81,7 @@ def test_chat_default_budget_fills_max_model_len(tiny_model_dir):
     bounded(body, timeout=120)
 
 
-# --- /v1's default temperature --------------------------------------------------------------------------------------
+# --- /v1's default temperature ------------------------------------------------------------------------------
 
 
 def test_v1_default_temperature_is_1_and_generate_default_is_greedy(tiny_model_dir):
@@ -89,7 +91,10 @@ def test_v1_default_temperature_is_1_and_generate_default_is_greedy(tiny_model_d
 
     async def body():
         async with served(tiny_model_dir, chat_template=STRICT_TEMPLATE) as c:
-            for path, payload in [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": USER})]:
+            for path, payload in [
+                ("/v1/completions", {"prompt": PROMPT}),
+                ("/v1/chat/completions", {"messages": USER}),
+            ]:
                 base = {**payload, "max_tokens": 16, "seed": 1234, "ignore_eos": True}
 
                 async def answer(**extra) -> str:
@@ -101,15 +106,22 @@ def test_v1_default_temperature_is_1_and_generate_default_is_greedy(tiny_model_d
                 )
                 assert default == at_1, path
                 assert default != greedy and default != at_half, (path, default, greedy, at_half)
-            plain = ok(await c.post("/generate", json={"prompt": PROMPT, "max_new_tokens": 16, "seed": 1234, "ignore_eos": True}))
-            greedy = ok(await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
-                                                              "ignore_eos": True}))
+            plain = ok(
+                await c.post(
+                    "/generate", json={"prompt": PROMPT, "max_new_tokens": 16, "seed": 1234, "ignore_eos": True}
+                )
+            )
+            greedy = ok(
+                await c.post(
+                    "/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                )
+            )
             assert plain["text"] == greedy["choices"][0]["text"]
 
     bounded(body, timeout=120)
 
 
-# --- chat template failures ------------------------------------------------------------------------------------------
+# --- chat template failures ---------------------------------------------------------------------------------
 
 
 def test_chat_template_that_fails_to_render_is_400(tiny_model_dir):
@@ -127,6 +139,11 @@ def test_chat_template_that_fails_to_render_is_400(tiny_model_dir):
         async with served(tiny_model_dir, chat_template="{% for m in messages %}{{ m['content'] }}") as c:  # no endfor
             r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3})
             assert_error(r, 400, "invalid_request_error", "chat template")
-            assert ok(await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))["usage"]["completion_tokens"] >= 1
+            assert (
+                ok(await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))["usage"][
+                    "completion_tokens"
+                ]
+                >= 1
+            )
 
     bounded(body, timeout=120)

@@ -59,8 +59,14 @@ def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
 def run_bad_values() -> dict[str, tuple[int, str]]:
     """Start `python server.py` once per bad value (in parallel); {variable: (exit code, output)}."""
     procs = {
-        var: subprocess.Popen([sys.executable, "server.py"], cwd=ROOT, env=server_env(**{var: raw}),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        var: subprocess.Popen(
+            [sys.executable, "server.py"],
+            cwd=ROOT,
+            env=server_env(**{var: raw}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for var, raw, _ in BAD_VALUES
     }
     out = {}
@@ -94,8 +100,11 @@ def test_bad_environment_value_stops_the_server(bad_value_runs, var, raw, messag
     assert "Uvicorn running" not in text, text
 
 
-@pytest.mark.xfail(strict=True, reason="server.main lets ConfigError escape as a traceback; issue 10 asks for one "
-                                       "clear line (drop this marker once main() prints just the message)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="server.main lets ConfigError escape as a traceback; issue 10 asks for one "
+    "clear line (drop this marker once main() prints just the message)",
+)
 def test_bad_environment_value_is_one_line_without_a_traceback(bad_value_runs):
     for var, _, message in BAD_VALUES:
         _, text = bad_value_runs[var]
@@ -139,8 +148,10 @@ def test_no_connection_is_accepted_before_the_model_has_loaded(tiny_model_dir):
             assert head.startswith("HTTP/1.1 200") and '"ready"' in body, answer
             assert refused_while_loading > 0, f"no connection attempt fell in the model load:\n{output()}"
             log_text = output()
-            order = [log_text.find(s) for s in
-                     ("Waiting for application startup.", "Application startup complete.", "Uvicorn running on")]
+            order = [
+                log_text.find(s)
+                for s in ("Waiting for application startup.", "Application startup complete.", "Uvicorn running on")
+            ]
             assert -1 not in order and order == sorted(order), log_text
         finally:
             stop(proc)
