@@ -151,6 +151,7 @@ def check_outcomes(results, requests, failed_ids: set[str], message: str) -> Non
             assert status == 500, (rid, status, body)
             err = body["error"]
             assert message in err["message"] and err["type"] == "server_error", err
+            assert "injected" not in err["message"], err  # the exception's own text stays in the log
         else:
             assert status == 200, (rid, status, body)
             assert body["text"] == fake_text(prompt, n) and body["finish_reason"] == "length", (rid, body)
@@ -176,7 +177,7 @@ def test_step_faults_fail_only_the_active_batch_and_the_server_keeps_serving():
         results = run(fire(srv.url, held, requests, stream_every=3))
         print(f"\nstep faults from {sorted(poisoned)}: {len(caught)} of {len(requests)} requests got 500")
         assert poisoned <= caught and len(caught) == 12, sorted(caught)
-        check_outcomes(results, requests, caught, "engine step failed: injected step fault #")
+        check_outcomes(results, requests, caught, "engine step failed")
         assert_idle(srv)
         assert eng.resets == len(poisoned)
         text = scrape(srv.url)
@@ -212,7 +213,7 @@ def test_admit_faults_fail_only_their_newcomers():
         results = run(fire(srv.url, held, requests, stream_every=4))
         print(f"\nadmission faults from {sorted(poisoned)}: {len(caught)} of {len(requests)} requests got 500")
         assert poisoned <= caught and len(caught) == 4, sorted(caught)
-        check_outcomes(results, requests, caught, "admission failed: injected prefill OOM")
+        check_outcomes(results, requests, caught, "admission failed")
         assert_idle(srv)
         text = scrape(srv.url)
         assert metric(text, "minibatch:engine_failures_total", 'phase="prefill"') == 4
@@ -354,7 +355,7 @@ def test_a_fault_while_clients_disconnect_loses_nothing():
             elif rid in batch:
                 err = r.json()["error"]
                 assert (
-                    r.status_code == 500 and "engine step failed: injected fault during disconnects" in err["message"]
+                    r.status_code == 500 and err["message"].endswith("engine step failed")
                 )
             else:
                 assert r.status_code == 200 and r.json()["text"] == fake_text(prompts[rid], 30), (rid, r.text)

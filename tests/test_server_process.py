@@ -100,11 +100,6 @@ def test_bad_environment_value_stops_the_server(bad_value_runs, var, raw, messag
     assert "Uvicorn running" not in text, text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server.main lets ConfigError escape as a traceback; issue 10 asks for one "
-    "clear line (drop this marker once main() prints just the message)",
-)
 def test_bad_environment_value_is_one_line_without_a_traceback(bad_value_runs):
     for var, _, message in BAD_VALUES:
         _, text = bad_value_runs[var]
@@ -114,7 +109,7 @@ def test_bad_environment_value_is_one_line_without_a_traceback(bad_value_runs):
 
 @pytest.mark.model
 def test_no_connection_is_accepted_before_the_model_has_loaded(tiny_model_dir):
-    """README: "uvicorn accepts no connections until the model has loaded". While the lifespan loads the
+    """README: "uvicorn accepts no connections until the model has loaded". While main() loads the
     checkpoint (torch import included: seconds), connecting is refused; the first connection that is
     accepted finds the server ready, never "loading"."""
     env = server_env(MODEL_ID=tiny_model_dir, MAX_BATCH_SIZE="2", LOG_LEVEL="INFO")
@@ -132,7 +127,9 @@ def test_no_connection_is_accepted_before_the_model_has_loaded(tiny_model_dir):
             while True:
                 assert proc.poll() is None, f"server.py exited:\n{output()}"
                 assert time.monotonic() < deadline, f"server.py never listened:\n{output()}"
-                loading = "Waiting for application startup." in output()  # uvicorn's line: the lifespan started
+                # main() has started (its first log line) and the model is not loaded yet.
+                log_so_far = output()
+                loading = "minibatch.server" in log_so_far and "minibatch.engine: loaded" not in log_so_far
                 try:
                     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
                     break
