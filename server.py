@@ -177,12 +177,12 @@ def main() -> int:
     try:
         config = Config.from_env()
         logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-        soft, _ = raise_file_limit()
-        log.info("open-file limit %d", soft)
         engine = load_engine(config)
     except Exception as exc:  # ConfigError, a model that cannot load: the message says which
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    soft, hard = raise_file_limit()
+    log.info("open-file limit %d (hard %d)", soft, hard)
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(app, config), app.state.ops)
     # uvicorn restores the previous SIGTERM handler after its graceful shutdown and re-raises the signal:

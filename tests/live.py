@@ -58,7 +58,7 @@ class ProcessServer:
     def __init__(self, env: dict[str, str], ready_timeout: float = 60.0, preexec_fn=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {k: v for k, v in os.environ.items() if k not in _CONFIG_VARS}
+        full_env = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
         full_env.update({"HOST": "127.0.0.1", "PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
         full_env.update(env)
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
@@ -190,7 +190,7 @@ def metric(text: str, name: str, labels: str = "") -> float:
     raise KeyError(key)
 
 
-def _config_vars() -> set[str]:
+def config_vars() -> set[str]:
     import dataclasses
 
     from config import Config
@@ -198,4 +198,4 @@ def _config_vars() -> set[str]:
     return {f.name.upper() for f in dataclasses.fields(Config)}
 
 
-_CONFIG_VARS = _config_vars()
+CONFIG_VARS = config_vars()

@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from conftest import assert_error, bounded, fake_text, Gate, serving, wait_until
+from conftest import ROOT, assert_error, bounded, fake_text, Gate, serving, wait_until
 from config import Config
 from engine import FakeEngine
-from live import metric
+from live import config_vars, metric
 from metrics import logfmt
 from server import create_app
 
@@ -414,3 +417,36 @@ def test_openapi_documents_the_operational_errors():
             assert "/metrics" in schema["paths"]
 
     bounded(body)
+
+
+# --- startup: python server.py ----------------------------------------------------------------------
+
+
+def _server_py(env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in config_vars()}
+    full.update({"HOST": "127.0.0.1", "PORT": "1", **env})  # never binds: startup fails first
+    return subprocess.run([sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"MODEL_ID": "fake", "MAX_BATCH_SIZE": "0"}, ("MAX_BATCH_SIZE",)),
+    ({"MODEL_ID": "fake", "BODY_TIMEOUT_S": "soon"}, ("BODY_TIMEOUT_S", "a number")),
+    ({"MODEL_ID": "/nonexistent/checkpoint-dir"}, ("/nonexistent/checkpoint-dir",)),
+], ids=["bad value", "bad type", "unloadable model"])
+def test_startup_failure_is_one_error_line_and_exit_1(env, words):
+    proc = _server_py(env)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_importing_server_builds_no_app_and_server_app_is_built_once():
+    """``python server.py`` builds its app in main only; ``uvicorn server:app`` gets one, on access."""
+    code = ("import server; assert 'app' not in vars(server); a = server.app; "
+            "assert a is server.app and a.state.server is None; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MODEL_ID": "fake"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
