@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import generate_api
 import openai_api
 import probes
-from api_errors import APIError, describe_unparsable_body, describe_validation, error_body
+from api_errors import APIError, describe_unparsable_body, describe_validation
 from config import Config
 from engine import FakeEngine, InferenceEngine, build_engine
 from ops import OPEN_PATHS, Operations, OperationsMiddleware
@@ -113,6 +113,7 @@ def load_engine(config: Config) -> InferenceEngine:
         engine.step_delay = config.fake_step_delay_s
         every = config.fake_step_fault_every
         if every:
+
             def fault(step_no: int) -> None:
                 if step_no % every == 0:
                     raise RuntimeError(f"injected fault at decode step {step_no} (FAKE_STEP_FAULT_EVERY={every})")

@@ -25,7 +25,6 @@ import threading
 import time
 
 import httpx
-
 from conftest import fake_text  # noqa: F401  (re-exported: tests import it from here with the servers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,8 +62,12 @@ class ProcessServer:
         full_env.update(env)
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full_env,
-            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
+            [sys.executable, os.path.join(ROOT, "server.py")],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
         try:
             wait_ready(self.url, ready_timeout, alive=lambda: self.proc.poll() is None)
