@@ -129,6 +129,7 @@ class Operations:
     async def finish_drain(self) -> None:
         """The lifespan's shutdown: stop the watchdog (the caller stops the scheduler, aborting leftovers)."""
         self.draining = True
+        self.drain_started.set()
         if self._drain_task is not None:
             self._drain_task.cancel()
             try:
@@ -143,6 +144,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class OperationsMiddleware:
+    """The checks above, in that order, before the app sees a request (see the module docstring)."""
+
     def __init__(self, app, operations: Operations) -> None:
         self.app = app
         self.operations = operations

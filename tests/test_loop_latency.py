@@ -22,10 +22,10 @@ from live import ProcessServer
 
 pytestmark = pytest.mark.model
 
-# Bound on the worst gap between two stream events while the hostile clients run. Unloaded, a gap
-# is a few ms; a tokenizer pass over a 99,000-character prompt on the loop is ~100 ms, and the
-# hostile clients queue them back to back. Generous: the machine is shared.
-WORST_GAP_S = 0.5
+# Bound on the worst gap between two stream events while the hostile clients run. Unloaded, a gap is
+# a few ms; with tokenizing on the loop the hostile clients pushed it to 3.3 s (p50 0.43 s). Off the
+# loop the worst seen was 0.18-0.26 s (the bodies are still parsed on the loop). Generous: the machine is shared.
+WORST_GAP_S = 1.0
 HOSTILE_SECONDS = 6.0
 
 
