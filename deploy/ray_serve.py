@@ -131,7 +131,7 @@ def keep_replica_grpc_on_loopback() -> bool:
 
     def add_port(server, address: str) -> int:
         if address.startswith("[::]:"):
-            address = "127.0.0.1:" + address[len("[::]:"):]
+            address = "127.0.0.1:" + address[len("[::]:") :]
         return original(server, address)
 
     add_port.loopback_only = True  # type: ignore[attr-defined]
@@ -260,5 +260,8 @@ def build_app(args: Mapping[str, Any] | None = None):
     options = deployment_options(cfg, args)
     # The replicas import the project from ROOT (with a Serve config's working_dir, from their own copy).
     replica_env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)}
-    options["ray_actor_options"] = {"num_cpus": float(args.get("num_cpus", 1)), "runtime_env": {"env_vars": replica_env}}
+    options["ray_actor_options"] = {
+        "num_cpus": float(args.get("num_cpus", 1)),
+        "runtime_env": {"env_vars": replica_env},
+    }
     return MiniBatchServer.options(**options).bind()

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import ROOT, run
 
 from config import Config, ConfigError
-from conftest import ROOT, run
 from engine import FakeEngine
 
 APP, GPT2_APP = "fake", "gpt2"
@@ -33,8 +33,14 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 STEP_DELAY_S = 0.02
 BATCH = 8
 FAKE_ENV = {
-    "MODEL_ID": "fake", "FAKE_STEP_DELAY_S": str(STEP_DELAY_S), "MAX_BATCH_SIZE": str(BATCH), "API_KEY": KEY,
-    "MAX_BODY_BYTES": "4096", "MAX_NEW_TOKENS_LIMIT": "200", "DRAIN_TIMEOUT_S": "10", "LOG_LEVEL": "WARNING",
+    "MODEL_ID": "fake",
+    "FAKE_STEP_DELAY_S": str(STEP_DELAY_S),
+    "MAX_BATCH_SIZE": str(BATCH),
+    "API_KEY": KEY,
+    "MAX_BODY_BYTES": "4096",
+    "MAX_NEW_TOKENS_LIMIT": "200",
+    "DRAIN_TIMEOUT_S": "10",
+    "LOG_LEVEL": "WARNING",
 }
 # Ray's single-machine mode keeps every node on 127.0.0.1; no usage report leaves the box. Set before ray is
 # imported (ray reads the first at import) and inherited by every Ray process this module starts.
@@ -44,16 +50,27 @@ os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_EN
 def fake_text(prompt: str, n: int) -> str:
     """What FakeEngine answers to ``prompt`` with a budget of ``n`` (its tokens never hit EOS)."""
     ids = FakeEngine().encode(prompt)
-    return "".join(chr(FakeEngine.letter_token(SimpleNamespace(prompt_token_ids=ids, output_token_ids=[0] * i)) - 1)
-                   for i in range(n))
+    return "".join(
+        chr(FakeEngine.letter_token(SimpleNamespace(prompt_token_ids=ids, output_token_ids=[0] * i)) - 1)
+        for i in range(n)
+    )
 
 
 # --- without a cluster ------------------------------------------------------------------------------------
 def test_plain_server_stack_imports_no_ray():
     """The Ray deployment is an add-on: importing and building the server never imports ray."""
-    script = "import sys, config, engine, scheduler, server; server.create_app(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MODEL_ID": "fake"})
+    script = (
+        "import sys, config, engine, scheduler, server; server.create_app(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MODEL_ID": "fake"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
 
@@ -121,7 +138,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir):
+def fleet(request):
     import ray
     from ray import serve
     from ray._private import ray_constants
@@ -130,6 +147,17 @@ def fleet(tiny_model_dir):
     from deploy.ray_serve import build_app
 
     assert not ray_constants.ENABLE_RAY_CLUSTER, "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set"
+    apps = [serve.RunTarget(build_app({"num_replicas": 2, "env": FAKE_ENV, "health_check_period_s": 1}), name=APP)]
+    if any(item.name.startswith("test_tiny_gpt2") for item in request.session.items):  # not under -m "not model"
+        gpt2_env = {
+            "MODEL_ID": request.getfixturevalue("tiny_model_dir"),
+            "MAX_BATCH_SIZE": "4",
+            "MAX_NEW_TOKENS_LIMIT": "64",
+            "LOG_LEVEL": "WARNING",
+        }
+        apps.append(
+            serve.RunTarget(build_app({"num_replicas": 1, "env": gpt2_env}), name=GPT2_APP, route_prefix="/gpt2")
+        )
     node = {"num_cpus": 3, "object_store_memory": 80 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
@@ -137,12 +165,10 @@ def fleet(tiny_model_dir):
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        gpt2_env = {"MODEL_ID": tiny_model_dir, "MAX_BATCH_SIZE": "4", "MAX_NEW_TOKENS_LIMIT": "64", "LOG_LEVEL": "WARNING"}
-        serve.run_many([  # both apps start at once; returns when both are running
-            serve.RunTarget(build_app({"num_replicas": 2, "env": FAKE_ENV, "health_check_period_s": 1}), name=APP),
-            serve.RunTarget(build_app({"num_replicas": 1, "env": gpt2_env}), name=GPT2_APP, route_prefix="/gpt2"),
-        ])
-        yield Fleet(f"http://127.0.0.1:{port}", [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]], os.getpid())
+        serve.run_many(apps)  # the apps start at once; returns when all are running
+        yield Fleet(
+            f"http://127.0.0.1:{port}", [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]], os.getpid()
+        )
     finally:
         try:
             serve.shutdown()
@@ -167,7 +193,9 @@ def test_200_concurrent_requests_each_answered_once_by_both_replicas(fleet):
     async def main():
         async with client() as c:
             prompts = [(f"request {i}", 1 + i % 8) for i in range(n_requests)]
-            rs = await asyncio.gather(*(generate(c, fleet.url, p, n, request_id=f"r{i}") for i, (p, n) in enumerate(prompts)))
+            rs = await asyncio.gather(
+                *(generate(c, fleet.url, p, n, request_id=f"r{i}") for i, (p, n) in enumerate(prompts))
+            )
         by_replica: dict[str, int] = {}
         for i, ((prompt, n), r) in enumerate(zip(prompts, rs)):
             assert r.status_code == 200, (i, r.status_code, r.text)
@@ -190,8 +218,12 @@ def test_api_key_and_limits_enforced_by_every_replica(fleet):
                 checks = [
                     (401, await c.post(f"{fleet.url}/generate", json={"prompt": "x", "max_new_tokens": 1})),
                     (401, await c.get(f"{fleet.url}/v1/models", headers={"authorization": "Bearer wrong"})),
-                    (413, await c.post(f"{fleet.url}/generate", headers=AUTH,
-                                       json={"prompt": "x" * 5000, "max_new_tokens": 1})),
+                    (
+                        413,
+                        await c.post(
+                            f"{fleet.url}/generate", headers=AUTH, json={"prompt": "x" * 5000, "max_new_tokens": 1}
+                        ),
+                    ),
                     (422, await generate(c, fleet.url, "x", 201)),
                 ]
                 for status, r in checks:
@@ -221,8 +253,12 @@ def test_streaming_and_disconnects_through_the_proxy(fleet):
     async def main():
         async with client() as c:
             events = []
-            async with c.stream("POST", f"{fleet.url}/generate", headers=AUTH,
-                                json={"prompt": "stream me", "max_new_tokens": 12, "stream": True}) as r:
+            async with c.stream(
+                "POST",
+                f"{fleet.url}/generate",
+                headers=AUTH,
+                json={"prompt": "stream me", "max_new_tokens": 12, "stream": True},
+            ) as r:
                 assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
@@ -235,8 +271,12 @@ def test_streaming_and_disconnects_through_the_proxy(fleet):
             # Leave a long stream after two events, then a plain request by timing out: the replicas that ran
             # them must abort both sequences (each would run 200 x 20 ms otherwise).
             before = await fleet_aborts(c, fleet.url)
-            async with c.stream("POST", f"{fleet.url}/generate", headers=AUTH,
-                                json={"prompt": "long stream", "max_new_tokens": 200, "stream": True}) as r:
+            async with c.stream(
+                "POST",
+                f"{fleet.url}/generate",
+                headers=AUTH,
+                json={"prompt": "long stream", "max_new_tokens": 200, "stream": True},
+            ) as r:
                 got = 0
                 async for line in r.aiter_lines():
                     got += line.startswith("data: ")
@@ -264,7 +304,10 @@ async def fleet_aborts(c: httpx.AsyncClient, url: str) -> tuple[float, float]:
         r = await c.get(f"{url}/metrics")
         seen[r.headers["x-minibatch-replica"]] = parse_metrics(r.text)
         if len(seen) == 2:
-            return (sum(m[abort] for m in seen.values()), sum(m["minibatch:num_requests_running"] for m in seen.values()))
+            return (
+                sum(m[abort] for m in seen.values()),
+                sum(m["minibatch:num_requests_running"] for m in seen.values()),
+            )
     raise AssertionError(f"only {list(seen)} answered /metrics")
 
 
@@ -272,12 +315,19 @@ async def fleet_aborts(c: httpx.AsyncClient, url: str) -> tuple[float, float]:
 def test_tiny_gpt2_greedy_through_ray_equals_the_single_process_server(fleet, tiny_model_dir):
     from server import create_app
 
-    prompts = [("Hello", 12), ("The quick brown fox jumps over", 20), ("a", 5), ("Paris Rome Tokyo", 16),
-               ("1 2 3 4 5 6 7 8 9 10 11 12", 24), ("café 東京 😀", 10)]
+    prompts = [
+        ("Hello", 12),
+        ("The quick brown fox jumps over", 20),
+        ("a", 5),
+        ("Paris Rome Tokyo", 16),
+        ("1 2 3 4 5 6 7 8 9 10 11 12", 24),
+        ("café 東京 😀", 10),
+    ]
 
     async def answers(c: httpx.AsyncClient, url: str) -> list[dict]:
-        rs = await asyncio.gather(*(c.post(f"{url}/generate", json={"prompt": p, "max_new_tokens": n})
-                                    for p, n in prompts))
+        rs = await asyncio.gather(
+            *(c.post(f"{url}/generate", json={"prompt": p, "max_new_tokens": n}) for p, n in prompts)
+        )
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
         return [{k: r.json()[k] for k in ("text", "token_ids", "finish_reason", "usage")} for r in rs]
 
@@ -294,19 +344,20 @@ def test_tiny_gpt2_greedy_through_ray_equals_the_single_process_server(fleet, ti
     run(asyncio.wait_for(main(), 120))
 
 
-def ray_exported_tokens(ports: list[int]) -> dict[str, float]:
-    """replica -> ray_minibatch_generation_tokens_total of the fake app, from every node's Ray metrics export."""
+def ray_exported(ports: list[int], family: str) -> dict[tuple[str, str], float]:
+    """(replica, le or "") -> value of ``ray_<family>`` for the fake app, from every node's Ray metrics export."""
     out = {}
     for port in ports:
         for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
-            if line.startswith("ray_minibatch_generation_tokens_total{") and f'application="{APP}"' in line:
-                labels = dict(part.split("=", 1) for part in line[line.index("{") + 1: line.rindex("}")].split(","))
-                out[labels["replica"].strip('"')] = float(line.rsplit(" ", 1)[1])
+            if line.startswith(f"ray_{family}{{") and f'application="{APP}"' in line:
+                labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.rindex("}")].split(","))
+                out[(labels["replica"].strip('"'), labels.get("le", "").strip('"'))] = float(line.rsplit(" ", 1)[1])
     return out
 
 
 def test_metrics_of_every_replica_reach_rays_metrics_with_a_replica_label(fleet):
     """One scrape per node of Ray's metrics export shows each replica's own /metrics series, labelled by replica."""
+
     async def own_tokens() -> dict[str, float]:
         own: dict[str, float] = {}
         async with client() as c:
@@ -321,11 +372,16 @@ def test_metrics_of_every_replica_reach_rays_metrics_with_a_replica_label(fleet)
     # The 200-request test alone generated sum(1 + i % 8) = 900 tokens across the two replicas.
     assert sum(own.values()) >= 900 and min(own.values()) > 0, own
     deadline = time.monotonic() + 40  # Ray exports every few seconds
-    exported = ray_exported_tokens(fleet.metrics_ports)
-    while exported != own and time.monotonic() < deadline:
+    want = {(replica, ""): value for replica, value in own.items()}
+    exported = ray_exported(fleet.metrics_ports, "minibatch_generation_tokens_total")
+    while exported != want and time.monotonic() < deadline:
         time.sleep(1)
-        exported = ray_exported_tokens(fleet.metrics_ports)
-    assert exported == own
+        exported = ray_exported(fleet.metrics_ports, "minibatch_generation_tokens_total")
+    assert exported == want
+    # Histograms keep their buckets (le label): the +Inf bucket of TTFT per replica counts its answered requests.
+    buckets = ray_exported(fleet.metrics_ports, "minibatch_time_to_first_token_seconds_bucket")
+    assert {replica for replica, le in buckets if le == "+Inf"} == set(own)
+    assert sum(v for (_, le), v in buckets.items() if le == "+Inf") >= 200
 
 
 def ray_listeners(root_pid: int) -> list[tuple[str, int, int]]:
@@ -369,7 +425,7 @@ def ray_listeners(root_pid: int) -> list[tuple[str, int, int]]:
                     continue
                 hex_ip, hex_port = local.split(":")
                 raw = bytes.fromhex(hex_ip)  # little-endian 32-bit words
-                raw = b"".join(raw[i: i + 4][::-1] for i in range(0, len(raw), 4))
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 found.append((socket.inet_ntop(family, raw), int(hex_port, 16), owner[inode]))
     return found
 
@@ -386,6 +442,28 @@ def test_no_ray_listener_outside_loopback(fleet):
     outside = [entry for entry in found if not is_loopback(entry[0])]
     assert not outside, f"Ray listens outside 127.0.0.0/8: {outside}"
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and is_loopback("::ffff:127.0.0.1")
+
+
+def test_a_model_that_fails_to_load_fails_the_deploy_and_nothing_else(fleet):
+    """A replica whose model cannot load never becomes healthy: the deploy fails, other apps keep serving."""
+    from ray import serve
+
+    from deploy.ray_serve import build_app
+
+    broken = build_app(
+        {"env": {"MODEL_ID": "/nonexistent/model", "LOG_LEVEL": "WARNING"}, "max_constructor_retry_count": 1}
+    )
+    with pytest.raises(RuntimeError, match="broken"):
+        serve.run(broken, name="broken", route_prefix="/broken")
+    assert serve.status().applications["broken"].status == "DEPLOY_FAILED"
+    serve.delete("broken")
+
+    async def still_serving():
+        async with client() as c:
+            r = await generate(c, fleet.url, "still here", 3)
+            assert r.status_code == 200 and r.json()["text"] == fake_text("still here", 3), r.text
+
+    run(asyncio.wait_for(still_serving(), 30))
 
 
 def test_kill_one_replica_mid_load(fleet):
@@ -407,8 +485,11 @@ def test_kill_one_replica_mid_load(fleet):
             victim = sorted(before)[0]
             tasks = [asyncio.ensure_future(generate(c, fleet.url, f"load {i}", n_tokens)) for i in range(n_requests)]
             await asyncio.sleep(0.6)  # both replicas are mid-batch (a request takes >= 30 x 20 ms)
-            name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                        if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(f"#{victim}"))
+            name = next(
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(f"#{victim}")
+            )
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
             rs = await asyncio.gather(*tasks, return_exceptions=True)
             ok, failed = 0, []
@@ -420,7 +501,10 @@ def test_kill_one_replica_mid_load(fleet):
                     failed.append(r if isinstance(r, Exception) else (r.status_code, r.text))
             # A failure is an HTTP error answer from the proxy, never a hang or an empty 200.
             assert all(isinstance(f, tuple) and f[0] >= 500 and f[1] for f in failed), failed[:3]
-            assert ok + len(failed) == n_requests and ok >= n_requests - 16, (ok, failed[:3])  # 16: one replica's max_ongoing
+            assert ok + len(failed) == n_requests and ok >= n_requests - 16, (
+                ok,
+                failed[:3],
+            )  # 16: one replica's max_ongoing
             print(f"\nkill mid-load: {ok} answered, {len(failed)} failed with an error: {failed[:1]}")
 
             # Serve brings a replacement up and traffic reaches it.
