@@ -1,7 +1,8 @@
 """MiniBatch on Ray Serve (deploy/ray_serve.py): a local two-node Ray cluster in this process, everything on loopback.
 
 One cluster and one Serve instance for the module (start-up costs ~30 s on 2 cores): the app ``fake`` (2 replicas
-of MODEL_ID=fake with a step delay, API_KEY and limits set) at ``/``, and ``gpt2`` (the tiny GPT-2) at ``/gpt2``.
+of MODEL_ID=fake with a step delay, API_KEY and limits set) at ``/``, and, when the GPT-2 test is selected, ``gpt2``
+(1 replica of the tiny GPT-2) at ``/gpt2``.
 Traffic goes to the Serve proxy on 127.0.0.1 only. Ray runs in its single-machine mode
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): every node address is 127.0.0.1, and a test asserts that no Ray process
 listens outside 127.0.0.0/8. At the end every Ray process is stopped (serve.shutdown, ray.shutdown, cluster).
@@ -232,7 +233,7 @@ def test_api_key_and_limits_enforced_by_every_replica(fleet):
                     seen.setdefault(status, set()).add(r.headers["x-minibatch-replica"])
             open_probe = await c.get(f"{fleet.url}/health")  # probes stay open, as on one server
             assert open_probe.status_code == 200 and open_probe.json()["model"] == "fake"
-        # 12 tries each: both replicas refused (the router picks one of two idle replicas at random).
+        # 12 tries each, each on a new connection (so through either node's proxy): both replicas refused.
         assert all(len(replicas) == 2 for replicas in seen.values()), seen
 
     run(asyncio.wait_for(main(), 60))
