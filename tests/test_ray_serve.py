@@ -2,7 +2,7 @@
 
 One cluster and one Serve instance for the module (start-up costs ~30 s on 2 cores): the app ``fake`` (2 replicas
 of MODEL_ID=fake with a step delay, API_KEY and limits set) at ``/``, and, when the GPT-2 test is selected, ``gpt2``
-(1 replica of the tiny GPT-2) at ``/gpt2``.
+(2 replicas of the tiny GPT-2) at ``/gpt2``.
 Traffic goes to the Serve proxy on 127.0.0.1 only. Ray runs in its single-machine mode
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): every node address is 127.0.0.1, and a test asserts that no Ray process
 listens outside 127.0.0.0/8. At the end every Ray process is stopped (serve.shutdown, ray.shutdown, cluster).
@@ -157,7 +157,7 @@ def fleet(request):
             "LOG_LEVEL": "WARNING",
         }
         apps.append(
-            serve.RunTarget(build_app({"num_replicas": 1, "env": gpt2_env}), name=GPT2_APP, route_prefix="/gpt2")
+            serve.RunTarget(build_app({"num_replicas": 2, "env": gpt2_env}), name=GPT2_APP, route_prefix="/gpt2")
         )
     node = {"num_cpus": 3, "object_store_memory": 80 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
@@ -325,21 +325,25 @@ def test_tiny_gpt2_greedy_through_ray_equals_the_single_process_server(fleet, ti
         ("café 東京 😀", 10),
     ]
 
-    async def answers(c: httpx.AsyncClient, url: str) -> list[dict]:
+    copies = 4  # each prompt 4 times, all at once: both replicas answer, in batches of different make-up
+
+    async def answers(c: httpx.AsyncClient, url: str, n_copies: int) -> tuple[list[dict], set[str]]:
         rs = await asyncio.gather(
-            *(c.post(f"{url}/generate", json={"prompt": p, "max_new_tokens": n}) for p, n in prompts)
+            *(c.post(f"{url}/generate", json={"prompt": p, "max_new_tokens": n}) for p, n in prompts * n_copies)
         )
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-        return [{k: r.json()[k] for k in ("text", "token_ids", "finish_reason", "usage")} for r in rs]
+        replicas = {r.headers.get("x-minibatch-replica", "") for r in rs}
+        return [{k: r.json()[k] for k in ("text", "token_ids", "finish_reason", "usage")} for r in rs], replicas
 
     async def main():
         async with client() as c:
-            via_ray = await answers(c, f"{fleet.url}/gpt2")
+            via_ray, replicas = await answers(c, f"{fleet.url}/gpt2", copies)
         app = create_app(Config(model_id=tiny_model_dir, max_batch_size=4, max_new_tokens_limit=64))
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as local:
-                direct = await answers(local, "http://t")
-        assert via_ray == direct
+                direct, _ = await answers(local, "http://t", 1)
+        assert via_ray == direct * copies
+        assert len(replicas) == 2, replicas
         assert any(a["token_ids"] for a in direct)
 
     run(asyncio.wait_for(main(), 120))
