@@ -1,0 +1,305 @@
+"""Ray Serve vs one process, on this machine: the proxy's added latency and tokens/s with 1 and 2 replicas.
+
+    python deploy/bench_ray.py                          # tiny GPT-2 (built locally), seed-like workload
+    python deploy/bench_ray.py --model fake --json out.json
+    python deploy/bench_ray.py --model weights/d2 --requests 32 --repeats 3
+
+Systems, all up at once over real HTTP on 127.0.0.1, fed the same requests:
+
+* ``ours``: ``python server.py`` in a subprocess (NUM_THREADS = the machine's CPUs);
+* ``ours_ray1``: Ray Serve (a local single-machine cluster, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), 1 replica with
+  all the CPUs (so the same threads as ``ours``), at ``/ray1``;
+* ``ours_ray2``: 2 replicas with half the CPUs each (NUM_THREADS follows each replica's num_cpus), at ``/ray2``.
+
+The machine may be shared and its speed may swing from minute to minute, so everything is measured side by side:
+
+* **workload**: ``--repeats`` rounds; each round runs the seed-like workload (the prompts of
+  ``scripts/benchmark.py``, budgets from {8, 16, 32, 48}, EOS ignored, MAX_BATCH_SIZE 8 per replica, every request
+  sent at t0 and streamed) on every system in turn, in a rotating order, while the others idle. Tokens/s over the
+  wall time, TTFT from t0 to the first event; ``x ours`` is the median over rounds of the ratio to ``ours`` in the
+  same round;
+* **idle TTFT**: ``--probes`` pairs of streamed one-token requests on idle servers, alternating between a Ray
+  system and ``ours``; the p50 of the paired differences is the proxy's added latency per request (HTTP proxy ->
+  router -> replica actor call, and back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: every socket on loopback
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import httpx  # noqa: E402
+
+PROMPT_TEXTS = [  # the seed workload's prompts (scripts/benchmark.py)
+    "Hello!",
+    "What is the capital of France?",
+    "Write a haiku about continuous batching.",
+    "Summarize the plot of a heist movie in two sentences, focusing on the twist at the end.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman and his curious cat. "
+    "Every morning they rowed out past the lighthouse, and every evening they came back with a story. "
+    "One day the cat found a bottle with a map inside it.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "# Explain what this function returns for n = 10 and why:\n",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Translate to French: I would like a cup of coffee and a croissant, please.",
+]
+BATCH = 8
+SYSTEMS = ("ours", "ours_ray1", "ours_ray2")
+
+
+def workload(n: int, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    return [(rng.choice(PROMPT_TEXTS), rng.choice([8, 16, 32, 48])) for _ in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# --- one request, streamed: (ttft_s, tokens) measured by the client ----------------------------------
+async def stream_one(c: httpx.AsyncClient, url: str, prompt: str, n: int, t0: float) -> tuple[float, int]:
+    ttft, tokens = None, 0
+    body = {"prompt": prompt, "max_new_tokens": n, "stream": True, "ignore_eos": True}
+    async with c.stream("POST", f"{url}/generate", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += len(event["token_ids"])
+    assert ttft is not None and tokens == n, (tokens, n)
+    return ttft, tokens
+
+
+async def paired_idle_ttft(direct: str, other: str, probes: int) -> tuple[list[float], list[float]]:
+    """One-token streamed requests on idle servers, alternating direct / other, so both see the same machine load."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        for url in (direct, other):
+            await stream_one(c, url, "warm up", 1, time.perf_counter())
+        a, b = [], []
+        for i in range(probes):
+            for url, out in ((direct, a), (other, b)) if i % 2 == 0 else ((other, b), (direct, a)):
+                t0 = time.perf_counter()
+                ttft, _ = await stream_one(c, url, f"probe {i}", 1, t0)
+                out.append(ttft * 1e3)
+        return a, b
+
+
+async def run_workload(url: str, reqs: list[tuple[str, int]]) -> dict:
+    limits = httpx.Limits(max_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(c, url, p, n, t0) for p, n in reqs))
+        wall = time.perf_counter() - t0
+    tokens = sum(t for _, t in results)
+    ttft = [f * 1e3 for f, _ in results]
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_ms": {"p50": percentile(ttft, 0.5), "p95": percentile(ttft, 0.95)},
+    }
+
+
+def interleaved(urls: dict[str, str], reqs: list[tuple[str, int]], repeats: int) -> dict[str, dict]:
+    """``repeats`` rounds of the workload on every system in turn (rotating order); medians and paired ratios."""
+    for url in urls.values():
+        asyncio.run(run_workload(url, reqs[:BATCH]))  # warm-up
+    names = list(urls)
+    rounds: list[dict[str, dict]] = []
+    for k in range(repeats):
+        order = names[k % len(names) :] + names[: k % len(names)]
+        rounds.append({name: asyncio.run(run_workload(urls[name], reqs)) for name in order})
+    out = {}
+    for name in names:
+        runs = [r[name] for r in rounds]
+        out[name] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+            "ttft_ms": {q: statistics.median(r["ttft_ms"][q] for r in runs) for q in ("p50", "p95")},
+            "tokens": runs[0]["tokens"],
+        }
+        if "ours" in urls:
+            out[name]["x_ours"] = statistics.median(r[name]["tokens_per_s"] / r["ours"]["tokens_per_s"] for r in rounds)
+    return out
+
+
+def proxy_overhead(direct: str, other: str, probes: int) -> dict:
+    """Idle TTFT p50 through ``other`` and directly, measured side by side, and the paired difference."""
+    a, b = asyncio.run(paired_idle_ttft(direct, other, probes))
+    diffs = [y - x for x, y in zip(a, b)]
+    return {
+        "idle_ttft_ms": {"p50": percentile(b, 0.5), "p95": percentile(b, 0.95)},
+        "direct_idle_ttft_ms": {"p50": percentile(a, 0.5), "p95": percentile(a, 0.95)},
+        "added_ms_p50": percentile(diffs, 0.5),
+    }
+
+
+# --- the systems ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float, alive=lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"server exited before {url}/ready answered")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}/ready not 200 within {timeout:.0f}s")
+
+
+@contextmanager
+def direct_server(env: dict[str, str], cpus: int):
+    """``python server.py`` on a free loopback port; yields its URL and stops it (SIGTERM) afterwards."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="bench-ray-direct-", suffix=".log", delete=False)
+    full = {**os.environ, **env, "HOST": "127.0.0.1", "PORT": str(port), "NUM_THREADS": str(cpus)}
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 180, alive=lambda: proc.poll() is None)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def ray_fleet(env: dict[str, str], cpus: int, replica_counts: list[int]):
+    """Serve apps ``/ray1`` and/or ``/ray2`` on a local single-machine cluster; yields {system: url}.
+
+    Ray gets twice the machine's CPUs as logical CPUs so both apps fit at once; each replica still gets
+    NUM_THREADS = its share of the real CPUs (all for 1 replica, half for 2)."""
+    if not replica_counts:
+        yield {}
+        return
+    import ray
+    from ray import serve
+
+    from deploy.ray_serve import build_app
+
+    ray.init(num_cpus=2 * cpus, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 2**20)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        apps = [
+            serve.RunTarget(
+                build_app({"num_replicas": n, "num_cpus": cpus / n, "env": env}),
+                name=f"ray{n}",
+                route_prefix=f"/ray{n}",
+            )
+            for n in replica_counts
+        ]
+        serve.run_many(apps)
+        urls = {f"ours_ray{n}": f"http://127.0.0.1:{port}/ray{n}" for n in replica_counts}
+        for url in urls.values():
+            wait_ready(url, 180)
+        yield urls
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def resolve_model(name: str) -> str:
+    if name != "tiny":
+        return name
+    from make_test_model import build_checkpoint
+
+    return build_checkpoint(tempfile.mkdtemp(prefix="bench-ray-tiny-"), shape="tiny", seed=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--systems", default="ours,ours_ray", help="comma-separated: ours, ours_ray1, ours_ray2 (ours_ray: both)"
+    )
+    p.add_argument("--model", default="tiny", help="tiny (built locally), fake, or a MODEL_ID")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--probes", type=int, default=30, help="sequential one-token requests for the idle TTFT")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fake-step-delay", type=float, default=0.02, help="MODEL_ID=fake: seconds per decode step")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    systems = set()
+    for name in filter(None, (n.strip() for n in args.systems.split(","))):
+        if name not in SYSTEMS and name != "ours_ray":
+            p.error(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)} or ours_ray (both Ray systems)")
+        systems |= {"ours_ray1", "ours_ray2"} if name == "ours_ray" else {name}
+    model = resolve_model(args.model)
+    env = {"MODEL_ID": model, "MAX_BATCH_SIZE": str(BATCH), "LOG_LEVEL": "WARNING"}
+    if model == "fake":
+        env["FAKE_STEP_DELAY_S"] = str(args.fake_step_delay)
+    cpus = os.cpu_count() or 1
+    reqs = workload(args.requests, args.seed)
+    replica_counts = [n for n in (1, 2) if f"ours_ray{n}" in systems]
+    with direct_server(env, cpus) as direct, ray_fleet(env, cpus, replica_counts) as ray_urls:
+        urls = {**({"ours": direct} if "ours" in systems else {}), **ray_urls}
+        results = interleaved(urls, reqs, args.repeats)
+        for name, url in ray_urls.items():  # the direct server answers the paired probes even if not benchmarked
+            results[name].update(proxy_overhead(direct, url, args.probes))
+    print_table(results, args.model, cpus)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "cpus": cpus, "requests": len(reqs), "results": results}, f, indent=1)
+    return 0
+
+
+def print_table(results: dict, model: str, cpus: int) -> None:
+    print(f"\nmodel {model}, {cpus} CPUs, MAX_BATCH_SIZE {BATCH} per replica; medians over the rounds")
+    print(
+        f"{'system':<10} {'tok/s':>7} {'x ours':>6} {'TTFT p50':>9} {'TTFT p95':>9}   "
+        f"{'idle TTFT p50: via Ray / direct':>31} {'added p50':>9}"
+    )
+    for name, r in results.items():
+        idle = ""
+        if "idle_ttft_ms" in r:
+            idle = (
+                f"{r['idle_ttft_ms']['p50']:>20.1f} / {r['direct_idle_ttft_ms']['p50']:>6.1f} ms "
+                f"{r['added_ms_p50']:>+8.1f} ms"
+            )
+        ratio = f"{r['x_ours']:>6.2f}" if "x_ours" in r else f"{'-':>6}"
+        print(
+            f"{name:<10} {r['tokens_per_s']:>7.1f} {ratio} {r['ttft_ms']['p50']:>9.0f} {r['ttft_ms']['p95']:>9.0f}   "
+            + idle
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

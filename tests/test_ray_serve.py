@@ -1,0 +1,546 @@
+"""MiniBatch on Ray Serve (deploy/ray_serve.py): a local two-node Ray cluster in this process, everything on loopback.
+
+One cluster and one Serve instance for the module (start-up costs ~30 s on 2 cores): the app ``fake`` (2 replicas
+of MODEL_ID=fake with a step delay, API_KEY and limits set) at ``/``, and, when the GPT-2 test is selected, ``gpt2``
+(2 replicas of the tiny GPT-2) at ``/gpt2``.
+Traffic goes to the Serve proxy on 127.0.0.1 only. Ray runs in its single-machine mode
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): every node address is 127.0.0.1, and a test asserts that no Ray process
+listens outside 127.0.0.0/8. At the end every Ray process is stopped (serve.shutdown, ray.shutdown, cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from conftest import ROOT, run
+
+from config import Config, ConfigError
+from engine import FakeEngine
+
+APP, GPT2_APP = "fake", "gpt2"
+KEY = "test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+STEP_DELAY_S = 0.02
+BATCH = 8
+FAKE_ENV = {
+    "MODEL_ID": "fake",
+    "FAKE_STEP_DELAY_S": str(STEP_DELAY_S),
+    "MAX_BATCH_SIZE": str(BATCH),
+    "API_KEY": KEY,
+    "MAX_BODY_BYTES": "4096",
+    "MAX_NEW_TOKENS_LIMIT": "200",
+    "DRAIN_TIMEOUT_S": "10",
+    "LOG_LEVEL": "WARNING",
+}
+# Ray's single-machine mode keeps every node on 127.0.0.1; no usage report leaves the box. Set before ray is
+# imported (ray reads the first at import) and inherited by every Ray process this module starts.
+os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+def fake_text(prompt: str, n: int) -> str:
+    """What FakeEngine answers to ``prompt`` with a budget of ``n`` (its tokens never hit EOS)."""
+    ids = FakeEngine().encode(prompt)
+    return "".join(
+        chr(FakeEngine.letter_token(SimpleNamespace(prompt_token_ids=ids, output_token_ids=[0] * i)) - 1)
+        for i in range(n)
+    )
+
+
+# --- without a cluster ------------------------------------------------------------------------------------
+def test_plain_server_stack_imports_no_ray():
+    """The Ray deployment is an add-on: importing and building the server never imports ray."""
+    script = (
+        "import sys, config, engine, scheduler, server; server.create_app(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MODEL_ID": "fake"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_deployment_options_follow_the_config():
+    from deploy.ray_serve import config_env, deployment_options, replica_config
+
+    cfg = Config(model_id="fake", max_batch_size=8, max_queue_depth=100, drain_timeout_s=12)
+    opts = deployment_options(cfg, {"num_replicas": 3})
+    assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts
+    assert opts["max_ongoing_requests"] == 16  # one batch running, one waiting at the replica
+    assert opts["max_queued_requests"] == 100
+    assert opts["graceful_shutdown_timeout_s"] == 17.0
+    auto = deployment_options(cfg, {"min_replicas": 1, "max_replicas": 4})["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 8)
+    # MAX_CONCURRENT_REQUESTS below two batches caps what the router sends (else the replica would 429).
+    capped = deployment_options(Config(model_id="fake", max_batch_size=8, max_concurrent_requests=5), {})
+    assert capped["max_ongoing_requests"] == 5
+    # NUM_THREADS: unset -> the CPUs Ray assigned the replica; set -> kept; no whole CPU -> 0 (all cores).
+    assert replica_config({"MODEL_ID": "fake"}, 3.0).num_threads == 3
+    assert replica_config({"MODEL_ID": "fake", "NUM_THREADS": "2"}, 3.0).num_threads == 2
+    assert replica_config({"MODEL_ID": "fake"}, 0.5).num_threads == 0
+    env = config_env({"MODEL_ID": "m", "MAX_BATCH_SIZE": "4", "MINIBATCH_CACHE": "/c", "HOME": "/root", "PATH": "/bin"})
+    assert env == {"MODEL_ID": "m", "MAX_BATCH_SIZE": "4", "MINIBATCH_CACHE": "/c"}
+
+
+def test_bad_config_fails_the_build_naming_the_variable():
+    from deploy.ray_serve import build_app
+
+    with pytest.raises(ConfigError, match="MAX_BATCH_SIZE"):
+        build_app({"env": {"MODEL_ID": "fake", "MAX_BATCH_SIZE": "0"}})
+
+
+def test_health_probe_fails_before_load_and_when_the_engine_loop_dies():
+    """``check_health`` asks /health: Serve replaces a replica whose model never loaded or whose loop died."""
+    from deploy.ray_serve import probe_health
+    from server import create_app
+
+    async def main():
+        app = create_app(Config(model_id="fake"), engine=FakeEngine(capacity=2))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as local:
+            with pytest.raises(RuntimeError, match="503"):
+                await probe_health(local, "r1")  # lifespan not run: the model is not loaded
+            async with app.router.lifespan_context(app):
+                await probe_health(local, "r1")
+                await app.state.server.scheduler.stop()  # the engine loop ends
+                with pytest.raises(RuntimeError, match="dead"):
+                    await probe_health(local, "r1")
+
+    run(asyncio.wait_for(main(), 20))
+
+
+# --- the cluster ------------------------------------------------------------------------------------------
+@dataclass
+class Fleet:
+    url: str  # the Serve proxy
+    metrics_ports: list[int]  # each node's Ray metrics export port
+    test_pid: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(request):
+    import ray
+    from ray import serve
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    from deploy.ray_serve import build_app
+
+    assert not ray_constants.ENABLE_RAY_CLUSTER, "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set"
+    apps = [serve.RunTarget(build_app({"num_replicas": 2, "env": FAKE_ENV, "health_check_period_s": 1}), name=APP)]
+    if any(item.name.startswith("test_tiny_gpt2") for item in request.session.items):  # not under -m "not model"
+        gpt2_env = {
+            "MODEL_ID": request.getfixturevalue("tiny_model_dir"),
+            "MAX_BATCH_SIZE": "4",
+            "MAX_NEW_TOKENS_LIMIT": "64",
+            "LOG_LEVEL": "WARNING",
+        }
+        apps.append(
+            serve.RunTarget(build_app({"num_replicas": 2, "env": gpt2_env}), name=GPT2_APP, route_prefix="/gpt2")
+        )
+    node = {"num_cpus": 3, "object_store_memory": 80 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        cluster.add_node(**node)
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many(apps)  # the apps start at once; returns when all are running
+        yield Fleet(
+            f"http://127.0.0.1:{port}", [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]], os.getpid()
+        )
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+def client(timeout: float = 60) -> httpx.AsyncClient:
+    """A new connection per request: each node runs a proxy on the same port (SO_REUSEPORT), the kernel spreads
+    connections over them, and each proxy prefers the replica on its own node, so both replicas get traffic."""
+    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=300, max_keepalive_connections=0))
+
+
+async def generate(c: httpx.AsyncClient, url: str, prompt: str, n: int, **extra) -> httpx.Response:
+    return await c.post(f"{url}/generate", json={"prompt": prompt, "max_new_tokens": n, **extra}, headers=AUTH)
+
+
+def test_200_concurrent_requests_each_answered_once_by_both_replicas(fleet):
+    n_requests = 200
+
+    async def main():
+        async with client() as c:
+            prompts = [(f"request {i}", 1 + i % 8) for i in range(n_requests)]
+            rs = await asyncio.gather(
+                *(generate(c, fleet.url, p, n, request_id=f"r{i}") for i, (p, n) in enumerate(prompts))
+            )
+        by_replica: dict[str, int] = {}
+        for i, ((prompt, n), r) in enumerate(zip(prompts, rs)):
+            assert r.status_code == 200, (i, r.status_code, r.text)
+            body = r.json()
+            assert body["request_id"] == f"r{i}" and body["text"] == fake_text(prompt, n), (i, body)
+            assert body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == n
+            replica = r.headers["x-minibatch-replica"]
+            by_replica[replica] = by_replica.get(replica, 0) + 1
+        assert len(rs) == n_requests and len({r.json()["request_id"] for r in rs}) == n_requests
+        assert len(by_replica) == 2 and min(by_replica.values()) >= 20, by_replica
+
+    run(asyncio.wait_for(main(), 90))
+
+
+def test_api_key_and_limits_enforced_by_every_replica(fleet):
+    async def main():
+        async with client() as c:
+            seen: dict[int, set[str]] = {}
+            for _ in range(12):
+                checks = [
+                    (401, await c.post(f"{fleet.url}/generate", json={"prompt": "x", "max_new_tokens": 1})),
+                    (401, await c.get(f"{fleet.url}/v1/models", headers={"authorization": "Bearer wrong"})),
+                    (
+                        413,
+                        await c.post(
+                            f"{fleet.url}/generate", headers=AUTH, json={"prompt": "x" * 5000, "max_new_tokens": 1}
+                        ),
+                    ),
+                    (422, await generate(c, fleet.url, "x", 201)),
+                ]
+                for status, r in checks:
+                    assert r.status_code == status, r.text
+                    assert r.json()["error"]["code"] == status
+                    seen.setdefault(status, set()).add(r.headers["x-minibatch-replica"])
+            open_probe = await c.get(f"{fleet.url}/health")  # probes stay open, as on one server
+            assert open_probe.status_code == 200 and open_probe.json()["model"] == "fake"
+        # 12 tries each, each on a new connection (so through either node's proxy): both replicas refused.
+        assert all(len(replicas) == 2 for replicas in seen.values()), seen
+
+    run(asyncio.wait_for(main(), 60))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_streaming_and_disconnects_through_the_proxy(fleet):
+    """A stream arrives event by event; a client that leaves (streaming or not) aborts its sequence on the replica."""
+
+    async def main():
+        async with client() as c:
+            events = []
+            async with c.stream(
+                "POST",
+                f"{fleet.url}/generate",
+                headers=AUTH,
+                json={"prompt": "stream me", "max_new_tokens": 12, "stream": True},
+            ) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert len(chunks) >= 12 and chunks[-1]["finish_reason"] == "length"
+            assert "".join(ch["text"] for ch in chunks) == fake_text("stream me", 12)
+
+            # Leave a long stream after two events, then a plain request by timing out: the replicas that ran
+            # them must abort both sequences (each would run 200 x 20 ms otherwise).
+            before = await fleet_aborts(c, fleet.url)
+            async with c.stream(
+                "POST",
+                f"{fleet.url}/generate",
+                headers=AUTH,
+                json={"prompt": "long stream", "max_new_tokens": 200, "stream": True},
+            ) as r:
+                got = 0
+                async for line in r.aiter_lines():
+                    got += line.startswith("data: ")
+                    if got == 2:
+                        break
+            async with client(timeout=0.5) as impatient:
+                with pytest.raises(httpx.TimeoutException):
+                    await generate(impatient, fleet.url, "plain long", 200)
+            deadline = time.monotonic() + 3.0  # before either sequence could end by itself
+            while True:
+                after = await fleet_aborts(c, fleet.url)
+                if after[0] == before[0] + 2 and after[1] == 0:
+                    break
+                assert time.monotonic() < deadline, (before, after)
+                await asyncio.sleep(0.02)
+
+    run(asyncio.wait_for(main(), 60))
+
+
+async def fleet_aborts(c: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """(aborted sequences, running sequences) summed over both replicas, each read from its own /metrics."""
+    abort = 'minibatch:request_success_total{finished_reason="abort"}'
+    seen: dict[str, dict[str, float]] = {}
+    for _ in range(40):
+        r = await c.get(f"{url}/metrics")
+        seen[r.headers["x-minibatch-replica"]] = parse_metrics(r.text)
+        if len(seen) == 2:
+            return (
+                sum(m[abort] for m in seen.values()),
+                sum(m["minibatch:num_requests_running"] for m in seen.values()),
+            )
+    raise AssertionError(f"only {list(seen)} answered /metrics")
+
+
+@pytest.mark.model
+def test_tiny_gpt2_greedy_through_ray_equals_the_single_process_server(fleet, tiny_model_dir):
+    from server import create_app
+
+    prompts = [
+        ("Hello", 12),
+        ("The quick brown fox jumps over", 20),
+        ("a", 5),
+        ("Paris Rome Tokyo", 16),
+        ("1 2 3 4 5 6 7 8 9 10 11 12", 24),
+        ("café 東京 😀", 10),
+    ]
+
+    copies = 4  # each prompt 4 times, all at once: both replicas answer, in batches of different make-up
+
+    async def answers(c: httpx.AsyncClient, url: str, n_copies: int) -> tuple[list[dict], set[str]]:
+        rs = await asyncio.gather(
+            *(c.post(f"{url}/generate", json={"prompt": p, "max_new_tokens": n}) for p, n in prompts * n_copies)
+        )
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        replicas = {r.headers.get("x-minibatch-replica", "") for r in rs}
+        return [{k: r.json()[k] for k in ("text", "token_ids", "finish_reason", "usage")} for r in rs], replicas
+
+    async def main():
+        async with client() as c:
+            via_ray, replicas = await answers(c, f"{fleet.url}/gpt2", copies)
+        app = create_app(Config(model_id=tiny_model_dir, max_batch_size=4, max_new_tokens_limit=64))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as local:
+                direct, _ = await answers(local, "http://t", 1)
+        assert via_ray == direct * copies
+        assert len(replicas) == 2, replicas
+        assert any(a["token_ids"] for a in direct)
+
+    run(asyncio.wait_for(main(), 120))
+
+
+def ray_exported(ports: list[int], family: str) -> dict[tuple[str, str], float]:
+    """(replica, le or "") -> value of ``ray_<family>`` for the fake app, from every node's Ray metrics export."""
+    out = {}
+    for port in ports:
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+            if line.startswith(f"ray_{family}{{") and f'application="{APP}"' in line:
+                labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.rindex("}")].split(","))
+                out[(labels["replica"].strip('"'), labels.get("le", "").strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_metrics_of_every_replica_reach_rays_metrics_with_a_replica_label(fleet):
+    """One scrape per node of Ray's metrics export shows each replica's own /metrics series, labelled by replica."""
+
+    async def own_tokens() -> dict[str, float]:
+        own: dict[str, float] = {}
+        async with client() as c:
+            for _ in range(40):
+                r = await c.get(f"{fleet.url}/metrics")
+                own[r.headers["x-minibatch-replica"]] = parse_metrics(r.text)["minibatch:generation_tokens_total"]
+                if len(own) == 2:
+                    return own
+        raise AssertionError(f"only {list(own)} answered /metrics")
+
+    own = run(asyncio.wait_for(own_tokens(), 30))  # no traffic runs now: these are final
+    # The 200-request test alone generated sum(1 + i % 8) = 900 tokens across the two replicas.
+    assert sum(own.values()) >= 900 and min(own.values()) > 0, own
+    deadline = time.monotonic() + 40  # Ray exports every few seconds
+    want = {(replica, ""): value for replica, value in own.items()}
+    exported = ray_exported(fleet.metrics_ports, "minibatch_generation_tokens_total")
+    while exported != want and time.monotonic() < deadline:
+        time.sleep(1)
+        exported = ray_exported(fleet.metrics_ports, "minibatch_generation_tokens_total")
+    assert exported == want
+    # Histograms keep their buckets (le label): the +Inf bucket of TTFT per replica counts its answered requests.
+    buckets = ray_exported(fleet.metrics_ports, "minibatch_time_to_first_token_seconds_bucket")
+    assert {replica for replica, le in buckets if le == "+Inf"} == set(own)
+    assert sum(v for (_, le), v in buckets.items() if le == "+Inf") >= 200
+
+
+def ray_listeners(root_pid: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket owned by root_pid's process tree (Ray's processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = {root_pid}, [root_pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            if kid not in tree:
+                tree.add(kid)
+                todo.append(kid)
+    owner: dict[str, int] = {}  # socket inode -> pid
+    for pid in tree:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            next(f)
+            for row in f:
+                cols = row.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if state != "0A" or inode not in owner:  # 0A: LISTEN
+                    continue
+                hex_ip, hex_port = local.split(":")
+                raw = bytes.fromhex(hex_ip)  # little-endian 32-bit words
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((socket.inet_ntop(family, raw), int(hex_port, 16), owner[inode]))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def test_no_ray_listener_outside_loopback(fleet):
+    found = ray_listeners(fleet.test_pid)
+    assert len({pid for _, _, pid in found}) >= 6, found  # GCS, raylets, proxies, replicas...: the probe sees them
+    outside = [entry for entry in found if not is_loopback(entry[0])]
+    assert not outside, f"Ray listens outside 127.0.0.0/8: {outside}"
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and is_loopback("::ffff:127.0.0.1")
+
+
+def test_a_model_that_fails_to_load_fails_the_deploy_and_nothing_else(fleet):
+    """A replica whose model cannot load never becomes healthy: the deploy fails, other apps keep serving."""
+    from ray import serve
+
+    from deploy.ray_serve import build_app
+
+    broken = build_app(
+        {"env": {"MODEL_ID": "/nonexistent/model", "LOG_LEVEL": "WARNING"}, "max_constructor_retry_count": 1}
+    )
+    with pytest.raises(RuntimeError, match="broken"):
+        serve.run(broken, name="broken", route_prefix="/broken")
+    assert serve.status().applications["broken"].status == "DEPLOY_FAILED"
+    serve.delete("broken")
+
+    async def still_serving():
+        async with client() as c:
+            r = await generate(c, fleet.url, "still here", 3)
+            assert r.status_code == 200 and r.json()["text"] == fake_text("still here", 3), r.text
+
+    run(asyncio.wait_for(still_serving(), 30))
+
+
+def test_kill_one_replica_mid_load(fleet):
+    """Survivor finishes its requests; the dead replica's in-flight ones fail with an error; Serve replaces it."""
+    import ray
+    from ray import serve
+
+    n_requests, n_tokens = 120, 30
+
+    async def main():
+        async with client() as c:
+            # Which replicas exist now: ask until both have answered.
+            before: set[str] = set()
+            for _ in range(40):
+                before.add((await c.get(f"{fleet.url}/health")).headers["x-minibatch-replica"])
+                if len(before) == 2:
+                    break
+            assert len(before) == 2
+            victim = sorted(before)[0]
+            tasks = [asyncio.ensure_future(generate(c, fleet.url, f"load {i}", n_tokens)) for i in range(n_requests)]
+            await asyncio.sleep(0.6)  # both replicas are mid-batch (a request takes >= 30 x 20 ms)
+            name = next(
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(f"#{victim}")
+            )
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            rs = await asyncio.gather(*tasks, return_exceptions=True)
+            ok, failed = 0, []
+            for i, r in enumerate(rs):
+                if isinstance(r, httpx.Response) and r.status_code == 200:
+                    assert r.json()["text"] == fake_text(f"load {i}", n_tokens)
+                    ok += 1  # by the survivor, the victim before it died, or (queued at the proxy) the replacement
+                else:
+                    failed.append(r if isinstance(r, Exception) else (r.status_code, r.text))
+            # A failure is an HTTP error answer from the proxy, never a hang or an empty 200.
+            assert all(isinstance(f, tuple) and f[0] >= 500 and f[1] for f in failed), failed[:3]
+            assert ok + len(failed) == n_requests and ok >= n_requests - 16, (
+                ok,
+                failed[:3],
+            )  # 16: one replica's max_ongoing
+            print(f"\nkill mid-load: {ok} answered, {len(failed)} failed with an error: {failed[:1]}")
+
+            # Serve brings a replacement up and traffic reaches it.
+            deadline = time.monotonic() + 60
+            fresh: set[str] = set()
+            while time.monotonic() < deadline and not fresh:
+                states = serve.status().applications[APP].deployments["MiniBatch"].replica_states
+                if states.get("RUNNING", 0) == 2:
+                    for _ in range(10):
+                        r = await generate(c, fleet.url, "after", 3)
+                        assert r.status_code == 200 and r.json()["text"] == fake_text("after", 3), r.text
+                        fresh |= {r.headers["x-minibatch-replica"]} - before
+                await asyncio.sleep(0.5)
+            assert fresh, "no new replica served traffic within 60 s"
+            assert victim not in fresh
+
+    run(asyncio.wait_for(main(), 120))
+
+
+def test_graceful_shutdown_lets_in_flight_requests_finish(fleet):
+    """Deleting the app (a scale-down or a rolling update does the same per replica): in-flight requests complete."""
+    from ray import serve
+
+    async def main():
+        async with client() as c:
+            tasks = [asyncio.ensure_future(generate(c, fleet.url, f"drain {i}", 40)) for i in range(10)]
+            await asyncio.sleep(0.4)  # all ten admitted (10 < 2 x 16 in flight), none finished (40 x 20 ms)
+            await asyncio.to_thread(serve.delete, APP, _blocking=False)
+            rs = await asyncio.gather(*tasks)
+        for i, r in enumerate(rs):
+            assert r.status_code == 200, (i, r.status_code, r.text)
+            assert r.json()["text"] == fake_text(f"drain {i}", 40)
+
+    run(asyncio.wait_for(main(), 60))
