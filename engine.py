@@ -18,6 +18,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Callable, Iterable
 
+from checkpoints import ModelLoadError
 from config import Config
 from sampling import TokenLogprobs, logprobs, sample
 from sequence import Sequence, SequenceStatus
@@ -327,7 +328,7 @@ class HFEngine(BatchEngine):
     def __init__(self, config: Config) -> None:
         import torch  # deferred: the server stack must stay importable without torch
 
-        from checkpoints import eos_ids, load_checkpoint
+        from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
         from models import families
 
         torch.set_num_threads(config.num_threads or physical_cores())
@@ -336,7 +337,7 @@ class HFEngine(BatchEngine):
         hf_config = hf_model.config
         supported = families()
         if hf_config.model_type not in supported:
-            raise ValueError(
+            raise ModelLoadError(
                 f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
                 f"supported: {', '.join(sorted(supported))}"
             )
@@ -348,9 +349,10 @@ class HFEngine(BatchEngine):
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
-        self.model = family(
-            hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm
-        )
+        try:
+            self.model = family(hf_model, config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm)
+        except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
         del hf_model
         log.info(
             "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, "
@@ -444,7 +446,10 @@ def physical_cores() -> int:
 
 
 def build_engine(config: Config) -> InferenceEngine:
-    """The engine MODEL_ID asks for: ``fake`` -> FakeEngine, anything else -> HFEngine."""
+    """The engine MODEL_ID asks for: ``fake`` -> FakeEngine, anything else -> HFEngine.
+
+    Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
+    """
     if config.is_fake:
         return FakeEngine(capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids))
     return HFEngine(config)
