@@ -236,3 +236,48 @@ def test_distilgpt2_shape_parity(distil_shaped_dir):
     for seq in seqs:
         assert seq.output_token_ids == expected(reference, seq, reference.eos), seq.prompt_token_ids
     assert_some_stop_by_eos(seqs, reference.eos)
+
+
+# --- configuration on a real model: MAX_MODEL_LEN, NUM_THREADS, the KV memory formula ----------------
+
+
+@pytest.mark.parametrize("max_model_len, want", [(0, 1024), (48, 48), (5000, 1024)], ids=["0", "N", "beyond"])
+def test_max_model_len_sizes_the_cache_and_bounds_admission(model_dir, reference, max_model_len, want):
+    """0 = the model's context window (1024 here), N = N, beyond the window = the window. A sequence that
+    fills the window exactly runs with parity; one token more is refused before it is queued."""
+    from engine import AdmissionError
+
+    engine = make_engine(model_dir, capacity=2, max_model_len=max_model_len)
+    assert engine.max_context == want and engine.model.kv.k.shape[3] == want
+    if want > 64:
+        return
+    prompt = (reference.encode(" ".join(PROMPTS)) * 8)[: want - 4]
+    fits = Sequence(prompt_token_ids=prompt, max_new_tokens=4, ignore_eos=True)
+    over = Sequence(prompt_token_ids=prompt, max_new_tokens=5, ignore_eos=True)
+    assert engine.check_admissible(fits) is None and "context window of 48" in engine.check_admissible(over)
+    with pytest.raises(AdmissionError):
+        engine.admit([over])
+    drive(engine, [(0, [fits])])
+    assert fits.output_token_ids == expected(reference, fits, set()) and fits.num_tokens == want
+
+
+def test_num_threads_zero_means_the_physical_cores(model_dir):
+    from engine import physical_cores
+
+    before = torch.get_num_threads()
+    try:
+        HFEngine(Config(model_id=model_dir, max_batch_size=1, num_threads=0))
+        assert torch.get_num_threads() == physical_cores()
+        HFEngine(Config(model_id=model_dir, max_batch_size=1, num_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kv_memory_formula_in_the_readme(model_dir, reference):
+    """README: 2 x layers x MAX_BATCH_SIZE x MAX_MODEL_LEN x (K/V heads x head_dim) x 4 bytes."""
+    cfg = reference.model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    engine = make_engine(model_dir, capacity=3, max_model_len=100)
+    assert engine.model.kv.nbytes == 2 * cfg.num_hidden_layers * 3 * 100 * kv_heads * head_dim * 4
