@@ -26,8 +26,9 @@ sits strictly inside another (stops ``["BCD", "C"]`` on ``"ABCD"`` give ``"AB"``
 
 Contract with ``decode``: it must be *prefix-stable* — decoding ``ids + more`` starts with
 the decoding of ``ids`` whenever ``ids`` ends on a character boundary. Byte-level BPE
-(GPT-2 family, the only one the engine serves) with ``clean_up_tokenization_spaces`` off
-satisfies it. Under it, the concatenation of everything ``push`` and ``flush`` emit is
+(GPT-2, and the Llama-family checkpoints the engine serves such as SmolLM2) with
+``clean_up_tokenization_spaces`` off satisfies it; for SentencePiece-style tokenizers, whose
+first token decodes differently on its own, pass the prompt as context (below). Under it, the concatenation of everything ``push`` and ``flush`` emit is
 exactly ``decode(output_ids)`` (or its continuation after the prompt context, see below),
 truncated by ``truncate_at_stop``.
 

@@ -16,10 +16,11 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
+from checkpoints import ModelLoadError
 from config import Config
-from sampling import TokenLogprobs, logprobs, sample
+from sampling import NonFiniteLogits, TokenLogprobs, logprobs, sample
 from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.engine")
@@ -31,6 +32,19 @@ class AdmissionError(ValueError):
 
 class ChatTemplateError(ValueError):
     """The model has no chat template (and none is configured), or rendering it failed."""
+
+
+class RowFailure(NamedTuple):
+    """What ``_forward`` returns instead of a token for a row that failed alone (the others go on).
+
+    ``reason`` is stable text for clients; the internal detail is logged where the failure happens.
+    """
+
+    reason: str
+
+
+NON_FINITE_LOGITS = "the model's output for this sequence was not finite (NaN or inf); it was stopped"
+SAMPLING_FAILED = "sampling the next token for this sequence failed; it was stopped"
 
 
 class InferenceEngine(ABC):
@@ -68,7 +82,11 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def step(self) -> list[Sequence]:
-        """Advance every active sequence by exactly one token; return those that finished."""
+        """Advance every active sequence by exactly one token; return those that finished.
+
+        A row that fails alone (non-finite logits, a sampling failure) finishes as FINISHED_ERROR with a
+        stable ``error`` and is returned with the finished; the other rows take their tokens as usual.
+        """
 
     @abstractmethod
     def admit_and_step(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -121,14 +139,15 @@ class BatchEngine(InferenceEngine):
 
     # --- tensor work, supplied by subclasses -------------------------------------------------
     @abstractmethod
-    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
+    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
         """One forward: the next token of each of ``running`` and the first token of each newcomer.
 
         ``running`` is either empty or every active sequence (``running[r]`` owns row r, rows
         [0, n)); the newcomers are prefilled into rows [n, n + len(newcomers)) where n is the
         number of active sequences, whether or not they decode in this call. Returns one token id
-        per sequence of ``running + newcomers``, in that order. Commits nothing but cache
-        contents at those rows/positions: on an exception the caller commits no token.
+        per sequence of ``running + newcomers``, in that order, or a ``RowFailure`` for a row that
+        failed alone. Commits nothing but cache contents at those rows/positions: on an exception
+        the caller commits no token.
         """
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
@@ -196,17 +215,25 @@ class BatchEngine(InferenceEngine):
             seq.admit_time = start
             if not seq.ignore_eos:
                 seq.stop_token_ids = seq.stop_token_ids | self.stop_token_ids
-            seq.append_token(token, now)
+            self._take(seq, token, now)
         self._tokens += len(seqs)
         self._peak_batch = max(self._peak_batch, len(self._rows))
 
     def _commit_step(self, tokens: list[int], now: float) -> None:
         """Each active sequence (rows [0, n), in order) takes its next token."""
         for seq, token in zip(self._rows, tokens):
-            seq.append_token(token, now)
+            self._take(seq, token, now)
         self._steps += 1
         self._tokens += len(self._rows)
         self._peak_batch = max(self._peak_batch, len(self._rows))
+
+    @staticmethod
+    def _take(seq: Sequence, token: int | RowFailure, now: float) -> None:
+        """A row's result: its next token, or its failure (it finishes with the error; the caller evicts it)."""
+        if isinstance(token, RowFailure):
+            seq.finish(SequenceStatus.FINISHED_ERROR, now, error=token.reason)
+        else:
+            seq.append_token(token, now)
 
     def abort(self, seq_id: int) -> bool:
         for seq in self._rows:
@@ -243,7 +270,7 @@ class FakeEngine(BatchEngine):
 
     Token ids: 0 is EOS, 1..256 are the bytes 0..255. By default a sequence's n-th token is a
     lowercase letter chosen from its prompt and n, so every answer identifies its prompt.
-    ``token_fn(seq) -> id`` overrides that; ``admit_fault(seqs)`` (called when newcomers are
+    ``token_fn(seq) -> id`` overrides that (returning a ``RowFailure`` fails that row alone); ``admit_fault(seqs)`` (called when newcomers are
     prefilled, ``_prefill``) and ``step_fault(step_no)`` (when running rows decode, ``_decode``)
     may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
     call decodes first, then prefills.
@@ -285,7 +312,7 @@ class FakeEngine(BatchEngine):
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t - 1 for t in token_ids if 1 <= t <= 256).decode("utf-8", errors="replace")
 
-    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
+    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
         step = self._decode(running) if running else []
         return step + (self._prefill(newcomers, len(self._rows)) if newcomers else [])
 
@@ -304,11 +331,12 @@ class FakeEngine(BatchEngine):
             time.sleep(self.step_delay)
         return self._next_tokens(seqs)
 
-    def _next_tokens(self, seqs: list[Sequence]) -> list[int]:
-        """token_fn per sequence; a requested logprob is 0.0 (the fake is certain of its choice)."""
+    def _next_tokens(self, seqs: list[Sequence]) -> list[int | RowFailure]:
+        """token_fn per sequence (a RowFailure fails that row alone); a requested logprob is 0.0 (the fake
+        is certain of its choice)."""
         tokens = [self.token_fn(s) for s in seqs]
         for seq, token in zip(seqs, tokens):
-            if seq.logprobs is not None:
+            if seq.logprobs is not None and not isinstance(token, RowFailure):
                 seq.output_logprobs.append(TokenLogprobs(token, 0.0, [(token, 0.0)][: seq.logprobs]))
         return tokens
 
@@ -327,7 +355,7 @@ class HFEngine(BatchEngine):
     def __init__(self, config: Config) -> None:
         import torch  # deferred: the server stack must stay importable without torch
 
-        from checkpoints import eos_ids, load_checkpoint
+        from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
         from models import families
 
         torch.set_num_threads(config.num_threads or physical_cores())
@@ -336,7 +364,7 @@ class HFEngine(BatchEngine):
         hf_config = hf_model.config
         supported = families()
         if hf_config.model_type not in supported:
-            raise ValueError(
+            raise ModelLoadError(
                 f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
                 f"supported: {', '.join(sorted(supported))}"
             )
@@ -348,9 +376,10 @@ class HFEngine(BatchEngine):
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
-        self.model = family(
-            hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm
-        )
+        try:
+            self.model = family(hf_model, config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm)
+        except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
         del hf_model
         log.info(
             "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, "
@@ -378,7 +407,7 @@ class HFEngine(BatchEngine):
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
+    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
         """One forward for both (either may be empty): the weights stream once (a decode step alone is
         bound by that)."""
         first_row = len(self._rows)
@@ -390,24 +419,65 @@ class HFEngine(BatchEngine):
         )  # [len(running) + len(newcomers), V]
         return self._next_tokens(logits, running + newcomers)
 
-    def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
+    def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
 
-        Logprobs, where asked for, come from the raw logits (before penalties and temperature).
+        A row whose logits are not finite, or whose sampling fails, gets a ``RowFailure``; the others
+        are sampled as if it were not there. Logprobs, where asked for, come from the raw logits
+        (before penalties and temperature).
         """
-        tokens = sample(
-            logits,
-            [s.sampling for s in seqs],
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
+        results: list[int | RowFailure] = [RowFailure(SAMPLING_FAILED)] * len(seqs)
+        rows = list(range(len(seqs)))
+        try:
+            tokens = self._sample(logits, seqs)
+        except NonFiniteLogits as exc:
+            log.error("non-finite logits for sequences %s", [seqs[i].seq_id for i in exc.rows])
+            for i in exc.rows:
+                results[i] = RowFailure(NON_FINITE_LOGITS)
+            rows = [i for i in rows if i not in set(exc.rows)]
+            tokens = self._sample_rows(logits, seqs, rows)
+        except Exception:  # a bug or an edge no range check foresaw: find the rows it belongs to
+            log.exception("sampling a batch of %d failed; sampling its rows one at a time", len(seqs))
+            tokens = self._sample_rows(logits, seqs, rows)
+        vocab = logits.shape[-1]
+        for i, token in zip(rows, tokens):
+            if isinstance(token, int) and not 0 <= token < vocab:
+                log.error("sampling gave token %d outside [0, %d) for sequence %d", token, vocab, seqs[i].seq_id)
+                token = RowFailure(SAMPLING_FAILED)
+            results[i] = token
+        self._add_logprobs(logits, seqs, results)
+        return results
+
+    @staticmethod
+    def _sample(logits, seqs: list[Sequence]) -> list[int]:
+        """logits: [n, V] -> one token per sequence (``sampling.sample``)."""
+        return sample(
+            logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
         )
-        wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        if wanted:
-            k = max(seqs[i].logprobs for i in wanted)
-            rows = logits if len(wanted) == len(seqs) else logits[wanted]
-            for i, lp in zip(wanted, logprobs(rows, [tokens[i] for i in wanted], k)):
-                seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
-        return tokens
+
+    def _sample_rows(self, logits, seqs: list[Sequence], rows: list[int]) -> list[int | RowFailure]:
+        """Each of ``rows`` alone: a row that still fails gets a RowFailure, the others their token."""
+        out: list[int | RowFailure] = []
+        for i in rows:
+            try:
+                out.append(self._sample(logits[i : i + 1], [seqs[i]])[0])
+            except NonFiniteLogits:
+                out.append(RowFailure(NON_FINITE_LOGITS))
+            except Exception:
+                log.exception("sampling sequence %d failed", seqs[i].seq_id)
+                out.append(RowFailure(SAMPLING_FAILED))
+        return out
+
+    @staticmethod
+    def _add_logprobs(logits, seqs: list[Sequence], tokens: list[int | RowFailure]) -> None:
+        """Append each requesting row's logprobs of its chosen token (rows that failed get none)."""
+        wanted = [i for i, s in enumerate(seqs) if s.logprobs is not None and not isinstance(tokens[i], RowFailure)]
+        if not wanted:
+            return
+        k = max(seqs[i].logprobs for i in wanted)
+        rows = logits if len(wanted) == len(seqs) else logits[wanted]
+        for i, lp in zip(wanted, logprobs(rows, [tokens[i] for i in wanted], k)):
+            seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
         self.model.kv.move_row(src, dst, length)
@@ -444,7 +514,10 @@ def physical_cores() -> int:
 
 
 def build_engine(config: Config) -> InferenceEngine:
-    """The engine MODEL_ID asks for: ``fake`` -> FakeEngine, anything else -> HFEngine."""
+    """The engine MODEL_ID asks for: ``fake`` -> FakeEngine, anything else -> HFEngine.
+
+    Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
+    """
     if config.is_fake:
         return FakeEngine(capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids))
     return HFEngine(config)

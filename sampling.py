@@ -13,6 +13,14 @@ one token id per sequence, each row under its own ``SamplingParams``. The order 
    that of the top-k survivors), min-p (keep tokens with prob >= ``min_p`` x the top prob), then
    draw by inverse CDF over the survivors in vocabulary order with one uniform number per row.
 
+Numeric safety: every parameter in its accepted range gives finite arithmetic. Penalized logits are
+clamped to ``[-LOGIT_LIMIT, LOGIT_LIMIT]`` (a repetition penalty of 1e-38 turns a logit of 10 into
+1e39, past float32's range), and sampled rows are clamped below ``LOGIT_LIMIT`` before the
+temperature divides them, so nothing overflows to +inf (whose differences are NaN).
+Rows that arrive unusable (a NaN or +inf from the model, or every logit -inf) are refused with
+``NonFiniteLogits`` naming the rows; the engine fails those rows alone. A -inf logit is a masked
+token and stays allowed.
+
 Ties at a top-k or top-p boundary are kept (a value threshold), so a row may keep more than
 ``top_k`` tokens when logits tie exactly.
 
@@ -48,6 +56,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: SamplingParams needs no
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "LOGIT_LIMIT",
+    "NonFiniteLogits",
     "TOP_P_WINDOWS",
     "SamplingParams",
     "TokenLogprobs",
@@ -59,11 +69,21 @@ __all__ = [
 
 # Temperatures below this are greedy (as in vLLM): dividing by a smaller one overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
+# Largest logit magnitude sampling works with: / GREEDY_TEMPERATURE it stays far inside float32's range.
+LOGIT_LIMIT = 1e30
 # top-p on a row without top-k searches its nucleus among the top 256 tokens, then the top 2048
 # for the rows whose nucleus is wider, and fully sorts only the rows whose nucleus is wider still.
 TOP_P_WINDOWS = (256, 2048)
 _MAX_SEED = 2**63 - 1
 _M64 = (1 << 64) - 1
+
+
+class NonFiniteLogits(ValueError):
+    """Some rows' logits hold NaN or +inf, or are all -inf; ``rows`` lists them (indices into the batch)."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"non-finite logits in rows {rows}")
+        self.rows = rows
 
 
 def _is_real(value) -> bool:
@@ -181,16 +201,20 @@ def _penalize_(
         if prompt_ids is None:
             raise ValueError("prompt_ids is required when a row sets repetition_penalty")
         pos = torch.unique(_flat_ids(rep, [prompt_ids, output_ids], vocab, "prompt/output")).to(dev)
+        # float32 like HF's processor (bit-exact with it); a penalty near 0 overflows a logit to +-inf, so the
+        # result is clamped, and the penalty kept finite so that 0 x penalty is never NaN.
         rp = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=dev)[pos // vocab]
+        rp.clamp_(max=torch.finfo(x.dtype).max)
         v = flat_x[pos]
-        flat_x[pos] = torch.where(v > 0, v / rp, v * rp)
+        flat_x[pos] = torch.where(v > 0, v / rp, v * rp).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
     if occ:
         pos, count = torch.unique(_flat_ids(occ, [output_ids], vocab, "output"), return_counts=True)
         pos, count = pos.to(dev), count.to(device=dev, dtype=x.dtype)
         row = pos // vocab
         freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[row]
         pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[row]
-        flat_x[pos] = flat_x[pos] - freq * count - pres  # vLLM: l -= f * count; l -= p * (count > 0)
+        # vLLM: l -= f * count; l -= p * (count > 0)
+        flat_x[pos] = (flat_x[pos] - freq * count - pres).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def apply_penalties(
@@ -352,6 +376,11 @@ def sample(
     if n == 0:
         return []
     params = [p or _GREEDY for p in params]
+    # A row is usable when its max is finite: no NaN (amax propagates it), no +inf, not all -inf
+    # (-inf alone is a masked token: allowed).
+    usable = torch.isfinite(logits.amax(dim=-1))  # [N]
+    if not bool(usable.all()):
+        raise NonFiniteLogits((~usable).nonzero().flatten().tolist())
     penalized = any(p.has_penalties for p in params)
     if not penalized and all(p.is_greedy for p in params):
         return logits.argmax(dim=-1).tolist()
@@ -384,6 +413,7 @@ def sample(
         if not rows:
             continue
         xr = x if len(rows) == n else x[torch.tensor(rows, device=dev)]
+        xr = xr.clamp(max=LOGIT_LIMIT)  # / temperature stays below +inf (inf - inf would be NaN); -inf is fine
         temp = _col([float(params[i].temperature) for i in rows], x.dtype, dev)
         toks = fn(xr, temp, [params[i] for i in rows], _col([u[i] for i in rows], torch.float64, dev))
         for i, tok in zip(rows, toks.tolist()):

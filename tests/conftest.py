@@ -108,3 +108,115 @@ def tiny_pad_model_dir(tmp_path_factory) -> str:
     from make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny_pad")), shape="tiny", seed=1, with_pad=True)
+
+
+# --- parity helpers: the model gates (test_parity.py, test_llama.py) -------------------------------
+
+PROMPTS = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "A",
+    "def fibonacci(n):\n    a, b = 0, 1\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman",
+    "Numbers: 0 1 2 3 4 5",
+]
+
+
+def checkpoint_eos(model, tokenizer) -> set[int]:
+    """EOS as the checkpoint declares it (HF generation config, else the tokenizer): never the engine's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set() if eos is None else set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+class Reference:
+    """Standalone greedy HF ``generate``, one prompt at a time: the ground truth of the model gates."""
+
+    def __init__(self, model_dir: str) -> None:
+        import torch
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.eos = checkpoint_eos(self.model, self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, stops: set[int], processors=None) -> list[int]:
+        """Greedy tokens after ``prompt``, ending at (and keeping) the first of ``stops``; ``processors``: HF
+        logits processors applied before the argmax."""
+        import torch
+
+        from model_runner import trim
+
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,  # only input_ids and attention_mask: no token_type_ids
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(stops) or None,
+                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0,
+                logits_processor=processors,
+            )
+        return trim(out[0, len(prompt) :].tolist(), max_new_tokens, stops)
+
+
+def drive(engine, batches: list, fused: bool = True) -> None:
+    """Step the engine; admit each (step_no, seqs) group at that step (when capacity allows).
+
+    fused: a group joining a running batch is prefilled in the decode step's forward
+    (``admit_and_step``, as the scheduler does); else ``admit`` then ``step``.
+    """
+    pending = sorted(batches, key=lambda b: b[0])
+    step = 0
+    while pending or engine.num_active():
+        joining = []
+        while pending and pending[0][0] <= step and engine.num_active() + len(joining) + len(pending[0][1]) <= engine.capacity:
+            joining += pending.pop(0)[1]
+        if fused and joining and engine.num_active():
+            engine.admit_and_step(joining)
+        else:
+            engine.admit(joining)
+            engine.step()
+        step += 1
+        assert step < 10_000
+
+
+def seqs_for(ref: Reference, prompts: list[str], budgets: list[int], **kw) -> list:
+    from sequence import Sequence
+
+    return [Sequence(prompt_token_ids=ref.encode(p), max_new_tokens=n, **kw) for p, n in zip(prompts, budgets)]
+
+
+def expected(ref: Reference, seq, stops: set[int]) -> list[int]:
+    return ref.generate(seq.prompt_token_ids, seq.max_new_tokens, stops)
+
+
+def repoint_eos(src_dir: str, out_dir: str, prompts: list[str], n_tokens: int = 16, min_hits: int = 3) -> int:
+    """Copy a checkpoint, making its EOS a token that its greedy output really emits mid-sequence.
+
+    Random weights almost never produce their tokenizer's EOS, so the default-EOS gates would not
+    test stopping at all. This picks the token that first appears at an index in [2, n_tokens - 2)
+    of the most prompts' greedy outputs and declares it EOS in the saved generation config (the
+    checkpoint's own EOS, which both HF and the engine read). Returns the new EOS id.
+    """
+    import shutil
+    from collections import Counter
+
+    shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
+    ref = Reference(out_dir)
+    hits: Counter = Counter()
+    for prompt in prompts:
+        out = ref.generate(ref.encode(prompt), n_tokens, set())
+        firsts = {t: i for i, t in reversed(list(enumerate(out)))}  # token -> index of its first occurrence
+        hits.update(t for t, i in firsts.items() if 2 <= i < n_tokens - 2)
+    token, count = hits.most_common(1)[0]
+    assert count >= min_hits, f"no token ends {min_hits} greedy outputs mid-way: {hits.most_common(3)}"
+    ref.model.generation_config.eos_token_id = token
+    ref.model.config.eos_token_id = token
+    ref.model.save_pretrained(out_dir)
+    return token

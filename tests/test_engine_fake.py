@@ -12,7 +12,7 @@ import random
 import pytest
 
 from config import Config
-from engine import AdmissionError, FakeEngine, build_engine
+from engine import AdmissionError, FakeEngine, RowFailure, build_engine
 from sequence import Sequence, SequenceStatus
 
 STOP = 999
@@ -325,6 +325,30 @@ def test_compaction_moves_a_middle_row():
     assert eng.moves == [(2, 1, 2)]  # c's prompt (1) + its first token, not its newest
     eng.step()
     assert c.output_token_ids == tagged(3, 3)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 3], ids=["on-its-first-token", "at-step-1", "at-step-3"])
+def test_a_failing_row_finishes_alone_and_its_row_is_compacted(fail_at):
+    """A RowFailure from the tensor work fails that sequence alone (FINISHED_ERROR, its stable reason);
+    its batchmates take their tokens in the same call and go on, in compacted rows."""
+    def token_fn(s: Sequence):
+        if s.prompt_token_ids == [2] and len(s.output_token_ids) == fail_at:
+            return RowFailure("row 2 failed")
+        return tagged_token(s)
+
+    eng = engine(capacity=4, token_fn=token_fn)
+    a, b, c = (seq(prompt=(i,), max_new=6) for i in (1, 2, 3))
+    eng.admit([a, b])
+    assert b.is_finished == (fail_at == 0)  # failed at admission: it holds no row
+    finished = eng.admit_and_step([c])
+    while eng.num_active():
+        finished += eng.step()
+        assert_rows_consistent(eng)
+    assert b.status is SequenceStatus.FINISHED_ERROR and b.error == "row 2 failed" and b.finish_reason == "error"
+    assert b.output_token_ids == tagged(2, fail_at)
+    for s, p in ((a, 1), (c, 3)):
+        assert s.finish_reason == "length" and s.output_token_ids == tagged(p, 6)
+    assert (b in finished) == (fail_at > 0)
 
 
 def test_compaction_random_churn():

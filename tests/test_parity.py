@@ -1,8 +1,12 @@
-"""Model gates: continuous-batched greedy tokens equal each prompt's standalone HF generate.
+"""Model gates, for every model family: continuous-batched greedy tokens equal each prompt's standalone HF generate.
 
-Checkpoints are built by the tests (tiny random GPT-2, trained BPE tokenizer), saved, and
-loaded back through ``from_pretrained(path)``, the path users hit. When a real distilgpt2
-sits in the local HF cache the same gates run on it too.
+Checkpoints are built by the tests (random weights, trained BPE tokenizer), saved, and loaded back
+through ``from_pretrained(path)``, the path users hit: tiny GPT-2 (pad unset, and a pad id distinct
+from EOS), tiny Llama (grouped-query attention, tied and untied lm_head), and a GPT-2 of distilgpt2's
+shape (768 x 6, vocab 50257) so the kernels run at the widths the benchmark uses. The reference's
+stop set is the checkpoint's own EOS (``Reference.eos``), never the engine's. For the default-EOS
+gates each checkpoint's EOS is re-pointed at a token its greedy output really emits mid-way
+(``conftest.repoint_eos``), so several sequences of a batch stop by EOS while others go on.
 """
 
 from __future__ import annotations
@@ -12,76 +16,46 @@ import random
 
 import pytest
 
-from conftest import run
+from conftest import PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
-from engine import HFEngine  # noqa: E402
-from model_runner import HFModelRunner, trim  # noqa: E402
+from engine import HFEngine, ModelLoadError  # noqa: E402
+from model_runner import HFModelRunner  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 from sequence import Sequence  # noqa: E402
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "hello world",
-    "The quick brown fox jumps over the lazy dog.",
-    "A",
-    "def fibonacci(n):\n    a, b = 0, 1\n",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman",
-    "Numbers: 0 1 2 3 4 5",
-]
+FAMILIES = ["gpt2-tiny", "gpt2-tiny-pad", "llama-tied", "llama-untied"]
+EOS_PROMPTS = [*PROMPTS, "The capital of France is", "import torch; x =", "Prices rose by 12%", "café naïve"]
 
 
-def distilgpt2_local() -> str | None:
-    """'distilgpt2' when it loads from the local HF cache without network, else None."""
-    try:
-        transformers.AutoConfig.from_pretrained("distilgpt2", local_files_only=True)
-        return "distilgpt2"
-    except Exception:
-        return None
+@pytest.fixture(scope="module", params=FAMILIES)
+def model_dir(request, tmp_path_factory) -> str:
+    from make_test_model import build_checkpoint
 
-
-@pytest.fixture(scope="module", params=["tiny", "tiny_pad", "distilgpt2"])
-def model_dir(request) -> str:
-    if request.param == "distilgpt2":
-        name = distilgpt2_local()
-        if name is None:
-            pytest.skip("distilgpt2 is not in the local Hugging Face cache (no hub access here)")
-        return name
-    return request.getfixturevalue(f"{request.param}_model_dir")
-
-
-class Reference:
-    """Standalone greedy generate, one prompt at a time: the ground truth."""
-
-    def __init__(self, model_dir: str) -> None:
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.eos = self.model.generation_config.eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    @torch.inference_mode()
-    def generate(self, prompt: list[int], max_new_tokens: int, stops: set[int]) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = self.model.generate(
-            input_ids=ids,  # only input_ids and attention_mask: no token_type_ids
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=sorted(stops) or None,
-            pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0,
-        )
-        return trim(out[0, len(prompt) :].tolist(), max_new_tokens, stops)
+    if request.param == "gpt2-tiny":
+        return request.getfixturevalue("tiny_model_dir")
+    if request.param == "gpt2-tiny-pad":
+        return request.getfixturevalue("tiny_pad_model_dir")
+    tied = request.param == "llama-tied"
+    return build_checkpoint(str(tmp_path_factory.mktemp(request.param)), arch="llama", seed=2, tied=tied)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> Reference:
     return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(model_dir, tmp_path_factory) -> str:
+    """The same checkpoint with an EOS that its greedy outputs really emit."""
+    out = str(tmp_path_factory.mktemp("eos"))
+    repoint_eos(model_dir, out, EOS_PROMPTS)
+    return out
 
 
 def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ...] = (), **config) -> HFEngine:
@@ -90,45 +64,23 @@ def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ..
     )
 
 
-def drive(engine: HFEngine, batches: list[tuple[int, list[Sequence]]], fused: bool = True) -> None:
-    """Step the engine; admit each (step_no, seqs) group at that step (when capacity allows).
-
-    fused: a group joining a running batch is prefilled in the decode step's forward
-    (``admit_and_step``, as the scheduler does); else ``admit`` then ``step``.
-    """
-    pending = sorted(batches, key=lambda b: b[0])
-    step = 0
-    while pending or engine.num_active():
-        joining = []
-        while pending and pending[0][0] <= step and engine.num_active() + len(joining) + len(pending[0][1]) <= engine.capacity:
-            joining += pending.pop(0)[1]
-        if fused and joining and engine.num_active():
-            engine.admit_and_step(joining)
-        else:
-            engine.admit(joining)
-            engine.step()
-        step += 1
-        assert step < 10_000
+def assert_some_stop_by_eos(seqs: list[Sequence], eos: set[int], at_least: int = 2) -> None:
+    """At least ``at_least`` sequences ended on EOS before their budget, while another one outlived them."""
+    stopped = [s for s in seqs if s.finish_reason == "stop" and s.output_token_ids[-1] in eos]
+    assert len(stopped) >= at_least, [(s.finish_reason, s.output_token_ids) for s in seqs]
+    assert all(len(s.output_token_ids) < s.max_new_tokens for s in stopped)
+    assert any(s.finish_time > min(x.finish_time for x in stopped) for s in seqs)
 
 
-def seqs_for(ref: Reference, prompts: list[str], budgets: list[int], **kw) -> list[Sequence]:
-    return [Sequence(prompt_token_ids=ref.encode(p), max_new_tokens=n, **kw) for p, n in zip(prompts, budgets)]
-
-
-def expected(ref: Reference, seq: Sequence, stops: set[int]) -> list[int]:
-    return ref.generate(seq.prompt_token_ids, seq.max_new_tokens, stops)
-
-
-def engine_stops(engine: HFEngine) -> set[int]:
-    return set(engine.stop_token_ids)
-
-
-def test_default_eos_parity(model_dir, reference):
-    engine = make_engine(model_dir, capacity=4)
-    seqs = seqs_for(reference, PROMPTS[:4], [24, 24, 24, 24])
+def test_default_eos_parity(eos_model_dir):
+    """The checkpoint's EOS ends several sequences mid-batch; the engine gets it from the checkpoint too."""
+    reference = Reference(eos_model_dir)
+    engine = make_engine(eos_model_dir, capacity=len(EOS_PROMPTS))
+    seqs = seqs_for(reference, EOS_PROMPTS, [16] * len(EOS_PROMPTS))
     drive(engine, [(0, seqs)])
     for seq in seqs:
-        assert seq.output_token_ids == expected(reference, seq, engine_stops(engine)), seq.prompt_token_ids
+        assert seq.output_token_ids == expected(reference, seq, reference.eos), seq.prompt_token_ids
+    assert_some_stop_by_eos(seqs, reference.eos)
 
 
 def test_ragged_budgets_evict_at_different_steps(model_dir, reference):
@@ -150,7 +102,7 @@ def test_stop_token_the_model_really_emits(model_dir, reference):
     engine = make_engine(model_dir, capacity=4, stop_token_ids=(stop,))
     seqs = seqs_for(reference, PROMPTS[:4], [24, 24, 24, 24])
     drive(engine, [(0, seqs)])
-    stops = engine_stops(engine)
+    stops = reference.eos | {stop}
     assert seqs[1].output_token_ids[-1] == stop and seqs[1].finish_reason == "stop"
     assert len(seqs[1].output_token_ids) < 24
     for seq in seqs:
@@ -203,7 +155,7 @@ def test_first_token_finish_needs_no_decode_step(model_dir, reference):
     engine.admit([seq])
     assert seq.is_finished and seq.finish_reason in ("length", "stop")
     assert engine.num_active() == 0 and engine.stats()["steps"] == 0
-    assert seq.output_token_ids == expected(reference, seq, engine_stops(engine))
+    assert seq.output_token_ids == expected(reference, seq, reference.eos)
 
 
 def test_scheduler_churn_matches_standalone(model_dir, reference):
@@ -230,7 +182,7 @@ def test_scheduler_churn_matches_standalone(model_dir, reference):
     done = run(main())
     assert [d.seq_id for d in done] == [s.seq_id for s in seqs]
     for seq in seqs:
-        assert seq.output_token_ids == expected(reference, seq, engine_stops(engine))
+        assert seq.output_token_ids == expected(reference, seq, reference.eos)
     assert engine.num_active() == 0
 
 
@@ -252,5 +204,80 @@ def test_unsupported_architecture_fails_at_startup(tmp_path):
     from make_test_model import train_tokenizer
 
     train_tokenizer(300, with_pad=False).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="'opt'"):
+    with pytest.raises(ModelLoadError, match="'opt'"):
         make_engine(str(tmp_path))
+
+
+# --- distilgpt2's shape: the kernels at the widths the benchmark uses ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def distil_shaped_dir(tmp_path_factory) -> str:
+    """A random GPT-2 of distilgpt2's shape (768 x 6, vocab 50257), initializer_range 0.1 (0.02 near-ties
+    the logits), with its EOS re-pointed at a token its greedy outputs emit mid-way."""
+    from make_test_model import build_checkpoint
+
+    src = build_checkpoint(str(tmp_path_factory.mktemp("d2src")), shape="distilgpt2", initializer_range=0.1, seed=5)
+    out = str(tmp_path_factory.mktemp("d2"))
+    repoint_eos(src, out, EOS_PROMPTS, n_tokens=8, min_hits=2)
+    return out
+
+
+def test_distilgpt2_shape_parity(distil_shaped_dir):
+    """18 sequences (17 rows: more than the small-batch kernel takes, so decode steps cross from oneDNN to
+    it as they leave), ragged budgets, default EOS stopping some mid-batch, two joining mid-run in
+    mixed steps. Few tokens each: the HF reference costs ~0.4 s a token at this size here."""
+    reference = Reference(distil_shaped_dir)
+    engine = make_engine(distil_shaped_dir, capacity=17)
+    extra = [f"{p} {i}" for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    # The probed prompts get the budget their EOS was found within; the others 1-3 tokens.
+    seqs = seqs_for(reference, EOS_PROMPTS + extra, [7] * len(EOS_PROMPTS) + [1 + i % 3 for i in range(len(extra))])
+    drive(engine, [(0, seqs[:17]), (2, seqs[17:])])
+    for seq in seqs:
+        assert seq.output_token_ids == expected(reference, seq, reference.eos), seq.prompt_token_ids
+    assert_some_stop_by_eos(seqs, reference.eos)
+
+
+# --- configuration on a real model: MAX_MODEL_LEN, NUM_THREADS, the KV memory formula ----------------
+
+
+@pytest.mark.parametrize("max_model_len, want", [(0, 1024), (48, 48), (5000, 1024)], ids=["0", "N", "beyond"])
+def test_max_model_len_sizes_the_cache_and_bounds_admission(model_dir, reference, max_model_len, want):
+    """0 = the model's context window (1024 here), N = N, beyond the window = the window. A sequence that
+    fills the window exactly runs with parity; one token more is refused before it is queued."""
+    from engine import AdmissionError
+
+    engine = make_engine(model_dir, capacity=2, max_model_len=max_model_len)
+    assert engine.max_context == want and engine.model.kv.k.shape[3] == want
+    if want > 64:
+        return
+    prompt = (reference.encode(" ".join(PROMPTS)) * 8)[: want - 4]
+    fits = Sequence(prompt_token_ids=prompt, max_new_tokens=4, ignore_eos=True)
+    over = Sequence(prompt_token_ids=prompt, max_new_tokens=5, ignore_eos=True)
+    assert engine.check_admissible(fits) is None and "context window of 48" in engine.check_admissible(over)
+    with pytest.raises(AdmissionError):
+        engine.admit([over])
+    drive(engine, [(0, [fits])])
+    assert fits.output_token_ids == expected(reference, fits, set()) and fits.num_tokens == want
+
+
+def test_num_threads_zero_means_the_physical_cores(model_dir):
+    from engine import physical_cores
+
+    before = torch.get_num_threads()
+    try:
+        HFEngine(Config(model_id=model_dir, max_batch_size=1, num_threads=0))
+        assert torch.get_num_threads() == physical_cores()
+        HFEngine(Config(model_id=model_dir, max_batch_size=1, num_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kv_memory_formula_in_the_readme(model_dir, reference):
+    """README: 2 x layers x MAX_BATCH_SIZE x MAX_MODEL_LEN x (K/V heads x head_dim) x 4 bytes."""
+    cfg = reference.model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    engine = make_engine(model_dir, capacity=3, max_model_len=100)
+    assert engine.model.kv.nbytes == 2 * cfg.num_hidden_layers * 3 * 100 * kv_heads * head_dim * 4

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from sampling import (  # noqa: E402
     TOP_P_WINDOWS,
+    NonFiniteLogits,
     SamplingParams,
     TokenLogprobs,
     apply_penalties,
@@ -465,6 +466,32 @@ def test_never_samples_an_impossible_token():
     logits[0, [7, 1500, 1999]] = torch.tensor([0.0, 1.0, 2.0])
     for params in (SP(temperature=1.0), SP(temperature=5.0, top_p=0.999), SP(temperature=5.0, top_k=10)):
         assert set(draws(logits, params, 300)) <= {7, 1500, 1999}
+
+
+def test_unusable_rows_are_refused_by_index():
+    """NaN or +inf anywhere, or a row that is all -inf, names that row; -inf alone is a masked token."""
+    logits = torch.zeros(5, 10)
+    logits[1, 3] = math.nan
+    logits[2, 0] = math.inf
+    logits[3] = -math.inf
+    logits[4, :9] = -math.inf
+    for params in ([SP()] * 5, [SP(temperature=1.0, top_p=0.5, seed=1)] * 5):
+        with pytest.raises(NonFiniteLogits) as info:
+            sample(logits, params, None, [[]] * 5)
+        assert info.value.rows == [1, 2, 3]
+    assert sample(logits[[0, 4]], [SP(), SP(temperature=2.0, seed=3)], None, [[], []])[1] == 9
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 1e-38, 1e-10, 100.0, 1e300])
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0, 100.0, 1e300])
+def test_extreme_penalties_and_temperatures_give_a_valid_token(penalty, temperature):
+    """A logit of 1e3 / 1e-38 overflows float32: the result is clamped, so no NaN reaches the draw."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 1e3
+    params = [SP(temperature=temperature, repetition_penalty=penalty, top_p=p, seed=4) for p in (1.0, 0.9, 1e-9)]
+    pens = apply_penalties(logits, params, [[1, 2, 3]] * 3, [[4, 5]] * 3)
+    assert torch.isfinite(pens).all()
+    for tok in sample(logits, params, [[1, 2, 3]] * 3, [[4, 5]] * 3):
+        assert 0 <= tok < 300
 
 
 # --- logprobs -------------------------------------------------------------------------------
