@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from models.kernels import build  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -148,7 +149,7 @@ def fresh_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(pa, "_kernel", None)
     monkeypatch.setattr(pa, "_tried", False)
     monkeypatch.setattr(pa, "unavailable_reason", None)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
 
@@ -163,7 +164,7 @@ def test_a_failed_build_falls_back_cleanly(fresh_loader, monkeypatch):
 
 
 def test_no_compiler_falls_back_cleanly(fresh_loader, monkeypatch):
-    monkeypatch.setattr(pa.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     assert pa.load() is None and "no C compiler" in pa.unavailable_reason
     q, k, v, tables, lens = make_case([3], 3, 3, 64, 16, seed=4)
     assert_matches(pa.paged_attention(q, k, v, tables, lens, 0.125), reference(q, k, v, tables, lens, 0.125))

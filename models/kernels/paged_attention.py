@@ -2,9 +2,8 @@
 
 ``paged_attention`` runs the compiled kernel (``paged_attention.c``) for fp32 on the CPU and the
 torch fallback (gather the row's blocks, then SDPA: the same math) anywhere else, or when the
-kernel cannot be built. The kernel is built once with the system C compiler (AVX2 + FMA, OpenMP)
-into ``$XDG_CACHE_HOME/minibatch-llm``, keyed by the source and flags, and loaded with ctypes;
-OpenMP resolves to the libgomp torch already loaded, so it shares torch's thread team. Without a
+kernel cannot be built. ``build.py`` compiles it once per machine (AVX2 + FMA, OpenMP) into the
+cache's ``kernels/`` directory, keyed by the source and flags, and loads it with ctypes; OpenMP resolves to the libgomp torch already loaded, so it shares torch's thread team. Without a
 compiler or AVX2, ``load()`` returns None, logs why once, and callers get the fallback.
 
 Shapes: ``q`` [B, H, D]; ``k_pool``, ``v_pool`` [num_blocks, block_size, KVH, D] (logical shape; any
@@ -16,23 +15,19 @@ ignored); ``context_lens`` [B] int32. Query head h reads KV head h // (H // KVH)
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from .build import build_and_load
+
 log = logging.getLogger("minibatch.paged_attention")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-LIBS = ["-lm"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
 MAX_HEAD_DIM = 256  # DMAX in paged_attention.c
 MAX_BLOCK_SIZE = 256  # BSMAX in paged_attention.c
 
@@ -42,39 +37,10 @@ _tried = False
 unavailable_reason: str | None = None
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "minibatch-llm")
-
-
-def _build(compiler: str, target: str) -> None:
-    """Compile to a temporary file, then rename: concurrent builders never see a half-written .so."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        cmd = [compiler, *FLAGS, SOURCE, "-o", tmp, *LIBS]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load() -> ctypes.CDLL:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 and FMA")
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS + LIBS).encode() + platform.machine().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"paged_attention-{key}.so")
-    if not os.path.exists(target):
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("no C compiler found to build paged_attention.c (set CC, or install gcc)")
-        _build(compiler, target)
-    lib = ctypes.CDLL(target)  # ctypes releases the GIL during each call
+    lib = build_and_load(SOURCE, FLAGS)
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [
         ctypes.c_void_p, ctypes.c_long,  # q, q_row_stride
@@ -117,7 +83,7 @@ def kernel_supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
 
 def _check(q, k_pool, v_pool, block_tables, context_lens) -> None:
     B, H, D = q.shape
-    num_blocks, block_size, KVH, Dk = k_pool.shape
+    KVH, Dk = k_pool.shape[2:]
     if v_pool.shape != k_pool.shape or v_pool.stride() != k_pool.stride():
         raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ in shape or strides")
     if Dk != D or H % KVH:
