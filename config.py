@@ -39,6 +39,9 @@ class Config:
     # KV pool size in MiB. 0 = enough for MAX_BATCH_SIZE sequences of MAX_MODEL_LEN tokens, capped at a
     # quarter of the machine's RAM.
     kv_cache_mb: float = 0.0
+    # Chunked prefill: most tokens one engine step feeds (decode rows first, then prompt chunks), so a long
+    # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
+    max_num_batched_tokens: int = 512
     # Torch intra-op threads. 0 = the physical cores of this machine.
     num_threads: int = 0
     # Decode-step linears through the small-batch AVX2 kernel (small_gemm.c, compiled once with the
@@ -99,6 +102,7 @@ class Config:
         _check(0 <= self.num_threads <= 1024, "NUM_THREADS", "must be in [0, 1024]")
         _check(1 <= self.kv_block_size <= 256, "KV_BLOCK_SIZE", "must be in [1, 256]")
         _check(0 <= self.kv_cache_mb <= 1 << 24, "KV_CACHE_MB", "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)")
+        _check(0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS", "must be in [0, 1048576] (0 = off)")
         _check(self.fake_kv_blocks >= 0, "FAKE_KV_BLOCKS", "must be >= 0 (0 = enough for every slot)")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")

@@ -130,6 +130,12 @@ class BatchEngine(InferenceEngine):
     its blocks are freed, it leaves the batch with its tokens and status WAITING, and
     ``take_preempted`` hands it back to the scheduler, which readmits it later: recomputed by
     a prefill over prompt + output, so it continues exactly where it stopped.
+
+    Chunked prefill (``max_num_batched_tokens`` > 0): each forward feeds the decode rows first,
+    then prompt chunks of the admitted-but-prefilling sequences, oldest first, up to that many
+    tokens in all (at least one chunk token per step). A sequence gets its first token from the
+    forward that computes its last chunk, then decodes like any row. It holds its blocks (and
+    a place in ``capacity``) from admission on.
     """
 
     def __init__(
@@ -139,9 +145,11 @@ class BatchEngine(InferenceEngine):
         stop_token_ids: Iterable[int],
         num_blocks: int = 0,
         block_size: int = 32,
+        max_num_batched_tokens: int = 0,
     ) -> None:
         self.capacity = capacity
         self.max_context = max_context
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         num_blocks = num_blocks or capacity * -(-max_context // block_size)
         # Admission leaves 1% of the pool free (vLLM's watermark) so running sequences can grow a little
@@ -152,6 +160,10 @@ class BatchEngine(InferenceEngine):
         self._serial = itertools.count()
         self._preempted: list[Sequence] = []
         self.num_preemptions = 0
+        # Chunked prefill: admitted sequences whose tokens are not all in the cache yet (oldest first),
+        # and how many of each one's tokens are.
+        self._prefilling: list[Sequence] = []
+        self._computed: dict[int, int] = {}
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
@@ -170,6 +182,14 @@ class BatchEngine(InferenceEngine):
         Commits nothing but cache contents at those slots: on an exception the caller commits no token.
         """
 
+    def _forward_chunks(self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+        """One forward: the next token of each of ``running`` (as in ``_forward``) and, for each chunk
+        ``(seq, start, end)``, the sequence's tokens [start, end) fed at those positions (its earlier
+        ones are in its blocks). Returns tokens for ``running``, then one for each chunk that ends the
+        sequence (``end == seq.num_tokens``): its first token. Commits nothing but cache contents.
+        Engines that cannot prefill in chunks leave this unimplemented (then set no token budget)."""
+        raise NotImplementedError
+
     def _move_row(self, src: int, dst: int, length: int) -> None:
         """Move row src's cached positions [0, length) to row dst."""
 
@@ -178,15 +198,15 @@ class BatchEngine(InferenceEngine):
 
     # --- the seam ----------------------------------------------------------------------------
     def num_active(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._prefilling)
 
     def active_sequences(self) -> list[Sequence]:
-        return list(self._rows)
+        return list(self._rows) + list(self._prefilling)
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
         """Free rows for ``seqs``, and free blocks for all their tokens plus the watermark, after the
         running sequences took the blocks their next token needs (never for one that can never fit)."""
-        if len(self._rows) + len(seqs) > self.capacity or any(self.check_admissible(s) for s in seqs):
+        if self.num_active() + len(seqs) > self.capacity or any(self.check_admissible(s) for s in seqs):
             return False
         bm = self.blocks
         growth = sum(bm.blocks_to_append(s.seq_id, max(0, s.num_tokens - bm.num_tokens(s.seq_id))) for s in self._rows)
@@ -201,6 +221,9 @@ class BatchEngine(InferenceEngine):
         if not seqs:
             return []
         self._check_newcomers(seqs)
+        if self.max_num_batched_tokens:
+            self._chunked_call(seqs, decode=False)
+            return [s.seq_id for s in seqs]
         start = time.perf_counter()
         first_tokens = self._forward_newcomers([], seqs)  # may raise: nothing is committed yet
         self._commit_newcomers(seqs, first_tokens, start, time.perf_counter())
@@ -209,6 +232,8 @@ class BatchEngine(InferenceEngine):
 
     def step(self) -> list[Sequence]:
         self._reserve_running()
+        if self._prefilling:
+            return self._chunked_call([], decode=True)
         if not self._rows:
             return []
         tokens = self._forward(self._rows, [])
@@ -221,6 +246,9 @@ class BatchEngine(InferenceEngine):
         if not seqs:
             return self.step()
         self._reserve_running()
+        if self.max_num_batched_tokens:
+            self._check_newcomers(seqs)
+            return self._chunked_call(seqs, decode=True)
         if not self._rows:
             self.admit(seqs)
             return [s for s in seqs if s.is_finished]
@@ -234,6 +262,64 @@ class BatchEngine(InferenceEngine):
         finished = [s for s in self._rows if s.is_finished]
         self._evict(finished)
         return finished
+
+    def _chunked_call(self, newcomers: list[Sequence], decode: bool) -> list[Sequence]:
+        """Newcomers join the prefilling queue (blocks for all their tokens); one forward runs the decode
+        rows (when ``decode``) and the next prompt chunks within the token budget. Returns what finished.
+        Atomic like ``admit_and_step``: on failure the newcomers hold nothing and no progress is kept."""
+        start = time.perf_counter()
+        for seq in newcomers:
+            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            self._admitted[seq.seq_id] = next(self._serial)
+            self._computed[seq.seq_id] = 0
+        self._prefilling.extend(newcomers)
+        running = list(self._rows) if decode else []
+        chunks = self._plan_chunks(len(running))
+        try:
+            tokens = self._forward_chunks(running, chunks)
+        except BaseException:
+            for seq in newcomers:
+                self._drop_prefilling(seq)
+            raise
+        now = time.perf_counter()
+        for seq in newcomers:
+            seq.status = SequenceStatus.RUNNING
+            if seq.admit_time is None:
+                seq.admit_time = start
+        if running:
+            self._commit_step(tokens[: len(running)], now)
+        done = []
+        for seq, _, end in chunks:
+            self._computed[seq.seq_id] = end
+            if end == seq.num_tokens:
+                done.append(seq)
+        for seq in done:
+            self._prefilling.remove(seq)
+            del self._computed[seq.seq_id]
+        self._commit_newcomers(done, tokens[len(running) :], start, now)
+        finished = [s for s in self._rows if s.is_finished]
+        self._evict(finished)
+        return finished
+
+    def _plan_chunks(self, n_decode: int) -> list[tuple[Sequence, int, int]]:
+        """(seq, start, end) per prefilling sequence, oldest first, within the budget left after the decode rows."""
+        budget = max(self.max_num_batched_tokens - n_decode, 1)
+        chunks = []
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            start = self._computed[seq.seq_id]
+            end = min(seq.num_tokens, start + budget)
+            chunks.append((seq, start, end))
+            budget -= end - start
+        return chunks
+
+    def _drop_prefilling(self, seq: Sequence) -> None:
+        self._prefilling.remove(seq)
+        self._computed.pop(seq.seq_id, None)
+        self._admitted.pop(seq.seq_id, None)
+        if seq.seq_id in self.blocks:
+            self.blocks.free(seq.seq_id)
 
     def _forward_newcomers(self, running: list[Sequence], seqs: list[Sequence]) -> list[int]:
         """Give the newcomers blocks for all their tokens, then ``_forward``; on failure they hold none."""
@@ -256,7 +342,7 @@ class BatchEngine(InferenceEngine):
             if need <= 0:
                 continue
             while not self.blocks.can_append(seq.seq_id, need):
-                victim = max(self._rows, key=lambda s: self._admitted[s.seq_id])
+                victim = max(self._rows + self._prefilling, key=lambda s: self._admitted[s.seq_id])
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -265,15 +351,18 @@ class BatchEngine(InferenceEngine):
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and row; it waits again with its tokens (recomputed on readmission)."""
-        self._evict([seq])
+        if seq in self._prefilling:
+            self._drop_prefilling(seq)
+        else:
+            self._evict([seq])
         seq.status = SequenceStatus.WAITING
         self._preempted.append(seq)
         self.num_preemptions += 1
         log.info("preempted sequence %d (%d tokens): KV cache full", seq.seq_id, seq.num_tokens)
 
     def _check_newcomers(self, seqs: list[Sequence]) -> None:
-        if len(self._rows) + len(seqs) > self.capacity:
-            raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - len(self._rows)}")
+        if self.num_active() + len(seqs) > self.capacity:
+            raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - self.num_active()}")
         for seq in seqs:
             reason = self.check_admissible(seq)
             if reason:
@@ -302,7 +391,7 @@ class BatchEngine(InferenceEngine):
         """The newcomers take rows [n, n + len(seqs)) with their first tokens."""
         self._rows.extend(seqs)
         for seq, token in zip(seqs, first_tokens):
-            self._admitted[seq.seq_id] = next(self._serial)
+            self._admitted.setdefault(seq.seq_id, next(self._serial))
             seq.status = SequenceStatus.RUNNING
             if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
                 seq.admit_time = start
@@ -326,10 +415,17 @@ class BatchEngine(InferenceEngine):
                 seq.finish(SequenceStatus.FINISHED_ABORTED)
                 self._evict([seq])
                 return True
+        for seq in self._prefilling:
+            if seq.seq_id == seq_id:
+                seq.finish(SequenceStatus.FINISHED_ABORTED)
+                self._drop_prefilling(seq)
+                return True
         return False
 
     def reset(self) -> None:
         self._rows.clear()
+        self._prefilling.clear()
+        self._computed.clear()
         self._admitted.clear()
         bm = self.blocks
         self.blocks = BlockManager(bm.num_blocks, bm.block_size, bm.watermark_blocks)
@@ -340,6 +436,7 @@ class BatchEngine(InferenceEngine):
             "steps": self._steps, "peak_batch": self._peak_batch, "generated_tokens": self._tokens,
             "kv_blocks": self.blocks.num_blocks, "kv_free_blocks": self.blocks.num_free_blocks,
             "kv_block_size": self.blocks.block_size, "num_preemptions": self.num_preemptions,
+            "num_prefilling": len(self._prefilling),
         }
 
     def _evict(self, leaving: list[Sequence]) -> None:
@@ -385,8 +482,9 @@ class FakeEngine(BatchEngine):
         step_delay: float = 0.0,
         num_blocks: int = 0,
         block_size: int = 32,
+        max_num_batched_tokens: int = 0,
     ) -> None:
-        super().__init__(capacity, max_context, stop_token_ids, num_blocks, block_size)
+        super().__init__(capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens)
         self.model_name = "fake"
         self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
@@ -413,6 +511,12 @@ class FakeEngine(BatchEngine):
     def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
         step = self._decode(running) if running else []
         return step + (self._prefill(newcomers, len(self._rows)) if newcomers else [])
+
+    def _forward_chunks(self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+        """Decode as ``_forward``; a chunk that ends its sequence gets its first token (``_prefill``)."""
+        step = self._decode(running) if running else []
+        done = [seq for seq, _, end in chunks if end == seq.num_tokens]
+        return step + (self._prefill(done, len(self._rows)) if chunks else [])
 
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
         """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
@@ -472,7 +576,9 @@ class HFEngine(BatchEngine):
         block_size = config.kv_block_size
         block_bytes = family.kv_bytes_per_token(hf_config) * block_size
         num_blocks = kv_pool_blocks(config, max_context, block_bytes)
-        super().__init__(config.max_batch_size, max_context, stops, num_blocks, block_size)
+        super().__init__(
+            config.max_batch_size, max_context, stops, num_blocks, block_size, config.max_num_batched_tokens
+        )
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
@@ -519,6 +625,23 @@ class HFEngine(BatchEngine):
             [table(s.seq_id) for s in newcomers],
         )  # [len(running) + len(newcomers), V]
         return self._next_tokens(logits, running + newcomers)
+
+    def _forward_chunks(self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[int]:
+        """Decode rows and prompt chunks in one forward; tokens only where a chunk ends its sequence."""
+        table = self.blocks.block_table
+        logits = self.model.forward(
+            [s.last_token_id for s in running],
+            [s.num_tokens - 1 for s in running],
+            [table(s.seq_id) for s in running],
+            [(s.prompt_token_ids + s.output_token_ids)[start:end] for s, start, end in chunks],
+            [table(s.seq_id) for s, _, _ in chunks],
+            [start for _, start, _ in chunks],
+        )  # [len(running) + len(chunks), V]
+        last = [i for i, (s, _, end) in enumerate(chunks) if end == s.num_tokens]
+        rows = list(range(len(running))) + [len(running) + i for i in last]
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        return self._next_tokens(logits, running + [chunks[i][0] for i in last])
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
@@ -596,5 +719,6 @@ def build_engine(config: Config) -> InferenceEngine:
         return FakeEngine(
             capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
             num_blocks=config.fake_kv_blocks, block_size=config.kv_block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
     return HFEngine(config)

@@ -140,6 +140,7 @@ class _LiveCollector:
     _GAUGES = {
         "num_requests_running": "Sequences holding a batch slot.",
         "num_requests_waiting": "Sequences waiting for a slot.",
+        "num_requests_prefilling": "Admitted sequences whose prompt is still being prefilled in chunks.",
         "kv_cache_usage_perc": "KV-cache blocks in use / blocks in the pool, 0..1.",
         "kv_cache_free_blocks": "KV-cache blocks free in the pool.",
         "kv_cache_blocks": "KV-cache blocks in the pool (KV_CACHE_MB / bytes per block).",

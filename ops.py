@@ -81,6 +81,7 @@ class Operations:
                 kv_cache_usage_perc=(blocks - free) / blocks if blocks else 0.0,
                 kv_cache_free_blocks=free,
                 kv_cache_blocks=blocks,
+                num_requests_prefilling=stats.get("num_prefilling", 0),
                 batch_capacity=capacity,
                 failed_admits=runtime.scheduler.failed_admits,
                 failed_steps=runtime.scheduler.failed_steps,

@@ -112,6 +112,7 @@ class Scheduler:
         self._pending: dict[int, tuple[Sequence, asyncio.Future[Sequence]]] = {}
         # Per-sequence callbacks after each admit/step that gave it tokens (streaming, stop strings).
         self._listeners: dict[int, Callable[[Sequence], None]] = {}
+        self._heard: dict[int, int] = {}  # seq_id -> output tokens its listener has been told of
         # Running sequences to end at the next step boundary: seq_id -> (status, error).
         self._aborts: dict[int, tuple[SequenceStatus, str | None]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -290,12 +291,15 @@ class Scheduler:
         self._deliver_tokens(batch + newcomers, finished)
 
     def _deliver_tokens(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
-        """After an engine call gave ``seqs`` a token each: the unfinished hold slots, listeners
-        hear, the finished resolve."""
+        """After an engine call that ran ``seqs``: the unfinished hold slots, those that got a token
+        (not a sequence still prefilling its prompt in chunks) are heard, the finished resolve."""
         for seq in seqs:
             if not seq.is_finished:
                 self.running[seq.seq_id] = seq
-        self._notify(seqs)
+        fresh = [s for s in seqs if len(s.output_token_ids) > self._heard.get(s.seq_id, 0)]
+        for seq in fresh:
+            self._heard[seq.seq_id] = len(seq.output_token_ids)
+        self._notify(fresh)
         for seq in finished:
             self.running.pop(seq.seq_id, None)
             self._resolve(seq)
@@ -359,6 +363,7 @@ class Scheduler:
 
     def _resolve(self, seq: Sequence) -> None:
         self._listeners.pop(seq.seq_id, None)
+        self._heard.pop(seq.seq_id, None)
         _, future = self._pending.pop(seq.seq_id, (None, None))
         if future is not None:
             self._hook(self.on_resolved, seq)

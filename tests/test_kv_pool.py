@@ -173,6 +173,65 @@ def test_a_sequence_the_idle_engine_cannot_take_fails_instead_of_blocking_the_qu
     assert pool_is_full(eng)
 
 
+# --- chunked prefill ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [1, 3, 4, 5, 64])
+def test_chunked_prefill_streams_keep_decoding_and_outputs_are_exact(budget):
+    """Long prompts load over several steps (budget 1, block size - 1, = , + 1, more than any prompt) while
+    the running sequences keep getting one token per step; nothing is lost or repeated."""
+    eng = FakeEngine(capacity=4, max_context=256, num_blocks=60, block_size=4, max_num_batched_tokens=budget)
+    short = [seq(prompt=(i + 1,), max_new=30) for i in range(2)]
+    long_ = [seq(prompt=[(7 * i + j) % 200 + 1 for j in range(40)], max_new=5) for i in range(2)]
+    sched, done, seen = drive_scheduler(eng, short + long_)
+    for s in short + long_:
+        assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
+        assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))
+    assert pool_is_full(eng) and eng.stats()["num_prefilling"] == 0
+
+
+def test_chunked_prefill_gives_the_first_token_only_after_the_last_chunk():
+    eng = FakeEngine(capacity=2, max_context=64, num_blocks=16, block_size=4, max_num_batched_tokens=4)
+    s = seq(prompt=range(1, 11), max_new=3)  # 10 prompt tokens: chunks 4, 4, 2
+    eng.admit([s])
+    assert s.output_token_ids == [] and eng.num_active() == 1 and eng.stats()["num_prefilling"] == 1
+    eng.step()
+    assert s.output_token_ids == []
+    eng.step()
+    assert s.output_token_ids == letters(range(1, 11), 1) and eng.stats()["num_prefilling"] == 0
+    while eng.num_active():
+        eng.step()
+    assert s.output_token_ids == letters(range(1, 11), 3) and pool_is_full(eng)
+
+
+def test_chunked_prefill_with_preemption_and_aborts_returns_every_block():
+    rng = random.Random(9)
+    eng = FakeEngine(capacity=5, max_context=128, num_blocks=14, block_size=4, max_num_batched_tokens=6,
+                     step_delay=0.0005)
+    seqs = [seq(prompt=[rng.randint(1, 200) for _ in range(rng.randint(1, 30))], max_new=rng.randint(1, 20))
+            for _ in range(30)]
+    sched, done, seen = drive_scheduler(eng, seqs, abort_ids=[seqs[3].seq_id, seqs[17].seq_id], stagger=4)
+    for s in seqs:
+        if s.finish_reason == "abort":
+            assert s.output_token_ids == letters(s.prompt_token_ids, len(s.output_token_ids))
+        else:
+            assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
+            assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))
+    assert eng.num_preemptions > 0
+    assert pool_is_full(eng)
+
+
+def test_a_failed_chunked_admission_leaves_nothing_behind():
+    def boom(seqs):
+        raise RuntimeError("boom")
+
+    eng = FakeEngine(capacity=2, max_context=64, num_blocks=8, block_size=4, max_num_batched_tokens=50,
+                     admit_fault=boom)
+    with pytest.raises(RuntimeError):
+        eng.admit([seq(prompt=range(1, 6), max_new=2)])
+    assert eng.num_active() == 0 and pool_is_full(eng)
+
+
 # --- HTTP ---------------------------------------------------------------------------------------------
 
 
@@ -205,3 +264,68 @@ def test_http_many_concurrent_requests_under_preemption_each_answered_once_and_e
         assert pool_is_full(eng)
 
     bounded(body, timeout=120)
+
+
+# --- model gates: greedy parity with HF generate under memory pressure ----------------------------------
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def pressure_model(request, tmp_path_factory) -> str:
+    """Tiny random GPT-2, and a tiny random Llama (GQA: 4 query heads over 2 K/V heads)."""
+    if request.param == "gpt2":
+        return request.getfixturevalue("tiny_model_dir")
+    from make_test_model import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
+
+
+def pool_mb(model_dir: str, blocks: int, block_size: int) -> float:
+    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint."""
+    import transformers
+
+    from models import families
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    return families()[cfg.model_type].kv_bytes_per_token(cfg) * block_size * blocks / 2**20
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("small_gemm", [True, False])
+def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
+    """A pool of 14 blocks x 4 tokens for up to 4 running sequences of up to 48 tokens each: sequences are
+    preempted and recomputed many times, mid-batch and mid-stream; every output equals HF generate."""
+    from config import Config
+    from engine import HFEngine
+    from test_parity import PROMPTS, Reference, expected
+
+    reference = Reference(pressure_model)
+    engine = HFEngine(Config(
+        model_id=pressure_model, max_batch_size=4, num_threads=2, small_gemm=small_gemm,
+        kv_block_size=4, kv_cache_mb=pool_mb(pressure_model, 14, 4),
+    ))
+    assert engine.blocks.num_blocks == 14
+    rng = random.Random(5)
+    seqs = []
+    for i in range(10):
+        prompt = reference.encode(rng.choice(PROMPTS) + f" {i}")[:30]
+        seqs.append(Sequence(prompt_token_ids=prompt, max_new_tokens=min(rng.choice([6, 12, 20]), 48 - len(prompt))))
+
+    async def main():
+        sched = Scheduler(engine, max_queue_depth=100)
+        sched.start()
+        futures = []
+        for i, s in enumerate(seqs):
+            futures.append(sched.submit(s))
+            if i % 3 == 2:
+                await asyncio.sleep(0.02)  # later ones join mid-stream
+        done = await asyncio.wait_for(asyncio.gather(*futures), timeout=300)
+        await sched.stop()
+        return sched, done
+
+    sched, done = run(main())
+    stops = set(engine.stop_token_ids)
+    for s in seqs:
+        assert s.output_token_ids == expected(reference, s, stops), s.seq_id
+    assert engine.num_preemptions >= 3, engine.num_preemptions
+    engine.blocks.check()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and engine.num_active() == 0
