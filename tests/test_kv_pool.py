@@ -329,3 +329,44 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     assert engine.num_preemptions >= 3, engine.num_preemptions
     engine.blocks.check()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and engine.num_active() == 0
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("budget, small_gemm", [(1, True), (3, False), (4, True), (5, False), (16, True)])
+def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm):
+    """Prompts split at every kind of boundary (block size 4: chunks of 1, 3, 4, 5 and 16 tokens, prompts up
+    to 60 tokens, longer than the budget) while other sequences decode, in a pool of 24 blocks."""
+    from config import Config
+    from engine import HFEngine
+    from test_parity import PROMPTS, Reference, expected
+
+    reference = Reference(pressure_model)
+    engine = HFEngine(Config(
+        model_id=pressure_model, max_batch_size=3, num_threads=2, small_gemm=small_gemm,
+        kv_block_size=4, kv_cache_mb=pool_mb(pressure_model, 24, 4), max_num_batched_tokens=budget,
+    ))
+    text = " ".join(PROMPTS)
+    seqs = [
+        Sequence(prompt_token_ids=reference.encode(PROMPTS[0]), max_new_tokens=12),
+        Sequence(prompt_token_ids=reference.encode(text)[:60], max_new_tokens=8),
+        Sequence(prompt_token_ids=reference.encode(PROMPTS[3]), max_new_tokens=10),
+        Sequence(prompt_token_ids=reference.encode(text[40:])[:45], max_new_tokens=9),
+        Sequence(prompt_token_ids=reference.encode(PROMPTS[2]), max_new_tokens=5),
+    ]
+
+    async def main():
+        sched = Scheduler(engine, max_queue_depth=100)
+        sched.start()
+        futures = []
+        for s in seqs:
+            futures.append(sched.submit(s))
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*futures), timeout=300)
+        await sched.stop()
+
+    run(main())
+    stops = set(engine.stop_token_ids)
+    for s in seqs:
+        assert s.output_token_ids == expected(reference, s, stops), s.seq_id
+    engine.blocks.check()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and engine.num_active() == 0
