@@ -177,7 +177,8 @@ class BlockManager:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         for block in range(self.num_blocks):
-            assert held[block] == self.ref_counts[block], f"block {block}: count {self.ref_counts[block]}, held {held[block]}"
+            count = self.ref_counts[block]
+            assert held[block] == count, f"block {block}: count {count}, held {held[block]}"
             assert (block in free) == (held[block] == 0), f"block {block}: free list disagrees with its count"
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._num_tokens[seq_id]), f"sequence {seq_id!r}: table size"

@@ -102,8 +102,10 @@ class Config:
         _check(self.max_model_len >= 0, "MAX_MODEL_LEN", "must be >= 0 (0 = the model's context window)")
         _check(0 <= self.num_threads <= 1024, "NUM_THREADS", "must be in [0, 1024]")
         _check(1 <= self.kv_block_size <= 256, "KV_BLOCK_SIZE", "must be in [1, 256]")
-        _check(0 <= self.kv_cache_mb <= 1 << 24, "KV_CACHE_MB", "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)")
-        _check(0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS", "must be in [0, 1048576] (0 = off)")
+        _check(0 <= self.kv_cache_mb <= 1 << 24, "KV_CACHE_MB",
+               "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)")
+        _check(0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS",
+               "must be in [0, 1048576] (0 = off)")
         _check(self.fake_kv_blocks >= 0, "FAKE_KV_BLOCKS", "must be >= 0 (0 = enough for every slot)")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")

@@ -18,7 +18,8 @@ from __future__ import annotations
 def families() -> dict[str, type]:
     """HF ``config.model_type`` -> our forward for that family (a ``layers.MixedForward``).
 
-    Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=..., num_blocks=..., block_size=...)`` and has
+    Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=..., num_blocks=...,
+    block_size=...)`` and has
     ``context_window(hf_config)``. Imports torch.
     """
     from .gpt2 import GPT2

@@ -294,9 +294,10 @@ def pool_mb(model_dir: str, blocks: int, block_size: int) -> float:
 def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     """A pool of 14 blocks x 4 tokens for up to 4 running sequences of up to 48 tokens each: sequences are
     preempted and recomputed many times, mid-batch and mid-stream; every output equals HF generate."""
+    from test_parity import PROMPTS, Reference, expected
+
     from config import Config
     from engine import HFEngine
-    from test_parity import PROMPTS, Reference, expected
 
     reference = Reference(pressure_model)
     engine = HFEngine(Config(
@@ -336,9 +337,10 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
 def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm):
     """Prompts split at every kind of boundary (block size 4: chunks of 1, 3, 4, 5 and 16 tokens, prompts up
     to 60 tokens, longer than the budget) while other sequences decode, in a pool of 24 blocks."""
+    from test_parity import PROMPTS, Reference, expected
+
     from config import Config
     from engine import HFEngine
-    from test_parity import PROMPTS, Reference, expected
 
     reference = Reference(pressure_model)
     engine = HFEngine(Config(

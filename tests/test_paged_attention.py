@@ -73,7 +73,8 @@ RAGGED = [1, 15, 16, 17, 33, 100, 700, 1100]  # single token, partial / exact bl
 @pytest.mark.parametrize("head_major", [False, True])
 def test_kernel_matches_float64(kernel, group, block_size, head_major):
     KVH = 2
-    q, k, v, tables, lens = make_case(RAGGED, KVH * group, KVH, 64, block_size, head_major, seed=group * 100 + block_size)
+    seed = group * 100 + block_size
+    q, k, v, tables, lens = make_case(RAGGED, KVH * group, KVH, 64, block_size, head_major, seed=seed)
     out = kernel.paged_attention(q, k, v, tables, lens, scale=0.125)
     assert out.shape == q.shape
     assert_matches(out, reference(q, k, v, tables, lens, 0.125))

@@ -3,7 +3,8 @@
 ``paged_attention`` runs the compiled kernel (``paged_attention.c``) for fp32 on the CPU and the
 torch fallback (gather the row's blocks, then SDPA: the same math) anywhere else, or when the
 kernel cannot be built. ``build.py`` compiles it once per machine (AVX2 + FMA, OpenMP) into the
-cache's ``kernels/`` directory, keyed by the source and flags, and loads it with ctypes; OpenMP resolves to the libgomp torch already loaded, so it shares torch's thread team. Without a
+cache's ``kernels/`` directory, keyed by the source and flags, and loads it with ctypes; OpenMP
+resolves to the libgomp torch already loaded, so it shares torch's thread team. Without a
 compiler or AVX2, ``load()`` returns None, logs why once, and callers get the fallback.
 
 Shapes: ``q`` [B, H, D]; ``k_pool``, ``v_pool`` [num_blocks, block_size, KVH, D] (logical shape; any
@@ -39,7 +40,8 @@ unavailable_reason: str | None = None
 
 def _load() -> ctypes.CDLL:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 and FMA")
+        capability = torch.backends.cpu.get_cpu_capability()
+        raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
     lib = build_and_load(SOURCE, FLAGS)
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [
