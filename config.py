@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 class Config:
     # Model: a hub id, a local checkpoint directory, or "fake" (FakeEngine, no torch).
     model_id: str = "distilgpt2"
-    # Most sequences decoded together in one step (the batch's slot cap).
+    # Most sequences running at once (decoded together in one step); KV memory is KV_CACHE_MB's business.
     max_batch_size: int = 8
     # Most requests waiting for a slot; one more gets a 503.
     max_queue_depth: int = 1024
@@ -31,8 +31,17 @@ class Config:
     max_new_tokens_limit: int = 512
     # "auto" picks cuda when available, else cpu; or "cpu", "cuda", "cuda:N".
     device: str = "auto"
-    # Tokens of KV cache per slot (prompt + generated). 0 = the model's context window.
+    # Longest sequence (prompt + generated tokens). 0 = the model's context window.
     max_model_len: int = 0
+    # --- KV cache: one pool of blocks (see block_manager.py) ---
+    # Tokens per KV block (measured fastest for decode attention: 32; scripts/bench_paged_attention.py).
+    kv_block_size: int = 32
+    # KV pool size in MiB. 0 = enough for MAX_BATCH_SIZE sequences of MAX_MODEL_LEN tokens, capped at a
+    # quarter of the machine's RAM.
+    kv_cache_mb: float = 0.0
+    # Chunked prefill: most tokens one engine step feeds (decode rows first, then prompt chunks), so a long
+    # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
+    max_num_batched_tokens: int = 512
     # Torch intra-op threads. 0 = the physical cores of this machine.
     num_threads: int = 0
     # Decode-step linears through the small-batch AVX2 kernel (small_gemm.c, compiled once with the
@@ -67,6 +76,9 @@ class Config:
     # MODEL_ID=fake only (tests, demos): seconds each decode step sleeps; every Nth decode step raises (0 = never).
     fake_step_delay_s: float = 0.0
     fake_step_fault_every: int = 0
+    # MODEL_ID=fake only: KV blocks (of KV_BLOCK_SIZE tokens) in the fake's pool, to exercise admission by
+    # memory and preemption without a model. 0 = enough for every slot at the fake's context.
+    fake_kv_blocks: int = 0
     # --- slow clients and connections (see ops.py, transport.py) ---
     # Seconds a request body may take to arrive once its headers have; then 408. 0 = no limit.
     body_timeout_s: float = 10.0
@@ -89,6 +101,12 @@ class Config:
         _check(1 <= self.max_new_tokens_limit <= 1_000_000, "MAX_NEW_TOKENS_LIMIT", "must be in [1, 1000000]")
         _check(self.max_model_len >= 0, "MAX_MODEL_LEN", "must be >= 0 (0 = the model's context window)")
         _check(0 <= self.num_threads <= 1024, "NUM_THREADS", "must be in [0, 1024]")
+        _check(1 <= self.kv_block_size <= 256, "KV_BLOCK_SIZE", "must be in [1, 256]")
+        _check(0 <= self.kv_cache_mb <= 1 << 24, "KV_CACHE_MB",
+               "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)")
+        _check(0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS",
+               "must be in [0, 1048576] (0 = off)")
+        _check(self.fake_kv_blocks >= 0, "FAKE_KV_BLOCKS", "must be >= 0 (0 = enough for every slot)")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")
         _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")

@@ -2,8 +2,9 @@
 
 ``InferenceEngine`` is the contract (capacity, admit, step, abort, reset).
 ``BatchEngine`` implements the sequence bookkeeping every engine shares: slots as
-contiguous rows, stopping, eviction and row compaction; subclasses supply only the
-tensor work (``_forward``, ``_move_row``, ``_reset_state``).
+contiguous rows, KV memory as blocks of a pool (``block_manager.BlockManager``: admission
+by memory, growth, preemption), stopping, eviction and row compaction; subclasses supply
+only the tensor work (``_forward``, ``_move_row``, ``_reset_state``).
 ``FakeEngine`` is deterministic and torch-free, for model-free tests. ``HFEngine``
 runs a Hugging Face checkpoint (GPT-2 or Llama family) through our hand-written
 forward (the ``models`` package). This module imports no torch: ``HFEngine``
@@ -12,12 +13,14 @@ imports it when built.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 from abc import ABC, abstractmethod
 from typing import Callable, Iterable, NamedTuple
 
+from block_manager import BlockManager
 from checkpoints import ModelLoadError
 from config import Config
 from sampling import NonFiniteLogits, TokenLogprobs, logprobs, sample
@@ -110,6 +113,15 @@ class InferenceEngine(ABC):
         """Render chat messages into a prompt that ends where the assistant's answer begins."""
         raise ChatTemplateError(f"model {self.model_name!r} has no chat template")
 
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` could all be admitted now (free slots; engines with a KV pool: free memory)."""
+        return self.num_active() + len(seqs) <= self.capacity
+
+    def take_preempted(self) -> list[Sequence]:
+        """Sequences the last calls preempted (status WAITING again, tokens kept), oldest admission first;
+        the caller queues them again at the front. Each is returned once."""
+        return []
+
     def check_admissible(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never be admitted, or None. Cheap; called before queueing."""
         if seq.prompt_len == 0:
@@ -126,13 +138,50 @@ class InferenceEngine(ABC):
 
 
 class BatchEngine(InferenceEngine):
-    """Sequence bookkeeping over ``capacity`` rows; the active sequences fill rows [0, n)."""
+    """Sequence bookkeeping over ``capacity`` rows; the active sequences fill rows [0, n).
 
-    def __init__(self, capacity: int, max_context: int, stop_token_ids: Iterable[int]) -> None:
+    KV memory is ``num_blocks`` blocks of ``block_size`` tokens (0: enough for every row at
+    ``max_context``, so nothing is ever preempted). A sequence holds blocks for every token
+    it has fed the model: all of them at admission (the prompt, or prompt + output when a
+    preempted sequence is recomputed), one more slot per decode step. When a running sequence
+    needs a block and none is free, the most recently admitted one is preempted (vLLM's rule):
+    its blocks are freed, it leaves the batch with its tokens and status WAITING, and
+    ``take_preempted`` hands it back to the scheduler, which readmits it later: recomputed by
+    a prefill over prompt + output, so it continues exactly where it stopped.
+
+    Chunked prefill (``max_num_batched_tokens`` > 0): each forward feeds the decode rows first,
+    then prompt chunks of the admitted-but-prefilling sequences, oldest first, up to that many
+    tokens in all (at least one chunk token per step). A sequence gets its first token from the
+    forward that computes its last chunk, then decodes like any row. It holds its blocks (and
+    a place in ``capacity``) from admission on.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_context: int,
+        stop_token_ids: Iterable[int],
+        num_blocks: int = 0,
+        block_size: int = 32,
+        max_num_batched_tokens: int = 0,
+    ) -> None:
         self.capacity = capacity
         self.max_context = max_context
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
-        self._rows: list[Sequence] = []  # _rows[r] owns row r of the KV cache
+        num_blocks = num_blocks or capacity * -(-max_context // block_size)
+        # Admission leaves 1% of the pool free (vLLM's watermark) so running sequences can grow a little
+        # before anyone is preempted.
+        self.blocks = BlockManager(num_blocks, block_size, watermark_blocks=num_blocks // 100)
+        self._rows: list[Sequence] = []  # _rows[r] owns row r of the batch
+        self._admitted: dict[int, int] = {}  # seq_id -> admission serial (the preemption order)
+        self._serial = itertools.count()
+        self._preempted: list[Sequence] = []
+        self.num_preemptions = 0
+        # Chunked prefill: admitted sequences whose tokens are not all in the cache yet (oldest first),
+        # and how many of each one's tokens are.
+        self._prefilling: list[Sequence] = []
+        self._computed: dict[int, int] = {}
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
@@ -143,12 +192,24 @@ class BatchEngine(InferenceEngine):
         """One forward: the next token of each of ``running`` and the first token of each newcomer.
 
         ``running`` is either empty or every active sequence (``running[r]`` owns row r, rows
-        [0, n)); the newcomers are prefilled into rows [n, n + len(newcomers)) where n is the
-        number of active sequences, whether or not they decode in this call. Returns one token id
-        per sequence of ``running + newcomers``, in that order, or a ``RowFailure`` for a row that
-        failed alone. Commits nothing but cache contents at those rows/positions: on an exception
-        the caller commits no token.
+        [0, n)); the newcomers take rows [n, n + len(newcomers)) where n is the number of active
+        sequences, whether or not they decode in this call. A running sequence feeds its last token
+        (position ``num_tokens - 1``); a newcomer feeds all its tokens (prompt, plus output when it
+        is recomputed after a preemption). ``self.blocks.block_table(seq_id)`` already covers every
+        position fed. Returns one token id per sequence of ``running + newcomers``, in that order, or a
+        ``RowFailure`` for a row that failed alone. Commits nothing but cache contents at those slots: on
+        an exception the caller commits no token.
         """
+
+    def _forward_chunks(
+        self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]
+    ) -> list[int | RowFailure]:
+        """One forward: the next token of each of ``running`` (as in ``_forward``) and, for each chunk
+        ``(seq, start, end)``, the sequence's tokens [start, end) fed at those positions (its earlier
+        ones are in its blocks). Returns tokens for ``running``, then one for each chunk that ends the
+        sequence (``end == seq.num_tokens``): its first token. Commits nothing but cache contents.
+        Engines that cannot prefill in chunks leave this unimplemented (then set no token budget)."""
+        raise NotImplementedError
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
         """Move row src's cached positions [0, length) to row dst."""
@@ -158,22 +219,42 @@ class BatchEngine(InferenceEngine):
 
     # --- the seam ----------------------------------------------------------------------------
     def num_active(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._prefilling)
 
     def active_sequences(self) -> list[Sequence]:
-        return list(self._rows)
+        return list(self._rows) + list(self._prefilling)
+
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        """Free rows for ``seqs``, and free blocks for all their tokens plus the watermark, after the
+        running sequences took the blocks their next token needs (never for one that can never fit)."""
+        if self.num_active() + len(seqs) > self.capacity or any(self.check_admissible(s) for s in seqs):
+            return False
+        bm = self.blocks
+        growth = sum(bm.blocks_to_append(s.seq_id, max(0, s.num_tokens - bm.num_tokens(s.seq_id))) for s in self._rows)
+        need = sum(bm.blocks_for(s.num_tokens) for s in seqs)
+        return need + growth + bm.watermark_blocks <= bm.num_free_blocks
+
+    def take_preempted(self) -> list[Sequence]:
+        preempted, self._preempted = self._preempted, []
+        return preempted
 
     def admit(self, seqs: list[Sequence]) -> list[int]:
         if not seqs:
             return []
         self._check_newcomers(seqs)
+        if self.max_num_batched_tokens:
+            self._chunked_call(seqs, decode=False)
+            return [s.seq_id for s in seqs]
         start = time.perf_counter()
-        first_tokens = self._forward([], seqs)  # may raise: nothing is committed yet
+        first_tokens = self._forward_newcomers([], seqs)  # may raise: nothing is committed yet
         self._commit_newcomers(seqs, first_tokens, start, time.perf_counter())
         self._evict([s for s in seqs if s.is_finished])
         return [s.seq_id for s in seqs]
 
     def step(self) -> list[Sequence]:
+        self._reserve_running()
+        if self._prefilling:
+            return self._chunked_call([], decode=True)
         if not self._rows:
             return []
         tokens = self._forward(self._rows, [])
@@ -185,13 +266,17 @@ class BatchEngine(InferenceEngine):
     def admit_and_step(self, seqs: list[Sequence]) -> list[Sequence]:
         if not seqs:
             return self.step()
+        self._reserve_running()
+        if self.max_num_batched_tokens:
+            self._check_newcomers(seqs)
+            return self._chunked_call(seqs, decode=True)
         if not self._rows:
             self.admit(seqs)
             return [s for s in seqs if s.is_finished]
         self._check_newcomers(seqs)
         start = time.perf_counter()
         n = len(self._rows)
-        tokens = self._forward(self._rows, seqs)  # may raise: nothing committed
+        tokens = self._forward_newcomers(self._rows, seqs)  # may raise: nothing committed
         now = time.perf_counter()
         self._commit_step(tokens[:n], now)
         self._commit_newcomers(seqs, tokens[n:], start, now)
@@ -199,20 +284,138 @@ class BatchEngine(InferenceEngine):
         self._evict(finished)
         return finished
 
+    def _chunked_call(self, newcomers: list[Sequence], decode: bool) -> list[Sequence]:
+        """Newcomers join the prefilling queue (blocks for all their tokens); one forward runs the decode
+        rows (when ``decode``) and the next prompt chunks within the token budget. Returns what finished.
+        Atomic like ``admit_and_step``: on failure the newcomers hold nothing and no progress is kept."""
+        start = time.perf_counter()
+        for seq in newcomers:
+            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            self._admitted[seq.seq_id] = next(self._serial)
+            self._computed[seq.seq_id] = 0
+        self._prefilling.extend(newcomers)
+        running = list(self._rows) if decode else []
+        chunks = self._plan_chunks(len(running))
+        try:
+            tokens = self._forward_chunks(running, chunks)
+        except BaseException:
+            for seq in newcomers:
+                self._drop_prefilling(seq)
+            raise
+        now = time.perf_counter()
+        for seq in newcomers:
+            seq.status = SequenceStatus.RUNNING
+            if seq.admit_time is None:
+                seq.admit_time = start
+        if running:
+            self._commit_step(tokens[: len(running)], now)
+        done = []
+        for seq, _, end in chunks:
+            self._computed[seq.seq_id] = end
+            if end == seq.num_tokens:
+                done.append(seq)
+        for seq in done:
+            self._prefilling.remove(seq)
+            del self._computed[seq.seq_id]
+        self._commit_newcomers(done, tokens[len(running) :], start, now)
+        finished = [s for s in self._rows if s.is_finished]
+        self._evict(finished)
+        return finished
+
+    def _plan_chunks(self, n_decode: int) -> list[tuple[Sequence, int, int]]:
+        """(seq, start, end) per prefilling sequence, oldest first, within the budget left after the decode rows."""
+        budget = max(self.max_num_batched_tokens - n_decode, 1)
+        chunks = []
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            start = self._computed[seq.seq_id]
+            end = min(seq.num_tokens, start + budget)
+            chunks.append((seq, start, end))
+            budget -= end - start
+        return chunks
+
+    def _drop_prefilling(self, seq: Sequence) -> None:
+        self._prefilling.remove(seq)
+        self._computed.pop(seq.seq_id, None)
+        self._admitted.pop(seq.seq_id, None)
+        if seq.seq_id in self.blocks:
+            self.blocks.free(seq.seq_id)
+
+    def _forward_newcomers(self, running: list[Sequence], seqs: list[Sequence]) -> list[int]:
+        """Give the newcomers blocks for all their tokens, then ``_forward``; on failure they hold none."""
+        for seq in seqs:
+            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+        try:
+            return self._forward(running, seqs)
+        except BaseException:
+            for seq in seqs:
+                self.blocks.free(seq.seq_id)
+            raise
+
+    def _reserve_running(self) -> None:
+        """A slot for every running sequence's next token, oldest admission first; while a block is
+        missing, preempt the most recently admitted (possibly the one that needs it)."""
+        for seq in sorted(self._rows, key=lambda s: self._admitted[s.seq_id]):
+            if seq.seq_id not in self._admitted:  # preempted meanwhile
+                continue
+            need = seq.num_tokens - self.blocks.num_tokens(seq.seq_id)
+            if need <= 0:
+                continue
+            while not self.blocks.can_append(seq.seq_id, need):
+                victim = max(self._rows + self._prefilling, key=lambda s: self._admitted[s.seq_id])
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append_slots(seq.seq_id, need)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and row; it waits again with its tokens (recomputed on readmission)."""
+        if seq in self._prefilling:
+            self._drop_prefilling(seq)
+        else:
+            self._evict([seq])
+        seq.status = SequenceStatus.WAITING
+        self._preempted.append(seq)
+        self.num_preemptions += 1
+        log.info("preempted sequence %d (%d tokens): KV cache full", seq.seq_id, seq.num_tokens)
+
     def _check_newcomers(self, seqs: list[Sequence]) -> None:
-        if len(self._rows) + len(seqs) > self.capacity:
-            raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - len(self._rows)}")
+        if self.num_active() + len(seqs) > self.capacity:
+            raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - self.num_active()}")
         for seq in seqs:
             reason = self.check_admissible(seq)
             if reason:
                 raise AdmissionError(f"sequence {seq.seq_id}: {reason}")
+        if not self.can_admit(seqs):
+            raise AdmissionError(
+                f"{len(seqs)} newcomers need {sum(self.blocks.blocks_for(s.num_tokens) for s in seqs)} KV blocks; "
+                f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} are free"
+            )
+
+    def check_admissible(self, seq: Sequence) -> str | None:
+        reason = super().check_admissible(seq)
+        if reason:
+            return reason
+        total, bm = seq.prompt_len + seq.max_new_tokens, self.blocks
+        if bm.blocks_for(total) > bm.num_blocks or not bm.can_ever_allocate(seq.prompt_len):
+            return (
+                f"prompt ({seq.prompt_len} tokens) + max_new_tokens ({seq.max_new_tokens}) needs "
+                f"{bm.blocks_for(total)} KV blocks of {bm.block_size} tokens; the whole KV cache holds "
+                f"{bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} tokens, KV_CACHE_MB), "
+                f"{bm.watermark_blocks} of them kept free at admission"
+            )
+        return None
 
     def _commit_newcomers(self, seqs: list[Sequence], first_tokens: list[int], start: float, now: float) -> None:
         """The newcomers take rows [n, n + len(seqs)) with their first tokens."""
         self._rows.extend(seqs)
         for seq, token in zip(seqs, first_tokens):
+            self._admitted.setdefault(seq.seq_id, next(self._serial))
             seq.status = SequenceStatus.RUNNING
-            seq.admit_time = start
+            if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
+                seq.admit_time = start
             if not seq.ignore_eos:
                 seq.stop_token_ids = seq.stop_token_ids | self.stop_token_ids
             self._take(seq, token, now)
@@ -241,19 +444,38 @@ class BatchEngine(InferenceEngine):
                 seq.finish(SequenceStatus.FINISHED_ABORTED)
                 self._evict([seq])
                 return True
+        for seq in self._prefilling:
+            if seq.seq_id == seq_id:
+                seq.finish(SequenceStatus.FINISHED_ABORTED)
+                self._drop_prefilling(seq)
+                return True
         return False
 
     def reset(self) -> None:
         self._rows.clear()
+        self._prefilling.clear()
+        self._computed.clear()
+        self._admitted.clear()
+        bm = self.blocks
+        self.blocks = BlockManager(bm.num_blocks, bm.block_size, bm.watermark_blocks)
         self._reset_state()
 
     def stats(self) -> dict[str, int]:
-        return {"steps": self._steps, "peak_batch": self._peak_batch, "generated_tokens": self._tokens}
+        return {
+            "steps": self._steps, "peak_batch": self._peak_batch, "generated_tokens": self._tokens,
+            "kv_blocks": self.blocks.num_blocks, "kv_free_blocks": self.blocks.num_free_blocks,
+            "kv_block_size": self.blocks.block_size, "num_preemptions": self.num_preemptions,
+            "num_prefilling": len(self._prefilling),
+        }
 
     def _evict(self, leaving: list[Sequence]) -> None:
         """Free the rows of ``leaving`` and keep the survivors in rows [0, n) by moving tail rows into holes."""
         if not leaving:
             return
+        for seq in leaving:
+            self._admitted.pop(seq.seq_id, None)
+            if seq.seq_id in self.blocks:
+                self.blocks.free(seq.seq_id)
         gone = {self._rows.index(s) for s in leaving}
         keep = len(self._rows) - len(gone)
         holes = sorted(r for r in gone if r < keep)
@@ -287,8 +509,11 @@ class FakeEngine(BatchEngine):
         admit_fault: Callable[[list[Sequence]], None] | None = None,
         step_fault: Callable[[int], None] | None = None,
         step_delay: float = 0.0,
+        num_blocks: int = 0,
+        block_size: int = 32,
+        max_num_batched_tokens: int = 0,
     ) -> None:
-        super().__init__(capacity, max_context, stop_token_ids)
+        super().__init__(capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens)
         self.model_name = "fake"
         self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
@@ -315,6 +540,14 @@ class FakeEngine(BatchEngine):
     def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
         step = self._decode(running) if running else []
         return step + (self._prefill(newcomers, len(self._rows)) if newcomers else [])
+
+    def _forward_chunks(
+        self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]
+    ) -> list[int | RowFailure]:
+        """Decode as ``_forward``; a chunk that ends its sequence gets its first token (``_prefill``)."""
+        step = self._decode(running) if running else []
+        done = [seq for seq, _, end in chunks if end == seq.num_tokens]
+        return step + (self._prefill(done, len(self._rows)) if chunks else [])
 
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
         """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
@@ -372,19 +605,27 @@ class HFEngine(BatchEngine):
         window = family.context_window(hf_config)
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         stops = eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids)
-        super().__init__(config.max_batch_size, max_context, stops)
+        block_size = config.kv_block_size
+        block_bytes = family.kv_bytes_per_token(hf_config) * block_size
+        num_blocks = kv_pool_blocks(config, max_context, block_bytes)
+        super().__init__(
+            config.max_batch_size, max_context, stops, num_blocks, block_size, config.max_num_batched_tokens
+        )
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
         try:
-            self.model = family(hf_model, config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm)
+            self.model = family(
+                hf_model, config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm,
+                num_blocks=num_blocks, block_size=block_size,
+            )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
         del hf_model
         log.info(
-            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, "
-            "%d threads",
-            config.model_id, self.device, self.capacity, max_context,
+            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
+            "%.1f MiB; oneDNN linears %s, small-batch kernel %s, %d threads",
+            config.model_id, self.device, self.capacity, max_context, num_blocks, block_size, num_blocks * block_size,
             self.model.kv.nbytes / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
         )
 
@@ -410,14 +651,34 @@ class HFEngine(BatchEngine):
     def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
         """One forward for both (either may be empty): the weights stream once (a decode step alone is
         bound by that)."""
-        first_row = len(self._rows)
+        table = self.blocks.block_table
         logits = self.model.forward(
             [s.last_token_id for s in running],
             [s.num_tokens - 1 for s in running],
-            [s.prompt_token_ids for s in newcomers],
-            list(range(first_row, first_row + len(newcomers))),
+            [table(s.seq_id) for s in running],
+            [s.prompt_token_ids + s.output_token_ids for s in newcomers],  # output: a recomputed sequence
+            [table(s.seq_id) for s in newcomers],
         )  # [len(running) + len(newcomers), V]
         return self._next_tokens(logits, running + newcomers)
+
+    def _forward_chunks(
+        self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]
+    ) -> list[int | RowFailure]:
+        """Decode rows and prompt chunks in one forward; tokens only where a chunk ends its sequence."""
+        table = self.blocks.block_table
+        logits = self.model.forward(
+            [s.last_token_id for s in running],
+            [s.num_tokens - 1 for s in running],
+            [table(s.seq_id) for s in running],
+            [(s.prompt_token_ids + s.output_token_ids)[start:end] for s, start, end in chunks],
+            [table(s.seq_id) for s, _, _ in chunks],
+            [start for _, start, _ in chunks],
+        )  # [len(running) + len(chunks), V]
+        last = [i for i, (s, _, end) in enumerate(chunks) if end == s.num_tokens]
+        rows = list(range(len(running))) + [len(running) + i for i in last]
+        if len(rows) < logits.shape[0]:
+            logits = logits[rows]
+        return self._next_tokens(logits, running + [chunks[i][0] for i in last])
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
@@ -479,8 +740,25 @@ class HFEngine(BatchEngine):
         for i, lp in zip(wanted, logprobs(rows, [tokens[i] for i in wanted], k)):
             seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
 
-    def _move_row(self, src: int, dst: int, length: int) -> None:
-        self.model.kv.move_row(src, dst, length)
+
+
+def kv_pool_blocks(config: Config, max_context: int, block_bytes: int) -> int:
+    """Blocks in the KV pool: ``KV_CACHE_MB`` of them, or by default enough for ``MAX_BATCH_SIZE`` sequences
+    at the full context, capped at ``KV_CACHE_RAM_FRACTION`` of the machine's memory."""
+    if config.kv_cache_mb:
+        blocks = int(config.kv_cache_mb * 2**20) // block_bytes
+        if blocks < 1:
+            raise ValueError(f"KV_CACHE_MB={config.kv_cache_mb} holds no KV block ({block_bytes} bytes each)")
+        return blocks
+    blocks = config.max_batch_size * -(-max_context // config.kv_block_size)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return blocks
+    return max(1, min(blocks, int(ram * KV_CACHE_RAM_FRACTION) // block_bytes))
+
+
+KV_CACHE_RAM_FRACTION = 0.25  # the default pool never takes more of the machine's RAM than this
 
 
 def resolve_device(name: str):
@@ -519,5 +797,9 @@ def build_engine(config: Config) -> InferenceEngine:
     Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
     """
     if config.is_fake:
-        return FakeEngine(capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids))
+        return FakeEngine(
+            capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
+            num_blocks=config.fake_kv_blocks, block_size=config.kv_block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
     return HFEngine(config)

@@ -218,9 +218,12 @@ class _LiveCollector:
     _GAUGES = {
         "num_requests_running": "Sequences holding a batch slot.",
         "num_requests_waiting": "Sequences waiting for a slot.",
-        "kv_cache_usage_perc": "KV-cache rows in use / rows (one preallocated row per slot), 0..1.",
+        "num_requests_prefilling": "Admitted sequences whose prompt is still being prefilled in chunks.",
+        "kv_cache_usage_perc": "KV-cache blocks in use / blocks in the pool, 0..1.",
+        "kv_cache_free_blocks": "KV-cache blocks free in the pool.",
+        "kv_cache_blocks": "KV-cache blocks in the pool (KV_CACHE_MB / bytes per block).",
         "num_requests_in_flight": "HTTP requests in flight (probes and /metrics excluded).",
-        "batch_capacity": "Batch slots (MAX_BATCH_SIZE).",
+        "batch_capacity": "Most sequences running at once (MAX_BATCH_SIZE).",
         "ready": "1 when /ready answers 200.",
         "draining": "1 while draining for shutdown.",
     }
@@ -240,6 +243,10 @@ class _LiveCollector:
         failures.add_metric(["prefill"], float(values.get("failed_admits", 0)))
         failures.add_metric(["decode"], float(values.get("failed_steps", 0)))
         yield failures
+        yield CounterMetricFamily(
+            "minibatch:num_preemptions", "Running sequences sent back to the queue because the KV cache was full "
+            "(recomputed on readmission).", value=float(values.get("num_preemptions", 0)),
+        )
 
 
 _BARE = re.compile(r"[A-Za-z0-9_.:/@+-]+")

@@ -73,13 +73,19 @@ class Operations:
         }
         if runtime is not None:
             capacity = runtime.engine.capacity
+            stats = runtime.engine.stats()
+            blocks, free = stats.get("kv_blocks", 0), stats.get("kv_free_blocks", 0)
             values.update(
                 num_requests_running=len(runtime.scheduler.running),
                 num_requests_waiting=len(runtime.scheduler.waiting),
-                kv_cache_usage_perc=runtime.engine.num_active() / capacity if capacity else 0.0,
+                kv_cache_usage_perc=(blocks - free) / blocks if blocks else 0.0,
+                kv_cache_free_blocks=free,
+                kv_cache_blocks=blocks,
+                num_requests_prefilling=stats.get("num_prefilling", 0),
                 batch_capacity=capacity,
                 failed_admits=runtime.scheduler.failed_admits,
                 failed_steps=runtime.scheduler.failed_steps,
+                num_preemptions=runtime.scheduler.num_preemptions,
             )
         return values
 

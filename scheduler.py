@@ -1,12 +1,18 @@
 """The continuous batcher: decides who runs, between engine steps, on the event loop.
 
-Each iteration: apply pending aborts, admit waiting sequences FCFS into free capacity,
-and advance every running sequence by one token: one ``engine.admit_and_step()`` call
+Each iteration: apply pending aborts, admit waiting sequences FCFS while the engine has
+room for them (a free slot, and KV blocks for their tokens plus a watermark: ``can_admit``;
+the queue never skips its oldest), and advance every running sequence by one token: one ``engine.admit_and_step()`` call
 when there are both (newcomers' prefill rides in the decode step's forward, so the
 weights stream once), else ``engine.admit()`` or ``engine.step()``. Engine calls run in
 a single worker thread, never on the event loop, so HTTP keeps flowing while the model
 computes. Every submitted sequence's future resolves exactly once, with the sequence
 itself, the moment it finishes (its status says why: stop, length, abort or error).
+
+Preemption: when the KV pool runs out mid-step the engine preempts its most recently admitted
+sequences; they come back (``take_preempted``) to the front of the queue with their tokens,
+and are readmitted (recomputed) before anything newer. Their futures and listeners stay as they
+are: a stream sees no gap and no repeat, only a pause.
 
 Failure isolation: a failing ``admit`` fails only its newcomers; a failing ``step``
 fails the active set, resets the engine, and the loop goes on serving the queue. A failing
@@ -64,6 +70,13 @@ class WaitingQueue:
     def popleft(self) -> Sequence:
         return self._seqs.pop(next(iter(self._seqs)))
 
+    def peek(self) -> Sequence:
+        return next(iter(self._seqs.values()))
+
+    def extendleft(self, seqs: list[Sequence]) -> None:
+        """Put ``seqs`` (in this order) before everything waiting (O(queue); preemption is rare)."""
+        self._seqs = {**{s.seq_id: s for s in seqs}, **self._seqs}
+
     def remove(self, seq_id: int) -> Sequence | None:
         return self._seqs.pop(seq_id, None)
 
@@ -99,6 +112,7 @@ class Scheduler:
         self._pending: dict[int, tuple[Sequence, asyncio.Future[Sequence]]] = {}
         # Per-sequence callbacks after each admit/step that gave it tokens (streaming, stop strings).
         self._listeners: dict[int, Callable[[Sequence], None]] = {}
+        self._heard: dict[int, int] = {}  # seq_id -> output tokens its listener has been told of
         # Running sequences to end at the next step boundary: seq_id -> (status, error).
         self._aborts: dict[int, tuple[SequenceStatus, str | None]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -107,6 +121,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self.failed_admits = 0  # sequences failed by admit errors
         self.failed_steps = 0  # step calls that raised
+        self.num_preemptions = 0  # sequences sent back to the queue by the engine (KV cache full)
 
     # --- public API (event loop only) ----------------------------------------------------------
     def start(self) -> None:
@@ -186,6 +201,9 @@ class Scheduler:
                 self._expire(time.perf_counter())
                 await self._apply_aborts()
                 newcomers = self._schedule()
+                if not newcomers and not self.running and self.waiting:
+                    self._refuse_head()  # an empty engine cannot take it: it would wait forever
+                    continue
                 if newcomers and self.running:
                     await self._admit_and_step(newcomers)
                 else:
@@ -208,9 +226,31 @@ class Scheduler:
                 self.finish(seq.seq_id, SequenceStatus.FINISHED_TIMEOUT, _timeout_message(seq, now))
 
     def _schedule(self) -> list[Sequence]:
-        """FCFS: take the oldest waiting sequences that fit in the free slots."""
-        free = self.engine.capacity - len(self.running)
-        return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        """FCFS: take the oldest waiting sequences while the engine has room for them (slots and KV blocks)."""
+        chosen: list[Sequence] = []
+        while self.waiting and self.engine.can_admit([*chosen, self.waiting.peek()]):
+            chosen.append(self.waiting.popleft())
+        return chosen
+
+    def _refuse_head(self) -> None:
+        """The oldest waiting sequence does not fit even in an idle engine (callers that skipped
+        ``check_admissible``): it ends with the engine's reason instead of blocking the queue."""
+        seq = self.waiting.popleft()
+        reason = self.engine.check_admissible(seq) or "does not fit in the KV cache"
+        self.failed_admits += 1
+        log.error("sequence %d can never be admitted: %s", seq.seq_id, reason)
+        seq.finish(SequenceStatus.FINISHED_ERROR, error=reason)
+        self._resolve(seq)
+
+    def _requeue_preempted(self) -> list[Sequence]:
+        """After an engine call: the sequences it preempted leave ``running`` for the front of the queue."""
+        preempted = self.engine.take_preempted()
+        if preempted:
+            for seq in preempted:
+                self.running.pop(seq.seq_id, None)
+            self.waiting.extendleft(preempted)
+            self.num_preemptions += len(preempted)
+        return preempted
 
     async def _call_engine(self, fn, *args):
         self._engine_call = self._executor.submit(fn, *args)
@@ -245,21 +285,27 @@ class Scheduler:
         try:
             finished = await self._call_engine(self.engine.admit_and_step, newcomers)
         except Exception as exc:
+            self._requeue_preempted()
             log.warning("admit_and_step failed (%s); retrying admission and step apart", exc)
             await self._admit(newcomers)
             if self.running:
                 await self._step()
             return
+        preempted = self._requeue_preempted()
+        batch = [s for s in batch if s not in preempted]
         self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers, decoded=batch))
         self._deliver_tokens(batch + newcomers, finished)
 
     def _deliver_tokens(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
-        """After an engine call gave ``seqs`` a token each: the unfinished hold slots, listeners
-        hear, the finished resolve."""
+        """After an engine call that ran ``seqs``: the unfinished hold slots, those that got a token
+        (not a sequence still prefilling its prompt in chunks) are heard, the finished resolve."""
         for seq in seqs:
             if not seq.is_finished:
                 self.running[seq.seq_id] = seq
-        self._notify(seqs)
+        fresh = [s for s in seqs if len(s.output_token_ids) > self._heard.get(s.seq_id, 0)]
+        for seq in fresh:
+            self._heard[seq.seq_id] = len(seq.output_token_ids)
+        self._notify(fresh)
         for seq in finished:
             self.running.pop(seq.seq_id, None)
             self._resolve(seq)
@@ -269,6 +315,7 @@ class Scheduler:
         try:
             finished = await self._call_engine(self.engine.step)
         except Exception as exc:
+            self._requeue_preempted()
             self.failed_steps += 1
             log.error(
                 "engine step failed with %d active sequences (%s; %d step failures so far): %s",
@@ -280,6 +327,7 @@ class Scheduler:
             )
             await self._fail_running("engine step failed")
             return
+        self._requeue_preempted()
         batch = list(self.running.values())
         self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, decoded=batch))
         self._deliver_tokens(batch, finished)
@@ -298,7 +346,8 @@ class Scheduler:
         aborts, self._aborts = self._aborts, {}
         for seq_id, (status, error) in aborts.items():
             seq = self.running.get(seq_id)
-            if seq is None:  # finished meanwhile
+            if seq is None:  # finished meanwhile, or preempted back into the queue
+                self.finish(seq_id, status, error)
                 continue
             # The scheduler says why it ends (abort, stop string, timeout); the engine only frees the
             # slot, and its own "aborted" mark does not override a status already set.
@@ -324,6 +373,7 @@ class Scheduler:
 
     def _resolve(self, seq: Sequence) -> None:
         self._listeners.pop(seq.seq_id, None)
+        self._heard.pop(seq.seq_id, None)
         _, future = self._pending.pop(seq.seq_id, (None, None))
         if future is not None:
             self._hook(self.on_resolved, seq)
@@ -347,7 +397,8 @@ def _ids(seqs) -> str:
 def _overdue(seq: Sequence, now: float, waiting: bool) -> bool:
     if seq.deadline is not None and now > seq.deadline:
         return True
-    return waiting and seq.queue_deadline is not None and now > seq.queue_deadline
+    # The queue limit is for getting started: a preempted sequence waiting again was admitted once.
+    return waiting and seq.admit_time is None and seq.queue_deadline is not None and now > seq.queue_deadline
 
 
 def _timeout_message(seq: Sequence, now: float) -> str:

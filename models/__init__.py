@@ -7,8 +7,8 @@ convention in ``cache_dir.py``); ``families()`` imports the torch modules when a
                    mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop)
     gpt2.py        GPT-2 block math and weight mapping
     llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
-    kv_cache.py    the preallocated KV cache, one row per batch slot
-    kernels/       compiled kernels (small_gemm.c) and the build-once-into-the-cache loader
+    kv_cache.py    the preallocated KV block pool (the block manager, ``block_manager.py``, says who holds what)
+    kernels/       compiled kernels (small_gemm.c, paged_attention.c) and the build-once-into-the-cache loader
     cache_dir.py   where checkpoints and built kernels are cached
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 def families() -> dict[str, type]:
     """HF ``config.model_type`` -> our forward for that family (a ``layers.MixedForward``).
 
-    Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=...)`` and has
+    Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=..., num_blocks=...,
+    block_size=...)`` and has
     ``context_window(hf_config)``. Imports torch.
     """
     from .gpt2 import GPT2

@@ -48,9 +48,22 @@ class GPT2(MixedForward):
     def context_window(hf_config) -> int:
         return hf_config.n_positions
 
+    @staticmethod
+    def kv_bytes_per_token(hf_config) -> int:
+        """fp32 K and V of one token over every layer (what one KV slot costs)."""
+        return 2 * hf_config.n_layer * hf_config.n_embd * 4
+
     def __init__(
-        self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device, use_small_gemm: bool = True
+        self,
+        hf_model: torch.nn.Module,
+        capacity: int,
+        max_len: int,
+        device: torch.device,
+        use_small_gemm: bool = True,
+        num_blocks: int = 0,
+        block_size: int = 32,
     ) -> None:
+        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
         cfg = hf_model.config
         if getattr(cfg, "reorder_and_upcast_attn", False):
             raise ValueError("GPT-2 option reorder_and_upcast_attn is not supported by the fast engine")
@@ -73,7 +86,8 @@ class GPT2(MixedForward):
         self.blocks = [Block(sd, f"{base}h.{i}.", make_linear) for i in range(self.n_layer)]
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
         self.lm_head = make_linear(sd.get("lm_head.weight", self.wte), None)  # [C] -> [V]
-        self._init_cache(self.n_layer, capacity, self.n_head, max_len, self.head_dim, device)
+        num_blocks = num_blocks or capacity * -(-max_len // block_size)
+        self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
 
     def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return F.layer_norm(x, (self.n_embd,), wb[0], wb[1], self.eps)

@@ -1,11 +1,11 @@
-"""The KV cache: allocated once at startup, one row per batch slot, written in place.
+"""The KV cache: one preallocated pool of fixed-size blocks for every layer, written in place.
 
-Layout per tensor: ``[n_layer, capacity, n_head, max_len, head_dim]``. Row ``r`` holds
-the keys/values of the sequence in slot ``r`` for positions ``[0, length)``. The
-engine keeps its active sequences in rows ``[0, n)`` so that a decode step attends
-over the contiguous view ``k[layer, :n, :, :L]`` (measured: attention over K/V
-gathered from scattered rows costs up to 4.6x more). When a sequence leaves from
-the middle, the last row moves into its hole once (``move_row``), not every step.
+Layout per tensor: ``[n_layer, num_blocks, n_kv_head, block_size, head_dim]`` (head-major blocks:
+each block of one KV head is one contiguous ``block_size x head_dim`` run, which the decode
+kernel streams best; ``scripts/bench_paged_attention.py``). Which blocks a sequence holds is
+the block manager's business (``block_manager.py``, torch-free); this class only stores and
+reads: token at position ``p`` of a sequence with block table ``t`` lives in block
+``t[p // block_size]`` at offset ``p % block_size``.
 """
 
 from __future__ import annotations
@@ -13,42 +13,45 @@ from __future__ import annotations
 import torch
 
 
-class KVCache:
+class PagedKVCache:
     def __init__(
         self,
         n_layer: int,
-        capacity: int,
-        n_head: int,
-        max_len: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_head: int,
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = (n_layer, capacity, n_head, max_len, head_dim)
+        shape = (n_layer, num_blocks, n_kv_head, block_size, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write_prompt(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt's keys/values. k, v: [n_head, L, head_dim] for positions [0, L)."""
-        length = k.shape[1]
-        self.k[layer, row, :, :length] = k
-        self.v[layer, row, :, :length] = v
+    @staticmethod
+    def bytes_per_block(n_layer: int, block_size: int, n_kv_head: int, head_dim: int, element_size: int = 4) -> int:
+        """K and V of one block over every layer."""
+        return 2 * n_layer * block_size * n_kv_head * head_dim * element_size
 
-    def write_step(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one new token per row. rows, positions: [B]; k, v: [B, n_head, head_dim]."""
-        self.k[layer][rows, :, positions] = k
-        self.v[layer][rows, :, positions] = v
+    def write(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store N tokens' keys/values. blocks, offsets: [N] slots; k, v: [N, n_kv_head, head_dim]."""
+        self.k[layer][blocks, :, offsets] = k  # advanced indices around a slice: the selection is [N, KVH, D]
+        self.v[layer][blocks, :, offsets] = v
 
-    def view(self, layer: int, n_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of rows [0, n_rows), positions [0, length): each [n_rows, n_head, length, head_dim]."""
-        return self.k[layer, :n_rows, :, :length], self.v[layer, :n_rows, :, :length]
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's pools in the attention kernel's logical shape [num_blocks, block_size, KVH, D] (views)."""
+        return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy row src's first `length` positions (every layer) into row dst."""
-        if length > 0 and src != dst:
-            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+    def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, length) of a sequence with block table ``table`` ([>= ceil(length /
+        block_size)] long): each [KVH, length, D], a copy (prefill chunks read their earlier blocks once)."""
+        n = -(-length // self.block_size)
+        blocks = table[:n]
+        k = self.k[layer][blocks].transpose(0, 1).reshape(self.k.shape[2], n * self.block_size, -1)  # [KVH, n*bs, D]
+        v = self.v[layer][blocks].transpose(0, 1).reshape(self.v.shape[2], n * self.block_size, -1)
+        return k[:, :length], v[:, :length]

@@ -3,9 +3,9 @@
 A forward runs one *mixed batch*: B decode tokens (one per active row ``[0, B)``, each at its own
 position) and whole prompts packed after them, ``[B + T, C]`` with no padding. Every linear
 runs once over all B + T tokens (a step that admits newcomers streams the weights once);
-attention runs per part (``mixed_attention``): decode rows over the cache, each prompt causally
-over itself, its K/V landing in its own cache row. Logits only for the decode rows and each
-prompt's last token.
+attention runs per part (``mixed_attention``): decode rows over their KV blocks in place, each
+prompt chunk causally over itself (and its earlier blocks), every token's K/V landing in its slot of
+the block pool. Logits only for the decode rows and each chunk's last token.
 
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import small_gemm
-from .kv_cache import KVCache
+from .kernels.paged_attention import paged_attention
+from .kv_cache import PagedKVCache
 
 
 def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -90,65 +91,89 @@ def linear_factory(device: torch.device, capacity: int, want_small: bool) -> tup
 
 @dataclass
 class MixedBatch:
-    """Where each token of one mixed forward sits: B decode tokens first, then the prompts back to back.
+    """Where each token of one mixed forward sits: B decode tokens first, then the prompt chunks back to back.
 
+    Every token also has a KV slot (block id, offset in the block) from its sequence's block table.
+    A prompt chunk covers positions [start, start + n) of its sequence; ``start`` > 0 when a prompt
+    is prefilled over several steps (its earlier positions are already in its blocks).
     Built once per forward, used by every layer.
     """
 
     ids: torch.Tensor  # [B + T] token ids
     pos: torch.Tensor  # [B + T] positions
-    n_decode: int  # B: decode rows [0, B) of the activation and of the KV cache
-    prompts: list[tuple[int, int, int]]  # per prompt: (first row in the activation, length, KV cache row)
-    decode_rows: torch.Tensor  # [B]: cache rows of the decode tokens (0..B-1)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L]: row b attends positions <= pos[b]; None when B = 0
-    decode_length: int  # L: the longest decode row's context
+    slot_blocks: torch.Tensor  # [B + T] block id of each token's KV slot
+    slot_offsets: torch.Tensor  # [B + T] offset of each token's KV slot in its block
+    n_decode: int  # B: the decode tokens are rows [0, B) of the activation
+    block_tables: torch.Tensor | None  # [B, max_blocks] int32 of the decode rows (padded with 0); None when B = 0
+    context_lens: torch.Tensor | None  # [B] int32: decode row b attends positions [0, pos[b]]
+    prompts: list[tuple[int, int, int, torch.Tensor]]  # per chunk: (first activation row, length, start, table)
     sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
 
     @classmethod
     def build(
-        cls, token_ids: list[int], positions: list[int], prompts: list[list[int]], rows: list[int], arange: torch.Tensor
+        cls,
+        token_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        prompts: list[list[int]],
+        prompt_tables: list[list[int]],
+        prompt_starts: list[int],
+        block_size: int,
+        device: torch.device,
     ) -> "MixedBatch":
-        """``arange``: a preallocated ``torch.arange`` at least as long as any position or row count."""
-        B, dev = len(token_ids), arange.device
+        B = len(token_ids)
         lengths = [len(p) for p in prompts]
         starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
-        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], device=dev)
-        pos = torch.cat([torch.tensor(positions, device=dev, dtype=torch.long)] + [arange[:n] for n in lengths])
-        length = max(positions) + 1 if B else 0
-        mask = (arange[:length] <= pos[:B, None]).view(B, 1, 1, length) if B else None
+        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], dtype=torch.long)
+        pos = list(positions) + [s + i for s, n in zip(prompt_starts, lengths) for i in range(n)]
+        blocks = [table[p // block_size] for table, p in zip(tables, positions)]
+        for table, start, n in zip(prompt_tables, prompt_starts, lengths):
+            blocks += [table[p // block_size] for p in range(start, start + n)]
+        block_tables = context_lens = None
+        if B:
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            context_lens = torch.tensor(positions, dtype=torch.int32) + 1
         sample = [*range(B), *(s + n - 1 for s, n in zip(starts, lengths))] if prompts else None
+        pos_t = torch.tensor(pos, dtype=torch.long)
         return cls(
-            ids, pos, B, list(zip(starts, lengths, rows)), arange[:B], mask, length,
-            torch.tensor(sample, device=dev) if sample is not None else None,
+            ids.to(device), pos_t.to(device), torch.tensor(blocks, dtype=torch.long, device=device),
+            (pos_t % block_size).to(device), B, block_tables, context_lens,
+            [(r, n, s, torch.tensor(t, dtype=torch.long, device=device))
+             for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)],
+            torch.tensor(sample, device=device) if sample is not None else None,
         )
 
 
 def mixed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int, batch: MixedBatch, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKVCache, layer: int, batch: MixedBatch, scale: float
 ) -> torch.Tensor:
-    """Grouped-query attention over a mixed batch; writes this layer's new K/V into the cache first.
+    """Grouped-query attention over a mixed batch; writes this layer's new K/V into their slots first.
 
     q: [N, H, D], k, v: [N, KVH, D] (H = KVH x G; G = 1 is plain multi-head attention, GPT-2)
-    -> [N, H, D]. Decode rows attend over their cache row, masked per row length; query head
-    ``h = kvh * G + g`` reads K/V head ``kvh``, so the B queries are viewed as [B, KVH, G, D]
-    against the cache view [B, KVH, L, D] (no copy of the cache). Each prompt attends causally
-    over its own tokens.
+    -> [N, H, D]. Decode rows attend over their blocks in place (``paged_attention``: the compiled
+    kernel on CPU fp32, no gather; query head ``h = kvh * G + g`` reads K/V head ``kvh``). A prompt
+    chunk attends causally over itself, plus its sequence's earlier positions (gathered once from its
+    blocks) when it does not start at 0.
     """
     N, H, D = q.shape
     B, KVH = batch.n_decode, k.shape[1]
+    kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     out = torch.empty(N, H, D, device=q.device, dtype=q.dtype)
     if B:
-        kv.write_step(layer, batch.decode_rows, batch.pos[:B], k[:B], v[:B])
-        keys, values = kv.view(layer, B, batch.decode_length)  # each [B, KVH, L, D]: a view, no copy
-        att = F.scaled_dot_product_attention(
-            q[:B].reshape(B, KVH, H // KVH, D), keys, values, attn_mask=batch.decode_mask, scale=scale
-        )  # [B, KVH, G, D]
-        out[:B] = att.view(B, H, D)
-    for start, n, row in batch.prompts:
-        span = slice(start, start + n)
+        k_pool, v_pool = kv.pools(layer)
+        out[:B] = paged_attention(q[:B], k_pool, v_pool, batch.block_tables, batch.context_lens, scale)
+    for row, n, start, table in batch.prompts:
+        span = slice(row, row + n)
         qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [H or KVH, n, D]
-        kv.write_prompt(layer, row, kp, vp)
-        att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=KVH != H)  # [H, n, D]
+        if start == 0:
+            att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=KVH != H)
+        else:
+            past_k, past_v = kv.gather(layer, table, start)  # [KVH, start, D]
+            keys, values = torch.cat([past_k, kp], dim=1), torch.cat([past_v, vp], dim=1)  # [KVH, start + n, D]
+            # Query i sits at position start + i and sees keys [0, start + i].
+            mask = torch.arange(start + n, device=q.device) <= start + torch.arange(n, device=q.device)[:, None]
+            att = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=KVH != H)
         out[span] = att.transpose(0, 1)  # [n, H, D]
     return out
 
@@ -161,43 +186,55 @@ def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str
 class MixedForward:
     """A model family's forward over a mixed batch: the loop every family shares.
 
-    Subclasses set ``blocks``, ``kv`` (a KVCache), ``onednn``/``small_gemm`` (which linear kernels
-    are on), ``_arange`` (``torch.arange`` over max(capacity, max_len)) and supply the family's math:
+    Subclasses set ``blocks``, ``kv`` (a PagedKVCache, ``_init_cache``), ``device``,
+    ``onednn``/``small_gemm`` (which linear kernels are on) and supply the family's math:
     ``_embed`` (token ids -> [N, C] plus whatever positional state the blocks need), ``_block``
     (one transformer layer) and ``_logits`` (final norm and lm_head).
     """
 
     model_type: str  # HF config.model_type this family serves
     blocks: list
-    kv: KVCache
+    kv: PagedKVCache
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]] = (),
+        prompts: list[list[int]] = (),
+        prompt_tables: list[list[int]] = (),
+        prompt_starts: list[int] | None = None,
     ) -> torch.Tensor:
-        """Decode rows [0, B) (token_ids[b] at positions[b]) and prefill whole prompts into cache rows ``rows``.
+        """Decode B tokens (token_ids[b] at positions[b] of the sequence with block table tables[b]) and
+        prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block table
+        prompt_tables[i]); every table must already cover its tokens' positions.
 
-        Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
+        Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position.
         """
-        batch = MixedBatch.build(token_ids, positions, prompts, rows, self._arange)
+        starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
+        batch = MixedBatch.build(
+            token_ids, positions, tables, prompts, prompt_tables, starts, self.kv.block_size, self.device
+        )
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)
-        # Logits only where a token is sampled: the decode rows and each prompt's last position.
+        # Logits only where a token is sampled: the decode rows and each chunk's last position.
         return self._logits(x if batch.sample_rows is None else x[batch.sample_rows])
 
-    def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
-        """Run whole prompts, fill their cache rows; return each prompt's last-position logits [len(prompts), V]."""
-        return self.forward([], [], prompts, rows)
+    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+        """Run whole prompts into their blocks; return each prompt's last-position logits [len(prompts), V]."""
+        return self.forward([], [], [], prompts, tables)
 
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One token for each of rows [0, B): token_ids[b] sits at positions[b]. Returns logits [B, V]."""
-        return self.forward(token_ids, positions)
+    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
+        return self.forward(token_ids, positions, tables)
 
-    def _init_cache(self, n_layer: int, capacity: int, n_kv_head: int, max_len: int, head_dim: int, device) -> None:
-        """The KV cache (K/V heads only) and the arange the batch layout indexes with."""
-        self.kv = KVCache(n_layer, capacity, n_kv_head, max_len, head_dim, device)
-        self._arange = torch.arange(max(capacity, max_len), device=device)  # rows and positions
+    def _init_cache(
+        self, n_layer: int, n_kv_head: int, head_dim: int, device, num_blocks: int, block_size: int
+    ) -> None:
+        """The KV block pool (K/V heads only)."""
+        self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device)
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, object]:
         raise NotImplementedError

@@ -101,9 +101,25 @@ class Llama(MixedForward):
     def context_window(hf_config) -> int:
         return hf_config.max_position_embeddings
 
+    @staticmethod
+    def kv_bytes_per_token(hf_config) -> int:
+        """fp32 K and V of one token over every layer (what one KV slot costs)."""
+        n_head = hf_config.num_attention_heads
+        n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head
+        return 2 * hf_config.num_hidden_layers * n_kv_head * head_dim * 4
+
     def __init__(
-        self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device, use_small_gemm: bool = True
+        self,
+        hf_model: torch.nn.Module,
+        capacity: int,
+        max_len: int,
+        device: torch.device,
+        use_small_gemm: bool = True,
+        num_blocks: int = 0,
+        block_size: int = 32,
     ) -> None:
+        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
         cfg = hf_model.config
         if cfg.hidden_act != "silu":
             raise ValueError(f"Llama activation {cfg.hidden_act!r} is not supported by the fast engine (only silu)")
@@ -125,7 +141,8 @@ class Llama(MixedForward):
         self.norm = sd["model.norm.weight"]  # [C]
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
         self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None)  # [C] -> [V]
-        self._init_cache(self.n_layer, capacity, self.n_kv_head, max_len, self.head_dim, device)
+        num_blocks = num_blocks or capacity * -(-max_len // block_size)
+        self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [N, C] -> weight * x / rms(x): [N, C]."""

@@ -343,9 +343,11 @@ def overhead_and_roofline(
             return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # step-to-step, after the admit callback
 
         def bare_round() -> list[float]:
-            """Same rows, same positions, nothing but model.decode."""
-            model.prefill([prompt] * batch, list(range(batch)))
-            return [_timed(lambda: model.decode([11] * batch, [prompt_len + s] * batch)) for s in range(steps)]
+            """Same rows, same positions, nothing but model.decode (over blocks of its own: the engine is idle)."""
+            per_row = -(-(prompt_len + steps + 1) // model.kv.block_size)
+            tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(batch)]
+            model.prefill([prompt] * batch, tables)
+            return [_timed(lambda: model.decode([11] * batch, [prompt_len + s] * batch, tables)) for s in range(steps)]
 
         # Pair the two, round by round, so that a noisy minute hits both alike; the overhead is the
         # median of the per-round ratios. The bare forward runs in a worker thread of its own, as

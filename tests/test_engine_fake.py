@@ -185,7 +185,12 @@ def test_step_advances_each_sequence_exactly_one_token(n):
         for s in seqs:
             assert len(s.output_token_ids) == 1 + k
             assert s.output_token_ids == letters(s.prompt_token_ids, 1 + k)
-    assert eng.stats() == {"steps": 5, "peak_batch": n, "generated_tokens": 6 * n}
+    stats = eng.stats()
+    assert {k: stats[k] for k in ("steps", "peak_batch", "generated_tokens")} == {
+        "steps": 5, "peak_batch": n, "generated_tokens": 6 * n
+    }
+    # 2 prompt + 6 output tokens each, one not yet fed: 7 slots -> 1 block of 32 per sequence.
+    assert stats["kv_free_blocks"] == stats["kv_blocks"] - n and stats["num_preemptions"] == 0
 
 
 def test_step_with_nothing_active():

@@ -67,7 +67,7 @@ def test_metrics_count_tokens_requests_and_latencies():
 def test_metrics_gauges_while_busy():
     async def body():
         gate = Gate()
-        eng = FakeEngine(capacity=2, step_fault=gate.wait)
+        eng = FakeEngine(capacity=2, step_fault=gate.wait, num_blocks=4, block_size=4)
         try:
             async with serving(eng) as c:
                 sched = c.app.state.server.scheduler
@@ -81,13 +81,16 @@ def test_metrics_gauges_while_busy():
                 text = await scrape(c)
                 assert metric(text, "minibatch:num_requests_running") == running
                 assert metric(text, "minibatch:num_requests_waiting") == 3 - running
-                assert metric(text, "minibatch:kv_cache_usage_perc") == running / 2
+                # Each running sequence (2 prompt tokens + 1 output) holds one block of 4 tokens.
+                assert metric(text, "minibatch:kv_cache_usage_perc") == running / 4
+                assert metric(text, "minibatch:kv_cache_free_blocks") == 4 - running
                 assert metric(text, "minibatch:num_requests_in_flight") == 3  # /metrics itself is not counted
                 gate.open.set()
                 rs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
                 assert all(r.status_code == 200 for r in rs)
                 text = await scrape(c)
                 assert metric(text, "minibatch:kv_cache_usage_perc") == 0
+                assert metric(text, "minibatch:kv_cache_free_blocks") == 4
                 assert metric(text, "minibatch:num_requests_in_flight") == 0
         finally:
             gate.open.set()

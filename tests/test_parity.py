@@ -248,7 +248,8 @@ def test_max_model_len_sizes_the_cache_and_bounds_admission(model_dir, reference
     from engine import AdmissionError
 
     engine = make_engine(model_dir, capacity=2, max_model_len=max_model_len)
-    assert engine.max_context == want and engine.model.kv.k.shape[3] == want
+    kv = engine.model.kv  # the default pool holds every slot at the full context, in whole blocks
+    assert engine.max_context == want and kv.num_blocks == 2 * -(-want // kv.block_size)
     if want > 64:
         return
     prompt = (reference.encode(" ".join(PROMPTS)) * 8)[: want - 4]
@@ -275,9 +276,15 @@ def test_num_threads_zero_means_the_physical_cores(model_dir):
 
 
 def test_kv_memory_formula_in_the_readme(model_dir, reference):
-    """README: 2 x layers x MAX_BATCH_SIZE x MAX_MODEL_LEN x (K/V heads x head_dim) x 4 bytes."""
+    """README: a token costs 2 x layers x KV heads x head_dim x 4 bytes; the default pool is what
+    MAX_BATCH_SIZE x MAX_MODEL_LEN tokens need, in whole KV_BLOCK_SIZE blocks; KV_CACHE_MB buys
+    KV_CACHE_MB x 2^20 / (KV_BLOCK_SIZE x bytes per token) blocks."""
     cfg = reference.model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4
     engine = make_engine(model_dir, capacity=3, max_model_len=100)
-    assert engine.model.kv.nbytes == 2 * cfg.num_hidden_layers * 3 * 100 * kv_heads * head_dim * 4
+    block = engine.model.kv.block_size
+    assert engine.model.kv.nbytes == 3 * -(-100 // block) * block * per_token
+    sized = HFEngine(Config(model_id=model_dir, max_batch_size=3, max_model_len=100, kv_cache_mb=1))
+    assert sized.model.kv.num_blocks == 2**20 // (sized.model.kv.block_size * per_token)

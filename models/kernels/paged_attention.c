@@ -1,0 +1,280 @@
+/* Paged decode attention, fp32: one query token per row against K/V read in place from a block pool.
+ *
+ * Why: with the KV cache managed as a pool of fixed-size blocks, a sequence's keys and values sit in
+ * blocks scattered over the pool. Gathering them into a contiguous buffer each step costs a copy of the
+ * whole context per layer (measured up to 4.6x slower attention); this kernel follows each row's block
+ * table instead and streams every block once.
+ *
+ * Shapes (floats; strides in floats, the head dimension D always unit stride):
+ *   q            [B, H, D]       row b at q + b * q_row_stride, head h at + h * D
+ *   k/v pool     [num_blocks, block_size, KVH, D] logically; any strides (block_stride,
+ *                token_stride, head_stride), so the engine picks the physical layout
+ *   block_tables [B, table_stride] int32: row b's token t is in block block_tables[b][t / block_size]
+ *   context_lens [B] int32: row b attends tokens [0, context_lens[b])
+ *   out          [B, H, D] contiguous
+ * GQA without expanding heads: query head h reads KV head h / G (G = H / KVH), and the G query heads
+ * of one KV head share each K row and V row loaded.
+ *
+ * Work item = (row, partition): a long context is split into partitions of PART_TOKENS tokens (rounded
+ * to whole blocks), combined at the end in partition order. Per block, every head's scores (one pass
+ * over the block's K), an online-softmax update (rescale each head's running sum and accumulator
+ * once), then one pass over its V. Measured (scripts/bench_paged_attention.py): reading a whole block
+ * for all heads, with the pool head-major ([blocks, KVH, block_size, D] physically) so each block is
+ * one contiguous region per KV head, streams best; one item per (row, KV head) was 1.3-1.5x slower.
+ * The partitioning depends only on the context length and each item is one thread's work, so results
+ * do not depend on the thread count.
+ *
+ * Built by paged_attention.py with -O3 -mavx2 -mfma -fopenmp; OpenMP resolves to the libgomp that
+ * torch already loaded. Needs D % 8 == 0, D <= DMAX, block_size <= BSMAX (checked by the caller).
+ * Returns 0, or -1 when the partition workspace cannot be allocated.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define GMAX 8         /* query heads per pass over a KV head's blocks (accumulators in registers) */
+#define DMAX 256       /* largest head dimension */
+#define BSMAX 256      /* largest block size */
+#define SSTRIDE (BSMAX + 8)
+#define PART_TOKENS 512 /* tokens per partition of a long context (rounded to whole blocks) */
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+}
+
+/* exp(x), Cephes' single-precision polynomial (relative error ~1e-7); inputs below -87.3 are clamped
+ * (they give ~1e-38 instead of 0: softmax weights here are exp(s - max) <= 1, so that is harmless). */
+INLINE __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* x - n ln2, ln2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* s[g * SSTRIDE + j] = qs_g . k_j for GC query heads and TP tokens j0.. j0 + TP - 1 (each sum over d in
+ * order, so a score does not depend on TP). qs: [GC, D] scaled queries; k_j at kb + j * ts. */
+INLINE void scores_tile(const float *qs, int D, const float *kb, long ts, int j0, float *s, const int GC,
+                        const int TP) {
+    __m256 a[GMAX][4];
+    for (int g = 0; g < GC; g++)
+        for (int t = 0; t < TP; t++) a[g][t] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        for (int t = 0; t < TP; t++) {
+            __m256 kv = _mm256_loadu_ps(kb + (long)(j0 + t) * ts + d);
+            for (int g = 0; g < GC; g++) a[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + d), kv, a[g][t]);
+        }
+    }
+    for (int g = 0; g < GC; g++)
+        for (int t = 0; t < TP; t++) s[g * SSTRIDE + j0 + t] = hsum256(a[g][t]);
+}
+
+/* acc[g, d0 .. d0 + 8 DC) = acc * corr[g] + sum_j p[g, j] v_j (j in order). */
+INLINE void values_tile(float *acc, const float *corr, const float *p, int n, const float *vb, long ts, int D,
+                        int d0, const int GC, const int DC) {
+    __m256 o[GMAX][8];
+    for (int g = 0; g < GC; g++)
+        for (int c = 0; c < DC; c++)
+            o[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + d0 + 8 * c), _mm256_set1_ps(corr[g]));
+    for (int j = 0; j < n; j++) {
+        const float *vj = vb + (long)j * ts + d0;
+        for (int c = 0; c < DC; c++) {
+            __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+            for (int g = 0; g < GC; g++) o[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * SSTRIDE + j]), vv, o[g][c]);
+        }
+    }
+    for (int g = 0; g < GC; g++)
+        for (int c = 0; c < DC; c++) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, o[g][c]);
+}
+
+/* Scores of one block (n tokens) for GC query heads sharing one KV head. */
+INLINE void block_scores(const float *qs, int D, const float *kb, long ts, int n, float *s, const int GC) {
+    const int TP = GC <= 3 ? 4 : GC == 4 ? 2 : 1; /* GC x TP accumulators fit the 16 AVX registers */
+    int j = 0;
+    for (; j + TP <= n; j += TP) scores_tile(qs, D, kb, ts, j, s, GC, TP);
+    for (; j < n; j++) scores_tile(qs, D, kb, ts, j, s, GC, 1);
+}
+
+/* acc = acc * corr + p V over one block (n tokens) for GC query heads sharing one KV head. */
+INLINE void block_values(float *acc, const float *corr, const float *p, int n, const float *vb, long ts, int D,
+                         const int GC) {
+    const int DC = GC == 1 ? 8 : GC <= 3 ? 4 : GC == 4 ? 2 : 1; /* GC x DC accumulators in registers */
+    int d = 0;
+    for (; d + 8 * DC <= D; d += 8 * DC) values_tile(acc, corr, p, n, vb, ts, D, d, GC, DC);
+    for (; d < D; d += 8) values_tile(acc, corr, p, n, vb, ts, D, d, GC, 1);
+}
+
+#define DISPATCH_GC(call)                                                                                         \
+    switch (gc) {                                                                                                \
+    case 1: call(1); break;                                                                                      \
+    case 2: call(2); break;                                                                                      \
+    case 3: call(3); break;                                                                                      \
+    case 4: call(4); break;                                                                                      \
+    case 5: call(5); break;                                                                                      \
+    case 6: call(6); break;                                                                                      \
+    case 7: call(7); break;                                                                                      \
+    default: call(8); break;                                                                                     \
+    }
+
+static void scores_gc(const float *qs, int D, const float *kb, long ts, int n, float *s, int gc) {
+#define CALL(N) block_scores(qs, D, kb, ts, n, s, N)
+    DISPATCH_GC(CALL)
+#undef CALL
+}
+
+static void values_gc(float *acc, const float *corr, const float *p, int n, const float *vb, long ts, int D, int gc) {
+#define CALL(N) block_values(acc, corr, p, n, vb, ts, D, N)
+    DISPATCH_GC(CALL)
+#undef CALL
+}
+
+/* The hardware prefetcher streams within a 4 KB page once a few lines miss in it; blocks are scattered,
+ * so start each page of a block we are about to read (its first two lines) ourselves. */
+INLINE void prefetch_pages(const float *start, long floats) {
+    const char *p = (const char *)start;
+    for (long off = 0; off < floats * 4; off += 4096) {
+        _mm_prefetch(p + off, _MM_HINT_T0);
+        _mm_prefetch(p + off + 64, _MM_HINT_T0);
+    }
+}
+
+/* Per-thread scratch for one row: scaled queries and accumulators [H, D], scores [H, SSTRIDE], m, l, corr [H]. */
+typedef struct {
+    float *qs, *acc, *s, *m, *l, *corr;
+} Scratch;
+
+/* Tokens [t0, t1) of one row (t0 on a block boundary), every head: acc [H, D] unnormalized, m [H] running
+ * max, l [H] running sum of exp(s - m). Per block: the scores of all heads (one pass over the block's K,
+ * which is one contiguous region in the pool), the online-softmax update, then one pass over its V. */
+static void attend_row(const Scratch *w, const float *k_pool, const float *v_pool, long bstride, long ts, long hs,
+                       const int *table, int block_size, int t0, int t1, int H, int KVH, int D) {
+    const int G = H / KVH;
+    for (int h = 0; h < H; h++) {
+        w->m[h] = -INFINITY;
+        w->l[h] = 0.0f;
+    }
+    for (long i = 0; i < (long)H * D; i++) w->acc[i] = 0.0f;
+    for (int t = t0; t < t1; t += block_size) {
+        int n = t1 - t < block_size ? t1 - t : block_size;
+        long block = table[t / block_size];
+        prefetch_pages(v_pool + block * bstride, (long)n * KVH * D);
+        if (t + block_size < t1) prefetch_pages(k_pool + table[t / block_size + 1] * bstride, (long)block_size * KVH * D);
+        for (int kvh = 0; kvh < KVH; kvh++)
+            for (int g0 = 0; g0 < G; g0 += GMAX) {
+                int h0 = kvh * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
+                scores_gc(w->qs + (long)h0 * D, D, k_pool + block * bstride + kvh * hs, ts, n, w->s + (long)h0 * SSTRIDE, gc);
+            }
+        for (int h = 0; h < H; h++) {
+            float *sh = w->s + (long)h * SSTRIDE, mx = w->m[h];
+            int j;
+            for (j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+            w->corr[h] = expf(w->m[h] - mx); /* 0 on the first block (m = -inf) */
+            w->m[h] = mx;
+            __m256 vmx = _mm256_set1_ps(mx);
+            for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(sh + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), vmx)));
+            for (; j < n; j++) sh[j] = expf(sh[j] - mx);
+            float sum = 0.0f;
+            for (j = 0; j < n; j++) sum += sh[j];
+            w->l[h] = w->l[h] * w->corr[h] + sum;
+        }
+        for (int kvh = 0; kvh < KVH; kvh++)
+            for (int g0 = 0; g0 < G; g0 += GMAX) {
+                int h0 = kvh * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
+                values_gc(w->acc + (long)h0 * D, w->corr + h0, w->s + (long)h0 * SSTRIDE, n,
+                          v_pool + block * bstride + kvh * hs, ts, D, gc);
+            }
+    }
+}
+
+int paged_attention(const float *q, long q_row_stride, const float *k_pool, const float *v_pool, long block_stride,
+                    long token_stride, long head_stride, const int *block_tables, int table_stride,
+                    const int *context_lens, float *out, int B, int H, int KVH, int D, int block_size, float scale,
+                    int nthreads) {
+    const int part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
+    const int part_tokens = part_blocks * block_size;
+    int max_parts = 1;
+    for (int b = 0; b < B; b++) {
+        int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
+        max_parts = parts > max_parts ? parts : max_parts;
+    }
+    if (nthreads < 1) nthreads = 1;
+    /* Partial results of every partition when a context spans several: acc [B, P, H, D], m, l [B, P, H];
+     * and one Scratch per thread. */
+    const long per_thread = 2L * H * D + (long)H * SSTRIDE + 3L * H;
+    const long items = (long)B * max_parts, ws_size = max_parts > 1 ? items * H * (D + 2) : 0;
+    float *ws = malloc(sizeof(float) * (size_t)(ws_size + nthreads * per_thread));
+    if (!ws) return -1;
+    float *ws_acc = ws, *ws_m = ws + items * H * D, *ws_l = ws_m + items * H, *scratch = ws + ws_size;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *base = scratch + tid * per_thread;
+        Scratch w = {base, base + (long)H * D, base + 2L * H * D, base + 2L * H * D + (long)H * SSTRIDE, 0, 0};
+        w.l = w.m + H;
+        w.corr = w.l + H;
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < items; it++) {
+            int b = (int)(it / max_parts), part = (int)(it % max_parts);
+            int ctx = context_lens[b], t0 = part * part_tokens;
+            if (t0 >= ctx && part > 0) continue;
+            int t1 = t0 + part_tokens < ctx ? t0 + part_tokens : ctx;
+            const float *qrow = q + b * q_row_stride;
+            for (long i = 0; i < (long)H * D; i++) w.qs[i] = qrow[i] * scale;
+            attend_row(&w, k_pool, v_pool, block_stride, token_stride, head_stride,
+                       block_tables + (long)b * table_stride, block_size, t0, t1, H, KVH, D);
+            if (max_parts == 1) {
+                for (int h = 0; h < H; h++) {
+                    float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f; /* an empty context gives zeros */
+                    for (int d = 0; d < D; d++) out[((long)b * H + h) * D + d] = w.acc[(long)h * D + d] * inv;
+                }
+            } else {
+                for (long i = 0; i < (long)H * D; i++) ws_acc[it * H * D + i] = w.acc[i];
+                for (int h = 0; h < H; h++) {
+                    ws_m[it * H + h] = w.m[h];
+                    ws_l[it * H + h] = w.l[h];
+                }
+            }
+        }
+    }
+    if (max_parts > 1) {
+        /* Combine a row's partitions in order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p. */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (long bh = 0; bh < (long)B * H; bh++) {
+            long b = bh / H, h = bh % H;
+            int ctx = context_lens[b], parts = (ctx + part_tokens - 1) / part_tokens;
+            float *o = out + bh * D, mx = -INFINITY, sum = 0.0f;
+            for (int d = 0; d < D; d++) o[d] = 0.0f;
+            for (int p = 0; p < parts; p++) mx = ws_m[(b * max_parts + p) * H + h] > mx ? ws_m[(b * max_parts + p) * H + h] : mx;
+            for (int p = 0; p < parts; p++) {
+                long i = (b * max_parts + p) * H + h;
+                float wgt = expf(ws_m[i] - mx);
+                sum += wgt * ws_l[i];
+                for (int d = 0; d < D; d++) o[d] += wgt * ws_acc[i * D + d];
+            }
+            if (parts > 0)
+                for (int d = 0; d < D; d++) o[d] /= sum;
+        }
+    }
+    free(ws);
+    return 0;
+}

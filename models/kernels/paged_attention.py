@@ -1,0 +1,155 @@
+"""Paged decode attention: one query token per row against K/V read in place from the block pool.
+
+``paged_attention`` runs the compiled kernel (``paged_attention.c``) for fp32 on the CPU and the
+torch fallback (gather the row's blocks, then SDPA: the same math) anywhere else, or when the
+kernel cannot be built. ``build.py`` compiles it once per machine (AVX2 + FMA, OpenMP) into the
+cache's ``kernels/`` directory, keyed by the source and flags, and loads it with ctypes; OpenMP
+resolves to the libgomp torch already loaded, so it shares torch's thread team. Without a
+compiler or AVX2, ``load()`` returns None, logs why once, and callers get the fallback.
+
+Shapes: ``q`` [B, H, D]; ``k_pool``, ``v_pool`` [num_blocks, block_size, KVH, D] (logical shape; any
+strides with D contiguous, e.g. a head-major pool [num_blocks, KVH, block_size, D] passed as
+``pool.transpose(1, 2)``); ``block_tables`` [B, max_blocks] int32 (entries past a row's blocks are
+ignored); ``context_lens`` [B] int32. Query head h reads KV head h // (H // KVH) (GQA, no expansion).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from .build import build_and_load
+
+log = logging.getLogger("minibatch.paged_attention")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
+MAX_HEAD_DIM = 256  # DMAX in paged_attention.c
+MAX_BLOCK_SIZE = 256  # BSMAX in paged_attention.c
+
+_lock = threading.Lock()
+_kernel: ctypes.CDLL | None = None
+_tried = False
+unavailable_reason: str | None = None
+
+
+def _load() -> ctypes.CDLL:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        capability = torch.backends.cpu.get_cpu_capability()
+        raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
+    lib = build_and_load(SOURCE, FLAGS)
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [
+        ctypes.c_void_p, ctypes.c_long,  # q, q_row_stride
+        ctypes.c_void_p, ctypes.c_void_p,  # k_pool, v_pool
+        ctypes.c_long, ctypes.c_long, ctypes.c_long,  # block, token, head strides
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,  # block_tables, table_stride, context_lens
+        ctypes.c_void_p,  # out
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # B, H, KVH, D, block_size
+        ctypes.c_float, ctypes.c_int,  # scale, nthreads
+    ]
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (reason in ``unavailable_reason``, logged once)."""
+    global _kernel, _tried, unavailable_reason
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _kernel = _load()
+            except Exception as exc:  # no compiler, no AVX2, a failed build: the torch fallback carries on
+                unavailable_reason = str(exc)
+                log.warning("paged attention kernel unavailable, using the torch fallback: %s", exc)
+        return _kernel
+
+
+def kernel_supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether the compiled kernel can serve these tensors (fp32 on the CPU, its size limits)."""
+    D, block_size = q.shape[-1], k_pool.shape[1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_pool.dtype == torch.float32
+        and D % 8 == 0
+        and D <= MAX_HEAD_DIM
+        and block_size <= MAX_BLOCK_SIZE
+        and load() is not None
+    )
+
+
+def _check(q, k_pool, v_pool, block_tables, context_lens) -> None:
+    B, H, D = q.shape
+    KVH, Dk = k_pool.shape[2:]
+    if v_pool.shape != k_pool.shape or v_pool.stride() != k_pool.stride():
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ in shape or strides")
+    if Dk != D or H % KVH:
+        raise ValueError(f"q [{B}, {H}, {D}] does not match a pool of {KVH} KV heads of size {Dk}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,):
+        raise ValueError(f"need block_tables [{B}, max_blocks] and context_lens [{B}]")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v per row over its first context_lens[b] tokens -> [B, H, D].
+
+    Uses the compiled kernel when ``kernel_supports`` (one pass over each row's blocks, in place),
+    else ``paged_attention_torch``.
+    """
+    _check(q, k_pool, v_pool, block_tables, context_lens)
+    if not kernel_supports(q, k_pool):
+        return paged_attention_torch(q, k_pool, v_pool, block_tables, context_lens, scale)
+    B, H, D = q.shape
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()  # the kernel reads each row's heads back to back
+    if k_pool.stride(3) != 1:
+        raise ValueError("the pool's head dimension must be contiguous")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(B, H, D, dtype=torch.float32)
+    rc = load().paged_attention(
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+        B, H, k_pool.shape[2], D, k_pool.shape[1], scale, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("paged attention: cannot allocate the partition workspace")
+    return out
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same math in torch for any device and dtype: gather each row's blocks into [B, KVH, L, D]
+    (L = the longest context, in whole blocks), mask positions past each row's length, SDPA."""
+    _check(q, k_pool, v_pool, block_tables, context_lens)
+    B, H, D = q.shape
+    _, block_size, KVH, _ = k_pool.shape
+    lens = context_lens.to(device=q.device, dtype=torch.long)
+    n_blocks = max(1, -(-int(lens.max()) // block_size)) if B else 1
+    # Entries past a row's blocks may be anything (padding): clamp them to a valid id, the mask hides them.
+    tables = block_tables[:, :n_blocks].to(device=q.device, dtype=torch.long).clamp(0, k_pool.shape[0] - 1)
+    L = n_blocks * block_size
+    keys = k_pool[tables].reshape(B, L, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
+    values = v_pool[tables].reshape(B, L, KVH, D).transpose(1, 2)
+    mask = (torch.arange(L, device=q.device) < lens[:, None]).view(B, 1, 1, L)
+    out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), keys, values, attn_mask=mask, scale=scale)
+    # A row with no context has no valid key: SDPA gives NaN there, the kernel gives zeros.
+    return out.reshape(B, H, D).masked_fill((lens == 0).view(B, 1, 1), 0.0)

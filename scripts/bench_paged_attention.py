@@ -1,0 +1,119 @@
+"""Decode attention over every layer of one step: paged kernel vs today's contiguous SDPA, side by side.
+
+For each model shape, batch and context: the contiguous baseline is the per-slot cache
+(``[capacity, KVH, max_len, D]`` per layer, SDPA over the view ``[:B, :, :L]`` with a position
+mask, as the engine runs decode today); the paged variants read the same contexts from a block pool
+whose blocks are scattered at random (a pool after many requests came and went), with block sizes 16
+and 32 and two physical layouts: token-major ``[blocks, bs, KVH, D]`` and head-major
+``[blocks, KVH, bs, D]``; ``gather+sdpa`` is the torch fallback. Times are per step (all layers,
+caches cold between layers like in a real step), best of ``--reps`` rounds taken in turns. With
+``--threads 1`` the clock is the thread's CPU time, which a shared machine's other processes do not
+inflate (memory-bandwidth contention still shows); with more threads it is wall time.
+
+    python scripts/bench_paged_attention.py --threads 1 --reps 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.kernels import paged_attention as pa  # noqa: E402
+
+SHAPES = {  # name: (layers, H, KVH, D)
+    "smollm2-135m": (30, 9, 3, 64),
+    "distilgpt2": (6, 12, 12, 64),
+}
+
+
+def timed(variants: dict, layers: int, reps: int, clock=time.perf_counter) -> dict[str, float]:
+    """Best seconds of one pass of fn(layer) over every layer, per variant. The variants take turns
+    (round-robin, rotated start) so contention on a shared machine hits them alike; the minimum is the
+    least disturbed sample."""
+    samples: dict[str, list[float]] = {label: [] for label in variants}
+    labels = list(variants)
+    for rep in range(reps + 1):
+        for label in labels[rep % len(labels) :] + labels[: rep % len(labels)]:
+            fn = variants[label]
+            start = clock()
+            for layer in range(layers):
+                fn(layer)
+            if rep:  # the first round warms up
+                samples[label].append(clock() - start)
+    return {label: min(s) for label, s in samples.items()}
+
+
+def contiguous(layers, B, H, KVH, D, ctx, gen):
+    """Today's layout: [layers, B, KVH, max_len, D], decode attends the view [:B, :, :ctx]."""
+    k = torch.randn(layers, B, KVH, ctx + 16, D, generator=gen)
+    v = torch.randn(layers, B, KVH, ctx + 16, D, generator=gen)
+    q = torch.randn(B, H, D, generator=gen)
+    pos = torch.full((B,), ctx - 1)
+    mask = (torch.arange(ctx) <= pos[:, None]).view(B, 1, 1, ctx)
+
+    def run(layer):
+        F.scaled_dot_product_attention(
+            q.view(B, KVH, H // KVH, D), k[layer, :, :, :ctx], v[layer, :, :, :ctx], attn_mask=mask, scale=D**-0.5
+        )
+
+    return run
+
+
+def paged(layers, B, H, KVH, D, ctx, bs, head_major, fallback, gen):
+    per_row = -(-ctx // bs)
+    nb = B * per_row + 8
+    shape = (layers, nb, KVH, bs, D) if head_major else (layers, nb, bs, KVH, D)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    if head_major:  # the kernel's logical shape is [blocks, bs, KVH, D]
+        k, v = k.transpose(2, 3), v.transpose(2, 3)
+    tables = torch.randperm(nb, generator=gen)[: B * per_row].view(B, per_row).to(torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32)
+    q = torch.randn(B, H, D, generator=gen)
+    fn = pa.paged_attention_torch if fallback else pa.paged_attention
+
+    def run(layer):
+        fn(q, k[layer], v[layer], tables, lens, D**-0.5)
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--contexts", default="100,2048")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if pa.load() is None:
+        sys.exit(f"kernel unavailable: {pa.unavailable_reason}")
+    gen = torch.Generator().manual_seed(0)
+    B = args.batch
+    clock = "thread CPU time" if args.threads == 1 else "wall time"
+    print(f"threads={args.threads} batch={B} reps={args.reps}; {clock} ms per step (all layers), ratio to contiguous")
+    for name in args.shapes.split(","):
+        layers, H, KVH, D = SHAPES[name]
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            variants = {"contiguous sdpa": contiguous(layers, B, H, KVH, D, ctx, gen)}
+            for bs in (16, 32):
+                variants[f"paged bs={bs} token-major"] = paged(layers, B, H, KVH, D, ctx, bs, False, False, gen)
+                variants[f"paged bs={bs} head-major"] = paged(layers, B, H, KVH, D, ctx, bs, True, False, gen)
+            variants["gather+sdpa bs=16"] = paged(layers, B, H, KVH, D, ctx, 16, False, True, gen)
+            best = timed(variants, layers, args.reps, time.thread_time if args.threads == 1 else time.perf_counter)
+            base = best["contiguous sdpa"] * 1e3
+            for label, seconds in best.items():
+                ms = seconds * 1e3
+                print(f"{name:13s} ctx={ctx:5d} {label:28s} {ms:8.2f} ms  {ms / base:5.2f}x")
+            del variants
+
+
+if __name__ == "__main__":
+    main()
