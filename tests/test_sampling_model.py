@@ -227,8 +227,8 @@ def test_non_finite_logits_fail_that_row_alone(tiny_model_dir, ref, monkeypatch)
     poisoned = seqs[1]
     forward = engine.model.forward
 
-    def poisoning_forward(token_ids, positions, prompts=(), rows=()):
-        logits = forward(token_ids, positions, prompts, rows).clone()
+    def poisoning_forward(*args, **kwargs):
+        logits = forward(*args, **kwargs).clone()
         if poisoned.status is SequenceStatus.RUNNING and len(poisoned.output_token_ids) == 3:
             row = engine._rows.index(poisoned)
             logits[row, 5] = float("nan")
