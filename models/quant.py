@@ -29,7 +29,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from .kernels.quant_gemm import GROUP, QuantWeight, dequantize, pack
+from .kernels.quant_gemm import GROUP, QuantWeight, dequantize, pack, unpack
 
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")
 
@@ -213,45 +213,158 @@ class GGUFWeights:
         out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # BF16, Q4_K, Q6_K: ggml's fp32 values
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
 
-    def _packed(self, t, n_rows: int) -> QuantWeight:
-        """A Q8_0 / Q4_0 / Q4_1 / Q4_K tensor repacked into our layout without dequantizing."""
+    def _parts(self, t, n_rows: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A Q8_0 / Q4_0 / Q4_1 / Q4_K tensor's (format, q, d, m) in our terms, without dequantizing."""
         kind, raw = t.tensor_type.name, np.asarray(t.data)
         k = int(t.shape[0])
         if kind == "Q8_0":
             q, d = q8_0_parts(raw, n_rows)
-            return pack("int8", q[:, :k], d)
-        if kind == "Q4_K":
-            q, d, m = q4_k_parts(raw, n_rows)
-        else:
-            q, d, m = q4_parts(raw, n_rows, has_min=kind == "Q4_1")
-        return pack("int4", q[:, :k], d, m)
+            return "int8", q[:, :k], d, None
+        q, d, m = q4_k_parts(raw, n_rows) if kind == "Q4_K" else q4_parts(raw, n_rows, has_min=kind == "Q4_1")
+        return "int4", q[:, :k], d, m
 
-    def get(self, name: str) -> torch.Tensor | QuantWeight:
-        """Tensor ``name`` as served under this WEIGHTS setting (table in the module docstring)."""
+    def _packed(self, t, n_rows: int, rows: torch.Tensor | None = None) -> QuantWeight:
+        """The tensor repacked into our layout (output rows reordered by ``rows``: exact, a row keeps its blocks)."""
+        fmt, q, d, m = self._parts(t, n_rows)
+        if rows is not None:
+            q, d, m = q[rows], d[rows], None if m is None else m[rows]
+        return pack(fmt, q, d, m)
+
+    def get(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor | QuantWeight:
+        """Tensor ``name`` as served under this WEIGHTS setting (table in the module docstring).
+
+        ``rows``: a permutation of a matrix's output rows (Llama's Q/K, see ``gguf_state_dict``).
+        """
         t = self.tensors[name]
         kind, shape = t.tensor_type.name, self.shape(name)
         want = self.weights
         if len(shape) != 2 or want == "fp32":
             out, how = self.fp32(name), ("exact" if kind in ("F32", "F16", "BF16") else "dequantized")
-            fmt = "fp32"
+            out, fmt = out if rows is None else out[rows], "fp32"
         else:
             fmt = (EXACT.get(kind) or NEAREST[kind]) if want == "auto" else want
-            out, how = self._convert(t, kind, fmt, shape)
+            out, how = self._convert(t, kind, fmt, shape, rows)
         self.conversions[f"{kind} -> {fmt} ({how})"] += 1
         self.resident[fmt] += out.nbytes if isinstance(out, QuantWeight) else out.numel() * out.element_size()
         return out
 
-    def _convert(self, t, kind: str, fmt: str, shape: tuple[int, ...]) -> tuple[torch.Tensor | QuantWeight, str]:
+    def _convert(
+        self, t, kind: str, fmt: str, shape: tuple[int, ...], rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor | QuantWeight, str]:
         if fmt == "fp32":
-            return self.fp32(t.name), "exact"
+            out = self.fp32(t.name)
+            return (out if rows is None else out[rows]), "exact"
         if EXACT.get(kind) == fmt:
-            return self._packed(t, shape[0]), "exact"
+            return self._packed(t, shape[0], rows), "exact"
         if kind == "Q4_K" and fmt == "int4":
-            return self._packed(t, shape[0]), "requantized: scales rounded to fp16"
+            return self._packed(t, shape[0], rows), "requantized: scales rounded to fp16"
         how = "quantized" if kind in ("F32", "F16", "BF16") else "requantized"
-        return quantize(self.fp32(t.name), fmt), how
+        out = self.fp32(t.name)
+        return quantize(out if rows is None else out[rows], fmt), how
 
     def close(self) -> None:
         """Drop the memory map (the served tensors are copies)."""
         self.tensors.clear()
         self.reader = None
+
+
+# ---------------------------------------------------------------- fused linears
+
+
+def _finest(formats: set[str]) -> str:
+    """The format that loses nothing of the others' precision: fp32 > int8 > int4."""
+    return next(f for f in ("fp32", "int8", "int4") if f in formats)
+
+
+def cat_rows(parts: list[torch.Tensor | QuantWeight]) -> tuple[torch.Tensor | QuantWeight, str | None]:
+    """Stack weights [N_i, K] along output rows into one [sum N_i, K] weight of one format (a fused linear).
+
+    Same format: exact (packed blocks never straddle rows). Mixed formats (a Q4_K_M file's Q6_K V
+    beside Q4_K Q and K) go to the finest of them; the second value then says so, for the log.
+    """
+    formats = {p.fmt if isinstance(p, QuantWeight) else "fp32" for p in parts}
+    target = _finest(formats)
+    note = None if len(formats) == 1 else f"fused {'+'.join(sorted(formats))} weights served as {target}"
+    if target == "fp32":
+        return torch.cat([dequantize(p) if isinstance(p, QuantWeight) else p for p in parts]).contiguous(), note
+    qs, ds, ms = [], [], []
+    for p in parts:
+        if p.fmt != target:  # only ever int4 -> int8 here
+            p = quantize(dequantize(p), target)
+        q, d, m = unpack(p)
+        qs.append(q)
+        ds.append(d)
+        ms.append(m)
+    m = torch.cat(ms) if target == "int4" else None
+    return pack(target, torch.cat(qs), torch.cat(ds), m), note
+
+
+# ---------------------------------------------------------------- GGUF names -> Hugging Face names
+
+
+def llama_qk_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's Q/K permutation (rotary halves interleaved per head).
+
+    GGUF row (h, a, b) (b in {0, 1} interleaved pairs) holds HF row (h, b, a); HF weight = gguf[rows].
+    """
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(-1)
+
+
+LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GPT2_BLOCK = {
+    "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}
+GPT2_TOP = {
+    "token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
+GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF stores these [in, out]
+
+
+def hf_name(gguf_name: str, model_type: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None: a tensor HF has no use for)."""
+    block, top, prefix = {
+        "llama": (LLAMA_BLOCK, LLAMA_TOP, "model.layers"),
+        "gpt2": (GPT2_BLOCK, GPT2_TOP, "transformer.h"),
+    }[model_type]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in block:
+        return f"{prefix}.{parts[1]}.{block[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in top:
+        return f"{top[parts[0]]}.{parts[1]}"
+    return None  # e.g. rope_freqs.weight: the HF config carries the RoPE settings
+
+
+def gguf_state_dict(src: GGUFWeights, config) -> dict[str, torch.Tensor | QuantWeight]:
+    """The GGUF's tensors under Hugging Face names, one tensor converted at a time.
+
+    fp32 tensors come in HF's layout (GPT-2's Conv1D weights [in, out]); a ``QuantWeight`` is
+    always [out, in]. Llama's Q and K rows are put back in HF's order (exact: whole rows move).
+    """
+    model_type = config.model_type
+    if model_type not in ("llama", "gpt2"):
+        raise ValueError(f"serving a GGUF of model type {model_type!r} at its own precision is not supported")
+    n_head = config.num_attention_heads if model_type == "llama" else config.n_head
+    n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    for name in src.names():
+        target = hf_name(name, model_type)
+        if target is None:
+            continue
+        rows = None
+        if model_type == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
+            rows = llama_qk_rows(src.shape(name)[0], n_head if "q_proj" in target else n_kv_head)
+        value = src.get(name, rows)
+        if isinstance(value, torch.Tensor) and model_type == "gpt2" and value.dim() == 2:
+            if target.rsplit(".", 1)[0].endswith(GPT2_CONV1D):
+                value = value.t().contiguous()
+        out[target] = value
+    return out

@@ -215,3 +215,90 @@ def test_corrupt_and_truncated_files_fail_clearly(tiny_gguf, tmp_path):
 def test_bad_weights_setting_is_refused(tiny_gguf):
     with pytest.raises(ValueError, match="WEIGHTS must be one of"):
         GGUFWeights(tiny_gguf[0], "int2")
+
+
+# ---------------------------------------------------------------- a model's GGUF under Hugging Face names
+
+
+def tiny_hf_model(model_type: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if model_type == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False,
+        )
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def gguf_name_of(hf: str, model_type: str) -> str:
+    from models.quant import GPT2_BLOCK, GPT2_TOP, LLAMA_BLOCK, LLAMA_TOP
+
+    block, top = (LLAMA_BLOCK, LLAMA_TOP) if model_type == "llama" else (GPT2_BLOCK, GPT2_TOP)
+    stem, kind = hf.rsplit(".", 1)
+    for g, h in top.items():
+        if stem == h:
+            return f"{g}.{kind}"
+    layer = stem.split(".")[2]
+    local = stem.split(".", 3)[3]
+    return f"blk.{layer}.{next(g for g, h in block.items() if h == local)}.{kind}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_gguf_state_dict_puts_every_weight_back_under_its_hf_name(tmp_path, model_type):
+    """Written the way llama.cpp's converter writes (Llama Q/K rows permuted, GPT-2 Conv1D transposed), read back."""
+    from models.quant import GPT2_CONV1D, gguf_state_dict, llama_qk_rows
+
+    model = tiny_hf_model(model_type)
+    n_head, n_kv = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", None)
+    tensors, expect, types = {}, {}, [T.Q8_0, T.Q4_1, T.Q4_0]
+    for i, (name, w) in enumerate(model.state_dict().items()):
+        if name.endswith("attn.bias") or name.endswith("masked_bias"):
+            continue  # old GPT-2 buffers
+        w = w.detach().float().numpy()
+        if model_type == "gpt2" and w.ndim == 2 and name.rsplit(".", 1)[0].endswith(GPT2_CONV1D):
+            w = w.T  # llama.cpp stores every linear [out, in]
+        if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = n_head if "q_proj" in name else n_kv
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+        w = np.ascontiguousarray(w)
+        kind = types[i % 3] if w.ndim == 2 else T.F32
+        stored = w if kind == T.F32 else quants.quantize(w, kind)
+        tensors[gguf_name_of(name, model_type)] = (stored, kind)
+        expect[name] = ggml_values(stored, kind)
+    path = write_gguf(tmp_path / f"{model_type}.gguf", tensors)
+    sd = gguf_state_dict(GGUFWeights(path, "auto"), model.config)
+    assert set(sd) == set(expect)
+    hf = model.state_dict()
+    for name, value in sd.items():
+        quantized = isinstance(value, qg.QuantWeight)
+        conv1d = model_type == "gpt2" and name.rsplit(".", 1)[0].endswith(GPT2_CONV1D) and name.endswith("weight")
+        got = qg.dequantize(value) if quantized else value
+        want = expect[name]  # as stored: [out, in]
+        if model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            want = want[llama_qk_rows(want.shape[0], n_head if "q_proj" in name else n_kv)]
+        if conv1d and not quantized:
+            want = want.t()  # fp32 tensors come back in HF's layout; a QuantWeight is always [out, in]
+        assert torch.equal(got, want.reshape(got.shape)), name
+        # and they are HF's own weights, up to the quantization error
+        hf_layout = got.t() if conv1d and quantized else got
+        assert (hf_layout - hf[name].float()).abs().max() <= hf[name].abs().max() / 6, name
+
+
+def test_cat_rows_fuses_exactly_and_mixed_formats_go_to_the_finest():
+    from models.quant import cat_rows
+
+    a, b, c = torch.randn(13, 70), torch.randn(5, 70), torch.randn(8, 70)
+    qa, qb = quantize(a, "int4"), quantize(b, "int4")
+    fused, note = cat_rows([qa, qb])
+    assert note is None and fused.fmt == "int4" and fused.shape == (18, 70)
+    assert torch.equal(qg.dequantize(fused), torch.cat([qg.dequantize(qa), qg.dequantize(qb)]))
+    mixed, note = cat_rows([qa, quantize(c, "int8")])
+    assert mixed.fmt == "int8" and note == "fused int4+int8 weights served as int8"
+    assert torch.equal(qg.dequantize(mixed)[13:], qg.dequantize(quantize(c, "int8")))
+    dense, note = cat_rows([qa, c])
+    assert isinstance(dense, torch.Tensor) and torch.equal(dense, torch.cat([qg.dequantize(qa), c]))
+    assert note == "fused fp32+int4 weights served as fp32"
