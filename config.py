@@ -67,6 +67,19 @@ class Config:
     # MODEL_ID=fake only (tests, demos): seconds each decode step sleeps; every Nth decode step raises (0 = never).
     fake_step_delay_s: float = 0.0
     fake_step_fault_every: int = 0
+    # --- slow clients and connections (see ops.py, transport.py) ---
+    # Seconds a request body may take to arrive once its headers have; then 408. 0 = no limit.
+    body_timeout_s: float = 10.0
+    # Seconds a connection may take to send a request's headers (fresh, or between keep-alive requests); then closed.
+    header_timeout_s: float = 10.0
+    # Seconds an idle keep-alive connection stays open after its last response.
+    timeout_keep_alive_s: float = 5.0
+    # Most open connections plus running request tasks (uvicorn's limit_concurrency); beyond it uvicorn answers 503. 0 = no limit.
+    limit_concurrency: int = 4096
+    # Largest request head (request line + headers) in bytes; beyond it, 400 (uvicorn's h11_max_incomplete_event_size).
+    max_header_bytes: int = 65536
+    # Threads that tokenize, detokenize and render chat templates, off the event loop.
+    tokenizer_threads: int = 2
 
     def __post_init__(self) -> None:
         _check(self.model_id.strip() != "", "MODEL_ID", "must not be empty")
@@ -88,6 +101,12 @@ class Config:
         _check(0 <= self.drain_timeout_s <= 3600, "DRAIN_TIMEOUT_S", "must be a number in [0, 3600]")
         _check(0 <= self.fake_step_delay_s <= 60, "FAKE_STEP_DELAY_S", "must be a number in [0, 60]")
         _check(self.fake_step_fault_every >= 0, "FAKE_STEP_FAULT_EVERY", "must be >= 0 (0 = never)")
+        _check(0 <= self.body_timeout_s <= 3600, "BODY_TIMEOUT_S", "must be a number in [0, 3600] (0 = no limit)")
+        _check(0 < self.header_timeout_s <= 3600, "HEADER_TIMEOUT_S", "must be a number in (0, 3600]")
+        _check(0 < self.timeout_keep_alive_s <= 3600, "TIMEOUT_KEEP_ALIVE_S", "must be a number in (0, 3600]")
+        _check(0 <= self.limit_concurrency <= 10_000_000, "LIMIT_CONCURRENCY", "must be in [0, 10000000] (0 = no limit)")
+        _check(1024 <= self.max_header_bytes <= 16 << 20, "MAX_HEADER_BYTES", "must be in [1024, 16777216]")
+        _check(1 <= self.tokenizer_threads <= 64, "TOKENIZER_THREADS", "must be in [1, 64]")
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),

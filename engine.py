@@ -3,10 +3,10 @@
 ``InferenceEngine`` is the contract (capacity, admit, step, abort, reset).
 ``BatchEngine`` implements the sequence bookkeeping every engine shares: slots as
 contiguous rows, stopping, eviction and row compaction; subclasses supply only the
-tensor work (``_prefill``, ``_decode``, ``_move_row``, ``_reset_state``).
+tensor work (``_forward``, ``_move_row``, ``_reset_state``).
 ``FakeEngine`` is deterministic and torch-free, for model-free tests. ``HFEngine``
 runs a Hugging Face checkpoint (GPT-2 or Llama family) through our hand-written
-forward (``gpt2.py``, ``llama.py``). This module imports no torch: ``HFEngine``
+forward (the ``models`` package). This module imports no torch: ``HFEngine``
 imports it when built.
 """
 
@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from typing import Callable, Iterable
 
 from config import Config
-from sampling import TokenLogprobs
+from sampling import TokenLogprobs, logprobs, sample
 from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.engine")
@@ -121,12 +121,15 @@ class BatchEngine(InferenceEngine):
 
     # --- tensor work, supplied by subclasses -------------------------------------------------
     @abstractmethod
-    def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
-        """Run the prompts into rows [first_row, first_row + len(seqs)); return first tokens."""
+    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
+        """One forward: the next token of each of ``running`` and the first token of each newcomer.
 
-    @abstractmethod
-    def _decode(self, seqs: list[Sequence]) -> list[int]:
-        """One token for each of rows [0, len(seqs)); seqs[r] owns row r."""
+        ``running`` is either empty or every active sequence (``running[r]`` owns row r, rows
+        [0, n)); the newcomers are prefilled into rows [n, n + len(newcomers)) where n is the
+        number of active sequences, whether or not they decode in this call. Returns one token id
+        per sequence of ``running + newcomers``, in that order. Commits nothing but cache
+        contents at those rows/positions: on an exception the caller commits no token.
+        """
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
         """Move row src's cached positions [0, length) to row dst."""
@@ -146,7 +149,7 @@ class BatchEngine(InferenceEngine):
             return []
         self._check_newcomers(seqs)
         start = time.perf_counter()
-        first_tokens = self._prefill(seqs, len(self._rows))  # may raise: nothing is committed yet
+        first_tokens = self._forward([], seqs)  # may raise: nothing is committed yet
         self._commit_newcomers(seqs, first_tokens, start, time.perf_counter())
         self._evict([s for s in seqs if s.is_finished])
         return [s.seq_id for s in seqs]
@@ -154,7 +157,7 @@ class BatchEngine(InferenceEngine):
     def step(self) -> list[Sequence]:
         if not self._rows:
             return []
-        tokens = self._decode(self._rows)
+        tokens = self._forward(self._rows, [])
         self._commit_step(tokens, time.perf_counter())
         finished = [s for s in self._rows if s.is_finished]
         self._evict(finished)
@@ -168,18 +171,14 @@ class BatchEngine(InferenceEngine):
             return [s for s in seqs if s.is_finished]
         self._check_newcomers(seqs)
         start = time.perf_counter()
-        step_tokens, first_tokens = self._mixed(self._rows, seqs, len(self._rows))  # may raise: nothing committed
+        n = len(self._rows)
+        tokens = self._forward(self._rows, seqs)  # may raise: nothing committed
         now = time.perf_counter()
-        self._commit_step(step_tokens, now)
-        self._commit_newcomers(seqs, first_tokens, start, now)
+        self._commit_step(tokens[:n], now)
+        self._commit_newcomers(seqs, tokens[n:], start, now)
         finished = [s for s in self._rows if s.is_finished]
         self._evict(finished)
         return finished
-
-    def _mixed(self, running: list[Sequence], seqs: list[Sequence], first_row: int) -> tuple[list[int], list[int]]:
-        """Next tokens for ``running`` (rows [0, n)) and first tokens for ``seqs`` (prefilled into rows
-        [first_row, ...)). This default runs the two apart; engines that can, fuse them into one forward."""
-        return self._decode(running), self._prefill(seqs, first_row)
 
     def _check_newcomers(self, seqs: list[Sequence]) -> None:
         if len(self._rows) + len(seqs) > self.capacity:
@@ -244,8 +243,10 @@ class FakeEngine(BatchEngine):
 
     Token ids: 0 is EOS, 1..256 are the bytes 0..255. By default a sequence's n-th token is a
     lowercase letter chosen from its prompt and n, so every answer identifies its prompt.
-    ``token_fn(seq) -> id`` overrides that; ``admit_fault(seqs)`` and ``step_fault(step_no)``
-    may raise to inject failures; ``step_delay`` sleeps per step to mimic compute.
+    ``token_fn(seq) -> id`` overrides that; ``admit_fault(seqs)`` (called when newcomers are
+    prefilled, ``_prefill``) and ``step_fault(step_no)`` (when running rows decode, ``_decode``)
+    may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
+    call decodes first, then prefills.
     """
 
     EOS = 0
@@ -284,12 +285,18 @@ class FakeEngine(BatchEngine):
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t - 1 for t in token_ids if 1 <= t <= 256).decode("utf-8", errors="replace")
 
+    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
+        step = self._decode(running) if running else []
+        return step + (self._prefill(newcomers, len(self._rows)) if newcomers else [])
+
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
+        """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
         if self.admit_fault:
             self.admit_fault(seqs)
         return self._next_tokens(seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
+        """Next tokens for rows [0, len(seqs)) (a spy or fault point for tests)."""
         self.step_calls += 1
         if self.step_fault:
             self.step_fault(self.step_calls)
@@ -309,53 +316,45 @@ class FakeEngine(BatchEngine):
         self.resets += 1
 
 
-# HF config.model_type -> (module, class) of our hand-written forward for that family. Each
-# class takes (hf_model, capacity, max_len, device, use_small_gemm=...), has
-# ``context_window(hf_config)``, ``kv`` (a KVCache), ``onednn``, ``small_gemm``, and is a
-# ``gpt2.MixedForward``: ``forward(tokens, positions, prompts, rows)`` over a mixed batch,
-# ``prefill(prompts, rows)`` and ``decode(tokens, positions)``, each returning logits.
-MODEL_FAMILIES = {"gpt2": ("gpt2", "GPT2"), "llama": ("llama", "Llama")}
-
-
 class HFEngine(BatchEngine):
     """A Hugging Face checkpoint on our hand-written forward over a preallocated KV cache.
 
-    Loads tokenizer and model with ``from_pretrained(model_id)`` (hub id or local directory),
-    copies the weights into the family's forward (``MODEL_FAMILIES``) and drops the HF module.
+    ``checkpoints.load_checkpoint`` loads tokenizer and model (hub id, local directory or
+    ``.gguf``); the weights are copied into the family's forward (``models.families()``, keyed by
+    ``config.model_type``) and the HF module is dropped.
     """
 
     def __init__(self, config: Config) -> None:
         import torch  # deferred: the server stack must stay importable without torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        import importlib
-
-        from checkpoints import load_errors, resolve_model_id
+        from checkpoints import eos_ids, load_checkpoint
+        from models import families
 
         torch.set_num_threads(config.num_threads or physical_cores())
         self.device = resolve_device(config.device)
-        model_id = resolve_model_id(config.model_id)  # a .gguf file -> its converted checkpoint directory
-        with load_errors(model_id):  # a hub id that cannot load -> an error naming the offline fetch command
-            self.tokenizer = AutoTokenizer.from_pretrained(model_id)
-            hf_model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
+        self.tokenizer, hf_model = load_checkpoint(config.model_id)
         hf_config = hf_model.config
-        if hf_config.model_type not in MODEL_FAMILIES:
+        supported = families()
+        if hf_config.model_type not in supported:
             raise ValueError(
                 f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
-                f"supported: {', '.join(sorted(MODEL_FAMILIES))}"
+                f"supported: {', '.join(sorted(supported))}"
             )
-        module, cls = MODEL_FAMILIES[hf_config.model_type]
-        family = getattr(importlib.import_module(module), cls)
+        family = supported[hf_config.model_type]
         window = family.context_window(hf_config)
         max_context = min(window, config.max_model_len) if config.max_model_len else window
-        super().__init__(config.max_batch_size, max_context, eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids))
+        stops = eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids)
+        super().__init__(config.max_batch_size, max_context, stops)
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
-        self.model = family(hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm)
+        self.model = family(
+            hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm
+        )
         del hf_model
         log.info(
-            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, %d threads",
+            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, "
+            "%d threads",
             config.model_id, self.device, self.capacity, max_context,
             self.model.kv.nbytes / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
         )
@@ -379,29 +378,23 @@ class HFEngine(BatchEngine):
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
-        return self._mixed([], seqs, first_row)[1]
-
-    def _decode(self, seqs: list[Sequence]) -> list[int]:
-        return self._mixed(seqs, [], len(seqs))[0]
-
-    def _mixed(self, running: list[Sequence], seqs: list[Sequence], first_row: int) -> tuple[list[int], list[int]]:
+    def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int]:
         """One forward for both (either may be empty): the weights stream once (a decode step alone is
         bound by that)."""
-        rows = list(range(first_row, first_row + len(seqs)))
+        first_row = len(self._rows)
         logits = self.model.forward(
-            [s.last_token_id for s in running], [s.num_tokens - 1 for s in running], [s.prompt_token_ids for s in seqs], rows
-        )  # [len(running) + len(seqs), V]
-        tokens = self._next_tokens(logits, running + seqs)
-        return tokens[: len(running)], tokens[len(running) :]
+            [s.last_token_id for s in running],
+            [s.num_tokens - 1 for s in running],
+            [s.prompt_token_ids for s in newcomers],
+            list(range(first_row, first_row + len(newcomers))),
+        )  # [len(running) + len(newcomers), V]
+        return self._next_tokens(logits, running + newcomers)
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
 
         Logprobs, where asked for, come from the raw logits (before penalties and temperature).
         """
-        from sampling import logprobs, sample
-
         tokens = sample(
             logits,
             [s.sampling for s in seqs],
@@ -418,16 +411,6 @@ class HFEngine(BatchEngine):
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
         self.model.kv.move_row(src, dst, length)
-
-
-def eos_ids(hf_model, tokenizer) -> set[int]:
-    """EOS ids from the generation config (may be a list), else the tokenizer's."""
-    eos = getattr(hf_model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
 
 
 def resolve_device(name: str):

@@ -4,17 +4,16 @@ A ``Generation`` submits its ``Sequence`` to the scheduler with a listener. Afte
 that gives the sequence tokens, the listener (on the event loop) feeds them to an
 ``IncrementalDecoder``; a matched stop string ends the sequence at the next step boundary
 (status FINISHED_STOPPED, slot freed), and the safe new text goes to the stream queue. The
-HTTP layers (``server.py``, ``openai_api.py``) only format what comes out of here. No torch.
+HTTP layers (``streaming.py`` and the API modules) only format what comes out of here. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from detokenizer import IncrementalDecoder
-from engine import InferenceEngine
 from scheduler import Scheduler
 from sequence import Sequence, SequenceStatus
 
@@ -29,11 +28,17 @@ class Chunk:
 
 
 class Generation:
-    def __init__(self, seq: Sequence, engine: InferenceEngine, scheduler: Scheduler, stop: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        seq: Sequence,
+        decode: Callable[[list[int]], str],
+        scheduler: Scheduler,
+        stop: list[str] | None = None,
+    ) -> None:
+        """``decode``: the engine's detokenizer (token ids -> text)."""
         self.seq = seq
-        self.engine = engine
         self.scheduler = scheduler
-        self.decoder = IncrementalDecoder(engine.decode, seq.prompt_token_ids, stop or [])
+        self.decoder = IncrementalDecoder(decode, seq.prompt_token_ids, stop or [])
         self.chunks: asyncio.Queue[Chunk | None] = asyncio.Queue()  # None: the sequence has finished
         self._fed = 0  # output tokens already given to the decoder
         self._sent = 0  # output tokens already carried by a chunk

@@ -33,7 +33,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 REJECT_REASONS = (
-    "auth", "too_large", "too_many_connections", "draining", "validation", "queue_full", "not_ready", "timeout",
+    "auth", "too_large", "too_many_connections", "draining", "validation", "not_found", "queue_full", "not_ready",
+    "timeout", "body_timeout",
 )
 
 request_log = logging.getLogger("minibatch.requests")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from checkpoints import eos_ids
+
 
 class HFModelRunner:
     def __init__(self, model_id: str, device: str = "cpu", num_threads: int = 0, model=None, tokenizer=None) -> None:
@@ -19,10 +21,7 @@ class HFModelRunner:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_id)
         self.model = model or AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
         self.model.to(self.device).eval()
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_ids: list[int] = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.eos_ids: list[int] = sorted(eos_ids(self.model, self.tokenizer))
         # Left padding needs some pad id; the attention mask hides it, so EOS serves when none is set.
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)

@@ -1,17 +1,19 @@
 """Operations around the API: auth, request limits, readiness and graceful drain. No torch.
 
-``OpsMiddleware`` is pure ASGI (not ``BaseHTTPMiddleware``, which buffers streams and hides
+``OperationsMiddleware`` is pure ASGI (not ``BaseHTTPMiddleware``, which buffers streams and hides
 client disconnects). For every HTTP request, in this order:
 
 1. ``API_KEY`` set and the path is not open (``/health``, ``/ready``, ``/metrics``):
    ``Authorization: Bearer <key>`` compared with ``hmac.compare_digest``, else 401;
 2. draining for shutdown: 503 (open paths still answer);
-3. more than ``MAX_CONCURRENT_REQUESTS`` requests in flight (open paths not counted): 429;
-4. body larger than ``MAX_BODY_BYTES``, from Content-Length or while it streams in (chunked): 413.
-   The body is read here, bounded, and handed to the app whole; after it, ``receive`` is the
-   server's again, so the app still sees the client disconnect.
+3. the body: larger than ``MAX_BODY_BYTES``, from Content-Length or while it streams in (chunked):
+   413; not complete within ``BODY_TIMEOUT_S``: 408; not UTF-8: 422; SIGTERM while it trickles
+   in: 503. It is read here, bounded, and handed to the app whole; after it, ``receive`` is the
+   server's again, so the app still sees the client disconnect;
+4. more than ``MAX_CONCURRENT_REQUESTS`` requests in flight (open paths not counted): 429. A request
+   counts from the moment its body has arrived, so slow bodies cannot hold the slots.
 
-Errors use the API's body (``http_common.error_body``). ``Ops`` also owns the drain: on SIGTERM
+Errors use the API's body (``api_errors.error_body``). ``Operations`` also owns the drain: on SIGTERM
 (``server.main`` forwards it) new requests get 503 and ``/ready`` 503 at once; in-flight requests
 get ``DRAIN_TIMEOUT_S`` to finish, then whatever is left is aborted with "server is shutting down".
 """
@@ -23,25 +25,29 @@ import hmac
 import json
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
+from api_errors import error_body
 from config import Config
-from http_common import APIError, ServerState, error_body
 from metrics import ServerMetrics, logfmt
+
+if TYPE_CHECKING:
+    from serving import Runtime
 
 log = logging.getLogger("minibatch.ops")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
-class Ops:
+class Operations:
     """Per-app operational state: config (once known), metrics, requests in flight, drain."""
 
-    def __init__(self, config: Config | None, get_state: Callable[[], ServerState | None]) -> None:
+    def __init__(self, config: Config | None, get_runtime: Callable[[], Runtime | None]) -> None:
         self.config = config
-        self.get_state = get_state
+        self.get_runtime = get_runtime
         self.in_flight = 0  # HTTP requests past the checks and not yet answered (open paths excluded)
         self.draining = False
+        self.drain_started = asyncio.Event()  # wakes requests still waiting for their body
         self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
         self.metrics = ServerMetrics(self.live)
@@ -49,31 +55,31 @@ class Ops:
     # --- readiness -------------------------------------------------------------------------------
     def readiness(self) -> str:
         """``ready``, ``loading`` (model not loaded), ``draining``, or ``dead`` (the engine loop stopped)."""
-        st = self.get_state()
-        if st is None:
+        runtime = self.get_runtime()
+        if runtime is None:
             return "loading"
         if self.draining:
             return "draining"
-        if not st.scheduler.alive:
+        if not runtime.scheduler.alive:
             return "dead"
         return "ready"
 
     def live(self) -> dict[str, float]:
-        st = self.get_state()
+        runtime = self.get_runtime()
         values: dict[str, float] = {
             "num_requests_in_flight": self.in_flight,
             "ready": float(self.readiness() == "ready"),
             "draining": float(self.draining),
         }
-        if st is not None:
-            capacity = st.engine.capacity
+        if runtime is not None:
+            capacity = runtime.engine.capacity
             values.update(
-                num_requests_running=len(st.scheduler.running),
-                num_requests_waiting=len(st.scheduler.waiting),
-                kv_cache_usage_perc=st.engine.num_active() / capacity if capacity else 0.0,
+                num_requests_running=len(runtime.scheduler.running),
+                num_requests_waiting=len(runtime.scheduler.waiting),
+                kv_cache_usage_perc=runtime.engine.num_active() / capacity if capacity else 0.0,
                 batch_capacity=capacity,
-                failed_admits=st.scheduler.failed_admits,
-                failed_steps=st.scheduler.failed_steps,
+                failed_admits=runtime.scheduler.failed_admits,
+                failed_steps=runtime.scheduler.failed_steps,
             )
         return values
 
@@ -89,28 +95,29 @@ class Ops:
         if self.draining:
             return
         self.draining = True
-        st = self.get_state()
+        self.drain_started.set()
+        runtime = self.get_runtime()
         timeout = self.config.drain_timeout_s if self.config is not None else 0.0
         log.info("%s", logfmt("drain_started", in_flight=self.in_flight,
-                              unfinished=st.scheduler.num_unfinished if st else 0, timeout_s=timeout))
-        if st is not None:
-            self._drain_task = asyncio.get_running_loop().create_task(self._drain(st, timeout), name="drain")
+                              unfinished=runtime.scheduler.num_unfinished if runtime else 0, timeout_s=timeout))
+        if runtime is not None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(runtime, timeout), name="drain")
 
-    async def _drain(self, st: ServerState, timeout: float) -> None:
+    async def _drain(self, runtime: Runtime, timeout: float) -> None:
         start = time.perf_counter()
         deadline = start + timeout
         drained_logged = False
         while time.perf_counter() < deadline:  # a watchdog until the lifespan's shutdown cancels it
-            if st.scheduler.num_unfinished == 0 and not drained_logged:
+            if runtime.scheduler.num_unfinished == 0 and not drained_logged:
                 log.info("%s", logfmt("drain_idle", after_s=round(time.perf_counter() - start, 3)))
                 drained_logged = True
-            elif st.scheduler.num_unfinished:
+            elif runtime.scheduler.num_unfinished:
                 drained_logged = False
             await asyncio.sleep(0.05)
-        left = st.scheduler.num_unfinished
+        left = runtime.scheduler.num_unfinished
         if left:
             log.warning("%s", logfmt("drain_timeout", aborting=left, timeout_s=timeout))
-            await st.scheduler.stop()  # resolves every one as aborted: "server is shutting down"
+            await runtime.scheduler.stop()  # resolves every one as aborted: "server is shutting down"
 
     async def finish_drain(self) -> None:
         """The lifespan's shutdown: stop the watchdog (the caller stops the scheduler, aborting leftovers)."""
@@ -124,30 +131,20 @@ class Ops:
             self._drain_task = None
 
 
-def check_prompt_chars(st: ServerState, text: str) -> str:
-    """MAX_PROMPT_CHARS, checked before tokenizing (a huge prompt must not cost a tokenizer pass)."""
-    limit = st.config.max_prompt_chars
-    if limit and len(text) > limit:
-        err = APIError(422, f"prompt is {len(text)} characters; the limit is {limit} (MAX_PROMPT_CHARS)", param="prompt")
-        err.reject_reason = "too_large"  # type: ignore[attr-defined]
-        raise err
-    return text
-
-
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 
-class OpsMiddleware:
-    def __init__(self, app, ops: Ops) -> None:
+class OperationsMiddleware:
+    def __init__(self, app, operations: Operations) -> None:
         self.app = app
-        self.ops = ops
+        self.operations = operations
 
     async def __call__(self, scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        ops, cfg = self.ops, self.ops.config
+        ops, cfg = self.operations, self.operations.config
         open_path = scope["path"] in OPEN_PATHS
         headers = _headers(scope)
         if cfg is not None and cfg.api_key and not open_path and not _authorized(headers.get(b"authorization"), cfg.api_key):
@@ -155,9 +152,13 @@ class OpsMiddleware:
                                "authentication_error", "auth", extra=[(b"www-authenticate", b"Bearer")])
             return
         if ops.draining and not open_path:
-            await self._reject(send, 503, "server is shutting down", "unavailable", "draining",
-                               extra=[(b"retry-after", b"1")])
+            await self._shutting_down(send)
             return
+        if cfg is not None and (b"content-length" in headers or b"transfer-encoding" in headers):
+            body = await self._body(headers, receive, send, cfg)
+            if body is None:  # answered (or the client left)
+                return
+            receive = _replay(body, receive)
         limit = cfg.max_concurrent_requests if cfg is not None else 0
         if limit and not open_path and ops.in_flight >= limit:
             await self._reject(send, 429, f"too many requests in flight ({limit}, MAX_CONCURRENT_REQUESTS); retry later",
@@ -166,29 +167,49 @@ class OpsMiddleware:
         if not open_path:
             ops.in_flight += 1
         try:
-            max_body = cfg.max_body_bytes if cfg is not None else None
-            if max_body is not None and (b"content-length" in headers or b"transfer-encoding" in headers):
-                declared = headers.get(b"content-length")
-                if declared is not None:
-                    try:
-                        size = int(declared)
-                    except ValueError:
-                        await self._reject(send, 400, "invalid Content-Length header", "invalid_request_error", "validation")
-                        return
-                    if size > max_body:
-                        await self._too_large(send, max_body)
-                        return
-                body = await _read_body(receive, max_body)
-                if body is None:  # the client left mid-body
-                    return
-                if body is _TOO_LARGE:
-                    await self._too_large(send, max_body)
-                    return
-                receive = _replay(body, receive)
             await self.app(scope, receive, send)
         finally:
             if not open_path:
                 ops.in_flight -= 1
+
+    async def _body(self, headers: dict[bytes, bytes], receive: Receive, send: Send, cfg: Config) -> bytes | None:
+        """The whole request body, checked; or None once an error is answered (or the client left)."""
+        max_body = cfg.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await self._reject(send, 400, "invalid Content-Length header", "invalid_request_error", "validation")
+                return None
+            if size > max_body:
+                await self._too_large(send, max_body)
+                return None
+        reading = asyncio.ensure_future(_read_body(receive, max_body))
+        draining = asyncio.ensure_future(self.operations.drain_started.wait())
+        done, _ = await asyncio.wait({reading, draining}, timeout=cfg.body_timeout_s or None,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        draining.cancel()
+        if reading not in done:
+            reading.cancel()
+            if draining in done:
+                await self._shutting_down(send)
+            else:
+                await self._reject(send, 408, f"request body not received within {cfg.body_timeout_s:g}s (BODY_TIMEOUT_S)",
+                                   "invalid_request_error", "body_timeout")
+            return None
+        body = reading.result()
+        if body is _TOO_LARGE:
+            await self._too_large(send, max_body)
+            return None
+        if body is not None and (problem := encoding_problem(body)):
+            await self._reject(send, 422, problem, "invalid_request_error", "validation")
+            return None
+        return body
+
+    async def _shutting_down(self, send: Send) -> None:
+        await self._reject(send, 503, "server is shutting down", "unavailable", "draining",
+                           extra=[(b"retry-after", b"1")])
 
     async def _too_large(self, send: Send, limit: int) -> None:
         await self._reject(send, 413, f"request body is larger than {limit} bytes (MAX_BODY_BYTES)",
@@ -196,7 +217,7 @@ class OpsMiddleware:
 
     async def _reject(self, send: Send, status: int, message: str, kind: str, reason: str,
                       extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        self.ops.metrics.rejected(reason)
+        self.operations.metrics.rejected(reason)
         log.info("%s", logfmt("request_rejected", status=status, reason=reason))
         await send_error(send, status, message, kind, extra)
 
@@ -222,6 +243,21 @@ def _authorized(header: bytes | None, key: str) -> bool:
 
 
 _TOO_LARGE = object()
+
+
+def encoding_problem(body: bytes) -> str | None:
+    """Why ``body`` is not UTF-8 JSON text, or None. JSON between systems is UTF-8 (RFC 8259);
+    Python's parser would also take UTF-16 and UTF-32, which we refuse rather than guess."""
+    if not body:
+        return None
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):  # a UTF-8 byte-order mark is tolerated
+        return f"request body must be JSON encoded as UTF-8 (this one looks like {encoding})"
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return "malformed JSON body: not valid UTF-8"
+    return None
 
 
 async def _read_body(receive: Receive, limit: int):

@@ -11,6 +11,9 @@ itself, the moment it finishes (its status says why: stop, length, abort or erro
 Failure isolation: a failing ``admit`` fails only its newcomers; a failing ``step``
 fails the active set, resets the engine, and the loop goes on serving the queue. A failing
 ``admit_and_step`` commits nothing, so the scheduler retries the two apart to apply those rules.
+The failed sequences' error is a stable sentence ("engine step failed"); the exception itself goes
+to the log (its text can hold internals no client should see). A hook or listener that raises is
+logged and ignored.
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from engine import InferenceEngine
 from sequence import Sequence, SequenceStatus
@@ -49,16 +51,48 @@ class EngineCall:
         return "prefill" if self.prefilled else "decode"
 
 
+class WaitingQueue:
+    """FIFO of waiting sequences, indexed by seq_id: append, popleft and remove are all O(1), so
+    ending many queued sequences at once (expiry, aborts) is linear, not quadratic."""
+
+    def __init__(self) -> None:
+        self._seqs: dict[int, Sequence] = {}  # insertion order is arrival order
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+
+    def popleft(self) -> Sequence:
+        return self._seqs.pop(next(iter(self._seqs)))
+
+    def remove(self, seq_id: int) -> Sequence | None:
+        return self._seqs.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self._seqs.clear()
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, Sequence) and self._seqs.get(seq.seq_id) is seq
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(list(self._seqs.values()))
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+
 class Scheduler:
-    def __init__(self, engine: InferenceEngine, max_queue_depth: int) -> None:
+    def __init__(self, engine: InferenceEngine, max_queue_depth: int, stop_wait_s: float = 10.0) -> None:
+        """``stop_wait_s``: how long ``stop()`` waits for an engine call in flight."""
         self.engine = engine
         self.max_queue_depth = max_queue_depth
-        self.waiting: deque[Sequence] = deque()
+        self.stop_wait_s = stop_wait_s
+        self.waiting = WaitingQueue()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
-        self.on_tokens: Callable[[list[Sequence]], None] | None = None  # after each admit/step (benchmarks)
-        # Observability hooks (server metrics); one that raises is logged and never stops the loop.
+        # Hooks; one that raises is logged and never stops the loop.
+        # on_tokens(seqs) after each engine call that gave seqs a token each (benchmarks);
         # on_engine_call(EngineCall) after each successful admit/step/admit_and_step;
         # on_resolved(seq) exactly once per submitted sequence, as its future resolves.
+        self.on_tokens: Callable[[list[Sequence]], None] | None = None
         self.on_engine_call: Callable[[EngineCall], None] | None = None
         self.on_resolved: Callable[[Sequence], None] | None = None
         # Every submitted, unresolved sequence (waiting, being admitted, or running) and its future.
@@ -68,6 +102,7 @@ class Scheduler:
         # Running sequences to end at the next step boundary: seq_id -> (status, error).
         self._aborts: dict[int, tuple[SequenceStatus, str | None]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._engine_call: Future | None = None  # the call in the worker thread now, if any
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.failed_admits = 0  # sequences failed by admit errors
@@ -107,24 +142,30 @@ class Scheduler:
 
     def finish(self, seq_id: int, status: SequenceStatus, error: str | None = None) -> None:
         """End a sequence early with ``status`` (abort, a matched stop string, a timeout)."""
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
-                seq.finish(status, error=error)
-                self._resolve(seq)
-                return
+        seq = self.waiting.remove(seq_id)
+        if seq is not None:
+            seq.finish(status, error=error)
+            self._resolve(seq)
+            return
         if seq_id in self._pending and seq_id not in self._aborts:  # running, or being admitted now
             self._aborts[seq_id] = (status, error)
             self._wakeup.set()
 
     async def stop(self) -> None:
-        """Stop the loop; everything still queued or running finishes as aborted."""
+        """Stop the loop; everything still queued or running finishes as aborted. An engine call in
+        flight is waited for first (up to ``stop_wait_s``), so that no token lands on a sequence
+        already resolved."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        call = self._engine_call
+        if call is not None and not call.done():
+            done, _ = await asyncio.wait({asyncio.wrap_future(call)}, timeout=self.stop_wait_s)
+            if not done:
+                log.warning("engine call still running %.1fs after stop; resolving its sequences anyway", self.stop_wait_s)
         for seq, _ in list(self._pending.values()):  # waiting, mid-admission or running
             seq.finish(SequenceStatus.FINISHED_ABORTED, error="server is shutting down")
             self._resolve(seq)
@@ -170,7 +211,8 @@ class Scheduler:
         return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
 
     async def _call_engine(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._engine_call = self._executor.submit(fn, *args)
+        return await asyncio.wrap_future(self._engine_call)
 
     async def _admit(self, newcomers: list[Sequence]) -> None:
         start = time.perf_counter()
@@ -179,15 +221,15 @@ class Scheduler:
         except Exception as exc:
             self.failed_admits += len(newcomers)
             log.error(
-                "admit failed for %d sequences (%d admit failures so far): %s",
-                len(newcomers), self.failed_admits, exc, exc_info=True,
+                "admit failed for %d sequences (%s; %d admit failures so far): %s",
+                len(newcomers), _ids(newcomers), self.failed_admits, exc, exc_info=True,
             )
             for seq in newcomers:
-                seq.finish(SequenceStatus.FINISHED_ERROR, error=f"admission failed: {exc}")
+                seq.finish(SequenceStatus.FINISHED_ERROR, error="admission failed")
                 self._resolve(seq)
             return
         self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers))
-        self._took_tokens(newcomers, [s for s in newcomers if s.is_finished])
+        self._deliver_tokens(newcomers, [s for s in newcomers if s.is_finished])
 
     async def _admit_and_step(self, newcomers: list[Sequence]) -> None:
         """Admit and step in one engine call; if it fails (nothing committed), retry the two apart
@@ -203,9 +245,9 @@ class Scheduler:
                 await self._step()
             return
         self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers, decoded=batch))
-        self._took_tokens(batch + newcomers, finished)
+        self._deliver_tokens(batch + newcomers, finished)
 
-    def _took_tokens(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
+    def _deliver_tokens(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
         """After an engine call gave ``seqs`` a token each: the unfinished hold slots, listeners
         hear, the finished resolve."""
         for seq in seqs:
@@ -223,18 +265,17 @@ class Scheduler:
         except Exception as exc:
             self.failed_steps += 1
             log.error(
-                "engine step failed with %d active sequences (%d step failures so far): %s",
-                len(self.running), self.failed_steps, exc, exc_info=True,
+                "engine step failed with %d active sequences (%s; %d step failures so far): %s",
+                len(self.running), _ids(self.running.values()), self.failed_steps, exc, exc_info=True,
             )
-            await self._fail_running(f"engine step failed: {exc}")
+            await self._fail_running("engine step failed")
             return
         batch = list(self.running.values())
         self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, decoded=batch))
-        self._took_tokens(batch, finished)
+        self._deliver_tokens(batch, finished)
 
     def _notify(self, seqs: list[Sequence]) -> None:
-        if self.on_tokens:
-            self.on_tokens(seqs)
+        self._hook(self.on_tokens, seqs)
         for seq in seqs:
             listener = self._listeners.get(seq.seq_id)
             if listener is not None:
@@ -256,7 +297,7 @@ class Scheduler:
                 await self._call_engine(self.engine.abort, seq_id)
             except Exception as exc:  # engine state is suspect: treat like a failed step
                 log.error("engine abort of sequence %d failed: %s", seq_id, exc, exc_info=True)
-                await self._fail_running(f"engine abort failed: {exc}")
+                await self._fail_running("engine abort failed")
                 return
             del self.running[seq_id]
             self._resolve(seq)
@@ -285,7 +326,12 @@ class Scheduler:
             try:
                 fn(*args)
             except Exception:
-                log.exception("observability hook %r failed", fn)
+                log.exception("scheduler hook %r failed", fn)
+
+
+def _ids(seqs) -> str:
+    """The request ids of ``seqs`` for a log line (the client's labels, not the internal seq_ids)."""
+    return "request_ids=" + ",".join(s.request_id or f"#{s.seq_id}" for s in seqs)
 
 
 def _overdue(seq: Sequence, now: float, waiting: bool) -> bool:

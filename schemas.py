@@ -187,3 +187,7 @@ class HealthResponse(BaseModel):
     running: int = 0
     waiting: int = 0
     engine: dict[str, int] = Field(default_factory=dict)
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready", "loading", "draining", "dead"]

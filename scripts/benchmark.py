@@ -278,7 +278,7 @@ def _timed(fn) -> float:
 
 def model_linears(model) -> list:
     """Every ``gpt2.Linear`` of our model (blocks and lm_head), found by walking its attributes."""
-    from gpt2 import Linear
+    from models.layers import Linear
 
     found, seen = [], set()
 
@@ -291,7 +291,7 @@ def model_linears(model) -> list:
         elif isinstance(obj, (list, tuple)):
             for x in obj:
                 walk(x)
-        elif hasattr(obj, "__dict__") and type(obj).__module__ in ("gpt2", "llama"):
+        elif hasattr(obj, "__dict__") and type(obj).__module__ in ("models.gpt2", "models.llama"):
             for x in vars(obj).values():
                 walk(x)
 
@@ -383,7 +383,7 @@ def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[
     Runs in a worker thread of its own, as the engine does."""
     import torch
 
-    import small_gemm
+    from models.kernels import small_gemm
 
     linears = model_linears(model)
     if not linears or not linears[0].onednn:
@@ -480,7 +480,7 @@ def resolve_model(name: str) -> tuple[str, str]:
             raise SystemExit(f"cannot load model {name!r}: {exc}")
     from make_test_model import build_checkpoint
 
-    path = os.path.join(ROOT, "models", "bench-distilgpt2")
+    path = os.path.join(ROOT, "weights", "bench-distilgpt2")
     if not os.path.exists(os.path.join(path, "config.json")):
         build_checkpoint(path, shape="distilgpt2", initializer_range=0.02)
     return path, "model: distilgpt2 could not be loaded offline, so a distilgpt2-shaped RANDOM-weight checkpoint (6x768, vocab 50257) stands in"

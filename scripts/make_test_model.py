@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Write a local random-weight GPT-2 or Llama checkpoint (tokenizer included) that MODEL_ID=DIR serves.
 
-    python scripts/make_test_model.py models/tiny                 # 2 layers, 64 wide: tests, smoke
-    python scripts/make_test_model.py models/d2 --shape distilgpt2 # 6 layers, 768 wide, vocab 50257: benchmarks
-    python scripts/make_test_model.py models/tiny-llama --arch llama            # 2 layers, 64 wide, GQA 4:2, tied
-    python scripts/make_test_model.py models/tiny-llama-untied --arch llama --untied
-    python scripts/make_test_model.py models/s2 --arch llama --shape smollm2    # SmolLM2-135M's shape and cost
+    python scripts/make_test_model.py weights/tiny                 # 2 layers, 64 wide: tests, smoke
+    python scripts/make_test_model.py weights/d2 --shape distilgpt2 # 6 layers, 768 wide, vocab 50257: benchmarks
+    python scripts/make_test_model.py weights/tiny-llama --arch llama            # 2 layers, 64 wide, GQA 4:2, tied
+    python scripts/make_test_model.py weights/tiny-llama-untied --arch llama --untied
+    python scripts/make_test_model.py weights/s2 --arch llama --shape smollm2    # SmolLM2-135M's shape and cost
 
 The tokenizer is a byte-level BPE trained with the ``tokenizers`` library on a small
 built-in corpus, so no hub access is needed. Weights use ``initializer_range`` 0.15 by

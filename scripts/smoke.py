@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """End-to-end smoke test against a real uvicorn server on 127.0.0.1.
 
-    python scripts/smoke.py --model models/tiny     # start a server on a local checkpoint, test it, stop it
+    python scripts/smoke.py --model weights/tiny    # start a server on a local checkpoint, test it, stop it
     python scripts/smoke.py --url http://127.0.0.1:8000   # test a server that is already running
 
 Fires concurrent, distinct requests and checks that every answer is well formed, belongs to

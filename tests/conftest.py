@@ -1,4 +1,6 @@
-"""Shared fixtures: import paths, test checkpoints built once per session, reference generation."""
+"""Shared helpers and fixtures: import paths, bounded async runs, the in-process app client
+(``serving``), FakeEngine's expected answers (``fake_text``/``fake_ids``), the error-shape check,
+and the test checkpoints built once per session. Real-socket servers are in ``live.py``."""
 
 from __future__ import annotations
 
@@ -22,6 +24,18 @@ def run(coro):
 TIMEOUT = 20.0  # seconds any single async test may take
 
 
+def fake_text(prompt: str, n: int) -> str:
+    """FakeEngine's default answer to ``prompt`` after ``n`` tokens, computed independently of its
+    letter_token: the n-th letter is chosen by the prompt's byte sum and n."""
+    s = sum(b + 1 for b in prompt.encode("utf-8"))
+    return "".join(chr(ord("a") + (s * 7 + i * 3) % 26) for i in range(n))
+
+
+def fake_ids(prompt: str, n: int) -> list[int]:
+    """The token ids behind ``fake_text`` (FakeEngine's byte-level ids: byte + 1)."""
+    return [ord(c) + 1 for c in fake_text(prompt, n)]
+
+
 class Gate:
     """A switch the engine's worker thread waits on (pass ``gate.wait`` as a FakeEngine fault hook)."""
 
@@ -36,7 +50,8 @@ class Gate:
 
 @asynccontextmanager
 async def serving(engine=None, **config):
-    """An httpx client on the app (FakeEngine by default) with its lifespan running; client.app is the app."""
+    """An httpx client on the app (FakeEngine by default) with its lifespan running; client.app is the app.
+    ``config``: Config fields (MAX_NEW_TOKENS_LIMIT 64 unless given)."""
     import httpx
 
     from config import Config
@@ -46,7 +61,8 @@ async def serving(engine=None, **config):
     config.setdefault("max_new_tokens_limit", 64)
     app = create_app(config=Config(model_id="fake", **config), engine=engine or FakeEngine(capacity=4))
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as client:
             client.app = app  # type: ignore[attr-defined]
             yield client
 
@@ -56,11 +72,12 @@ def bounded(coro_fn, timeout: float = TIMEOUT):
 
 
 async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` on the event loop until true; fail naming ``what`` after ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not cond():
         if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.001)
 
 

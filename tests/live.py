@@ -1,12 +1,16 @@
-"""Real uvicorn servers on 127.0.0.1 for the reliability tests, started and stopped by the test itself.
+"""Real uvicorn servers on 127.0.0.1 for tests that need real sockets, started and stopped by the test.
 
 * ``ProcessServer``: ``python server.py`` in a subprocess configured by environment variables
-  (what an operator runs; receives real signals; its RSS is its own).
-* ``ThreadServer``: ``uvicorn.Server`` in a thread of the test process, serving an app object
-  (so a test can inject a ``FakeEngine`` with faults and look at the engine afterwards).
+  (what an operator runs; receives real signals; its RSS and its limits are its own). It picks a
+  free port, waits for ``/ready``, and stops by its own pid: SIGTERM, then SIGKILL if it does not
+  exit in time.
+* ``ThreadServer``: ``uvicorn.Server`` in a thread of the test process, serving an app object (so a
+  test can inject a ``FakeEngine`` with faults and look at the engine and scheduler afterwards,
+  read-only, through ``.state``). It binds its own socket (port 0: no race for a free port), waits
+  (bounded) until the lifespan has started, and stops with ``should_exit``.
 
-Both pick a free port, wait for ``/ready``, and stop only what they started (the subprocess by its
-own pid: SIGTERM, then SIGKILL if it does not exit in time).
+Also: ``poll_until`` (a bounded wait from a test thread), ``metric`` (one Prometheus sample), and
+``fake_text`` (FakeEngine's expected answer, from conftest).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import threading
 import time
 
 import httpx
+
+from conftest import fake_text  # noqa: F401  (re-exported: tests import it from here with the servers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +55,7 @@ def wait_ready(url: str, timeout: float, alive=lambda: True) -> None:
 
 
 class ProcessServer:
-    def __init__(self, env: dict[str, str], ready_timeout: float = 60.0) -> None:
+    def __init__(self, env: dict[str, str], ready_timeout: float = 60.0, preexec_fn=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {k: v for k, v in os.environ.items() if k not in _CONFIG_VARS}
@@ -58,7 +64,7 @@ class ProcessServer:
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full_env,
-            stdout=self.log, stderr=subprocess.STDOUT,
+            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
         )
         try:
             wait_ready(self.url, ready_timeout, alive=lambda: self.proc.poll() is None)
@@ -113,35 +119,66 @@ class ProcessServer:
 
 
 class ThreadServer:
-    def __init__(self, app, ready_timeout: float = 30.0) -> None:
+    def __init__(self, app, ready_timeout: float = 120.0) -> None:
+        """``ready_timeout``: model load included (a tiny checkpoint takes a few seconds)."""
         import uvicorn
 
         self.app = app
-        self.port = free_port()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
-        self.thread.start()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=3)
+        self.server = uvicorn.Server(config)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"uvicorn-{self.port}", daemon=True)
+        self._thread.start()
         try:
-            wait_ready(self.url, ready_timeout, alive=self.thread.is_alive)
-        except Exception:
+            poll_until(self._started, ready_timeout, "uvicorn to start", interval=0.02)
+        except BaseException:
             self.stop()
             raise
 
+    def _serve(self) -> None:
+        try:
+            self.server.run(sockets=[self._sock])
+        except BaseException as exc:  # reported by _started / stop
+            self._error = exc
+
+    def _started(self) -> bool:
+        if not self._thread.is_alive() and not self.server.started:
+            raise RuntimeError(f"uvicorn exited before it started (lifespan failed?): {self._error!r}")
+        return self.server.started
+
     @property
     def state(self):
+        """The app's Runtime (config, engine, scheduler) while the lifespan runs."""
         return self.app.state.server
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 20.0) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "uvicorn thread did not stop"
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.server.force_exit = True
+            self._thread.join(5.0)
+        self._sock.close()
+        assert not self._thread.is_alive(), "uvicorn thread did not stop"
 
     def __enter__(self) -> "ThreadServer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def poll_until(cond, timeout: float, what: str, interval: float = 0.005) -> None:
+    """Poll ``cond`` from a test thread until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -151,12 +188,6 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(key)
-
-
-def fake_text(prompt: str, n: int) -> str:
-    """FakeEngine's default answer, computed independently of its letter_token."""
-    s = sum(b + 1 for b in prompt.encode("utf-8"))
-    return "".join(chr(ord("a") + (s * 7 + i * 3) % 26) for i in range(n))
 
 
 def _config_vars() -> set[str]:

@@ -64,6 +64,6 @@ def test_quick_sweep_plots_throughput_vs_capacity(tiny_model_dir, tmp_path):
 
 
 def small_gemm_builds() -> bool:
-    import small_gemm
+    from models.kernels import small_gemm
 
     return small_gemm.load() is not None

@@ -13,8 +13,8 @@ import time
 
 import httpx
 
-from conftest import run
-from live import ProcessServer, fake_text
+from conftest import fake_text, run
+from live import ProcessServer
 
 STEP = 0.02  # FAKE_STEP_DELAY_S: a decode step takes 20 ms
 
@@ -119,8 +119,8 @@ def test_sigterm_aborts_what_outlives_the_drain_timeout_with_a_clear_error():
         assert r_long.status_code == 503, r_long.text
         err = r_long.json()["error"]
         assert err["message"] == "request aborted: server is shutting down" and err["code"] == 503
-        assert evs[-1]["error"]["message"] == "request aborted: server is shutting down", evs[-2:]
-        assert 0 < len("".join(e.get("text", "") for e in evs[:-1])) < 1000  # it streamed, then was cut
+        assert evs[-1] == "[DONE]" and evs[-2]["error"]["message"] == "request aborted: server is shutting down", evs[-2:]
+        assert 0 < len("".join(e.get("text", "") for e in evs[:-2])) < 1000  # it streamed, then was cut
         code = srv.wait(10)
         assert code == 0, srv.output()
         assert time.monotonic() - sigterm_at < 8  # 1 s drain + shutdown, well before uvicorn's backstop

@@ -54,7 +54,7 @@ def test_server_stack_imports_and_serves_without_torch():
 
 def test_probe_detects_torch():
     """The probe is not vacuous: importing engine's model path does pull torch in."""
-    proc = run_fresh("import sys, gpt2; print('torch' in sys.modules)")
+    proc = run_fresh("import sys, models.gpt2; print('torch' in sys.modules)")
     if proc.returncode != 0:  # torch not installed here: nothing to prove
         assert "No module named" in proc.stderr, proc.stderr
         return

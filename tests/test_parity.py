@@ -175,7 +175,7 @@ def test_both_linear_kernels_across_the_small_batch_threshold(model_dir, referen
     kernel mid-run (when it is on)."""
     engine = make_engine(model_dir, capacity=20, small_gemm=small_gemm)
     if small_gemm and not engine.model.small_gemm:
-        import small_gemm as kernel
+        from models.kernels import small_gemm as kernel
 
         pytest.skip(f"the small-batch kernel is unavailable here: {kernel.unavailable_reason}")
     budgets = [1 + (i * 7) % 23 for i in range(26)]

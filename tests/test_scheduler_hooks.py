@@ -113,6 +113,7 @@ def test_a_raising_hook_is_logged_and_ignored(caplog):
 
         sched.on_engine_call = bad
         sched.on_resolved = bad
+        sched.on_tokens = bad
         sched.start()
         s = seq("fine", 4)
         done = await asyncio.wait_for(sched.submit(s), 10)
@@ -121,4 +122,4 @@ def test_a_raising_hook_is_logged_and_ignored(caplog):
         await sched.stop()
 
     run(asyncio.wait_for(body(), 30))
-    assert "observability hook" in caplog.text and "hook bug" in caplog.text
+    assert "scheduler hook" in caplog.text and "hook bug" in caplog.text

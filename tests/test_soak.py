@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
-from conftest import run
-from live import ProcessServer, fake_text, metric
+from conftest import fake_text, run
+from live import ProcessServer, metric
 
 pytestmark = pytest.mark.soak
 

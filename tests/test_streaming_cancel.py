@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
-from conftest import run
+from conftest import bounded, serving, wait_until
 from config import Config
 from engine import FakeEngine
-from live_server import LiveServer, wait_until
+from live import ThreadServer, poll_until
 from server import create_app
 
-TIMEOUT = 30.0
+TIMEOUT = 30.0  # seconds any HTTP call may take
 HUGE = 100_000  # a budget no test waits for: such requests end by cancellation or a time limit
+APP_CONFIG = {"max_new_tokens_limit": HUGE, "log_level": "WARNING"}
 
 
 class SpyEngine(FakeEngine):
@@ -44,28 +44,6 @@ def spelling(text: str):
     """token_fn: the sequence's n-th token is the n-th UTF-8 byte of ``text`` (cycled)."""
     data = text.encode("utf-8")
     return lambda seq: data[len(seq.output_token_ids) % len(data)] + 1
-
-
-@asynccontextmanager
-async def serving(engine: FakeEngine, **config):
-    config.setdefault("max_new_tokens_limit", HUGE)
-    app = create_app(config=Config(model_id="fake", log_level="WARNING", **config), engine=engine)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=TIMEOUT) as c:
-            yield c
-
-
-def bounded(coro_fn, timeout: float = TIMEOUT):
-    return run(asyncio.wait_for(coro_fn(), timeout))
-
-
-async def async_wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 def parse_sse(body: str) -> list:
@@ -107,7 +85,7 @@ def assert_error_shape(body: dict, status: int, *words: str) -> dict:
 )
 def test_generate_stream_equals_non_streamed(token_fn, n):
     async def body():
-        async with serving(FakeEngine(token_fn=token_fn)) as c:
+        async with serving(FakeEngine(token_fn=token_fn), **APP_CONFIG) as c:
             req = {"prompt": "stream me", "max_new_tokens": n, "request_id": "s-1"}
             full = (await c.post("/generate", json=req)).json()
             r = await c.post("/generate", json={**req, "stream": True})
@@ -134,7 +112,7 @@ def test_generate_stream_token_ids_include_the_eos():
         return FakeEngine.EOS if len(seq.output_token_ids) == 3 else ord("k") + 1
 
     async def body():
-        async with serving(FakeEngine(token_fn=token_fn)) as c:
+        async with serving(FakeEngine(token_fn=token_fn), **APP_CONFIG) as c:
             req = {"prompt": "eos", "max_new_tokens": 10}
             full = (await c.post("/generate", json=req)).json()
             assert full["token_ids"] == [ord("k") + 1] * 3 + [FakeEngine.EOS] and full["finish_reason"] == "stop"
@@ -153,14 +131,14 @@ def test_stream_never_emits_a_stop_string_even_partially():
 
     async def body():
         eng = FakeEngine(token_fn=spelling(STOP_TEXT))
-        async with serving(eng) as c:
+        async with serving(eng, **APP_CONFIG) as c:
             r = await c.post("/generate", json={"prompt": "p", "max_new_tokens": 200, "stop": ["XYZ"], "stream": True})
             chunks = text_events(parse_sse(r.text))
             texts = [e["text"] for e in chunks]
             assert "".join(texts) == "say XYq then "  # nothing of the match, nor after it
             assert "XYq" in texts, texts  # "X", "XY" waited (one token per step) until "q" ruled the stop out
             assert not any(t.endswith(("X", "XY")) for t in texts), texts  # a prefix of "XYZ" never went out alone
-            await async_wait_until(lambda: eng.num_active() == 0, what="slot freed after the stop string")
+            await wait_until(lambda: eng.num_active() == 0, what="slot freed after the stop string")
             assert eng.stats()["generated_tokens"] < 200
 
     bounded(body)
@@ -168,7 +146,7 @@ def test_stream_never_emits_a_stop_string_even_partially():
 
 def test_stop_string_ends_with_finish_reason_stop():
     async def body():
-        async with serving(FakeEngine(token_fn=spelling(STOP_TEXT))) as c:
+        async with serving(FakeEngine(token_fn=spelling(STOP_TEXT)), **APP_CONFIG) as c:
             req = {"prompt": "p", "max_new_tokens": 200, "stop": ["XYZ"]}
             r = await c.post("/generate", json=req)
             assert r.status_code == 200, r.text
@@ -216,7 +194,7 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
     """6 streams in 8 slots; 3 clients leave mid-generation: their sequences are aborted and their rows
     freed within a bounded wait, and the other 3 finish with exactly the tokens they produce alone."""
     config = Config(model_id=tiny_model_dir, max_batch_size=8, max_new_tokens_limit=1000, log_level="WARNING")
-    with LiveServer(create_app(config)) as live:
+    with ThreadServer(create_app(config)) as live:
         eng = live.state.engine
         prompts = {f"drop-{i}": f"Once upon a time {i}" for i in range(3)}
         prompts |= {f"keep-{i}": f"The capital of France is {i}" for i in range(3)}
@@ -231,7 +209,7 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
         try:
             for rid, prompt in prompts.items():
                 streams[rid] = SSEStream(live.url, {"prompt": prompt, "max_new_tokens": budget[rid], "ignore_eos": True, "request_id": rid})
-            wait_until(all_seen, 10, "all six to be admitted")
+            poll_until(all_seen, 10, "all six to be admitted")
             for s in streams.values():
                 for _ in range(3):
                     event = s.next_event()
@@ -248,7 +226,7 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
                 unfinished = [rid for rid in kept if not seqs[rid].is_finished]
                 return all(seqs[rid].is_finished for rid in dropped) and sorted(rows) == sorted(unfinished)
 
-            wait_until(only_kept_rows, 10, "the dropped streams' rows to be freed")
+            poll_until(only_kept_rows, 10, "the dropped streams' rows to be freed")
             for rid in dropped:
                 assert seqs[rid].finish_reason == "abort"
                 assert len(seqs[rid].output_token_ids) < budget[rid]
@@ -259,7 +237,7 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
             for s in streams.values():
                 s.close()
 
-        wait_until(lambda: eng.num_active() == 0, 10, "the kept streams to finish")
+        poll_until(lambda: eng.num_active() == 0, 10, "the kept streams to finish")
         for rid, events in finished.items():
             last = events[-2]
             assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == budget[rid]
@@ -275,14 +253,14 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
 
 def test_non_streaming_client_that_leaves_is_aborted():
     eng = SpyEngine(capacity=2, step_delay=0.002)
-    with LiveServer(create_app(Config(model_id="fake", max_new_tokens_limit=HUGE, log_level="WARNING"), eng)) as live:
+    with ThreadServer(create_app(Config(model_id="fake", **APP_CONFIG), eng)) as live:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 f"{live.url}/generate", json={"prompt": "long", "max_new_tokens": HUGE, "request_id": "gone"},
                 timeout=httpx.Timeout(TIMEOUT, read=0.5),
             )
         (seq,) = eng.admitted
-        wait_until(lambda: seq.is_finished and eng.num_active() == 0, 5, "the abandoned request to be aborted")
+        poll_until(lambda: seq.is_finished and eng.num_active() == 0, 5, "the abandoned request to be aborted")
         assert seq.finish_reason == "abort"
         assert len(seq.output_token_ids) < HUGE
         health = httpx.get(f"{live.url}/health", timeout=TIMEOUT).json()
@@ -295,7 +273,7 @@ def test_queued_request_whose_client_leaves_never_runs():
     """Capacity 1, a long request running: queued requests whose clients leave (one plain, one
     streamed) are dropped from the queue and never prefilled; the next request runs normally."""
     eng = SpyEngine(capacity=1, step_delay=0.002)
-    with LiveServer(create_app(Config(model_id="fake", max_new_tokens_limit=HUGE, log_level="WARNING"), eng)) as live:
+    with ThreadServer(create_app(Config(model_id="fake", **APP_CONFIG), eng)) as live:
         sched = live.state.scheduler
         long = SSEStream(live.url, {"prompt": "long", "max_new_tokens": HUGE, "request_id": "long"})
         try:
@@ -306,13 +284,13 @@ def test_queued_request_whose_client_leaves_never_runs():
                     timeout=httpx.Timeout(TIMEOUT, read=0.3),
                 )
             queued_stream = SSEStream(live.url, {"prompt": "queued too", "max_new_tokens": 3, "request_id": "queued-stream"})
-            wait_until(lambda: len(sched.waiting) == 1, 5, "the streamed request to queue")
+            poll_until(lambda: len(sched.waiting) == 1, 5, "the streamed request to queue")
             queued_stream.close()
-            wait_until(lambda: len(sched.waiting) == 0, 5, "the queue to drop both requests")
+            poll_until(lambda: len(sched.waiting) == 0, 5, "the queue to drop both requests")
             assert eng.num_active() == 1 and eng.admitted_ids() == ["long"]
         finally:
             long.close()
-        wait_until(lambda: eng.num_active() == 0 and not sched.running, 5, "the long request to be aborted")
+        poll_until(lambda: eng.num_active() == 0 and not sched.running, 5, "the long request to be aborted")
         r = httpx.post(f"{live.url}/generate", json={"prompt": "after", "max_new_tokens": 2, "request_id": "after"}, timeout=TIMEOUT)
         assert r.status_code == 200
         assert eng.admitted_ids() == ["long", "after"]
@@ -324,9 +302,9 @@ def test_queued_request_whose_client_leaves_never_runs():
 def test_queue_time_limit_is_504_and_the_request_never_runs():
     async def body():
         eng = SpyEngine(capacity=1, step_delay=0.002)
-        async with serving(eng, max_queue_time_s=0.2) as c:
+        async with serving(eng, max_queue_time_s=0.2, **APP_CONFIG) as c:
             long = asyncio.create_task(c.post("/generate", json={"prompt": "long", "max_new_tokens": HUGE, "request_id": "long"}))
-            await async_wait_until(lambda: eng.num_active() == 1, what="the long request to run")
+            await wait_until(lambda: eng.num_active() == 1, what="the long request to run")
             r, o = await asyncio.gather(
                 c.post("/generate", json={"prompt": "late", "max_new_tokens": 2, "request_id": "late"}),
                 c.post("/v1/completions", json={"model": "fake", "prompt": "late too", "max_tokens": 2}),
@@ -340,7 +318,7 @@ def test_queue_time_limit_is_504_and_the_request_never_runs():
             long.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await long
-            await async_wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+            await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
             ok = await c.post("/generate", json={"prompt": "fresh", "max_new_tokens": 2})
             assert ok.status_code == 200
 
@@ -353,21 +331,22 @@ def test_request_time_limit_is_504_and_releases_the_slot():
 
     async def body():
         eng = SpyEngine(capacity=2, step_delay=0.002)
-        async with serving(eng, request_timeout_s=0.2) as c:
+        async with serving(eng, request_timeout_s=0.2, **APP_CONFIG) as c:
             r = await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE})
             assert r.status_code == 504, r.text
             err = assert_error_shape(r.json(), 504, "timed out", "request time limit")
             assert err["type"] == "timeout"
             (seq,) = eng.admitted
             assert seq.finish_reason == "timeout" and len(seq.output_token_ids) < HUGE
-            await async_wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+            await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
 
             o = await c.post("/v1/completions", json={"model": "fake", "prompt": "slow", "max_tokens": HUGE})
             assert o.status_code == 504, o.text
             assert_error_shape(o.json(), 504, "request time limit")
             events = parse_sse((await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE, "stream": True})).text)
-            assert_error_shape(events[-1], 504, "request time limit")
-            await async_wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+            assert events[-1] == "[DONE]"  # after an error too, as on /v1
+            assert_error_shape(events[-2], 504, "request time limit")
+            await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
             ok = await c.post("/generate", json={"prompt": "quick", "max_new_tokens": 2})
             assert ok.status_code == 200
 

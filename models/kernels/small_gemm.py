@@ -12,24 +12,20 @@ table for any model as ``linear_kernels``):
 
 so it is used for M <= ``MAX_ROWS`` and oneDNN (better at prefill sizes) above. The kernel
 needs AVX2 + FMA and a C compiler with OpenMP; without them ``load()`` returns None, says why
-once in the log, and the callers keep using oneDNN. The shared object is cached under
-``$XDG_CACHE_HOME/minibatch-llm`` keyed by the source and flags, so it compiles once per machine
-(about a second).
+once in the log, and the callers keep using oneDNN. ``build.py`` compiles it once per machine
+into the cache's ``kernels/`` directory (``models/cache_dir.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import torch
+
+from .build import build_and_load
 
 log = logging.getLogger("minibatch.small_gemm")
 
@@ -44,38 +40,10 @@ _tried = False
 unavailable_reason: str | None = None
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "minibatch-llm")
-
-
-def _build(compiler: str, target: str) -> None:
-    """Compile to a temporary file, then rename: concurrent builders never see a half-written .so."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load() -> ctypes.CDLL:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 and FMA")
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"small_gemm-{key}.so")
-    if not os.path.exists(target):
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("no C compiler found to build small_gemm.c (set CC, or install gcc)")
-        _build(compiler, target)
-    lib = ctypes.CDLL(target)  # ctypes releases the GIL during each call
+    lib = build_and_load(SOURCE, FLAGS)
     lib.small_gemm.restype = None
     lib.small_gemm.argtypes = [
         ctypes.c_void_p, ctypes.c_int,  # X, ldx

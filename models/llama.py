@@ -1,26 +1,15 @@
-"""A hand-written Llama-family forward over the preallocated KV cache (nanoGPT-style, one file).
+"""Llama family: block math and weight mapping; the forward loop and attention are ``layers.py``'s.
 
-The weights come from a loaded Hugging Face ``LlamaForCausalLM``; the math is the same as
-HF's (pre-RMSNorm blocks, rotary position embeddings, grouped-query attention, SwiGLU MLP,
-tied or untied lm_head), so greedy tokens match ``generate(do_sample=False)`` (the parity
-tests in ``tests/test_llama.py`` guard this). Same interface and speed rules as ``gpt2.GPT2``:
+The weights come from a loaded Hugging Face ``LlamaForCausalLM``; the math is the same as HF's
+(pre-RMSNorm blocks, rotary position embeddings, grouped-query attention, SwiGLU MLP, tied or
+untied lm_head), so greedy tokens match ``generate(do_sample=False)`` (the parity tests guard
+this). Q, K and V come from one fused linear, gate and up from another. The KV cache stores only
+the K/V heads (``KVCache.n_head = KVH``); ``layers.mixed_attention`` reads query head ``h`` against
+K/V head ``h // G`` without expanding them. The RoPE cos/sin tables are computed once for
+``max_len`` positions; a forward gathers its tokens' rows once and every layer reuses them.
 
-- ``prefill``: several prompts packed into one ``[T, C]`` activation (no padding); the
-  linears run once over all T tokens, attention runs per prompt, and each prompt's K/V
-  lands in its own cache row. Logits only for each prompt's last token.
-- ``decode``: one token for each of the rows ``[0, B)``; K/V written in place at each
-  row's own position, attention over a view of the cache, masked per row length.
-
-Grouped-query attention stores only the K/V heads in the cache (``KVCache.n_head = KVH``).
-Decode attends without expanding them: query head ``h`` uses K/V head ``h // G``, so the
-queries are viewed as ``[B, KVH, G, D]`` -- G queries against one K/V head -- which is the
-same attention with no copy of the cache. Q, K and V come from one fused linear, gate and up
-from another; on CPU every linear is pre-packed (``gpt2.Linear``: oneDNN, and the compiled
-small-batch kernel for decode steps). The RoPE cos/sin
-tables are computed once for ``max_len`` positions.
-
-Shapes: C = hidden_size, H = query heads, KVH = K/V heads, G = H / KVH, D = head_dim,
-I = intermediate_size, V = vocab, L = positions attended.
+Shapes: N = tokens of the mixed batch, C = hidden_size, H = query heads, KVH = K/V heads,
+G = H / KVH, D = head_dim, I = intermediate_size, V = vocab.
 """
 
 from __future__ import annotations
@@ -30,8 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from gpt2 import Linear, MixedBatch, MixedForward, linear_factory
-from kv_cache import KVCache
+from .layers import Linear, MixedBatch, MixedForward, fp32_state_dict, linear_factory, mixed_attention
 
 # RoPE types whose frequencies are fixed at load time (HF recomputes "dynamic" and "longrope"
 # per forward from the sequence length, which a precomputed table cannot follow).
@@ -100,9 +88,14 @@ class Block:
         self.gate_up = fused(["mlp.gate_proj", "mlp.up_proj"])  # [C] -> [2I]
         self.down = fused(["mlp.down_proj"])  # [I] -> [C]
 
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o_proj, self.gate_up, self.down]
+
 
 class Llama(MixedForward):
-    """Llama weights plus the KV cache, with ``prefill`` and ``decode`` steps that return logits."""
+    """Llama weights plus the KV cache."""
+
+    model_type = "llama"
 
     @staticmethod
     def context_window(hf_config) -> int:
@@ -119,86 +112,40 @@ class Llama(MixedForward):
         self.n_kv_head = getattr(cfg, "num_key_value_heads", None) or self.n_head
         if self.n_head % self.n_kv_head:
             raise ValueError(f"{self.n_head} attention heads do not group over {self.n_kv_head} key/value heads")
-        self.group = self.n_head // self.n_kv_head
         self.head_dim = getattr(cfg, "head_dim", None) or self.n_embd // self.n_head
         self.scale = self.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
         self.device = device
         self.cos, self.sin = rope_tables(cfg, self.head_dim, max_len, device)  # each [max_len, 1, D]
 
-        sd = {k: v.detach().to(device=device, dtype=torch.float32).contiguous() for k, v in hf_model.state_dict().items()}
+        sd = fp32_state_dict(hf_model, device)
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm)
         self.embed = sd["model.embed_tokens.weight"]  # [V, C]
         self.blocks = [Block(sd, f"model.layers.{i}.", make_linear) for i in range(self.n_layer)]
         self.norm = sd["model.norm.weight"]  # [C]
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
         self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None)  # [C] -> [V]
-        self.kv = KVCache(self.n_layer, capacity, self.n_kv_head, max_len, self.head_dim, device)
-        self._arange = torch.arange(max(capacity, max_len), device=device)  # rows and positions
+        self._init_cache(self.n_layer, capacity, self.n_kv_head, max_len, self.head_dim, device)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [N, C] -> weight * x / rms(x): [N, C]."""
         return F.rms_norm(x, (self.n_embd,), weight, self.eps)
 
-    def _qkv(self, block: Block, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """x: [N, C], rope: cos, sin [N, 1, D] of its positions -> rotated q: [N, H, D], rotated k, v: [N, KVH, D]."""
+    def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Token embeddings [N, C], and the RoPE cos, sin of the tokens' positions (each [N, 1, D])."""
+        return self.embed[batch.ids], (self.cos[batch.pos], self.sin[batch.pos])
+
+    def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, rope) -> torch.Tensor:
+        """x: [N, C] -> x + attn(RMSNorm(x)), then + down(silu(gate) * up) of RMSNorm(.): [N, C]."""
         N, H, KVH, D = x.shape[0], self.n_head, self.n_kv_head, self.head_dim
         qkv = block.qkv(self._rms(x, block.ln_1))  # [N, (H + 2 KVH) D]
         qk = apply_rope(qkv[:, : (H + KVH) * D].view(N, H + KVH, D), *rope)  # [N, H + KVH, D]: q and k rotated at once
         v = qkv[:, (H + KVH) * D :].view(N, KVH, D)
-        return qk[:, :H], qk[:, H:], v
-
-    def _mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, C] -> x + down(silu(gate(h)) * up(h)) with h = RMSNorm(x): [N, C]."""
+        att = mixed_attention(qk[:, :H], qk[:, H:], v, self.kv, layer, batch, self.scale)  # [N, H, D]
+        x = block.o_proj.add(att.view(N, H * D), x)
         gate, up = block.gate_up(self._rms(x, block.ln_2)).chunk(2, dim=-1)  # each [N, I]
         return block.down.add(F.silu(gate) * up, x)
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
-        """x_last: [N, C] final hidden states -> [N, V] logits."""
+        """x_last: [n, C] final hidden states -> [n, V] logits."""
         return self.lm_head(self._rms(x_last, self.norm))
-
-    @torch.inference_mode()
-    def forward(
-        self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
-    ) -> torch.Tensor:
-        """One forward over a mixed batch: decode rows [0, B) (token_ids[b] at positions[b]) and
-        prefill whole prompts into cache rows ``rows``; the linears see all B + T tokens at once.
-
-        Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
-        """
-        batch = MixedBatch.build(token_ids, positions, prompts, rows, self._arange)
-        B, H, D = batch.n_decode, self.n_head, self.head_dim
-        x = self.embed[batch.ids]  # [B + T, C]
-        N = x.shape[0]
-        rope = self.cos[batch.pos], self.sin[batch.pos]  # each [B + T, 1, D]
-        for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, rope)  # [N, H, D], [N, KVH, D], [N, KVH, D]
-            att = torch.empty(N, H, D, device=self.device)
-            if B:
-                att[:B] = self._decode_attention(layer, q[:B], k[:B], v[:B], batch)
-            for start, n, row in batch.prompts:
-                span = slice(start, start + n)
-                qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [h, n, D]
-                self.kv.write_prompt(layer, row, kp, vp)
-                out = F.scaled_dot_product_attention(
-                    qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
-                )  # [H, n, D]
-                att[span] = out.transpose(0, 1)  # [n, H, D]
-            x = block.o_proj.add(att.view(N, H * D), x)
-            x = self._mlp(block, x)
-        # Logits only where a token is sampled: the decode rows and each prompt's last position.
-        return self._logits(x if batch.sample_rows is None else x[batch.sample_rows])
-
-    def _decode_attention(self, layer: int, q, k, v, batch: MixedBatch) -> torch.Tensor:
-        """q: [B, H, D], k, v: [B, KVH, D] of the decode tokens -> attention output [B, H, D].
-
-        K/V are written in place first; query head h = kv * G + g reads K/V head kv, so the
-        queries are viewed as [B, KVH, G, D] against the cache view [B, KVH, L, D]: no copy.
-        """
-        B, KVH, G, D = batch.n_decode, self.n_kv_head, self.group, self.head_dim
-        self.kv.write_step(layer, batch.decode_rows, batch.pos[:B], k, v)
-        keys, values = self.kv.view(layer, B, batch.decode_length)  # each [B, KVH, L, D]
-        out = F.scaled_dot_product_attention(
-            q.reshape(B, KVH, G, D), keys, values, attn_mask=batch.decode_mask, scale=self.scale
-        )  # [B, KVH, G, D]
-        return out.view(B, self.n_head, D)

@@ -27,8 +27,6 @@ class KVCache:
         shape = (n_layer, capacity, n_head, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.capacity = capacity
-        self.max_len = max_len
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,27 @@
+"""The torch side of the server: model families, their shared layers, the KV cache, compiled kernels.
+
+Importing this package imports no torch (a torch-free module may live here too, e.g. the cache-dir
+convention in ``cache_dir.py``); ``families()`` imports the torch modules when a model loads.
+
+    layers.py      what every family shares: Linear (oneDNN / small-batch kernel), MixedBatch, the one
+                   mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop)
+    gpt2.py        GPT-2 block math and weight mapping
+    llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
+    kv_cache.py    the preallocated KV cache, one row per batch slot
+    kernels/       compiled kernels (small_gemm.c) and the build-once-into-the-cache loader
+    cache_dir.py   where checkpoints and built kernels are cached
+"""
+
+from __future__ import annotations
+
+
+def families() -> dict[str, type]:
+    """HF ``config.model_type`` -> our forward for that family (a ``layers.MixedForward``).
+
+    Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=...)`` and has
+    ``context_window(hf_config)``. Imports torch.
+    """
+    from .gpt2 import GPT2
+    from .llama import Llama
+
+    return {cls.model_type: cls for cls in (GPT2, Llama)}

@@ -1,0 +1,95 @@
+"""GPT-2: block math and weight mapping (nanoGPT-style); the forward loop and attention are ``layers.py``'s.
+
+The weights come from a loaded Hugging Face ``GPT2LMHeadModel``; the math is the same as HF's
+(pre-LayerNorm blocks, fused QKV, tanh-GELU MLP, tied lm_head), so greedy tokens match
+``generate(do_sample=False)`` exactly (the parity tests guard this). Attention is the
+group-size-1 case of ``layers.mixed_attention``.
+
+Shapes: N = tokens of the mixed batch, C = n_embd, H = n_head, D = C / H, V = vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .layers import Linear, MixedBatch, MixedForward, fp32_state_dict, linear_factory, mixed_attention
+
+# HF activation_function name -> oneDNN post-op algorithm for GELU.
+_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+
+class Block:
+    """One transformer block's weights (Conv1D weights transposed to [out, in])."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, make_linear: Callable[..., Linear]) -> None:
+        def lin(name: str) -> Linear:
+            return make_linear(sd[f"{prefix}{name}.weight"].t().contiguous(), sd[f"{prefix}{name}.bias"])
+
+        self.ln_1 = (sd[f"{prefix}ln_1.weight"], sd[f"{prefix}ln_1.bias"])
+        self.ln_2 = (sd[f"{prefix}ln_2.weight"], sd[f"{prefix}ln_2.bias"])
+        self.c_attn = lin("attn.c_attn")  # [C] -> [3C]
+        self.attn_proj = lin("attn.c_proj")  # [C] -> [C]
+        self.c_fc = lin("mlp.c_fc")  # [C] -> [4C]
+        self.mlp_proj = lin("mlp.c_proj")  # [4C] -> [C]
+
+    def linears(self) -> list[Linear]:
+        return [self.c_attn, self.attn_proj, self.c_fc, self.mlp_proj]
+
+
+class GPT2(MixedForward):
+    """GPT-2 weights plus the KV cache."""
+
+    model_type = "gpt2"
+
+    @staticmethod
+    def context_window(hf_config) -> int:
+        return hf_config.n_positions
+
+    def __init__(
+        self, hf_model: torch.nn.Module, capacity: int, max_len: int, device: torch.device, use_small_gemm: bool = True
+    ) -> None:
+        cfg = hf_model.config
+        if getattr(cfg, "reorder_and_upcast_attn", False):
+            raise ValueError("GPT-2 option reorder_and_upcast_attn is not supported by the fast engine")
+        if cfg.activation_function not in _ACTIVATIONS:
+            raise ValueError(f"GPT-2 activation {cfg.activation_function!r} is not supported by the fast engine")
+        self.n_layer, self.n_head, self.n_embd = cfg.n_layer, cfg.n_head, cfg.n_embd
+        self.head_dim = self.n_embd // self.n_head
+        self.eps = cfg.layer_norm_epsilon
+        self.gelu_approx = _ACTIVATIONS[cfg.activation_function]
+        scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        inverse_layer = getattr(cfg, "scale_attn_by_inverse_layer_idx", False)
+        self.attn_scales = [scale / (i + 1) if inverse_layer else scale for i in range(self.n_layer)]
+        self.device = device
+
+        sd = fp32_state_dict(hf_model, device)
+        base = "transformer."
+        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm)
+        self.wte = sd[base + "wte.weight"]  # [V, C]
+        self.wpe = sd[base + "wpe.weight"]  # [P, C]
+        self.blocks = [Block(sd, f"{base}h.{i}.", make_linear) for i in range(self.n_layer)]
+        self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
+        self.lm_head = make_linear(sd.get("lm_head.weight", self.wte), None)  # [C] -> [V]
+        self._init_cache(self.n_layer, capacity, self.n_head, max_len, self.head_dim, device)
+
+    def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.layer_norm(x, (self.n_embd,), wb[0], wb[1], self.eps)
+
+    def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, None]:
+        """Token plus learned position embeddings: [N, C]; the blocks need no positional state."""
+        return self.wte[batch.ids] + self.wpe[batch.pos], None
+
+    def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, pos_state: None) -> torch.Tensor:
+        """x: [N, C] -> x + attn(LN(x)), then + MLP(LN(.)): [N, C]."""
+        N, H, D = x.shape[0], self.n_head, self.head_dim
+        q, k, v = block.c_attn(self._ln(x, block.ln_1)).view(N, 3, H, D).unbind(1)  # each [N, H, D]
+        att = mixed_attention(q, k, v, self.kv, layer, batch, self.attn_scales[layer])  # [N, H, D]
+        x = block.attn_proj.add(att.view(N, self.n_embd), x)
+        return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2), self.gelu_approx), x)
+
+    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        """x_last: [n, C] final hidden states -> [n, V] logits."""
+        return self.lm_head(self._ln(x_last, self.ln_f))

@@ -1,0 +1,60 @@
+"""Build a C kernel once per machine into the cache (``models/cache_dir.py``) and load it with ctypes.
+
+The shared object is named after a hash of the source, the flags and the machine, so an edited
+source or another CPU architecture builds afresh and an unchanged one compiles once (about a
+second). Builds go to a temporary file renamed into place: concurrent builders never load a
+half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from ..cache_dir import cache_subdir
+
+
+def kernel_dir() -> str:
+    return cache_subdir("kernels")
+
+
+def built_path(source: str, flags: list[str]) -> str:
+    """Where ``source`` built with ``flags`` lives in the cache (it may not exist yet)."""
+    with open(source, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(kernel_dir(), f"{stem}-{key}.so")
+
+
+def compile_to(compiler: str, source: str, flags: list[str], target: str) -> None:
+    """Compile to a temporary file, then rename: concurrent builders never see a half-written .so."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *flags, source, "-o", tmp], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_and_load(source: str, flags: list[str]) -> ctypes.CDLL:
+    """The loaded library of ``source``, compiling it first when the cache lacks it.
+
+    Raises RuntimeError when no C compiler is found (``$CC``, else ``cc``, else ``gcc``) or the build fails.
+    """
+    target = built_path(source, flags)
+    if not os.path.exists(target):
+        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if compiler is None:
+            raise RuntimeError(f"no C compiler found to build {os.path.basename(source)} (set CC, or install gcc)")
+        compile_to(compiler, source, flags, target)
+    return ctypes.CDLL(target)  # ctypes releases the GIL during each call
