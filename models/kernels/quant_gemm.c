@@ -22,8 +22,9 @@
  * into another, each in increasing k by fused multiply-add; y = (even + odd) (+ bias) (+ r).
  * Two chains per output hide the FMA latency when few rows share a panel.
  *
- *   direct path (M <= direct_rows): per panel, up to 4 rows per pass, weights dequantized in
- *     registers; passes after the first re-read the panel from L1.
+ *   direct path (M <= direct_rows): weights dequantized in registers, one pass per 4 rows over
+ *     a panel (passes after the first re-read it from L1); 1-2 rows take two panels at once so
+ *     that enough independent FMA chains hide the FMA latency.
  *   tile path (M > direct_rows): per pair of panels, dequantize 16 columns x K into a per-thread
  *     fp32 buffer (L2) once, then 3-row x 16-column register tiles over all M rows: compute-bound.
  * Threads split panels (direct) or panel pairs (tile); an output is computed by one thread.
@@ -87,76 +88,110 @@ static inline void store8(__m256 even, __m256 odd, const float *bias, const floa
 
 /* ---------------- direct path: dequantize in registers ---------------- */
 
-/* One panel, R rows (R constant after inlining): x[i] row i of X; y[i], r[i] its outputs. */
-static inline __attribute__((always_inline)) void direct_panel(int fmt, const float *const *x, int K,
-                                                               const uint8_t *w, const float *bias,
-                                                               const float *const *r, float *const *y, int R,
-                                                               int cols) {
-    __m256 ev[DIRECT_ROWS], od[DIRECT_ROWS];
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ev[i] = od[i] = _mm256_setzero_ps();
+/* NP consecutive panels (w, w + panel_bytes, ...) x R rows, NP and R constant after inlining.
+ * x[i]: row i of X; y[i], r[i]: its outputs at the first panel's first column. Only the last
+ * panel may be partial (cols_last columns). */
+static inline __attribute__((always_inline)) void direct_panels(int fmt, const float *const *x, int K,
+                                                                const uint8_t *w, size_t panel_bytes, int NP,
+                                                                const float *bias, const float *const *r,
+                                                                float *const *y, int R, int cols_last) {
+    __m256 ev[2][DIRECT_ROWS], od[2][DIRECT_ROWS];
+    _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ev[p][i] = od[p][i] = _mm256_setzero_ps();
     const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
     for (int g = 0; g < G; g++) {
-        const uint8_t *blk = w + (size_t)g * bb;
         const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES + 128, _MM_HINT_T0);
+        const float *xk[DIRECT_ROWS];
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) xk[i] = x[i] + k0;
+        _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+            const char *ahead = (const char *)(w + p * panel_bytes + (size_t)g * bb) + PREFETCH_BYTES;
+            for (int off = 0; off < bb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
         if (fmt == FMT_INT8) {
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 192, _MM_HINT_T0);
-            _mm_prefetch((const char *)blk + PREFETCH_BYTES + 256, _MM_HINT_T0);
-            const __m256 d = load_half8(blk);
-            const uint8_t *q = blk + 16;
+            __m256 d[2];
+            const uint8_t *q[2];
+            _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                const uint8_t *blk = w + p * panel_bytes + (size_t)g * bb;
+                d[p] = load_half8(blk);
+                q[p] = blk + 16;
+            }
             int kk = 0;
             for (; kk + 1 < kn; kk += 2) {
-                __m256 w0 = deq8(q, kk, d), w1 = deq8(q, kk + 1, d);
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                    ev[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[i] + k0 + kk), w0, ev[i]);
-                    od[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[i] + k0 + kk + 1), w1, od[i]);
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 w0 = deq8(q[p], kk, d[p]), w1 = deq8(q[p], kk + 1, d[p]);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + kk), w0, ev[p][i]);
+                        od[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + kk + 1), w1, od[p][i]);
+                    }
                 }
             }
             if (kk < kn) { /* odd group length: the last k is even */
-                __m256 w0 = deq8(q, kk, d);
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ev[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[i] + k0 + kk), w0, ev[i]);
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 w0 = deq8(q[p], kk, d[p]);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + kk), w0, ev[p][i]);
+                }
             }
         } else {
-            const __m256 d = load_half8(blk), m = load_half8(blk + 16);
-            const uint8_t *q = blk + 32;
+            __m256 d[2], m[2];
+            const uint8_t *q[2];
+            _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                const uint8_t *blk = w + p * panel_bytes + (size_t)g * bb;
+                d[p] = load_half8(blk);
+                m[p] = load_half8(blk + 16);
+                q[p] = blk + 32;
+            }
             int t = 0;
             for (; 2 * t + 1 < kn; t++) {
-                __m256 lo, hi;
-                deq4(q, t, d, m, &lo, &hi);
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
-                    ev[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[i] + k0 + 2 * t), lo, ev[i]);
-                    od[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[i] + k0 + 2 * t + 1), hi, od[i]);
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 lo, hi;
+                    deq4(q[p], t, d[p], m[p], &lo, &hi);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + 2 * t), lo, ev[p][i]);
+                        od[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + 2 * t + 1), hi, od[p][i]);
+                    }
                 }
             }
             if (2 * t < kn) {
-                __m256 lo, hi;
-                deq4(q, t, d, m, &lo, &hi);
-                _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ev[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[i] + k0 + 2 * t), lo, ev[i]);
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 lo, hi;
+                    deq4(q[p], t, d[p], m[p], &lo, &hi);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + 2 * t), lo, ev[p][i]);
+                }
             }
         }
     }
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) store8(ev[i], od[i], bias, r ? r[i] : NULL, y[i], cols);
+    _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+        const int cols = p == NP - 1 ? cols_last : PANEL;
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+            store8(ev[p][i], od[p][i], bias ? bias + p * PANEL : NULL, r ? r[i] + p * PANEL : NULL,
+                   y[i] + p * PANEL, cols);
+    }
 }
 
-/* Specialized per row count so the accumulators live in registers. */
-static void direct_panel_rows(int fmt, const float *const *x, int K, const uint8_t *w, const float *bias,
-                              const float *const *r, float *const *y, int R, int cols) {
-#define CASE(n)                                                                             \
-    case n:                                                                                 \
-        if (fmt == FMT_INT8) direct_panel(FMT_INT8, x, K, w, bias, r, y, n, cols);          \
-        else direct_panel(FMT_INT4, x, K, w, bias, r, y, n, cols);                          \
-        break;
-    switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) }
+/* Specialized per format, panel count and row count so the accumulators live in registers:
+ * 1-2 rows take two panels at once (4-8 independent FMA chains), 3-4 rows one panel. */
+static void direct_dispatch(int fmt, const float *const *x, int K, const uint8_t *w, size_t panel_bytes, int NP,
+                            const float *bias, const float *const *r, float *const *y, int R, int cols_last) {
+#define CASE(np, n)                                                                                         \
+    if (NP == np && R == n) {                                                                               \
+        if (fmt == FMT_INT8) direct_panels(FMT_INT8, x, K, w, panel_bytes, np, bias, r, y, n, cols_last);   \
+        else direct_panels(FMT_INT4, x, K, w, panel_bytes, np, bias, r, y, n, cols_last);                   \
+        return;                                                                                             \
+    }
+    CASE(2, 1) CASE(2, 2) CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
 #undef CASE
 }
 
 static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
                          int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
-    for (int p = p0; p < p1; p++) {
-        const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    const int step = M <= 2 ? 2 : 1; /* panels per pass */
+    for (int p = p0; p < p1; p += step) {
+        const int np = p1 - p < step ? p1 - p : step;
+        const int n0 = p * PANEL, last0 = n0 + (np - 1) * PANEL;
+        const int cols_last = N - last0 < PANEL ? N - last0 : PANEL;
         for (int m0 = 0; m0 < M; m0 += DIRECT_ROWS) {
             const int rows = M - m0 < DIRECT_ROWS ? M - m0 : DIRECT_ROWS;
             const float *x[DIRECT_ROWS], *r[DIRECT_ROWS];
@@ -166,7 +201,8 @@ static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, co
                 r[i] = R ? R + (size_t)(m0 + i) * ldr + n0 : NULL;
                 y[i] = Y + (size_t)(m0 + i) * ldy + n0;
             }
-            direct_panel_rows(fmt, x, K, Wp + p * panel_bytes, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
+            direct_dispatch(fmt, x, K, Wp + p * panel_bytes, panel_bytes, np, bias ? bias + n0 : NULL, R ? r : NULL,
+                            y, rows, cols_last);
         }
     }
 }
