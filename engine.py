@@ -332,7 +332,7 @@ class HFEngine(BatchEngine):
 
         torch.set_num_threads(config.num_threads or physical_cores())
         self.device = resolve_device(config.device)
-        self.tokenizer, hf_model = load_checkpoint(config.model_id)
+        self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
         supported = families()
         if hf_config.model_type not in supported:
@@ -348,15 +348,21 @@ class HFEngine(BatchEngine):
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
+        weights = "fp32" if config.weights == "auto" else config.weights  # a GGUF's "auto" is in hf_model already
         self.model = family(
-            hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm
+            hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm,
+            weights=weights,
         )
+        if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
+            log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
         del hf_model
+        resident = self.model.resident_weights()
         log.info(
-            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, oneDNN linears %s, small-batch kernel %s, "
-            "%d threads",
-            config.model_id, self.device, self.capacity, max_context,
-            self.model.kv.nbytes / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
+            "loaded %s on %s: %d slots x %d tokens, KV cache %.1f MiB, weights resident %s (%.1f MiB), "
+            "oneDNN linears %s, small-batch kernel %s, %d threads",
+            config.model_id, self.device, self.capacity, max_context, self.model.kv.nbytes / 2**20,
+            ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
+            sum(resident.values()) / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -8,7 +8,10 @@ convention in ``cache_dir.py``); ``families()`` imports the torch modules when a
     gpt2.py        GPT-2 block math and weight mapping
     llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
     kv_cache.py    the preallocated KV cache, one row per batch slot
-    kernels/       compiled kernels (small_gemm.c) and the build-once-into-the-cache loader
+    kernels/       compiled kernels (small_gemm.c; quant_gemm.c with the int8/int4 packed layout) and the
+                   build-once-into-the-cache loader
+    quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights
+    quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     cache_dir.py   where checkpoints and built kernels are cached
 """
 

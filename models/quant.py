@@ -368,3 +368,65 @@ def gguf_state_dict(src: GGUFWeights, config) -> dict[str, torch.Tensor | QuantW
                 value = value.t().contiguous()
         out[target] = value
     return out
+
+
+class GGUFModel:
+    """A GGUF checkpoint standing in for the HF module a family is built from: ``config``,
+    ``generation_config`` and ``state_dict()`` (``gguf_state_dict``: quantized weights stay packed,
+    nothing is dequantized unless ``weights`` asks for fp32). Config and generation config come
+    from ``config_dir`` (the GGUF's converted directory, see ``checkpoints.py``).
+    """
+
+    def __init__(self, path: str, config_dir: str, weights: str) -> None:
+        from transformers import AutoConfig, GenerationConfig
+
+        self.path = path
+        self.config = AutoConfig.from_pretrained(config_dir)
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(config_dir)
+        except OSError:  # no generation_config.json: the model config's defaults
+            self.generation_config = GenerationConfig.from_model_config(self.config)
+        self.source = GGUFWeights(path, weights)
+
+    def eval(self) -> "GGUFModel":
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor | QuantWeight]:
+        """Every tensor, converted one at a time (call once: the memory map is dropped afterwards)."""
+        sd = gguf_state_dict(self.source, self.config)
+        self.source.close()
+        return sd
+
+    def describe(self) -> str:
+        """What loading did, for the startup log: each conversion with its tensor count."""
+        return ", ".join(f"{n} x {how}" for how, n in sorted(self.source.conversions.items()))
+
+
+def dequantize_hf_model_(hf_model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """Put into an HF model, in place, the weights our engine multiplies by under ``WEIGHTS=fmt`` (int8 / int4).
+
+    Every linear weight (nn.Linear; GPT-2's Conv1D, stored [in, out]) and the token embedding
+    (a tied lm_head follows it) becomes dequantize(quantize(w)); norms, biases and GPT-2's position
+    embeddings stay as they are, as in the engine. ``generate`` on the result is the reference the
+    quantized engine must match token for token; its perplexity is the format's quality.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    def requant(w: torch.Tensor) -> torch.Tensor:  # [out, in]
+        return dequantize(quantize(w.detach().float(), fmt))
+
+    with torch.no_grad():
+        done: set[int] = set()
+        embed = hf_model.get_input_embeddings()
+        for module in hf_model.modules():
+            weight = getattr(module, "weight", None)
+            if weight is None or id(weight) in done:
+                continue
+            if isinstance(module, torch.nn.Linear) or module is embed:
+                weight.copy_(requant(weight))
+            elif isinstance(module, Conv1D):
+                weight.copy_(requant(weight.t()).t())
+            else:
+                continue
+            done.add(id(weight))
+    return hf_model

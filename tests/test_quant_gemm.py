@@ -175,15 +175,23 @@ def test_shares_torchs_openmp_runtime(kernel):
 
 
 def test_missing_compiler_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built here yet
-    monkeypatch.setattr(qg.shutil, "which", lambda name: None)
+    from models.kernels import build
+
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path))  # nothing built here yet
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C compiler"):
         qg._load()
 
 
+def test_builds_into_an_empty_cache_and_loads(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path))
+    lib = qg._load()
+    assert len(list((tmp_path / "kernels").glob("quant_gemm-*.so"))) == 1 and hasattr(lib, "quant_gemm")
+
+
 def test_compiler_error_is_reported_and_leaves_nothing(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with pytest.raises(RuntimeError, match="failed"):
         qg._load()
-    assert not list((tmp_path / "minibatch-llm").glob("*.so"))
+    assert not list(tmp_path.rglob("*.so"))

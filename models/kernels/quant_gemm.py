@@ -15,24 +15,21 @@ one multiply per 8 weights in the kernel, amortized over the rows. The packed la
 described in ``quant_gemm.c``.
 
 The kernel needs AVX2, FMA, F16C and a C compiler with OpenMP; without them ``load()`` returns
-None (reason logged once) and ``matmul`` computes the same dequantized product with torch. The
-shared object is cached under ``$XDG_CACHE_HOME/minibatch-llm`` keyed by source and flags.
+None (reason logged once) and ``matmul`` computes the same dequantized product with torch.
+``build.py`` compiles it once per machine into the cache's ``kernels/`` directory.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 
 import torch
+
+from .build import build_and_load
 
 log = logging.getLogger("minibatch.quant_gemm")
 
@@ -71,39 +68,11 @@ class QuantWeight:
 # ---------------------------------------------------------------- build and load
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "minibatch-llm")
-
-
-def _build(compiler: str, target: str) -> None:
-    """Compile to a temporary file, then rename: concurrent builders never see a half-written .so."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load() -> ctypes.CDLL:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         capability = torch.backends.cpu.get_cpu_capability()
         raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2, FMA and F16C")
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"quant_gemm-{key}.so")
-    if not os.path.exists(target):
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("no C compiler found to build quant_gemm.c (set CC, or install gcc)")
-        _build(compiler, target)
-    lib = ctypes.CDLL(target)  # ctypes releases the GIL during each call
+    lib = build_and_load(SOURCE, FLAGS)
     lib.quant_gemm.restype = ctypes.c_int
     lib.quant_gemm.argtypes = [
         ctypes.c_int,  # fmt
