@@ -14,7 +14,7 @@ ALL_VARS = (
     "MAX_MODEL_LEN", "NUM_THREADS", "SMALL_GEMM", "STOP_TOKEN_IDS", "HOST", "PORT",
     "SERVED_MODEL_NAME", "CHAT_TEMPLATE", "MAX_QUEUE_TIME_S", "REQUEST_TIMEOUT_S", "MAX_LOGPROBS",
     "LOG_LEVEL", "API_KEY", "MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_CONCURRENT_REQUESTS", "DRAIN_TIMEOUT_S",
-    "FAKE_STEP_DELAY_S", "FAKE_STEP_FAULT_EVERY",
+    "FAKE_STEP_DELAY_S", "FAKE_STEP_FAULT_EVERY", "WEIGHTS",
 )
 
 
@@ -327,3 +327,14 @@ def test_api_key_with_surrounding_whitespace_is_rejected_when_built_directly():
     with pytest.raises(ConfigError, match=r"^API_KEY\b"):
         Config(api_key=" key")
     assert Config.from_env({"API_KEY": " key\n"}).api_key == "key"  # the environment's value is stripped
+
+
+@pytest.mark.parametrize("value", ["auto", "fp32", "int8", "int4"])
+def test_weights_formats(value):
+    assert Config.from_env({"WEIGHTS": value}).weights == value
+
+
+@pytest.mark.parametrize("value", ["int2", "INT8", "bf16", "q4_1"])
+def test_bad_weights_format_names_the_variable_and_the_choices(value):
+    with pytest.raises(ConfigError, match=r"^WEIGHTS must be one of auto, fp32, int8, int4"):
+        Config.from_env({"WEIGHTS": value})
