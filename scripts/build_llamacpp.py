@@ -7,8 +7,8 @@
 Why this route: no network but package registries here, and the ``llama-cpp-python`` sdist
 (``pip download --no-deps --no-binary :all:``) carries a full llama.cpp tree under
 ``vendor/llama.cpp``. It is built with cmake (target ``llama-server``, ``-DLLAMA_CURL=OFF``: no
-downloads from the server itself, and no libcurl needed) into
-``$MINIBATCH_CACHE/llamacpp-<version>`` (default ``~/.cache/minibatch-llm``), so it is built once
+downloads from the server itself, and no libcurl needed) into ``<cache>/llamacpp-<version>``
+(``models/cache_dir.py``; default ``~/.cache/minibatch-llm``), so it is built once
 per machine; a second run finds the binary and only prints its path. The binary is written by
 cmake into the build tree; ``<cache>/llamacpp-<version>/llama-server`` is copied there last, so an
 interrupted build never looks finished.
@@ -28,17 +28,18 @@ import sys
 import tarfile
 import tempfile
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from models.cache_dir import cache_subdir  # noqa: E402  (torch-free)
+
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same
 
 
-def cache_root() -> str:
-    """``$MINIBATCH_CACHE``, else ``~/.cache/minibatch-llm`` (the same root as checkpoints.py)."""
-    return os.path.abspath(os.path.expanduser(os.environ.get("MINIBATCH_CACHE") or "~/.cache/minibatch-llm"))
-
-
 def build_dir(version: str = VERSION) -> str:
-    return os.path.join(cache_root(), f"llamacpp-{version}")
+    """<cache root>/llamacpp-<version> (``models/cache_dir.py``: $MINIBATCH_CACHE, else XDG, else ~/.cache)."""
+    return cache_subdir(f"llamacpp-{version}")
 
 
 def binary_path(version: str = VERSION) -> str | None:
