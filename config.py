@@ -79,7 +79,8 @@ class Config:
     header_timeout_s: float = 10.0
     # Seconds an idle keep-alive connection stays open after its last response.
     timeout_keep_alive_s: float = 5.0
-    # Most open connections plus running request tasks (uvicorn's limit_concurrency); beyond it uvicorn answers 503. 0 = no limit.
+    # Most open connections plus running request tasks (uvicorn's limit_concurrency); beyond it uvicorn
+    # answers 503. 0 = no limit.
     limit_concurrency: int = 4096
     # Largest request head (request line + headers) in bytes; beyond it, 400 (uvicorn's h11_max_incomplete_event_size).
     max_header_bytes: int = 65536
@@ -109,7 +110,9 @@ class Config:
         _check(0 <= self.body_timeout_s <= 3600, "BODY_TIMEOUT_S", "must be a number in [0, 3600] (0 = no limit)")
         _check(0 < self.header_timeout_s <= 3600, "HEADER_TIMEOUT_S", "must be a number in (0, 3600]")
         _check(0 < self.timeout_keep_alive_s <= 3600, "TIMEOUT_KEEP_ALIVE_S", "must be a number in (0, 3600]")
-        _check(0 <= self.limit_concurrency <= 10_000_000, "LIMIT_CONCURRENCY", "must be in [0, 10000000] (0 = no limit)")
+        _check(
+            0 <= self.limit_concurrency <= 10_000_000, "LIMIT_CONCURRENCY", "must be in [0, 10000000] (0 = no limit)"
+        )
         _check(1024 <= self.max_header_bytes <= 16 << 20, "MAX_HEADER_BYTES", "must be in [1024, 16777216]")
         _check(1 <= self.tokenizer_threads <= 64, "TOKENIZER_THREADS", "must be in [1, 64]")
         _check(

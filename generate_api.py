@@ -52,7 +52,13 @@ class GenerateFrames(Frames):
         return {"request_id": self.request_id, "text": chunk.text, "token_ids": chunk.token_ids}
 
     def closing(self, seq: Sequence, rest: str) -> list[dict]:
-        return [{
-            "request_id": self.request_id, "text": rest, "token_ids": [], "finish_reason": seq.finish_reason,
-            "usage": usage(seq).model_dump(), "metrics": seq.metrics_ms(),
-        }]
+        return [
+            {
+                "request_id": self.request_id,
+                "text": rest,
+                "token_ids": [],
+                "finish_reason": seq.finish_reason,
+                "usage": usage(seq).model_dump(),
+                "metrics": seq.metrics_ms(),
+            }
+        ]

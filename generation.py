@@ -75,7 +75,9 @@ class Generation:
             # Token ids (and logprobs) whose text was held back ride along with the next chunk, and
             # the last chunk carries whatever is left, so the chunks hold every generated token once.
             start, self._sent = self._sent, self._fed
-            self.chunks.put_nowait(Chunk(text, seq.output_token_ids[start : self._fed], seq.output_logprobs[start : self._fed]))
+            self.chunks.put_nowait(
+                Chunk(text, seq.output_token_ids[start : self._fed], seq.output_logprobs[start : self._fed])
+            )
 
     async def result(self, disconnected: asyncio.Future | None = None) -> Sequence | None:
         """Wait until finished; None (and the sequence cancelled) if ``disconnected`` fires first."""

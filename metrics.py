@@ -33,16 +33,65 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 REJECT_REASONS = (
-    "auth", "too_large", "too_many_connections", "draining", "validation", "not_found", "queue_full", "not_ready",
-    "timeout", "body_timeout",
+    "auth",
+    "too_large",
+    "too_many_connections",
+    "draining",
+    "validation",
+    "not_found",
+    "queue_full",
+    "not_ready",
+    "timeout",
+    "body_timeout",
 )
 
 request_log = logging.getLogger("minibatch.requests")
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 10.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -57,24 +106,51 @@ class ServerMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(
-            p + "request_success", "Requests that ended, by finish reason (every queued request lands here once).",
-            ["finished_reason"], registry=r,
+            p + "request_success",
+            "Requests that ended, by finish reason (every queued request lands here once).",
+            ["finished_reason"],
+            registry=r,
         )
         self.request_rejected = Counter(
-            p + "request_rejected", "Requests refused without a result, by reason.", ["reason"], registry=r,
+            p + "request_rejected",
+            "Requests refused without a result, by reason.",
+            ["reason"],
+            registry=r,
         )
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between a sequence's consecutive tokens.",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish, every finish reason.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to admission into the batch.",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram(p + "engine_step_seconds", "Engine call time: prefill (admission), decode step, or mixed (both in one forward).",
-                                   ["phase"], buckets=_STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram(p + "batch_size", "Sequences in each decode step (newcomers prefilled in the same forward included).",
-                                    buckets=_BATCH_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between a sequence's consecutive tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to finish, every finish reason.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Arrival to admission into the batch.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            p + "engine_step_seconds",
+            "Engine call time: prefill (admission), decode step, or mixed (both in one forward).",
+            ["phase"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            p + "batch_size",
+            "Sequences in each decode step (newcomers prefilled in the same forward included).",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
         for reason in FINISH_REASONS:  # every series exists from the start (rate() needs a zero)
             self.request_success.labels(reason)
         for reason in REJECT_REASONS:
@@ -117,8 +193,10 @@ class ServerMetrics:
         if request_log.isEnabledFor(logging.INFO):
             m = seq.metrics_ms()
             fields = {
-                "request_id": seq.request_id, "finish_reason": reason,
-                "prompt_tokens": seq.prompt_len, "completion_tokens": len(seq.output_token_ids),
+                "request_id": seq.request_id,
+                "finish_reason": reason,
+                "prompt_tokens": seq.prompt_len,
+                "completion_tokens": len(seq.output_token_ids),
                 "queue_ms": round(m["queue_wait_ms"], 1) if seq.admit_time is not None else None,
                 "ttft_ms": round(m["ttft_ms"], 1) if seq.first_token_time is not None else None,
                 "e2e_ms": round(m["e2e_ms"], 1),
@@ -155,7 +233,8 @@ class _LiveCollector:
         for name, doc in self._GAUGES.items():
             yield GaugeMetricFamily(f"minibatch:{name}", doc, value=float(values.get(name, 0.0)))
         failures = CounterMetricFamily(
-            "minibatch:engine_failures", "Engine calls that raised (their sequences ended with an error).",
+            "minibatch:engine_failures",
+            "Engine calls that raised (their sequences ended with an error).",
             labels=["phase"],
         )
         failures.add_metric(["prefill"], float(values.get("failed_admits", 0)))

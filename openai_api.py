@@ -39,10 +39,15 @@ router = APIRouter(prefix="/v1")
 async def models(runtime: Runtime = Depends(current_runtime)) -> dict:
     return {
         "object": "list",
-        "data": [{
-            "id": runtime.config.model_name, "object": "model", "created": _CREATED, "owned_by": "minibatch-llm",
-            "max_model_len": runtime.engine.max_context,
-        }],
+        "data": [
+            {
+                "id": runtime.config.model_name,
+                "object": "model",
+                "created": _CREATED,
+                "owned_by": "minibatch-llm",
+                "max_model_len": runtime.engine.max_context,
+            }
+        ],
     }
 
 
@@ -66,7 +71,10 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
     done = await run_to_completion(gen, request)
     logprobs = completion_logprobs(runtime, done.output_logprobs, len(echo)) if req.logprobs is not None else None
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": name,
         "choices": [{"index": 0, "text": echo + gen.text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
         "usage": usage(done).model_dump(),
     }
@@ -91,12 +99,18 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         return sse_response(gen, request, ChatFrames(runtime, gen.seq, name, include_usage(req)))
     done = await run_to_completion(gen, request)
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
-        "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": gen.text},
-            "logprobs": chat_logprobs(runtime, done.output_logprobs) if k is not None else None,
-            "finish_reason": done.finish_reason,
-        }],
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "logprobs": chat_logprobs(runtime, done.output_logprobs) if k is not None else None,
+                "finish_reason": done.finish_reason,
+            }
+        ],
         "usage": usage(done).model_dump(),
     }
 
@@ -135,9 +149,9 @@ def chat_logprobs(runtime: Runtime, lps: list) -> dict:
         text = runtime.engine.decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [
-        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
-    ]}
+    return {
+        "content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+    }
 
 
 # --- stream frames -------------------------------------------------------------------------------

@@ -98,8 +98,15 @@ class Operations:
         self.drain_started.set()
         runtime = self.get_runtime()
         timeout = self.config.drain_timeout_s if self.config is not None else 0.0
-        log.info("%s", logfmt("drain_started", in_flight=self.in_flight,
-                              unfinished=runtime.scheduler.num_unfinished if runtime else 0, timeout_s=timeout))
+        log.info(
+            "%s",
+            logfmt(
+                "drain_started",
+                in_flight=self.in_flight,
+                unfinished=runtime.scheduler.num_unfinished if runtime else 0,
+                timeout_s=timeout,
+            ),
+        )
         if runtime is not None:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain(runtime, timeout), name="drain")
 
@@ -122,6 +129,7 @@ class Operations:
     async def finish_drain(self) -> None:
         """The lifespan's shutdown: stop the watchdog (the caller stops the scheduler, aborting leftovers)."""
         self.draining = True
+        self.drain_started.set()
         if self._drain_task is not None:
             self._drain_task.cancel()
             try:
@@ -136,6 +144,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class OperationsMiddleware:
+    """The checks above, in that order, before the app sees a request (see the module docstring)."""
+
     def __init__(self, app, operations: Operations) -> None:
         self.app = app
         self.operations = operations
@@ -147,9 +157,20 @@ class OperationsMiddleware:
         ops, cfg = self.operations, self.operations.config
         open_path = scope["path"] in OPEN_PATHS
         headers = _headers(scope)
-        if cfg is not None and cfg.api_key and not open_path and not _authorized(headers.get(b"authorization"), cfg.api_key):
-            await self._reject(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                               "authentication_error", "auth", extra=[(b"www-authenticate", b"Bearer")])
+        if (
+            cfg is not None
+            and cfg.api_key
+            and not open_path
+            and not _authorized(headers.get(b"authorization"), cfg.api_key)
+        ):
+            await self._reject(
+                send,
+                401,
+                "missing or invalid API key (send Authorization: Bearer <key>)",
+                "authentication_error",
+                "auth",
+                extra=[(b"www-authenticate", b"Bearer")],
+            )
             return
         if ops.draining and not open_path:
             await self._shutting_down(send)
@@ -161,8 +182,14 @@ class OperationsMiddleware:
             receive = _replay(body, receive)
         limit = cfg.max_concurrent_requests if cfg is not None else 0
         if limit and not open_path and ops.in_flight >= limit:
-            await self._reject(send, 429, f"too many requests in flight ({limit}, MAX_CONCURRENT_REQUESTS); retry later",
-                               "rate_limit_error", "too_many_connections", extra=[(b"retry-after", b"1")])
+            await self._reject(
+                send,
+                429,
+                f"too many requests in flight ({limit}, MAX_CONCURRENT_REQUESTS); retry later",
+                "rate_limit_error",
+                "too_many_connections",
+                extra=[(b"retry-after", b"1")],
+            )
             return
         if not open_path:
             ops.in_flight += 1
@@ -187,16 +214,22 @@ class OperationsMiddleware:
                 return None
         reading = asyncio.ensure_future(_read_body(receive, max_body))
         draining = asyncio.ensure_future(self.operations.drain_started.wait())
-        done, _ = await asyncio.wait({reading, draining}, timeout=cfg.body_timeout_s or None,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {reading, draining}, timeout=cfg.body_timeout_s or None, return_when=asyncio.FIRST_COMPLETED
+        )
         draining.cancel()
         if reading not in done:
             reading.cancel()
             if draining in done:
                 await self._shutting_down(send)
             else:
-                await self._reject(send, 408, f"request body not received within {cfg.body_timeout_s:g}s (BODY_TIMEOUT_S)",
-                                   "invalid_request_error", "body_timeout")
+                await self._reject(
+                    send,
+                    408,
+                    f"request body not received within {cfg.body_timeout_s:g}s (BODY_TIMEOUT_S)",
+                    "invalid_request_error",
+                    "body_timeout",
+                )
             return None
         body = reading.result()
         if body is _TOO_LARGE:
@@ -208,22 +241,36 @@ class OperationsMiddleware:
         return body
 
     async def _shutting_down(self, send: Send) -> None:
-        await self._reject(send, 503, "server is shutting down", "unavailable", "draining",
-                           extra=[(b"retry-after", b"1")])
+        await self._reject(
+            send, 503, "server is shutting down", "unavailable", "draining", extra=[(b"retry-after", b"1")]
+        )
 
     async def _too_large(self, send: Send, limit: int) -> None:
-        await self._reject(send, 413, f"request body is larger than {limit} bytes (MAX_BODY_BYTES)",
-                           "invalid_request_error", "too_large")
+        await self._reject(
+            send,
+            413,
+            f"request body is larger than {limit} bytes (MAX_BODY_BYTES)",
+            "invalid_request_error",
+            "too_large",
+        )
 
-    async def _reject(self, send: Send, status: int, message: str, kind: str, reason: str,
-                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    async def _reject(
+        self,
+        send: Send,
+        status: int,
+        message: str,
+        kind: str,
+        reason: str,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         self.operations.metrics.rejected(reason)
         log.info("%s", logfmt("request_rejected", status=status, reason=reason))
         await send_error(send, status, message, kind, extra)
 
 
-async def send_error(send: Send, status: int, message: str, kind: str,
-                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(
+    send: Send, status: int, message: str, kind: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = json.dumps(error_body(status, message, kind)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -45,7 +45,7 @@ class EngineCall:
 
     @property
     def phase(self) -> str:
-        """"prefill", "decode", or "mixed" (both in one call)."""
+        """ "prefill", "decode", or "mixed" (both in one call)."""
         if self.prefilled and self.decoded:
             return "mixed"
         return "prefill" if self.prefilled else "decode"
@@ -165,7 +165,9 @@ class Scheduler:
         if call is not None and not call.done():
             done, _ = await asyncio.wait({asyncio.wrap_future(call)}, timeout=self.stop_wait_s)
             if not done:
-                log.warning("engine call still running %.1fs after stop; resolving its sequences anyway", self.stop_wait_s)
+                log.warning(
+                    "engine call still running %.1fs after stop; resolving its sequences anyway", self.stop_wait_s
+                )
         for seq, _ in list(self._pending.values()):  # waiting, mid-admission or running
             seq.finish(SequenceStatus.FINISHED_ABORTED, error="server is shutting down")
             self._resolve(seq)
@@ -222,7 +224,11 @@ class Scheduler:
             self.failed_admits += len(newcomers)
             log.error(
                 "admit failed for %d sequences (%s; %d admit failures so far): %s",
-                len(newcomers), _ids(newcomers), self.failed_admits, exc, exc_info=True,
+                len(newcomers),
+                _ids(newcomers),
+                self.failed_admits,
+                exc,
+                exc_info=True,
             )
             for seq in newcomers:
                 seq.finish(SequenceStatus.FINISHED_ERROR, error="admission failed")
@@ -266,7 +272,11 @@ class Scheduler:
             self.failed_steps += 1
             log.error(
                 "engine step failed with %d active sequences (%s; %d step failures so far): %s",
-                len(self.running), _ids(self.running.values()), self.failed_steps, exc, exc_info=True,
+                len(self.running),
+                _ids(self.running.values()),
+                self.failed_steps,
+                exc,
+                exc_info=True,
             )
             await self._fail_running("engine step failed")
             return

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import generate_api
 import openai_api
 import probes
-from api_errors import APIError, describe_unparsable_body, describe_validation, error_body
+from api_errors import APIError, describe_unparsable_body, describe_validation
 from config import Config
 from engine import FakeEngine, InferenceEngine, build_engine
 from ops import OPEN_PATHS, Operations, OperationsMiddleware
@@ -113,6 +113,7 @@ def load_engine(config: Config) -> InferenceEngine:
         engine.step_delay = config.fake_step_delay_s
         every = config.fake_step_fault_every
         if every:
+
             def fault(step_no: int) -> None:
                 if step_no % every == 0:
                     raise RuntimeError(f"injected fault at decode step {step_no} (FAKE_STEP_FAULT_EVERY={every})")
@@ -177,12 +178,12 @@ def main() -> int:
     try:
         config = Config.from_env()
         logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-        soft, _ = raise_file_limit()
-        log.info("open-file limit %d", soft)
         engine = load_engine(config)
     except Exception as exc:  # ConfigError, a model that cannot load: the message says which
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    soft, hard = raise_file_limit()
+    log.info("open-file limit %d (hard %d)", soft, hard)
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(app, config), app.state.ops)
     # uvicorn restores the previous SIGTERM handler after its graceful shutdown and re-raises the signal:

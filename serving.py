@@ -55,8 +55,12 @@ def check_prompt_chars(runtime: Runtime, text: str) -> str:
     """MAX_PROMPT_CHARS, checked before tokenizing (a huge prompt must not cost a tokenizer pass)."""
     limit = runtime.config.max_prompt_chars
     if limit and len(text) > limit:
-        raise APIError(422, f"prompt is {len(text)} characters; the limit is {limit} (MAX_PROMPT_CHARS)",
-                       param="prompt", reason="too_large")
+        raise APIError(
+            422,
+            f"prompt is {len(text)} characters; the limit is {limit} (MAX_PROMPT_CHARS)",
+            param="prompt",
+            reason="too_large",
+        )
     return text
 
 
@@ -64,8 +68,12 @@ def check_token_ids(runtime: Runtime, ids: list[int]) -> list[int]:
     """A prompt given as token ids: no longer than the context window, every id in the vocabulary."""
     window = runtime.engine.max_context
     if len(ids) >= window:  # at least one token must be generated
-        raise APIError(422, f"prompt is {len(ids)} tokens; the model's context window is {window} tokens",
-                       param="prompt", reason="too_large")
+        raise APIError(
+            422,
+            f"prompt is {len(ids)} tokens; the model's context window is {window} tokens",
+            param="prompt",
+            reason="too_large",
+        )
     vocab = runtime.engine.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
@@ -113,9 +121,14 @@ def make_sequence(
         raise APIError(422, f"logprobs must be in [0, {cfg.max_logprobs}] (got {logprobs})", param="logprobs")
     try:
         sampling = SamplingParams(
-            temperature=fields.temperature, top_p=fields.top_p, top_k=fields.top_k, min_p=fields.min_p,
-            repetition_penalty=fields.repetition_penalty, presence_penalty=fields.presence_penalty,
-            frequency_penalty=fields.frequency_penalty, seed=fields.seed,
+            temperature=fields.temperature,
+            top_p=fields.top_p,
+            top_k=fields.top_k,
+            min_p=fields.min_p,
+            repetition_penalty=fields.repetition_penalty,
+            presence_penalty=fields.presence_penalty,
+            frequency_penalty=fields.frequency_penalty,
+            seed=fields.seed,
         )
     except ValueError as exc:
         raise APIError(422, str(exc)) from None

@@ -107,8 +107,14 @@ class AcceptErrorLog:
             return
         self._last = now
         exc = context.get("exception")
-        log.error("%s (%s): new connections wait in the backlog until descriptors free up; "
-                  "%d such errors in the last %.0fs not logged", self.MESSAGE, exc, self.held_back, self.interval)
+        log.error(
+            "%s (%s): new connections wait in the backlog until descriptors free up; "
+            "%d such errors in the last %.0fs not logged",
+            self.MESSAGE,
+            exc,
+            self.held_back,
+            self.interval,
+        )
         self.held_back = 0
 
 
@@ -130,7 +136,11 @@ def uvicorn_config(app, config: Config) -> uvicorn.Config:
     """uvicorn's settings from ours. The asyncio loop, not uvloop even where it is installed: the
     accept-error handling and the limits above are the ones tested."""
     return uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level.lower(), loop="asyncio",
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level.lower(),
+        loop="asyncio",
         http=header_timeout_protocol(config.header_timeout_s),
         limit_concurrency=config.limit_concurrency or None,
         timeout_keep_alive=config.timeout_keep_alive_s,

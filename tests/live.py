@@ -25,7 +25,6 @@ import threading
 import time
 
 import httpx
-
 from conftest import fake_text  # noqa: F401  (re-exported: tests import it from here with the servers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,13 +57,17 @@ class ProcessServer:
     def __init__(self, env: dict[str, str], ready_timeout: float = 60.0, preexec_fn=None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = {k: v for k, v in os.environ.items() if k not in _CONFIG_VARS}
+        full_env = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
         full_env.update({"HOST": "127.0.0.1", "PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
         full_env.update(env)
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "server.py")], cwd=ROOT, env=full_env,
-            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
+            [sys.executable, os.path.join(ROOT, "server.py")],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
         try:
             wait_ready(self.url, ready_timeout, alive=lambda: self.proc.poll() is None)
@@ -190,7 +193,7 @@ def metric(text: str, name: str, labels: str = "") -> float:
     raise KeyError(key)
 
 
-def _config_vars() -> set[str]:
+def config_vars() -> set[str]:
     import dataclasses
 
     from config import Config
@@ -198,4 +201,4 @@ def _config_vars() -> set[str]:
     return {f.name.upper() for f in dataclasses.fields(Config)}
 
 
-_CONFIG_VARS = _config_vars()
+CONFIG_VARS = config_vars()

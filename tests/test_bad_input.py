@@ -19,6 +19,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from live import ThreadServer
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -30,7 +31,6 @@ from schemathesis.specs.openapi.checks import (
 
 from config import Config
 from engine import FakeEngine
-from live import ThreadServer
 from server import create_app
 
 MAX_EXAMPLES = 40  # per operation and mode: (7 positive + 3 negative) x 40 = 400 generated requests at most
@@ -42,8 +42,13 @@ TRIED = {"schemathesis": 0, "raw": 0}
 
 @pytest.fixture(scope="module")
 def live():
-    config = Config(model_id="fake", max_new_tokens_limit=32, max_body_bytes=MAX_BODY,
-                    max_prompt_chars=MAX_PROMPT_CHARS, log_level="WARNING")
+    config = Config(
+        model_id="fake",
+        max_new_tokens_limit=32,
+        max_body_bytes=MAX_BODY,
+        max_prompt_chars=MAX_PROMPT_CHARS,
+        log_level="WARNING",
+    )
     with ThreadServer(create_app(config=config, engine=FakeEngine(capacity=4, max_context=CONTEXT))) as srv:
         yield srv
 
@@ -63,15 +68,23 @@ def schema(roomy):
 
 
 OPERATIONS = [
-    ("/generate", "POST"), ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
-    ("/health", "GET"), ("/ready", "GET"), ("/metrics", "GET"),
+    ("/generate", "POST"),
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+    ("/v1/models", "GET"),
+    ("/health", "GET"),
+    ("/ready", "GET"),
+    ("/metrics", "GET"),
 ]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
-CASES = [(path, method, mode) for path, method in OPERATIONS
-         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
-         if method == "POST" or mode is GenerationMode.POSITIVE]  # a GET without parameters has no invalid form
+CASES = [
+    (path, method, mode)
+    for path, method in OPERATIONS
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    if method == "POST" or mode is GenerationMode.POSITIVE
+]  # a GET without parameters has no invalid form
 
 
 @pytest.mark.parametrize("path, method, mode", CASES, ids=[f"{m} {p} {g.value}" for p, m, g in CASES])
@@ -80,8 +93,14 @@ def test_schemathesis(roomy, schema, path, method, mode):
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
     seen = []
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def run_case(case):
         response = case.call(base_url=roomy.url, timeout=15)
@@ -96,6 +115,7 @@ def test_schemathesis(roomy, schema, path, method, mode):
 
 
 # --- hand-written raw cases ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def client(live):
@@ -123,10 +143,28 @@ def assert_4xx(r: httpx.Response, status: int | None = None, contains: str | Non
 
 PATHS = ["/generate", "/v1/completions", "/v1/chat/completions"]
 MALFORMED = [
-    b"", b"{", b"}", b"{{}}", b'{"prompt": ', b'{"prompt": "x",}', b"{'prompt': 'x'}", b"not json", b"[]", b"null",
-    b"42", b'"prompt"', b"\xff\xfe\x00", b'{"prompt": "x"} trailing', b'{"prompt": "\\x41"}', b"\x00" * 64,
-    b'{"prompt": "x", "prompt": 5}', b'{"messages": "hi"}', b'{"messages": [{"role": "robot", "content": "x"}]}',
-    b'{"messages": []}', b'{"messages": [{"role": "user"}]}', b'{"messages": [{"role": "user", "content": 5}]}',
+    b"",
+    b"{",
+    b"}",
+    b"{{}}",
+    b'{"prompt": ',
+    b'{"prompt": "x",}',
+    b"{'prompt': 'x'}",
+    b"not json",
+    b"[]",
+    b"null",
+    b"42",
+    b'"prompt"',
+    b"\xff\xfe\x00",
+    b'{"prompt": "x"} trailing',
+    b'{"prompt": "\\x41"}',
+    b"\x00" * 64,
+    b'{"prompt": "x", "prompt": 5}',
+    b'{"messages": "hi"}',
+    b'{"messages": [{"role": "robot", "content": "x"}]}',
+    b'{"messages": []}',
+    b'{"messages": [{"role": "user"}]}',
+    b'{"messages": [{"role": "user", "content": 5}]}',
     b"[" * 10_000,  # deep nesting
 ]
 
@@ -145,13 +183,37 @@ def _payload(path: str, **fields) -> dict:
 
 
 BAD_FIELDS = [
-    {"prompt": 5}, {"prompt": None}, {"prompt": True}, {"prompt": {"a": 1}}, {"prompt": ""},
-    {"max_tokens": "8"}, {"max_tokens": 8.5}, {"max_tokens": -1}, {"max_tokens": 0}, {"max_tokens": 10**30},
-    {"max_tokens": 2**63}, {"max_tokens": True},
-    {"temperature": -0.1}, {"temperature": 1e308}, {"temperature": "hot"}, {"top_p": 0}, {"top_p": 1.5},
-    {"top_k": -1}, {"seed": -1}, {"seed": 2**64}, {"presence_penalty": 99}, {"repetition_penalty": 0},
-    {"stop": [""]}, {"stop": ["x"] * 9}, {"stop": 5}, {"stop_token_ids": [-1]}, {"stop_token_ids": list(range(65))},
-    {"n": 2}, {"stream": "yes"}, {"logprobs": 99}, {"logit_bias": {"1": 5}},
+    {"prompt": 5},
+    {"prompt": None},
+    {"prompt": True},
+    {"prompt": {"a": 1}},
+    {"prompt": ""},
+    {"max_tokens": "8"},
+    {"max_tokens": 8.5},
+    {"max_tokens": -1},
+    {"max_tokens": 0},
+    {"max_tokens": 10**30},
+    {"max_tokens": 2**63},
+    {"max_tokens": True},
+    {"temperature": -0.1},
+    {"temperature": 1e308},
+    {"temperature": "hot"},
+    {"top_p": 0},
+    {"top_p": 1.5},
+    {"top_k": -1},
+    {"seed": -1},
+    {"seed": 2**64},
+    {"presence_penalty": 99},
+    {"repetition_penalty": 0},
+    {"stop": [""]},
+    {"stop": ["x"] * 9},
+    {"stop": 5},
+    {"stop_token_ids": [-1]},
+    {"stop_token_ids": list(range(65))},
+    {"n": 2},
+    {"stream": "yes"},
+    {"logprobs": 99},
+    {"logit_bias": {"1": 5}},
 ]
 
 
@@ -212,7 +274,9 @@ def test_prompt_far_past_the_context_window(client, path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_prompt_over_max_prompt_chars(client, path):
-    err = assert_4xx(raw_post(client, path, json.dumps(_payload(path, prompt="y" * (MAX_PROMPT_CHARS + 1))).encode()), 422)
+    err = assert_4xx(
+        raw_post(client, path, json.dumps(_payload(path, prompt="y" * (MAX_PROMPT_CHARS + 1))).encode()), 422
+    )
     assert "MAX_PROMPT_CHARS" in err["message"]
 
 
@@ -246,8 +310,10 @@ def test_huge_declared_content_length_is_refused_before_reading(live):
 
     TRIED["raw"] += 1
     with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 99999999999\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 99999999999\r\n\r\n{"prompt": '
+        )
         head = s.recv(65536)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
 
@@ -264,6 +330,6 @@ def test_server_still_healthy_afterwards(live):
     r = httpx.post(f"{live.url}/generate", json={"prompt": "still fine", "max_new_tokens": 3})
     assert r.status_code == 200
     assert httpx.get(f"{live.url}/ready").status_code == 200
-    st = live.state
-    assert st.engine.num_active() == 0 and st.scheduler.num_unfinished == 0
+    runtime = live.state
+    assert runtime.engine.num_active() == 0 and runtime.scheduler.num_unfinished == 0
     print(f"\nbad input tried: {TRIED['schemathesis']} schemathesis-generated requests, {TRIED['raw']} hand-written")

@@ -12,7 +12,6 @@ import json
 import time
 
 import httpx
-
 from conftest import fake_text, run
 from live import ProcessServer
 
@@ -20,8 +19,13 @@ STEP = 0.02  # FAKE_STEP_DELAY_S: a decode step takes 20 ms
 
 
 def fake_env(**extra) -> dict[str, str]:
-    env = {"MODEL_ID": "fake", "FAKE_STEP_DELAY_S": str(STEP), "MAX_BATCH_SIZE": "4", "LOG_LEVEL": "INFO",
-           "MAX_NEW_TOKENS_LIMIT": "1000"}
+    env = {
+        "MODEL_ID": "fake",
+        "FAKE_STEP_DELAY_S": str(STEP),
+        "MAX_BATCH_SIZE": "4",
+        "LOG_LEVEL": "INFO",
+        "MAX_NEW_TOKENS_LIMIT": "1000",
+    }
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -66,14 +70,19 @@ async def probe_new_requests(url: str, seconds: float) -> list[str]:
 
 def test_sigterm_lets_in_flight_requests_finish_and_exits_0():
     with ProcessServer(fake_env(DRAIN_TIMEOUT_S=20)) as srv:
+
         async def body():
             async with httpx.AsyncClient(timeout=30) as c:
                 plain = [(f"drain plain {i}", 40 + 5 * i) for i in range(6)]  # 4 slots: 2 wait in the queue
                 streams = [(f"drain stream {i}", 30) for i in range(2)]
-                plain_tasks = [asyncio.create_task(c.post(f"{srv.url}/generate", json={"prompt": p, "max_new_tokens": n}))
-                               for p, n in plain]
-                stream_tasks = [asyncio.create_task(stream_events(c, srv.url, {"prompt": p, "max_new_tokens": n}))
-                                for p, n in streams]
+                plain_tasks = [
+                    asyncio.create_task(c.post(f"{srv.url}/generate", json={"prompt": p, "max_new_tokens": n}))
+                    for p, n in plain
+                ]
+                stream_tasks = [
+                    asyncio.create_task(stream_events(c, srv.url, {"prompt": p, "max_new_tokens": n}))
+                    for p, n in streams
+                ]
                 await wait_unfinished(c, srv.url, len(plain) + len(streams))
                 sigterm_at = time.monotonic()
                 srv.terminate()
@@ -101,13 +110,18 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0():
 
 def test_sigterm_aborts_what_outlives_the_drain_timeout_with_a_clear_error():
     with ProcessServer(fake_env(DRAIN_TIMEOUT_S=1)) as srv:
+
         async def body():
             async with httpx.AsyncClient(timeout=30) as c:
                 long_plain = asyncio.create_task(
-                    c.post(f"{srv.url}/generate", json={"prompt": "too long", "max_new_tokens": 1000}))
+                    c.post(f"{srv.url}/generate", json={"prompt": "too long", "max_new_tokens": 1000})
+                )
                 long_stream = asyncio.create_task(
-                    stream_events(c, srv.url, {"prompt": "too long stream", "max_new_tokens": 1000}))
-                short = asyncio.create_task(c.post(f"{srv.url}/generate", json={"prompt": "short", "max_new_tokens": 5}))
+                    stream_events(c, srv.url, {"prompt": "too long stream", "max_new_tokens": 1000})
+                )
+                short = asyncio.create_task(
+                    c.post(f"{srv.url}/generate", json={"prompt": "short", "max_new_tokens": 5})
+                )
                 await wait_unfinished(c, srv.url, 3)
                 sigterm_at = time.monotonic()
                 srv.terminate()
@@ -119,7 +133,9 @@ def test_sigterm_aborts_what_outlives_the_drain_timeout_with_a_clear_error():
         assert r_long.status_code == 503, r_long.text
         err = r_long.json()["error"]
         assert err["message"] == "request aborted: server is shutting down" and err["code"] == 503
-        assert evs[-1] == "[DONE]" and evs[-2]["error"]["message"] == "request aborted: server is shutting down", evs[-2:]
+        assert evs[-1] == "[DONE]" and evs[-2]["error"]["message"] == "request aborted: server is shutting down", evs[
+            -2:
+        ]
         assert 0 < len("".join(e.get("text", "") for e in evs[:-2])) < 1000  # it streamed, then was cut
         code = srv.wait(10)
         assert code == 0, srv.output()

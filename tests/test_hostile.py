@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import fake_text, run
 from live import ProcessServer, metric
 
@@ -36,8 +35,9 @@ def connect(port: int) -> socket.socket:
 def slow_body(port: int, declared: int = 100) -> socket.socket:
     """A POST that declares ``declared`` body bytes, sends one, and stalls."""
     s = connect(port)
-    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {declared}\r\n\r\n{{")
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n{{"
+    )
     s.sendall(head.encode())
     return s
 
@@ -99,8 +99,10 @@ def test_slow_bodies_get_408_and_never_hold_request_slots():
                 status, _, body = read_response(s, timeout=10)
                 assert status == 408, body
                 assert_error_shape(body, 408, "BODY_TIMEOUT_S")
-            print(f"\n8 stalled bodies with MAX_CONCURRENT_REQUESTS=4: normal request 200; "
-                  f"408s within {time.monotonic() - start + 0.3:.2f}s")
+            print(
+                f"\n8 stalled bodies with MAX_CONCURRENT_REQUESTS=4: normal request 200; "
+                f"408s within {time.monotonic() - start + 0.3:.2f}s"
+            )
         finally:
             for s in stalled:
                 s.close()
@@ -221,11 +223,12 @@ def test_health_shows_the_served_name_never_the_model_path():
 
 def test_queue_full_503_has_retry_after():
     with ProcessServer(fake_env(MAX_BATCH_SIZE=1, MAX_QUEUE_DEPTH=1, FAKE_STEP_DELAY_S=0.02)) as srv:
+
         async def burst():
             async with httpx.AsyncClient(timeout=20) as c:
-                return await asyncio.gather(*(
-                    c.post(f"{srv.url}/generate", json={"prompt": f"p{i}", "max_new_tokens": 20}) for i in range(6)
-                ))
+                return await asyncio.gather(
+                    *(c.post(f"{srv.url}/generate", json={"prompt": f"p{i}", "max_new_tokens": 20}) for i in range(6))
+                )
 
         answers = run(burst())
         full = [r for r in answers if r.status_code == 503]
@@ -245,14 +248,18 @@ def post_raw(srv: ProcessServer, body: bytes, path: str = "/generate") -> httpx.
     return httpx.post(f"{srv.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=10)
 
 
-@pytest.mark.parametrize("body, words", [
-    (b'{"prompt": "x", "max_new_tokens": ' + b"9" * 5000 + b"}", ("digits",)),
-    (b"[" * 100_000 + b"]" * 100_000, ("nested",)),
-    ('{"prompt": "hello", "max_new_tokens": 2}'.encode("utf-16"), ("UTF-8", "utf-16")),
-    ('{"prompt": "hello", "max_new_tokens": 2}'.encode("utf-16-le"), ("UTF-8", "utf-16")),
-    ('{"prompt": "hello", "max_new_tokens": 2}'.encode("utf-32"), ("UTF-8", "utf-32")),
-    (b'{"prompt": "caf\xe9"}', ("not valid UTF-8",)),
-], ids=["5000-digit int", "nested 100000 deep", "utf-16 bom", "utf-16-le", "utf-32", "latin-1"])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (b'{"prompt": "x", "max_new_tokens": ' + b"9" * 5000 + b"}", ("digits",)),
+        (b"[" * 100_000 + b"]" * 100_000, ("nested",)),
+        ('{"prompt": "hello", "max_new_tokens": 2}'.encode("utf-16"), ("UTF-8", "utf-16")),
+        ('{"prompt": "hello", "max_new_tokens": 2}'.encode("utf-16-le"), ("UTF-8", "utf-16")),
+        ('{"prompt": "hello", "max_new_tokens": 2}'.encode("utf-32"), ("UTF-8", "utf-32")),
+        (b'{"prompt": "caf\xe9"}', ("not valid UTF-8",)),
+    ],
+    ids=["5000-digit int", "nested 100000 deep", "utf-16 bom", "utf-16-le", "utf-32", "latin-1"],
+)
 def test_malformed_bodies_say_what_is_wrong(plain, body, words):
     r = post_raw(plain, body)
     assert r.status_code == 422, r.text
@@ -280,11 +287,14 @@ def test_unknown_routes_and_methods_count_as_not_found(plain):
         assert got == delta, (name, got)
 
 
-@pytest.mark.parametrize("path, payload", [
-    ("/generate", {"prompt": "boom", "max_new_tokens": 20}),
-    ("/v1/completions", {"prompt": "boom", "max_tokens": 20}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 20}),
-])
+@pytest.mark.parametrize(
+    "path, payload",
+    [
+        ("/generate", {"prompt": "boom", "max_new_tokens": 20}),
+        ("/v1/completions", {"prompt": "boom", "max_tokens": 20}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "boom"}], "max_tokens": 20}),
+    ],
+)
 def test_engine_error_ends_every_stream_the_openai_way_with_a_stable_message(path, payload):
     """After an engine error both APIs send the error event, then [DONE]; no internal exception text."""
     with ProcessServer(fake_env(FAKE_STEP_FAULT_EVERY=1)) as srv:

@@ -8,8 +8,8 @@ import math
 
 import httpx
 import pytest
+from conftest import Gate, assert_error, bounded, fake_ids, fake_text, serving, wait_until
 
-from conftest import assert_error, bounded, fake_ids, fake_text, Gate, serving, wait_until
 from config import Config
 from engine import FakeEngine
 from server import create_app
@@ -323,7 +323,9 @@ def test_422_context_window_with_multibyte_prompt():
     bounded(body)
 
 
-@pytest.mark.parametrize("method, path, status", [("GET", "/nope", 404), ("GET", "/generate", 405), ("POST", "/health", 405)])
+@pytest.mark.parametrize(
+    "method, path, status", [("GET", "/nope", 404), ("GET", "/generate", 405), ("POST", "/health", 405)]
+)
 def test_routing_errors_have_the_error_shape(method, path, status):
     async def body():
         async with serving() as c:
@@ -410,7 +412,9 @@ def test_500_when_admit_raises_and_server_keeps_serving():
 
     async def body():
         async with serving(FakeEngine(admit_fault=fault)) as c:
-            err = assert_error(await c.post("/generate", json={"prompt": "a", "max_new_tokens": 3}), 500, "server_error")
+            err = assert_error(
+                await c.post("/generate", json={"prompt": "a", "max_new_tokens": 3}), 500, "server_error"
+            )
             assert err["message"] == "generation failed: admission failed"
             assert_ok(await c.post("/generate", json={"prompt": "b", "max_new_tokens": 3}), "b", 3)
 
@@ -445,8 +449,10 @@ def test_shutdown_answers_in_flight_requests():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
                 async with app.router.lifespan_context(app):
                     sched = app.state.server.scheduler
-                    tasks = [asyncio.create_task(c.post("/generate", json={"prompt": f"s{i}", "max_new_tokens": 4}))
-                             for i in range(3)]
+                    tasks = [
+                        asyncio.create_task(c.post("/generate", json={"prompt": f"s{i}", "max_new_tokens": 4}))
+                        for i in range(3)
+                    ]
                     await wait_until(lambda: gate.entered.is_set() and len(sched.waiting) == 2, what="in flight")
                 rs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
             for r in rs:

@@ -15,10 +15,10 @@ import time
 
 import httpx
 import pytest
-
 from conftest import run
-from config import Config
 from live import ThreadServer, metric
+
+from config import Config
 from server import create_app
 
 pytestmark = pytest.mark.model
@@ -26,8 +26,10 @@ pytestmark = pytest.mark.model
 CAPACITY = 8
 PAIRS = 100
 COPIES = 3  # the first copy of each pair is streamed
-WORDS = ("the quick brown fox jumps over a lazy dog while batching requests into slots of a small cache "
-         "Paris Rome Tokyo numbers 1 2 3 fibonacci emoji café 東京 😀").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while batching requests into slots of a small cache "
+    "Paris Rome Tokyo numbers 1 2 3 fibonacci emoji café 東京 😀"
+).split()
 
 
 def make_pairs(seed: int = 5) -> list[tuple[str, int]]:
@@ -58,13 +60,18 @@ async def post(c: httpx.AsyncClient, url: str, rid: str, prompt: str, n: int, st
             if "finish_reason" in event:
                 final = event
     assert final is not None, rid
-    return rid, {"request_id": rid, "text": "".join(texts), "finish_reason": final["finish_reason"],
-                 "usage": final["usage"]}
+    return rid, {
+        "request_id": rid,
+        "text": "".join(texts),
+        "finish_reason": final["finish_reason"],
+        "usage": final["usage"],
+    }
 
 
 def test_300_concurrent_requests_far_above_capacity(tiny_model_dir):
-    config = Config(model_id=tiny_model_dir, max_batch_size=CAPACITY, max_new_tokens_limit=64, num_threads=1,
-                    log_level="WARNING")
+    config = Config(
+        model_id=tiny_model_dir, max_batch_size=CAPACITY, max_new_tokens_limit=64, num_threads=1, log_level="WARNING"
+    )
     app = create_app(config=config)
     with ThreadServer(app, ready_timeout=120) as srv:
         sched, engine = srv.state.scheduler, srv.state.engine
@@ -87,12 +94,15 @@ def test_300_concurrent_requests_far_above_capacity(tiny_model_dir):
                 random.Random(1).shuffle(jobs)
                 start = time.monotonic()
                 results = await asyncio.gather(
-                    *(post(c, srv.url, rid, *pairs[i], stream=stream) for rid, i, stream in jobs))
+                    *(post(c, srv.url, rid, *pairs[i], stream=stream) for rid, i, stream in jobs)
+                )
                 return alone, jobs, dict(results), time.monotonic() - start
 
         alone, jobs, results, seconds = run(asyncio.wait_for(body(), 150))
-        print(f"\n{len(jobs)} requests into {CAPACITY} slots in {seconds:.1f}s; peak batch "
-              f"{engine.stats()['peak_batch']}, steps {engine.stats()['steps']}")
+        print(
+            f"\n{len(jobs)} requests into {CAPACITY} slots in {seconds:.1f}s; peak batch "
+            f"{engine.stats()['peak_batch']}, steps {engine.stats()['steps']}"
+        )
 
         assert len(results) == len(jobs) == PAIRS * COPIES
         for rid, i, stream in jobs:
@@ -113,7 +123,9 @@ def test_300_concurrent_requests_far_above_capacity(tiny_model_dir):
         text = httpx.get(f"{srv.url}/metrics").text
         assert metric(text, "minibatch:kv_cache_usage_perc") == 0
         assert metric(text, "minibatch:num_requests_in_flight") == 0
-        total = sum(metric(text, "minibatch:request_success_total", f'finished_reason="{r}"')
-                    for r in ("stop", "length", "abort", "timeout", "error"))
+        total = sum(
+            metric(text, "minibatch:request_success_total", f'finished_reason="{r}"')
+            for r in ("stop", "length", "abort", "timeout", "error")
+        )
         assert total == PAIRS * (COPIES + 1)
         assert metric(text, "minibatch:request_success_total", 'finished_reason="error"') == 0

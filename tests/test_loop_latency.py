@@ -17,16 +17,15 @@ import time
 
 import httpx
 import pytest
-
 from conftest import run
 from live import ProcessServer
 
 pytestmark = pytest.mark.model
 
-# Bound on the worst gap between two stream events while the hostile clients run. Unloaded, a gap
-# is a few ms; a tokenizer pass over a 99,000-character prompt on the loop is ~100 ms, and the
-# hostile clients queue them back to back. Generous: the machine is shared.
-WORST_GAP_S = 0.5
+# Bound on the worst gap between two stream events while the hostile clients run. Unloaded, a gap is
+# a few ms; with tokenizing on the loop the hostile clients pushed it to 3.3 s (p50 0.43 s). Off the
+# loop the worst seen was 0.18-0.26 s (the bodies are still parsed on the loop). Generous: the machine is shared.
+WORST_GAP_S = 1.0
 HOSTILE_SECONDS = 6.0
 
 
@@ -77,9 +76,15 @@ async def stream_gaps(url: str, seconds: float) -> list[float]:
 
 
 def test_a_stream_stays_smooth_while_another_client_sends_oversized_prompts(tiny_model_dir):
-    env = {"MODEL_ID": tiny_model_dir, "MAX_NEW_TOKENS_LIMIT": "512", "MAX_BODY_BYTES": str(4 << 20),
-           "LOG_LEVEL": "WARNING", "CHAT_TEMPLATE": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    env = {
+        "MODEL_ID": tiny_model_dir,
+        "MAX_NEW_TOKENS_LIMIT": "512",
+        "MAX_BODY_BYTES": str(4 << 20),
+        "LOG_LEVEL": "WARNING",
+        "CHAT_TEMPLATE": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
     with ProcessServer(env, ready_timeout=120) as srv:
+
         async def scenario():
             quiet = await stream_gaps(srv.url, 1.0)
             stop = asyncio.Event()
@@ -94,10 +99,12 @@ def test_a_stream_stays_smooth_while_another_client_sends_oversized_prompts(tiny
             return quiet, loud, counts
 
         quiet, loud, counts = run(scenario())
-    print(f"\nstream gaps quiet: p50 {statistics.median(quiet) * 1e3:.1f} ms, max {max(quiet) * 1e3:.1f} ms; "
-          f"under hostile prompts: p50 {statistics.median(loud) * 1e3:.1f} ms, "
-          f"p99 {sorted(loud)[int(len(loud) * 0.99)] * 1e3:.1f} ms, max {max(loud) * 1e3:.1f} ms "
-          f"({len(loud)} gaps; hostile answers {counts})")
+    print(
+        f"\nstream gaps quiet: p50 {statistics.median(quiet) * 1e3:.1f} ms, max {max(quiet) * 1e3:.1f} ms; "
+        f"under hostile prompts: p50 {statistics.median(loud) * 1e3:.1f} ms, "
+        f"p99 {sorted(loud)[int(len(loud) * 0.99)] * 1e3:.1f} ms, max {max(loud) * 1e3:.1f} ms "
+        f"({len(loud)} gaps; hostile answers {counts})"
+    )
     assert counts and set(counts) == {422}, counts
     assert sum(counts.values()) >= 8, counts
     assert max(loud) < WORST_GAP_S, max(loud)

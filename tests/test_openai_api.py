@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from live import ThreadServer, poll_until
 
 from config import Config
-from live import ThreadServer, poll_until
 from server import create_app
 
 pytestmark = pytest.mark.model
@@ -51,8 +51,12 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
     config = Config(
-        model_id=tiny_model_dir, served_model_name=MODEL, chat_template=CHAT_TEMPLATE,
-        max_batch_size=8, max_new_tokens_limit=256, log_level="WARNING",
+        model_id=tiny_model_dir,
+        served_model_name=MODEL,
+        chat_template=CHAT_TEMPLATE,
+        max_batch_size=8,
+        max_new_tokens_limit=256,
+        log_level="WARNING",
     )
     with ThreadServer(create_app(config)) as server:
         yield server
@@ -65,13 +69,17 @@ def client(live):
 
 
 def generate(live, prompt: str, max_new_tokens: int, **extra) -> dict:
-    r = httpx.post(f"{live.url}/generate", json={"prompt": prompt, "max_new_tokens": max_new_tokens, **extra}, timeout=TIMEOUT)
+    r = httpx.post(
+        f"{live.url}/generate", json={"prompt": prompt, "max_new_tokens": max_new_tokens, **extra}, timeout=TIMEOUT
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def rendered_chat(tokenizer, messages) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
 
 
 def stream_completion(client, **kw):
@@ -151,7 +159,9 @@ def test_echo(client):
 
 def test_completion_logprobs(client):
     k, n = 3, 12
-    r = client.completions.create(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=n, temperature=0, logprobs=k, extra_body=NO_EOS)
+    r = client.completions.create(
+        model=MODEL, prompt=CLEAN_PROMPT, max_tokens=n, temperature=0, logprobs=k, extra_body=NO_EOS
+    )
     lp = r.choices[0].logprobs
     assert r.usage.completion_tokens == n
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
@@ -182,7 +192,10 @@ def test_streamed_logprobs_cover_every_token(client, prompt):
     full = client.completions.create(**kw).choices[0].logprobs
     _, _, _, lps = stream_completion(client, **kw)
     lps = [lp for lp in lps if lp is not None]
-    joined = {key: sum((getattr(lp, key) for lp in lps), []) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    joined = {
+        key: sum((getattr(lp, key) for lp in lps), [])
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
     assert len(joined["tokens"]) == 16
     assert joined == {key: getattr(full, key) for key in joined}
 
@@ -228,7 +241,13 @@ def test_chat_greedy_usage_and_stream(client, live, tokenizer):
 
 def test_chat_logprobs(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_EOS,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=NO_EOS,
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
@@ -243,7 +262,9 @@ def test_chat_logprobs(client):
 
 def test_seed_reproducible_across_batchmates(client, live):
     """The same seeded request gives the same text alone and while random requests share its batch."""
-    seeded = dict(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, extra_body=NO_EOS)
+    seeded = dict(
+        model=MODEL, prompt=CLEAN_PROMPT, max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, extra_body=NO_EOS
+    )
     alone = client.completions.create(**seeded)
     assert alone.usage.completion_tokens == 24
 
@@ -254,7 +275,9 @@ def test_seed_reproducible_across_batchmates(client, live):
     try:
         with ThreadPoolExecutor(len(noise_prompts)) as pool:
             noise = [
-                pool.submit(client.completions.create, model=MODEL, prompt=p, max_tokens=64, temperature=1.3, extra_body=NO_EOS)
+                pool.submit(
+                    client.completions.create, model=MODEL, prompt=p, max_tokens=64, temperature=1.3, extra_body=NO_EOS
+                )
                 for p in noise_prompts
             ]
             poll_until(lambda: live.state.engine.num_active() >= len(noise_prompts), 30, "the random requests to run")
@@ -354,7 +377,9 @@ def test_invalid_sampling_values_are_422(client, kwargs, field):
     assert_openai_error(e.value, 422, field)
 
 
-@pytest.mark.parametrize("kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n")])
+@pytest.mark.parametrize(
+    "kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n")]
+)
 def test_invalid_chat_sampling_values_are_422(client, kwargs, field):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, **{"max_tokens": 2, **kwargs})
@@ -417,13 +442,16 @@ def test_engine_top_k_1_and_tiny_top_p_equal_greedy(engine):
 
 def test_engine_fixed_seed_repeats(engine):
     seeded = {"temperature": 1.0, "seed": 7}
-    batch = run_engine(engine, [
-        (CLEAN_PROMPT, seeded),
-        (BYTES_PROMPT, {"temperature": 1.0}),
-        (CLEAN_PROMPT, seeded),
-        (CLEAN_PROMPT, {"temperature": 1.0, "seed": 8}),
-        (CLEAN_PROMPT, {}),
-    ])
+    batch = run_engine(
+        engine,
+        [
+            (CLEAN_PROMPT, seeded),
+            (BYTES_PROMPT, {"temperature": 1.0}),
+            (CLEAN_PROMPT, seeded),
+            (CLEAN_PROMPT, {"temperature": 1.0, "seed": 8}),
+            (CLEAN_PROMPT, {}),
+        ],
+    )
     (alone,) = run_engine(engine, [(CLEAN_PROMPT, seeded)])
     a, _, b, other, greedy = batch
     assert a.output_token_ids == b.output_token_ids == alone.output_token_ids
@@ -437,8 +465,10 @@ def test_engine_top_k_2_samples_only_the_top_two(engine):
     draws = []
     for batch in range(6):
         seqs = run_engine(
-            engine, [(CLEAN_PROMPT, {"temperature": 1.0, "top_k": 2, "seed": batch * 8 + i}) for i in range(8)],
-            max_new_tokens=1, logprobs=2,
+            engine,
+            [(CLEAN_PROMPT, {"temperature": 1.0, "top_k": 2, "seed": batch * 8 + i}) for i in range(8)],
+            max_new_tokens=1,
+            logprobs=2,
         )
         draws += [s.output_token_ids[0] for s in seqs]
     (t1, l1), (t2, l2) = seqs[0].output_logprobs[0].top  # from the raw logits, most likely first

@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
+from conftest import ROOT, Gate, assert_error, bounded, fake_text, serving, wait_until
+from live import config_vars, metric
 
-from conftest import assert_error, bounded, fake_text, Gate, serving, wait_until
 from config import Config
 from engine import FakeEngine
-from live import metric
 from metrics import logfmt
 from server import create_app
 
@@ -68,8 +71,10 @@ def test_metrics_gauges_while_busy():
         try:
             async with serving(eng) as c:
                 sched = c.app.state.server.scheduler
-                tasks = [asyncio.create_task(c.post("/generate", json={"prompt": f"b{i}", "max_new_tokens": 3}))
-                         for i in range(3)]
+                tasks = [
+                    asyncio.create_task(c.post("/generate", json={"prompt": f"b{i}", "max_new_tokens": 3}))
+                    for i in range(3)
+                ]
                 # Prompts are tokenized off the loop, so the first step may start with one or two running.
                 await wait_until(lambda: len(sched.running) + len(sched.waiting) == 3 and gate.entered.is_set())
                 running = len(sched.running)
@@ -221,15 +226,26 @@ def test_drain_in_process_lets_running_finish_then_aborts_the_rest():
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-     {"Authorization": f"Bearer {KEY}x"}, {"Authorization": "Bearer "}, {"X-Api-Key": KEY}],
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": "Bearer "},
+        {"X-Api-Key": KEY},
+    ],
 )
 def test_api_key_rejects_missing_or_wrong(headers):
     async def body():
         async with serving(api_key=KEY) as c:
-            for method, path, payload in [("POST", "/generate", {"prompt": "x"}), ("GET", "/v1/models", None),
-                                          ("POST", "/v1/completions", {"prompt": "x"}), ("GET", "/openapi.json", None),
-                                          ("GET", "/nope", None)]:
+            for method, path, payload in [
+                ("POST", "/generate", {"prompt": "x"}),
+                ("GET", "/v1/models", None),
+                ("POST", "/v1/completions", {"prompt": "x"}),
+                ("GET", "/openapi.json", None),
+                ("GET", "/nope", None),
+            ]:
                 r = await c.request(method, path, json=payload, headers=headers)
                 assert_error(r, 401, "authentication_error", "API key")
                 assert r.headers["www-authenticate"] == "Bearer"
@@ -246,7 +262,9 @@ def test_api_key_accepts_the_key_and_leaves_probes_open():
             auth = {"Authorization": f"Bearer {KEY}"}
             r = await c.post("/generate", json={"prompt": "k", "max_new_tokens": 3}, headers=auth)
             assert r.status_code == 200 and r.json()["text"] == fake_text("k", 3)
-            r = await c.post("/generate", json={"prompt": "k", "max_new_tokens": 3}, headers={"authorization": f"bearer {KEY}"})
+            r = await c.post(
+                "/generate", json={"prompt": "k", "max_new_tokens": 3}, headers={"authorization": f"bearer {KEY}"}
+            )
             assert r.status_code == 200
             assert (await c.get("/v1/models", headers=auth)).status_code == 200
             for path in ("/health", "/ready", "/metrics"):
@@ -270,10 +288,16 @@ def test_body_too_large_by_content_length():
     async def body():
         async with serving(max_body_bytes=2048) as c:
             big = json.dumps({"prompt": "x" * 3000}).encode()
-            assert_error(await c.post("/generate", content=big, headers={"content-type": "application/json"}),
-                         413, "invalid_request_error", "MAX_BODY_BYTES")
+            assert_error(
+                await c.post("/generate", content=big, headers={"content-type": "application/json"}),
+                413,
+                "invalid_request_error",
+                "MAX_BODY_BYTES",
+            )
             ok = json.dumps({"prompt": "x" * 1000, "max_new_tokens": 2}).encode()
-            assert (await c.post("/generate", content=ok, headers={"content-type": "application/json"})).status_code == 200
+            assert (
+                await c.post("/generate", content=ok, headers={"content-type": "application/json"})
+            ).status_code == 200
             assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="too_large"') == 1
 
     bounded(body)
@@ -282,6 +306,7 @@ def test_body_too_large_by_content_length():
 def test_body_too_large_while_streaming_chunked():
     async def body():
         async with serving(FakeEngine(max_context=100_000), max_body_bytes=2048) as c:
+
             async def chunks(n):
                 yield b'{"prompt": "'
                 for _ in range(n):
@@ -309,9 +334,19 @@ def test_invalid_content_length_is_400():
             async def send(message):
                 sent.append(message)
 
-            scope = {"type": "http", "method": "POST", "path": "/generate", "headers": [(b"content-length", b"12x")],
-                     "query_string": b"", "root_path": "", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
-                     "http_version": "1.1", "asgi": {"version": "3.0"}}
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/generate",
+                "headers": [(b"content-length", b"12x")],
+                "query_string": b"",
+                "root_path": "",
+                "scheme": "http",
+                "server": ("t", 80),
+                "client": ("c", 1),
+                "http_version": "1.1",
+                "asgi": {"version": "3.0"},
+            }
             await app(scope, receive, send)
             assert sent[0]["status"] == 400
             assert json.loads(sent[1]["body"])["error"]["message"] == "invalid Content-Length header"
@@ -323,8 +358,11 @@ def test_prompt_chars_limit_on_every_endpoint():
     async def body():
         async with serving(FakeEngine(max_context=100_000), max_prompt_chars=50) as c:
             long = "é" * 51
-            for path, payload in [("/generate", {"prompt": long}), ("/v1/completions", {"prompt": long}),
-                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]})]:
+            for path, payload in [
+                ("/generate", {"prompt": long}),
+                ("/v1/completions", {"prompt": long}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}),
+            ]:
                 assert_error(await c.post(path, json=payload), 422, "invalid_request_error", "MAX_PROMPT_CHARS")
             r = await c.post("/generate", json={"prompt": "é" * 50, "max_new_tokens": 2})
             assert r.status_code == 200
@@ -340,8 +378,10 @@ def test_concurrency_limit_429_then_recovers():
         try:
             async with serving(eng, max_concurrent_requests=2) as c:
                 ops = c.app.state.ops
-                held = [asyncio.create_task(c.post("/generate", json={"prompt": f"h{i}", "max_new_tokens": 2}))
-                        for i in range(2)]
+                held = [
+                    asyncio.create_task(c.post("/generate", json={"prompt": f"h{i}", "max_new_tokens": 2}))
+                    for i in range(2)
+                ]
                 await wait_until(lambda: ops.in_flight == 2 and gate.entered.is_set())
                 r = await c.post("/generate", json={"prompt": "over", "max_new_tokens": 2})
                 assert_error(r, 429, "rate_limit_error", "MAX_CONCURRENT_REQUESTS")
@@ -390,8 +430,12 @@ def test_queue_full_and_not_ready_are_counted():
 def test_streaming_still_works_through_the_middleware():
     async def body():
         async with serving(api_key=KEY) as c:
-            async with c.stream("POST", "/generate", json={"prompt": "sse", "max_new_tokens": 4, "stream": True},
-                                headers={"Authorization": f"Bearer {KEY}"}) as r:
+            async with c.stream(
+                "POST",
+                "/generate",
+                json={"prompt": "sse", "max_new_tokens": 4, "stream": True},
+                headers={"Authorization": f"Bearer {KEY}"},
+            ) as r:
                 assert r.status_code == 200
                 lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             assert lines[-1] == "data: [DONE]"
@@ -414,3 +458,54 @@ def test_openapi_documents_the_operational_errors():
             assert "/metrics" in schema["paths"]
 
     bounded(body)
+
+
+# --- startup: python server.py ----------------------------------------------------------------------
+
+
+def _server_py(env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in config_vars()}
+    full.update({"HOST": "127.0.0.1", "PORT": "1", **env})  # never binds: startup fails first
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "server.py")],
+        cwd=ROOT,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"MODEL_ID": "fake", "MAX_BATCH_SIZE": "0"}, ("MAX_BATCH_SIZE",)),
+        ({"MODEL_ID": "fake", "BODY_TIMEOUT_S": "soon"}, ("BODY_TIMEOUT_S", "a number")),
+        ({"MODEL_ID": "/nonexistent/checkpoint-dir"}, ("/nonexistent/checkpoint-dir",)),
+    ],
+    ids=["bad value", "bad type", "unloadable model"],
+)
+def test_startup_failure_is_one_error_line_and_exit_1(env, words):
+    proc = _server_py(env)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_importing_server_builds_no_app_and_server_app_is_built_once():
+    """``python server.py`` builds its app in main only; ``uvicorn server:app`` gets one, on access."""
+    code = (
+        "import server; assert 'app' not in vars(server); a = server.app; "
+        "assert a is server.app and a.state.server is None; print('ok')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MODEL_ID": "fake"},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -13,8 +13,8 @@ import random
 import time
 
 import pytest
+from conftest import Gate, bounded, fake_ids, wait_until
 
-from conftest import bounded, fake_ids, Gate, wait_until
 from engine import FakeEngine
 from scheduler import QueueFullError, Scheduler, WaitingQueue
 from sequence import Sequence, SequenceStatus
@@ -129,9 +129,12 @@ def test_eviction_frees_a_slot_for_the_next_request():
         await gather_all(futs)
         await sched.stop()
         assert eng.events == [
-            ("admit", a.seq_id), ("finish", a.seq_id),
-            ("admit", b.seq_id), ("finish", b.seq_id),
-            ("admit", c.seq_id), ("finish", c.seq_id),
+            ("admit", a.seq_id),
+            ("finish", a.seq_id),
+            ("admit", b.seq_id),
+            ("finish", b.seq_id),
+            ("admit", c.seq_id),
+            ("finish", c.seq_id),
         ]
         assert b.admit_time >= a.finish_time and c.admit_time >= b.finish_time
         for s, p in ((a, "a"), (b, "b"), (c, "c")):
@@ -318,6 +321,7 @@ def test_admit_exception_fails_only_its_newcomers(bad, caplog):
 def test_admit_exception_fails_the_whole_group_but_not_the_running_batch():
     """The newcomers join a running batch, so they first ride in a mixed admit+step call; its
     failure commits nothing, the retry apart fails only the group, the old batch finishes."""
+
     async def body():
         groups = []
 
@@ -333,7 +337,9 @@ def test_admit_exception_fails_the_whole_group_but_not_the_running_batch():
             old = [make_seq(f"old{i}", 4) for i in range(2)]
             futs_old = [sched.submit(s) for s in old]
             await wait_until(lambda: gate.entered.is_set(), what="first step")
-            new = [make_seq(f"new{i}", 4, request_id=f"new{i}") for i in range(2)]  # admitted together at the next boundary
+            new = [
+                make_seq(f"new{i}", 4, request_id=f"new{i}") for i in range(2)
+            ]  # admitted together at the next boundary
             futs_new = [sched.submit(s) for s in new]
             gate.open.set()
             await gather_all(futs_old + futs_new)
@@ -369,7 +375,10 @@ def test_step_exception_fails_active_set_and_loop_goes_on(fail_step, caplog):
         early = make_seq("early", fail_step)  # its last token comes from step fail_step - 1
         first = [early] + [make_seq(f"long{i}", 10) for i in range(3)]
         queued = [make_seq(f"q{i}", 5) for i in range(6)]
-        prompts = {s.seq_id: p for s, p in zip(first + queued, ["early", "long0", "long1", "long2"] + [f"q{i}" for i in range(6)])}
+        prompts = {
+            s.seq_id: p
+            for s, p in zip(first + queued, ["early", "long0", "long1", "long2"] + [f"q{i}" for i in range(6)])
+        }
         futs = [sched.submit(s) for s in first + queued]
         results = await gather_all(futs)
         later = make_seq("later", 3)
@@ -535,6 +544,7 @@ def test_abort_unknown_or_finished_is_harmless():
 
 def test_stop_waits_for_the_engine_call_in_flight_then_resolves_everything_as_aborted():
     """No token may land on a sequence after it resolved: stop() waits for the step in flight."""
+
     async def body():
         gate = Gate()
         eng = FakeEngine(capacity=2, step_fault=gate.wait)
@@ -656,15 +666,18 @@ def test_expiring_a_full_queue_is_linear():
     sequences touches each a few times (a scan from the front per removal reads ~n * n / 4 seq_ids)."""
     n = 2_000
     sched = Scheduler(FakeEngine(capacity=1), max_queue_depth=n)
-    seqs = [CountingSequence(prompt_token_ids=[1], max_new_tokens=2, queue_deadline=0.0 if i % 2 else None)
-            for i in range(n)]
+    seqs = [
+        CountingSequence(prompt_token_ids=[1], max_new_tokens=2, queue_deadline=0.0 if i % 2 else None)
+        for i in range(n)
+    ]
     for s in seqs:
         sched.waiting.append(s)
     CountingSequence.reads = 0
     sched._expire(time.perf_counter())
     assert len(sched.waiting) == n // 2
-    assert all(s.status is (SequenceStatus.FINISHED_TIMEOUT if i % 2 else SequenceStatus.WAITING)
-               for i, s in enumerate(seqs))
+    assert all(
+        s.status is (SequenceStatus.FINISHED_TIMEOUT if i % 2 else SequenceStatus.WAITING) for i, s in enumerate(seqs)
+    )
     assert CountingSequence.reads <= 10 * n, CountingSequence.reads
 
 

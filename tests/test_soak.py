@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import fake_text, run
 from live import ProcessServer, metric
 
@@ -33,9 +32,17 @@ RSS_GROWTH_LIMIT_KIB = 40 * 1024  # generous: allocator noise, lazily built cach
 
 def server_env() -> dict[str, str]:
     return {
-        "MODEL_ID": "fake", "MAX_BATCH_SIZE": "8", "MAX_QUEUE_DEPTH": "8", "MAX_NEW_TOKENS_LIMIT": "1000",
-        "FAKE_STEP_DELAY_S": "0.002", "FAKE_STEP_FAULT_EVERY": "500", "MAX_QUEUE_TIME_S": "1.5",
-        "REQUEST_TIMEOUT_S": "0.8", "API_KEY": KEY, "MAX_BODY_BYTES": "65536", "MAX_CONCURRENT_REQUESTS": "20",
+        "MODEL_ID": "fake",
+        "MAX_BATCH_SIZE": "8",
+        "MAX_QUEUE_DEPTH": "8",
+        "MAX_NEW_TOKENS_LIMIT": "1000",
+        "FAKE_STEP_DELAY_S": "0.002",
+        "FAKE_STEP_FAULT_EVERY": "500",
+        "MAX_QUEUE_TIME_S": "1.5",
+        "REQUEST_TIMEOUT_S": "0.8",
+        "API_KEY": KEY,
+        "MAX_BODY_BYTES": "65536",
+        "MAX_CONCURRENT_REQUESTS": "20",
         "LOG_LEVEL": "WARNING",
     }
 
@@ -68,8 +75,12 @@ async def one_request(c: httpx.AsyncClient, url: str, kind: str, rng: random.Ran
         return kind, r.status_code
     if kind in ("stream", "hangup"):
         n = rng.randint(5, 60) if kind == "stream" else 900
-        async with c.stream("POST", f"{url}/v1/completions", headers=AUTH,
-                            json={"prompt": prompt, "max_tokens": n, "stream": True, "temperature": 0}) as r:
+        async with c.stream(
+            "POST",
+            f"{url}/v1/completions",
+            headers=AUTH,
+            json={"prompt": prompt, "max_tokens": n, "stream": True, "temperature": 0},
+        ) as r:
             if r.status_code != 200:
                 await r.aread()
                 return ("stream" if kind == "stream" else "plain"), r.status_code
@@ -99,11 +110,15 @@ async def one_request(c: httpx.AsyncClient, url: str, kind: str, rng: random.Ran
         r = await c.post(f"{url}/generate", json={"prompt": prompt, "max_new_tokens": 990}, headers=AUTH)
         return kind, r.status_code
     if kind == "bad_json":
-        r = await c.post(f"{url}/generate", content=b'{"prompt": ', headers={**AUTH, "content-type": "application/json"})
+        r = await c.post(
+            f"{url}/generate", content=b'{"prompt": ', headers={**AUTH, "content-type": "application/json"}
+        )
         return kind, r.status_code
     if kind == "bad_field":
         raw = b'{"messages": [{"role": "user", "content": "x\\ud800"}], "max_tokens": -1}'  # an unpaired surrogate
-        r = await c.post(f"{url}/v1/chat/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
+        r = await c.post(
+            f"{url}/v1/chat/completions", content=raw, headers={**AUTH, "content-type": "application/json"}
+        )
         return kind, r.status_code
     if kind == "bad_key":
         r = await c.post(f"{url}/generate", json={"prompt": prompt}, headers={"Authorization": "Bearer nope"})
@@ -117,8 +132,12 @@ async def one_request(c: httpx.AsyncClient, url: str, kind: str, rng: random.Ran
     raise AssertionError(kind)
 
 
-KINDS = ["plain"] * 8 + ["stream"] * 5 + ["hangup"] * 3 + ["timeout", "bad_json", "bad_field", "bad_key",
-                                                            "too_large", "models"]
+KINDS = (
+    ["plain"] * 8
+    + ["stream"] * 5
+    + ["hangup"] * 3
+    + ["timeout", "bad_json", "bad_field", "bad_key", "too_large", "models"]
+)
 
 
 def test_soak_mixed_traffic_keeps_memory_flat_and_ends_idle():
@@ -156,9 +175,15 @@ def test_soak_mixed_traffic_keeps_memory_flat_and_ends_idle():
                 deadline = time.monotonic() + 10
                 while True:
                     text = (await c.get(f"{srv.url}/metrics")).text
-                    idle = all(metric(text, f"minibatch:{g}") == 0 for g in
-                               ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                                "num_requests_in_flight"))
+                    idle = all(
+                        metric(text, f"minibatch:{g}") == 0
+                        for g in (
+                            "num_requests_running",
+                            "num_requests_waiting",
+                            "kv_cache_usage_perc",
+                            "num_requests_in_flight",
+                        )
+                    )
                     if idle or time.monotonic() > deadline:
                         return text
                     await asyncio.sleep(0.05)

@@ -12,11 +12,11 @@ import json
 
 import httpx
 import pytest
-
 from conftest import bounded, serving, wait_until
+from live import ThreadServer, poll_until
+
 from config import Config
 from engine import FakeEngine
-from live import ThreadServer, poll_until
 from server import create_app
 
 TIMEOUT = 30.0  # seconds any HTTP call may take
@@ -53,7 +53,7 @@ def parse_sse(body: str) -> list:
         if not block.strip():
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -165,7 +165,9 @@ class SSEStream:
 
     def __init__(self, url: str, payload: dict) -> None:
         self.client = httpx.Client(base_url=url, timeout=TIMEOUT)
-        self.response = self.client.send(self.client.build_request("POST", "/generate", json={**payload, "stream": True}), stream=True)
+        self.response = self.client.send(
+            self.client.build_request("POST", "/generate", json={**payload, "stream": True}), stream=True
+        )
         assert self.response.status_code == 200
         self._lines = self.response.iter_lines()
         self.events: list = []
@@ -173,7 +175,7 @@ class SSEStream:
     def next_event(self):
         for line in self._lines:
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 event = data if data == "[DONE]" else json.loads(data)
                 self.events.append(event)
                 return event
@@ -198,7 +200,9 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
         eng = live.state.engine
         prompts = {f"drop-{i}": f"Once upon a time {i}" for i in range(3)}
         prompts |= {f"keep-{i}": f"The capital of France is {i}" for i in range(3)}
-        budget = {rid: (900 if rid.startswith("drop") else 128) for rid in prompts}  # dropped ones never end by themselves
+        budget = {
+            rid: (900 if rid.startswith("drop") else 128) for rid in prompts
+        }  # dropped ones never end by themselves
         streams = {}
         seqs = {}  # request_id -> the engine's Sequence, seen in its rows
 
@@ -208,7 +212,9 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
 
         try:
             for rid, prompt in prompts.items():
-                streams[rid] = SSEStream(live.url, {"prompt": prompt, "max_new_tokens": budget[rid], "ignore_eos": True, "request_id": rid})
+                streams[rid] = SSEStream(
+                    live.url, {"prompt": prompt, "max_new_tokens": budget[rid], "ignore_eos": True, "request_id": rid}
+                )
             poll_until(all_seen, 10, "all six to be admitted")
             for s in streams.values():
                 for _ in range(3):
@@ -243,7 +249,8 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
             assert last["finish_reason"] == "length" and last["usage"]["completion_tokens"] == budget[rid]
             text = "".join(e["text"] for e in events[:-1])
             ref = httpx.post(
-                f"{live.url}/generate", timeout=TIMEOUT,
+                f"{live.url}/generate",
+                timeout=TIMEOUT,
                 json={"prompt": prompts[rid], "max_new_tokens": budget[rid], "ignore_eos": True},
             ).json()
             assert seqs[rid].output_token_ids == ref["token_ids"], rid
@@ -256,7 +263,8 @@ def test_non_streaming_client_that_leaves_is_aborted():
     with ThreadServer(create_app(Config(model_id="fake", **APP_CONFIG), eng)) as live:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
-                f"{live.url}/generate", json={"prompt": "long", "max_new_tokens": HUGE, "request_id": "gone"},
+                f"{live.url}/generate",
+                json={"prompt": "long", "max_new_tokens": HUGE, "request_id": "gone"},
                 timeout=httpx.Timeout(TIMEOUT, read=0.5),
             )
         (seq,) = eng.admitted
@@ -280,10 +288,13 @@ def test_queued_request_whose_client_leaves_never_runs():
             long.next_event()
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(
-                    f"{live.url}/generate", json={"prompt": "queued", "max_new_tokens": 3, "request_id": "queued"},
+                    f"{live.url}/generate",
+                    json={"prompt": "queued", "max_new_tokens": 3, "request_id": "queued"},
                     timeout=httpx.Timeout(TIMEOUT, read=0.3),
                 )
-            queued_stream = SSEStream(live.url, {"prompt": "queued too", "max_new_tokens": 3, "request_id": "queued-stream"})
+            queued_stream = SSEStream(
+                live.url, {"prompt": "queued too", "max_new_tokens": 3, "request_id": "queued-stream"}
+            )
             poll_until(lambda: len(sched.waiting) == 1, 5, "the streamed request to queue")
             queued_stream.close()
             poll_until(lambda: len(sched.waiting) == 0, 5, "the queue to drop both requests")
@@ -291,7 +302,11 @@ def test_queued_request_whose_client_leaves_never_runs():
         finally:
             long.close()
         poll_until(lambda: eng.num_active() == 0 and not sched.running, 5, "the long request to be aborted")
-        r = httpx.post(f"{live.url}/generate", json={"prompt": "after", "max_new_tokens": 2, "request_id": "after"}, timeout=TIMEOUT)
+        r = httpx.post(
+            f"{live.url}/generate",
+            json={"prompt": "after", "max_new_tokens": 2, "request_id": "after"},
+            timeout=TIMEOUT,
+        )
         assert r.status_code == 200
         assert eng.admitted_ids() == ["long", "after"]
 
@@ -303,7 +318,9 @@ def test_queue_time_limit_is_504_and_the_request_never_runs():
     async def body():
         eng = SpyEngine(capacity=1, step_delay=0.002)
         async with serving(eng, max_queue_time_s=0.2, **APP_CONFIG) as c:
-            long = asyncio.create_task(c.post("/generate", json={"prompt": "long", "max_new_tokens": HUGE, "request_id": "long"}))
+            long = asyncio.create_task(
+                c.post("/generate", json={"prompt": "long", "max_new_tokens": HUGE, "request_id": "long"})
+            )
             await wait_until(lambda: eng.num_active() == 1, what="the long request to run")
             r, o = await asyncio.gather(
                 c.post("/generate", json={"prompt": "late", "max_new_tokens": 2, "request_id": "late"}),
@@ -343,7 +360,9 @@ def test_request_time_limit_is_504_and_releases_the_slot():
             o = await c.post("/v1/completions", json={"model": "fake", "prompt": "slow", "max_tokens": HUGE})
             assert o.status_code == 504, o.text
             assert_error_shape(o.json(), 504, "request time limit")
-            events = parse_sse((await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE, "stream": True})).text)
+            events = parse_sse(
+                (await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE, "stream": True})).text
+            )
             assert events[-1] == "[DONE]"  # after an error too, as on /v1
             assert_error_shape(events[-2], 504, "request time limit")
             await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
