@@ -19,6 +19,11 @@ with 16-element sub-block scales become int8 per 32-group, the nearest of our fo
 grid than the source). Every conversion that changes a value is counted per tensor type in
 ``GGUFWeights.conversions`` so the startup log can say so. Any other type raises naming it.
 1-D tensors (norms, biases) are always fp32.
+
+On top: ``gguf_state_dict`` renames a Llama or GPT-2 GGUF's tensors to Hugging Face names (Llama's
+Q/K rows back in HF order), ``GGUFModel`` hands that to a model family in place of an HF module,
+``cat_rows`` fuses weights (QKV, gate+up) in one format, and ``dequantize_hf_model_`` gives an HF
+model the exact weights a quantized engine runs (the parity reference).
 """
 
 from __future__ import annotations
