@@ -66,14 +66,23 @@ def _one_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def load_checkpoint(model_id: str):
-    """(tokenizer, HF causal-LM in fp32, eval mode) for a hub id, a local directory or a ``.gguf`` file."""
+def load_checkpoint(model_id: str, weights: str = "fp32"):
+    """(tokenizer, HF causal-LM in fp32, eval mode) for a hub id, a local directory or a ``.gguf`` file.
+
+    A ``.gguf`` file under ``weights`` other than "fp32" comes back as a ``models.quant.GGUFModel``:
+    config and tokenizer from its converted directory, weights read from the file itself at the
+    precision ``weights`` asks for (its own quantization under "auto"), no fp32 model in memory.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_id(model_id)  # a .gguf file -> its converted checkpoint directory
     with load_errors(path):  # a hub id that cannot load -> an error naming the offline way
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if is_gguf(model_id) and weights != "fp32":
+            from models.quant import GGUFModel
+
+            return tokenizer, GGUFModel(os.path.abspath(os.path.expanduser(model_id)), path, weights)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return tokenizer, model.eval()
 

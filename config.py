@@ -13,6 +13,7 @@ from typing import Mapping
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,10 @@ class Config:
     # Decode-step linears through the small-batch AVX2 kernel (small_gemm.c, compiled once with the
     # system C compiler); off, or where it cannot build, every linear uses oneDNN.
     small_gemm: bool = True
+    # Weight precision (see models/quant.py): "auto" serves a .gguf at its own quantization and a
+    # safetensors checkpoint in fp32; "fp32", "int8" (per 32-group, = GGUF Q8_0) or "int4" (per
+    # 32-group scale + min, = GGUF Q4_1) for any checkpoint. int8 and int4 run on the CPU only.
+    weights: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
     # Name the OpenAI endpoints answer to (GET /v1/models, the "model" field). "" = MODEL_ID.
@@ -128,6 +133,9 @@ class Config:
         )
         _check(1024 <= self.max_header_bytes <= 16 << 20, "MAX_HEADER_BYTES", "must be in [1024, 16777216]")
         _check(1 <= self.tokenizer_threads <= 64, "TOKENIZER_THREADS", "must be in [1, 64]")
+        _check(
+            self.weights in WEIGHT_FORMATS, "WEIGHTS", f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})"
+        )
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),

@@ -593,7 +593,7 @@ class HFEngine(BatchEngine):
 
         torch.set_num_threads(config.num_threads or physical_cores())
         self.device = resolve_device(config.device)
-        self.tokenizer, hf_model = load_checkpoint(config.model_id)
+        self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
         supported = families()
         if hf_config.model_type not in supported:
@@ -614,19 +614,24 @@ class HFEngine(BatchEngine):
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
+        weights = "fp32" if config.weights == "auto" else config.weights  # a GGUF's "auto" is in hf_model already
         try:
             self.model = family(
-                hf_model, config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm,
-                num_blocks=num_blocks, block_size=block_size,
+                hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm,
+                num_blocks=num_blocks, block_size=block_size, weights=weights,
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
+        if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
+            log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
         del hf_model
+        resident = self.model.resident_weights()
         log.info(
             "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB; oneDNN linears %s, small-batch kernel %s, %d threads",
+            "%.1f MiB; weights resident %s (%.1f MiB); oneDNN linears %s, small-batch kernel %s, %d threads",
             config.model_id, self.device, self.capacity, max_context, num_blocks, block_size, num_blocks * block_size,
-            self.model.kv.nbytes / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
+            self.model.kv.nbytes / 2**20, ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
+            sum(resident.values()) / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

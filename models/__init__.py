@@ -8,7 +8,10 @@ convention in ``cache_dir.py``); ``families()`` imports the torch modules when a
     gpt2.py        GPT-2 block math and weight mapping
     llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
     kv_cache.py    the preallocated KV block pool (the block manager, ``block_manager.py``, says who holds what)
-    kernels/       compiled kernels (small_gemm.c, paged_attention.c) and the build-once-into-the-cache loader
+    kernels/       compiled kernels (small_gemm.c, paged_attention.c; quant_gemm.c with the int8/int4 packed
+                   layout) and the build-once-into-the-cache loader
+    quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights
+    quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     cache_dir.py   where checkpoints and built kernels are cached
 """
 
@@ -19,8 +22,7 @@ def families() -> dict[str, type]:
     """HF ``config.model_type`` -> our forward for that family (a ``layers.MixedForward``).
 
     Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=..., num_blocks=...,
-    block_size=...)`` and has
-    ``context_window(hf_config)``. Imports torch.
+    block_size=..., weights=...)`` and has ``context_window(hf_config)``. Imports torch.
     """
     from .gpt2 import GPT2
     from .llama import Llama

@@ -15,18 +15,29 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .layers import Linear, MixedBatch, MixedForward, fp32_state_dict, linear_factory, mixed_attention
+from .kernels.quant_gemm import QuantWeight
+from .layers import (
+    Linear,
+    MixedBatch,
+    MixedForward,
+    embed_rows,
+    embedding_table,
+    fp32_state_dict,
+    linear_factory,
+    mixed_attention,
+)
 
 # HF activation_function name -> oneDNN post-op algorithm for GELU.
 _ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
 class Block:
-    """One transformer block's weights (Conv1D weights transposed to [out, in])."""
+    """One transformer block's weights (Conv1D weights transposed to [out, in]; a QuantWeight is [out, in] already)."""
 
     def __init__(self, sd: dict[str, torch.Tensor], prefix: str, make_linear: Callable[..., Linear]) -> None:
         def lin(name: str) -> Linear:
-            return make_linear(sd[f"{prefix}{name}.weight"].t().contiguous(), sd[f"{prefix}{name}.bias"])
+            w = sd[f"{prefix}{name}.weight"]
+            return make_linear(w if isinstance(w, QuantWeight) else w.t().contiguous(), sd[f"{prefix}{name}.bias"])
 
         self.ln_1 = (sd[f"{prefix}ln_1.weight"], sd[f"{prefix}ln_1.bias"])
         self.ln_2 = (sd[f"{prefix}ln_2.weight"], sd[f"{prefix}ln_2.bias"])
@@ -62,6 +73,7 @@ class GPT2(MixedForward):
         use_small_gemm: bool = True,
         num_blocks: int = 0,
         block_size: int = 32,
+        weights: str = "fp32",
     ) -> None:
         """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
         cfg = hf_model.config
@@ -80,12 +92,13 @@ class GPT2(MixedForward):
 
         sd = fp32_state_dict(hf_model, device)
         base = "transformer."
-        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm)
-        self.wte = sd[base + "wte.weight"]  # [V, C]
+        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
+        self.wte = embedding_table(sd[base + "wte.weight"], weights)  # [V, C]
         self.wpe = sd[base + "wpe.weight"]  # [P, C]
         self.blocks = [Block(sd, f"{base}h.{i}.", make_linear) for i in range(self.n_layer)]
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
-        self.lm_head = make_linear(sd.get("lm_head.weight", self.wte), None)  # [C] -> [V]
+        tied = getattr(cfg, "tie_word_embeddings", True) or "lm_head.weight" not in sd
+        self.lm_head = make_linear(self.wte if tied else sd["lm_head.weight"], None)  # [C] -> [V]
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
 
@@ -94,7 +107,10 @@ class GPT2(MixedForward):
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, None]:
         """Token plus learned position embeddings: [N, C]; the blocks need no positional state."""
-        return self.wte[batch.ids] + self.wpe[batch.pos], None
+        return embed_rows(self.wte, batch.ids) + self.wpe[batch.pos], None
+
+    def embedding_tables(self) -> list:
+        return [self.wte, self.wpe]
 
     def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, pos_state: None) -> torch.Tensor:
         """x: [N, C] -> x + attn(LN(x)), then + MLP(LN(.)): [N, C]."""

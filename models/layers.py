@@ -20,9 +20,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .kernels import small_gemm
+from .kernels import quant_gemm, small_gemm
 from .kernels.paged_attention import paged_attention
+from .kernels.quant_gemm import QuantWeight
 from .kv_cache import PagedKVCache
+from .quant import quantize
 
 
 def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -34,18 +36,44 @@ class Linear:
     """y = x @ W^T + b with W pre-packed once for the CPU kernels; plain F.linear elsewhere.
 
     x: [N, in] -> y: [N, out]. ``gelu`` fuses the activation, ``add`` fuses a residual.
-    On CPU, calls with at most ``small_gemm.MAX_ROWS`` rows (decode steps) go to the compiled
+    fp32 on CPU: calls with at most ``small_gemm.MAX_ROWS`` rows (decode steps) go to the compiled
     small-batch kernel when it is available (``small``), larger ones to oneDNN.
+    Quantized (``weight`` a ``QuantWeight``, or ``quant`` = "int8" / "int4" to quantize an fp32
+    weight here): every call goes to ``quant_gemm`` on the one packed copy (``self.quant``).
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, batch_hint: int, small: bool = False
+        self,
+        weight: torch.Tensor | QuantWeight,
+        bias: torch.Tensor | None,
+        onednn: bool,
+        batch_hint: int,
+        small: bool = False,
+        quant: str | None = None,
     ) -> None:
-        self.onednn = onednn
         self.bias = bias.contiguous() if bias is not None else None
         self.out_features, self.in_features = weight.shape
+        if quant is not None and not isinstance(weight, QuantWeight):
+            weight = quantize(weight, quant)
+        self.quant = weight if isinstance(weight, QuantWeight) else None
+        if self.quant is not None:
+            self.onednn, self.small, self.weight = False, None, None
+            return
+        self.onednn = onednn
         self.small = small_gemm.pack(weight) if small else None  # [ceil(out / 8), in, 8]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if onednn else weight
+
+    @property
+    def fmt(self) -> str:
+        return self.quant.fmt if self.quant is not None else "fp32"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes resident for this weight: the packed copy (quantized), or every fp32 copy (oneDNN, small)."""
+        if self.quant is not None:
+            return self.quant.nbytes
+        n = self.out_features * self.in_features * 4
+        return n * (2 if self.small is not None else 1)
 
     @property
     def n_params(self) -> int:
@@ -55,6 +83,8 @@ class Linear:
         return self.small is not None and x.shape[0] <= small_gemm.MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_gemm.matmul(x, self.quant, self.bias)
         if self._use_small(x):
             return small_gemm.matmul(x, self.small, self.out_features, self.bias)
         if self.onednn:
@@ -62,6 +92,8 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        if self.quant is not None:
+            return F.gelu(quant_gemm.matmul(x, self.quant, self.bias), approximate=approximate)
         if self._use_small(x):
             return F.gelu(small_gemm.matmul(x, self.small, self.out_features, self.bias), approximate=approximate)
         if self.onednn:
@@ -69,6 +101,8 @@ class Linear:
         return F.gelu(F.linear(x, self.weight, self.bias), approximate=approximate)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return quant_gemm.matmul(x, self.quant, self.bias, residual)
         if self._use_small(x):
             return small_gemm.matmul(x, self.small, self.out_features, self.bias, residual)
         if self.onednn:
@@ -78,15 +112,40 @@ class Linear:
         return F.linear(x, self.weight, self.bias) + residual
 
 
-def linear_factory(device: torch.device, capacity: int, want_small: bool) -> tuple[Callable[..., Linear], bool, bool]:
+def linear_factory(
+    device: torch.device, capacity: int, want_small: bool, weights: str = "fp32"
+) -> tuple[Callable[..., Linear], bool, bool]:
     """-> (make_linear(weight, bias), oneDNN on?, small-batch kernel on?) for this device.
 
     The small-batch kernel runs only where oneDNN does (CPU fp32), when asked for, and when it
-    built; it costs a second packed copy of every weight.
+    built; it costs a second packed copy of every fp32 weight. ``weights`` "int8" / "int4"
+    quantizes every fp32 weight it is given (CPU only); a ``QuantWeight`` is used as it is.
     """
+    quant = weights if weights in quant_gemm.FORMATS else None
+    if quant is not None and device.type != "cpu":
+        raise ValueError(f"WEIGHTS={weights} runs on the CPU only (device is {device}); use WEIGHTS=fp32")
     onednn = use_onednn(device, torch.float32)
     small = want_small and onednn and small_gemm.load() is not None
-    return functools.partial(Linear, onednn=onednn, batch_hint=capacity, small=small), onednn, small
+    make = functools.partial(Linear, onednn=onednn, batch_hint=capacity, small=small, quant=quant)
+    return make, onednn, small
+
+
+def embedding_table(table: torch.Tensor | QuantWeight, weights: str) -> torch.Tensor | QuantWeight:
+    """A token embedding [V, C] in the ``weights`` format (quantized under int8 / int4, so a tied lm_head shares it)."""
+    if weights in quant_gemm.FORMATS and not isinstance(table, QuantWeight):
+        return quantize(table, weights)
+    return table
+
+
+def embed_rows(table: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a token embedding: [len(ids), C] fp32 (a quantized table dequantizes just those rows)."""
+    return quant_gemm.dequantize_rows(table, ids) if isinstance(table, QuantWeight) else table[ids]
+
+
+def check_cpu(sd: dict, device: torch.device) -> None:
+    """Quantized weights (a GGUF served at its own precision) run on the CPU only."""
+    if device.type != "cpu" and any(isinstance(v, QuantWeight) for v in sd.values()):
+        raise ValueError(f"quantized weights run on the CPU only (device is {device}); use WEIGHTS=fp32")
 
 
 @dataclass
@@ -178,9 +237,17 @@ def mixed_attention(
     return out
 
 
-def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """The HF module's weights as contiguous fp32 tensors on ``device`` (the HF module can then go)."""
-    return {k: v.detach().to(device=device, dtype=torch.float32).contiguous() for k, v in hf_model.state_dict().items()}
+def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor | QuantWeight]:
+    """The HF module's weights as contiguous fp32 tensors on ``device`` (the HF module can then go).
+
+    A GGUF served at its own precision (``models.quant.GGUFModel``) also hands over ``QuantWeight``s as they are.
+    """
+    sd = hf_model.state_dict()
+    check_cpu(sd, device)
+    return {
+        k: v if isinstance(v, QuantWeight) else v.detach().to(device=device, dtype=torch.float32).contiguous()
+        for k, v in sd.items()
+    }
 
 
 class MixedForward:
@@ -229,6 +296,30 @@ class MixedForward:
     def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
         return self.forward(token_ids, positions, tables)
+
+    def resident_weights(self) -> dict[str, int]:
+        """Bytes of weights held, per format: every linear's copies, then the embedding tables.
+
+        A quantized tied embedding is the lm_head's one copy, counted once; fp32 counts every copy
+        the fp32 kernels keep (oneDNN's, the small-batch kernel's).
+        """
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        linears = [lin for block in self.blocks for lin in block.linears()] + [self.lm_head]
+        tables = [t for t in self.embedding_tables() if isinstance(t, QuantWeight)]
+        for item in [*linears, *tables]:
+            key = id(item.quant) if isinstance(item, Linear) and item.quant is not None else id(item)
+            if key not in seen:
+                seen.add(key)
+                out[item.fmt] = out.get(item.fmt, 0) + item.nbytes
+        dense = sum(t.numel() * t.element_size() for t in self.embedding_tables() if isinstance(t, torch.Tensor))
+        if dense:
+            out["fp32"] = out.get("fp32", 0) + dense
+        return out
+
+    def embedding_tables(self) -> list:
+        """The family's lookup tables (token, position embeddings): fp32 tensors or ``QuantWeight``s."""
+        raise NotImplementedError
 
     def _init_cache(
         self, n_layer: int, n_kv_head: int, head_dim: int, device, num_blocks: int, block_size: int

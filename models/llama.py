@@ -14,12 +14,25 @@ G = H / KVH, D = head_dim, I = intermediate_size, V = vocab.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .layers import Linear, MixedBatch, MixedForward, fp32_state_dict, linear_factory, mixed_attention
+from .layers import (
+    Linear,
+    MixedBatch,
+    MixedForward,
+    embed_rows,
+    embedding_table,
+    fp32_state_dict,
+    linear_factory,
+    mixed_attention,
+)
+from .quant import cat_rows
+
+log = logging.getLogger("minibatch.llama")
 
 # RoPE types whose frequencies are fixed at load time (HF recomputes "dynamic" and "longrope"
 # per forward from the sequence length, which a precomputed table cannot follow).
@@ -76,10 +89,13 @@ class Block:
 
     def __init__(self, sd: dict[str, torch.Tensor], prefix: str, make_linear: Callable[..., Linear]) -> None:
         def fused(names: list[str]) -> Linear:
-            weights = [sd[f"{prefix}{n}.weight"] for n in names]  # each [out_i, C]
+            weights = [sd[f"{prefix}{n}.weight"] for n in names]  # each [out_i, C], fp32 or a QuantWeight
             biases = [sd.get(f"{prefix}{n}.bias") for n in names]
             bias = torch.cat(biases) if biases[0] is not None else None
-            return make_linear(torch.cat(weights).contiguous(), bias)
+            weight, note = cat_rows(weights)  # one [sum out_i, C] weight in one format
+            if note:
+                log.info("%s%s: %s", prefix, "+".join(names), note)
+            return make_linear(weight, bias)
 
         self.ln_1 = sd[f"{prefix}input_layernorm.weight"]  # [C]
         self.ln_2 = sd[f"{prefix}post_attention_layernorm.weight"]  # [C]
@@ -118,6 +134,7 @@ class Llama(MixedForward):
         use_small_gemm: bool = True,
         num_blocks: int = 0,
         block_size: int = 32,
+        weights: str = "fp32",
     ) -> None:
         """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
         cfg = hf_model.config
@@ -135,8 +152,8 @@ class Llama(MixedForward):
         self.cos, self.sin = rope_tables(cfg, self.head_dim, max_len, device)  # each [max_len, 1, D]
 
         sd = fp32_state_dict(hf_model, device)
-        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm)
-        self.embed = sd["model.embed_tokens.weight"]  # [V, C]
+        make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
+        self.embed = embedding_table(sd["model.embed_tokens.weight"], weights)  # [V, C]
         self.blocks = [Block(sd, f"model.layers.{i}.", make_linear) for i in range(self.n_layer)]
         self.norm = sd["model.norm.weight"]  # [C]
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
@@ -150,7 +167,10 @@ class Llama(MixedForward):
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Token embeddings [N, C], and the RoPE cos, sin of the tokens' positions (each [N, 1, D])."""
-        return self.embed[batch.ids], (self.cos[batch.pos], self.sin[batch.pos])
+        return embed_rows(self.embed, batch.ids), (self.cos[batch.pos], self.sin[batch.pos])
+
+    def embedding_tables(self) -> list:
+        return [self.embed]
 
     def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, rope) -> torch.Tensor:
         """x: [N, C] -> x + attn(RMSNorm(x)), then + down(silu(gate) * up) of RMSNorm(.): [N, C]."""

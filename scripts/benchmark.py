@@ -7,7 +7,9 @@
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
-asyncio scheduler). Each runs in its own subprocess (peak RSS is its own) on the same
+asyncio scheduler; ``ours:int8`` etc. at another WEIGHTS setting), ``llamacpp`` (llama.cpp's
+llama-server on the same .gguf, built once by scripts/build_llamacpp.py; not in the default set).
+Each runs in its own subprocess (peak RSS is its own; llama.cpp's is its server's) on the same
 seeded token-id requests, all queued at t0, EOS ignored so each request delivers exactly its
 budget: an untimed warm-up, then ``--repeats`` timed runs, reporting the median run. A
 system that fails is reported as failed with its error. Figures are comparable within one
@@ -208,7 +210,9 @@ def system_hf_cb(model_dir: str, requests: list[Request], capacity: int):
     return once, config
 
 
-def system_ours(model_dir: str, requests: list[Request], capacity: int):
+def system_ours(model_dir: str, requests: list[Request], capacity: int, weights: str = "auto", gguf: str = ""):
+    """Our server's engine; ``weights`` is its WEIGHTS setting, ``gguf`` the file a .gguf model is served from
+    (at its own precision under "auto")."""
     import asyncio
 
     from config import Config
@@ -216,7 +220,7 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int):
     from scheduler import Scheduler
     from sequence import Sequence
 
-    engine = HFEngine(Config(model_id=model_dir, max_batch_size=capacity, num_threads=0))
+    engine = HFEngine(Config(model_id=gguf or model_dir, max_batch_size=capacity, num_threads=0, weights=weights))
 
     def once() -> list[dict]:
         async def main():
@@ -235,10 +239,103 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int):
         return [{"tokens": len(s.output_token_ids), "ttft": s.first_token_time - t0, "e2e": s.finish_time - t0} for s in done]
 
     once.engine = engine
-    return once, {"engine": "HFEngine (hand-written forward, preallocated KV, oneDNN linears)", "capacity": capacity}
+    resident = engine.model.resident_weights()
+    return once, {
+        "engine": "HFEngine (hand-written forward, preallocated KV, oneDNN / quantized linears)",
+        "capacity": capacity, "weights": weights,
+        "resident_weight_mb": {fmt: round(n / 2**20, 1) for fmt, n in resident.items()},
+    }
 
 
-SYSTEM_FNS = {"static_hf": system_static_hf, "hf_cb": system_hf_cb, "ours": system_ours}
+def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weights: str = "", gguf: str = ""):
+    """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
+    same threads, every request's token ids to /v1/completions with ignore_eos, streamed (for TTFT)."""
+    import asyncio
+    import socket
+    import urllib.request
+
+    import httpx
+    import torch
+    from build_llamacpp import binary_path
+
+    binary = binary_path()
+    if binary is None:
+        raise RuntimeError("llama-server is not built: run python scripts/build_llamacpp.py (10-30 min, once)")
+    if not gguf:
+        raise RuntimeError("llamacpp needs --model to be a .gguf file")
+    context = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + 8
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(capacity),
+        "-t", str(torch.get_num_threads()), "-c", str(capacity * context), "--no-webui",
+    ]
+    log_file = open(os.path.join(ROOT, "weights", f"llamacpp-{port}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while True:  # bounded wait for the model to load
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"llama-server did not become healthy (see weights/llamacpp-{port}.log)")
+        time.sleep(0.5)
+
+    async def one(client, r: Request, t0: float) -> dict:
+        body = {"prompt": r.prompt_ids, "max_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "cache_prompt": False}
+        first, tokens = None, 0
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    tokens += 1
+                    first = first or time.perf_counter()
+        end = time.perf_counter()
+        return {"tokens": tokens, "ttft": (first or end) - t0, "e2e": end - t0}
+
+    def once() -> list[dict]:
+        async def main():
+            limits = httpx.Limits(max_connections=len(requests) + 1)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                t0 = time.perf_counter()
+                return await asyncio.gather(*(one(client, r, t0) for r in requests))
+
+        return list(asyncio.run(main()))
+
+    def peak_rss_mb() -> float:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log_file.close()
+
+    once.peak_rss_mb, once.stop = peak_rss_mb, stop
+    return once, {"engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}", "capacity": capacity}
+
+
+SYSTEM_FNS = {"static_hf": system_static_hf, "hf_cb": system_hf_cb, "ours": system_ours, "llamacpp": system_llamacpp}
+
+
+def parse_system(name: str) -> tuple[str, dict]:
+    """"ours:int8" -> ("ours", {"weights": "int8"}); plain names -> (name, {})."""
+    base, _, weights = name.partition(":")
+    if base not in SYSTEM_FNS or (weights and base != "ours"):
+        raise SystemExit(f"unknown system {name!r} (choose from {', '.join(SYSTEM_FNS)}; ours:auto|fp32|int8|int4)")
+    return base, ({"weights": weights} if weights else {})
 
 
 def summarize(per_request: list[dict]) -> dict:
@@ -312,7 +409,9 @@ def decode_cost(model, batch: int, context: int) -> tuple[float, float]:
     n_layer, _, n_kv_head, _, head_dim = kv.shape
     q_heads = getattr(model, "n_head", n_kv_head)
     attn_flops = n_layer * 4 * context * q_heads * head_dim
-    weight_bytes = sum(o * i for o, i in shapes) * 4
+    # bytes a step streams: each linear's one copy the step reads (a quantized weight's packed bytes)
+    weight_bytes = sum(lin.quant.nbytes if lin.quant is not None else lin.out_features * lin.in_features * 4
+                       for lin in model_linears(model))
     return batch * (linear_flops + attn_flops), weight_bytes
 
 
@@ -388,6 +487,8 @@ def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[
     from models.kernels import small_gemm
 
     linears = model_linears(model)
+    if linears and linears[0].quant is not None:  # quantized: the one kernel every call takes
+        return quant_kernel_rates(linears, rows, repeats)
     if not linears or not linears[0].onednn:
         return []
     weight_bytes = sum(lin.out_features * lin.in_features * 4 for lin in linears)
@@ -418,6 +519,27 @@ def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[
         return pool.submit(measure).result()
 
 
+def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> list[dict]:
+    """Per row count M: GB/s of packed int8/int4 weights streamed by quant_gemm through every linear."""
+    import torch
+
+    from models.kernels import quant_gemm
+
+    weight_bytes = sum(lin.quant.nbytes for lin in linears)
+
+    def measure() -> list[dict]:
+        out = []
+        for m in rows:
+            xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
+            runs = [_timed(lambda: [quant_gemm.matmul(xs[lin.in_features], lin.quant) for lin in linears])
+                    for _ in range(repeats + 1)]  # the first pass warms up
+            out.append({"rows": m, "quant_gemm_gb_s": weight_bytes / min(runs[1:]) / 1e9, "fmt": linears[0].fmt})
+        return out
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(measure).result()
+
+
 # --- worker and driver ---------------------------------------------------------------------------
 def worker(args) -> None:
     """Run one system on one workload (one capacity); print one JSON line."""
@@ -430,20 +552,28 @@ def worker(args) -> None:
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     requests, capacity = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
     peaks = machine_peaks() if args.overhead else None  # first, before any other thread has run torch
-    once, config = SYSTEM_FNS[args.system](args.model_dir, requests, capacity)
-    once()  # untimed warm-up
-    runs = [summarize(once()) for _ in range(args.repeats)]
+    base, kwargs = parse_system(args.system)
+    if base in ("ours", "llamacpp"):
+        kwargs["gguf"] = args.gguf
+    once, config = SYSTEM_FNS[base](args.model_dir, requests, capacity, **kwargs)
+    try:
+        once()  # untimed warm-up
+        runs = [summarize(once()) for _ in range(args.repeats)]
+        server_rss = once.peak_rss_mb() if hasattr(once, "peak_rss_mb") else None
+    finally:
+        if hasattr(once, "stop"):
+            once.stop()
     result = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]  # the median run
     result["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     result["capacity"] = capacity
     result["requests"] = len(requests)
     result["config"] = config
-    if args.system == "ours" and args.overhead:
+    if base == "ours" and args.overhead:
         sizes = [b for b in (1, 8, 32) if b <= capacity] if not args.quick else [min(2, capacity)]
         result["machine_peaks"] = peaks
         result["overhead"] = overhead_and_roofline(once.engine, sizes, 64, 8 if args.quick else 16, peaks, 2 if args.quick else 6)
         result["linear_kernels"] = linear_kernel_rates(once.engine.model, (1, 8) if args.quick else (1, 4, 8, 16, 32))
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = server_rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
 
@@ -451,7 +581,7 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
     cmd = [
         sys.executable, os.path.abspath(__file__), "--worker", "--system", system, "--model-dir", model_dir,
         "--workload", workload, "--repeats", str(args.repeats), "--seed", str(args.seed),
-        "--threads", str(args.threads), "--capacity", str(capacity),
+        "--threads", str(args.threads), "--capacity", str(capacity), "--gguf", args.gguf,
     ] + (["--quick"] if args.quick else []) + (["--overhead"] if overhead else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
@@ -471,7 +601,10 @@ def resolve_model(name: str) -> tuple[str, str]:
     from checkpoints import is_gguf, resolve_model_id
 
     if is_gguf(name):
-        return resolve_model_id(name), f"model: {name} (GGUF, dequantized to fp32)"
+        return resolve_model_id(name), (
+            f"model: {name} (GGUF: ours serves the file at its WEIGHTS setting, auto = its own quantization; "
+            "llamacpp reads the file; the HF baselines run its fp32 conversion)"
+        )
     try:
         from transformers import AutoConfig
 
@@ -517,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", help=argparse.SUPPRESS)
     p.add_argument("--capacity", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--overhead", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gguf", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -530,18 +664,23 @@ def main(argv: list[str] | None = None) -> int:
 
     args.threads = args.threads or physical_cores()
     model_dir, note = resolve_model(args.model)
+    from checkpoints import is_gguf
+
+    args.gguf = os.path.abspath(os.path.expanduser(args.model)) if is_gguf(args.model) else ""
     machine = machine_line(args.threads)
     print(note)
     print("machine:", machine)
     workloads = [w for w in args.workload.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        parse_system(s)
     jobs = []
     for w in workloads:
         caps = (SWEEP_CAPACITIES[:2] if args.quick else SWEEP_CAPACITIES) if w == "sweep" else (0,)
         jobs += [(w, c, s) for c in caps for s in systems]
     results: dict = {w: {} for w in workloads}
     for w, cap, system in tqdm(jobs, desc="benchmark", unit="run"):
-        overhead = system == "ours" and w != "sweep"
+        overhead = system.startswith("ours") and w != "sweep"
         r = run_worker(args, system, model_dir, w, cap, overhead)
         if w == "sweep":
             results[w].setdefault(system, {})[str(cap)] = r
@@ -553,9 +692,11 @@ def main(argv: list[str] | None = None) -> int:
             print_sweep(results[w])
         else:
             print_table(results[w])
-            if "overhead" in results[w].get("ours", {}):
-                print_overhead(results[w]["ours"])
-                print_linear_kernels(results[w]["ours"])
+            for name, r in results[w].items():
+                if name.startswith("ours") and "overhead" in r:
+                    print(f"\n-- {name} --")
+                    print_overhead(r)
+                    print_linear_kernels(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats,
@@ -571,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(results: dict) -> None:
     base = results.get("static_hf", {}).get("tokens_per_s")
     cb = results.get("hf_cb", {}).get("tokens_per_s")
-    head = (f"{'system':<10} {'tok/s':>7} {'x static':>8} {'x hf_cb':>7} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
+    lc = results.get("llamacpp", {}).get("tokens_per_s")
+    head = (f"{'system':<10} {'tok/s':>7} {'x static':>8} {'x hf_cb':>7} {'x llama':>7} "
+            f"{'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
             f"{'TTFT50':>7} {'TTFT95':>7} {'TPOT50':>7} {'TPOT95':>7} {'RSS MB':>6}")
     print(head)
     print("-" * len(head))
@@ -581,8 +724,10 @@ def print_table(results: dict) -> None:
             continue
         x_static = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
         x_cb = f"{r['tokens_per_s'] / cb:.2f}" if cb else "-"
+        x_lc = f"{r['tokens_per_s'] / lc:.2f}" if lc else "-"
         lat, ttft, tpot = r["latency_ms"], r["ttft_ms"], r["tpot_ms"]
-        print(f"{name:<10} {r['tokens_per_s']:>7.1f} {x_static:>8} {x_cb:>7} {lat['p50']:>7.0f} {lat['p95']:>7.0f} "
+        print(f"{name:<10} {r['tokens_per_s']:>7.1f} {x_static:>8} {x_cb:>7} {x_lc:>7} "
+              f"{lat['p50']:>7.0f} {lat['p95']:>7.0f} "
               f"{lat['p99']:>7.0f} {ttft['p50']:>7.0f} {ttft['p95']:>7.0f} {tpot['p50']:>7.1f} {tpot['p95']:>7.1f} "
               f"{r['peak_rss_mb']:>6.0f}")
 
@@ -604,6 +749,11 @@ def print_linear_kernels(ours: dict) -> None:
     if not rates:
         return
     print("\nweights streamed per second through every linear (GB/s), by rows per call:")
+    if "quant_gemm_gb_s" in rates[0]:
+        print(f"{'rows':>5} {'quant_gemm (' + rates[0]['fmt'] + ')':>18}")
+        for r in rates:
+            print(f"{r['rows']:>5} {r['quant_gemm_gb_s']:>18.1f}")
+        return
     print(f"{'rows':>5} {'oneDNN':>8} {'small_gemm':>10}")
     for r in rates:
         small = f"{r['small_gemm_gb_s']:>10.1f}" if "small_gemm_gb_s" in r else f"{'off':>10}"

@@ -18,6 +18,7 @@ ALL_VARS = (
     "BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "TIMEOUT_KEEP_ALIVE_S", "LIMIT_CONCURRENCY", "MAX_HEADER_BYTES",
     "TOKENIZER_THREADS",
     "KV_BLOCK_SIZE", "KV_CACHE_MB", "FAKE_KV_BLOCKS", "MAX_NUM_BATCHED_TOKENS",
+    "WEIGHTS",
 )
 
 
@@ -330,3 +331,14 @@ def test_api_key_with_surrounding_whitespace_is_rejected_when_built_directly():
     with pytest.raises(ConfigError, match=r"^API_KEY\b"):
         Config(api_key=" key")
     assert Config.from_env({"API_KEY": " key\n"}).api_key == "key"  # the environment's value is stripped
+
+
+@pytest.mark.parametrize("value", ["auto", "fp32", "int8", "int4"])
+def test_weights_formats(value):
+    assert Config.from_env({"WEIGHTS": value}).weights == value
+
+
+@pytest.mark.parametrize("value", ["int2", "INT8", "bf16", "q4_1"])
+def test_bad_weights_format_names_the_variable_and_the_choices(value):
+    with pytest.raises(ConfigError, match=r"^WEIGHTS must be one of auto, fp32, int8, int4"):
+        Config.from_env({"WEIGHTS": value})

@@ -1,0 +1,325 @@
+/* Quantized-weight GEMM with fp32 activations: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]).
+ *
+ * Why: a decode step streams every weight once, so its cost is the weight bytes. int8 weights
+ * are 1.06 bytes per weight and int4 0.625 against fp32's 4; each weight is read once per call
+ * and dequantized in registers (quant_gemm.py has the measurements).
+ *
+ * Formats (group = 32 consecutive k of one output column n; d and m are fp16):
+ *   int8: w = q * d            q int8            (GGUF Q8_0 exactly)
+ *   int4: w = q * d + m        q in 0..15        (GGUF Q4_1 exactly; Q4_0 is m = -8 d)
+ * Both dequantize exactly to the fp32 value computed by fma(q, d, m) / q * d (q * d is exact
+ * in fp32: at most 8 + 11 significant bits), so the torch reference agrees bit for bit.
+ *
+ * Layout: panels of 8 output columns (the last zero-padded), each panel a run of G = ceil(K / 32)
+ * blocks, one block per group (the last group zero-padded):
+ *   int8 block (272 bytes): d[8] fp16 | q[32 k][8 cols] int8
+ *   int4 block (160 bytes): d[8] fp16 | m[8] fp16 | byte[16 k-pairs][8 cols] = q[2t] | q[2t+1] << 4
+ * so a panel is one sequential stream and one 8-byte load yields one k (int8) or two (int4)
+ * for all 8 columns.
+ *
+ * Summation order (the same in both paths below, so results do not depend on M, on which path
+ * ran, or on the thread count): for each output, even k accumulate into one fp32 sum and odd k
+ * into another, each in increasing k by fused multiply-add; y = (even + odd) (+ bias) (+ r).
+ * Two chains per output hide the FMA latency when few rows share a panel.
+ *
+ *   direct path (M <= direct_rows): weights dequantized in registers, one pass per 4 rows over
+ *     a panel (passes after the first re-read it from L1); 1-2 rows take two panels at once so
+ *     that enough independent FMA chains hide the FMA latency.
+ *   tile path (M > direct_rows): per pair of panels, dequantize 16 columns x K into a per-thread
+ *     fp32 buffer (L2) once, then 3-row x 16-column register tiles over all M rows: compute-bound.
+ * Threads split panels (direct) or panel pairs (tile); an output is computed by one thread.
+ *
+ * Built by quant_gemm.py with -O3 -mavx2 -mfma -mf16c -fopenmp.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define PANEL 8
+#define GROUP 32
+#define DIRECT_ROWS 4 /* rows per pass of the direct path */
+#define TILE_ROWS 3   /* rows per register tile of the tile path */
+#define PREFETCH_BYTES 2048
+
+enum { FMT_INT8 = 0, FMT_INT4 = 1 };
+
+static inline int block_bytes(int fmt) { return fmt == FMT_INT8 ? 16 + GROUP * PANEL : 32 + GROUP * PANEL / 2; }
+
+/* The 8 columns' d (and m) of one block. */
+static inline __m256 load_half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* int8: k-row kk of a block -> 8 fp32 weights. */
+static inline __m256 deq8(const uint8_t *q, int kk, __m256 d) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + (size_t)kk * PANEL)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+}
+
+/* int4: k-pair t of a block -> weights of k = 2t (lo) and 2t + 1 (hi), 8 columns each. */
+static inline void deq4(const uint8_t *q, int t, __m256 d, __m256 m, __m256 *lo, __m256 *hi) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + (size_t)t * PANEL)));
+    __m256i l = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    __m256i h = _mm256_srli_epi32(v, 4);
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), d, m);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), d, m);
+}
+
+/* y[i][0..cols) = even[i] + odd[i] (+ bias) (+ r[i]) for one 8-column slice. */
+static inline void store8(__m256 even, __m256 odd, const float *bias, const float *r, float *y, int cols) {
+    __m256 v = _mm256_add_ps(even, odd);
+    if (cols == PANEL) {
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+        if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r));
+        _mm256_storeu_ps(y, v);
+    } else { /* the last, partial panel: only `cols` columns exist in bias, r and y */
+        float tmp[PANEL];
+        _mm256_storeu_ps(tmp, v);
+        for (int j = 0; j < cols; j++) {
+            float s = tmp[j];
+            if (bias) s += bias[j];
+            if (r) s += r[j];
+            y[j] = s;
+        }
+    }
+}
+
+/* ---------------- direct path: dequantize in registers ---------------- */
+
+/* NP consecutive panels (w, w + panel_bytes, ...) x R rows, NP and R constant after inlining.
+ * x[i]: row i of X; y[i], r[i]: its outputs at the first panel's first column. Only the last
+ * panel may be partial (cols_last columns). */
+static inline __attribute__((always_inline)) void direct_panels(int fmt, const float *const *x, int K,
+                                                                const uint8_t *w, size_t panel_bytes, int NP,
+                                                                const float *bias, const float *const *r,
+                                                                float *const *y, int R, int cols_last) {
+    __m256 ev[2][DIRECT_ROWS], od[2][DIRECT_ROWS];
+    _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++)
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ev[p][i] = od[p][i] = _mm256_setzero_ps();
+    const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
+        const float *xk[DIRECT_ROWS];
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) xk[i] = x[i] + k0;
+        _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+            const char *ahead = (const char *)(w + p * panel_bytes + (size_t)g * bb) + PREFETCH_BYTES;
+            for (int off = 0; off < bb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
+        if (fmt == FMT_INT8) {
+            __m256 d[2];
+            const uint8_t *q[2];
+            _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                const uint8_t *blk = w + p * panel_bytes + (size_t)g * bb;
+                d[p] = load_half8(blk);
+                q[p] = blk + 16;
+            }
+            int kk = 0;
+            for (; kk + 1 < kn; kk += 2) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 w0 = deq8(q[p], kk, d[p]), w1 = deq8(q[p], kk + 1, d[p]);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + kk), w0, ev[p][i]);
+                        od[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + kk + 1), w1, od[p][i]);
+                    }
+                }
+            }
+            if (kk < kn) { /* odd group length: the last k is even */
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 w0 = deq8(q[p], kk, d[p]);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + kk), w0, ev[p][i]);
+                }
+            }
+        } else {
+            __m256 d[2], m[2];
+            const uint8_t *q[2];
+            _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                const uint8_t *blk = w + p * panel_bytes + (size_t)g * bb;
+                d[p] = load_half8(blk);
+                m[p] = load_half8(blk + 16);
+                q[p] = blk + 32;
+            }
+            int t = 0;
+            for (; 2 * t + 1 < kn; t++) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 lo, hi;
+                    deq4(q[p], t, d[p], m[p], &lo, &hi);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + 2 * t), lo, ev[p][i]);
+                        od[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + 2 * t + 1), hi, od[p][i]);
+                    }
+                }
+            }
+            if (2 * t < kn) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+                    __m256 lo, hi;
+                    deq4(q[p], t, d[p], m[p], &lo, &hi);
+                    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+                        ev[p][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk[i] + 2 * t), lo, ev[p][i]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int p = 0; p < NP; p++) {
+        const int cols = p == NP - 1 ? cols_last : PANEL;
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++)
+            store8(ev[p][i], od[p][i], bias ? bias + p * PANEL : NULL, r ? r[i] + p * PANEL : NULL,
+                   y[i] + p * PANEL, cols);
+    }
+}
+
+/* Specialized per format, panel count and row count so the accumulators live in registers:
+ * 1-2 rows take two panels at once (4-8 independent FMA chains), 3-4 rows one panel. */
+static void direct_dispatch(int fmt, const float *const *x, int K, const uint8_t *w, size_t panel_bytes, int NP,
+                            const float *bias, const float *const *r, float *const *y, int R, int cols_last) {
+#define CASE(np, n)                                                                                         \
+    if (NP == np && R == n) {                                                                               \
+        if (fmt == FMT_INT8) direct_panels(FMT_INT8, x, K, w, panel_bytes, np, bias, r, y, n, cols_last);   \
+        else direct_panels(FMT_INT4, x, K, w, panel_bytes, np, bias, r, y, n, cols_last);                   \
+        return;                                                                                             \
+    }
+    CASE(2, 1) CASE(2, 2) CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
+#undef CASE
+}
+
+static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
+                         int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
+    const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
+    const int step = M <= 2 ? 2 : 1; /* panels per pass */
+    for (int p = p0; p < p1; p += step) {
+        const int np = p1 - p < step ? p1 - p : step;
+        const int n0 = p * PANEL, last0 = n0 + (np - 1) * PANEL;
+        const int cols_last = N - last0 < PANEL ? N - last0 : PANEL;
+        for (int m0 = 0; m0 < M; m0 += DIRECT_ROWS) {
+            const int rows = M - m0 < DIRECT_ROWS ? M - m0 : DIRECT_ROWS;
+            const float *x[DIRECT_ROWS], *r[DIRECT_ROWS];
+            float *y[DIRECT_ROWS];
+            for (int i = 0; i < rows; i++) {
+                x[i] = X + (size_t)(m0 + i) * ldx;
+                r[i] = R ? R + (size_t)(m0 + i) * ldr + n0 : NULL;
+                y[i] = Y + (size_t)(m0 + i) * ldy + n0;
+            }
+            direct_dispatch(fmt, x, K, Wp + p * panel_bytes, panel_bytes, np, bias ? bias + n0 : NULL, R ? r : NULL,
+                            y, rows, cols_last);
+        }
+    }
+}
+
+/* ---------------- tile path: dequantize a panel pair into L2, fp32 register tiles ---------------- */
+
+/* Panel p -> buf[k * 16 + half * 8 + c] for k < K (the same values the direct path computes). */
+static void dequant_panel(int fmt, const uint8_t *w, int K, float *buf, int half) {
+    const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = w + (size_t)g * bb;
+        const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
+        float *out = buf + (size_t)k0 * 16 + half * PANEL;
+        if (fmt == FMT_INT8) {
+            const __m256 d = load_half8(blk);
+            for (int kk = 0; kk < kn; kk++) _mm256_storeu_ps(out + kk * 16, deq8(blk + 16, kk, d));
+        } else {
+            const __m256 d = load_half8(blk), m = load_half8(blk + 16);
+            for (int t = 0; 2 * t < kn; t++) {
+                __m256 lo, hi;
+                deq4(blk + 32, t, d, m, &lo, &hi);
+                _mm256_storeu_ps(out + 2 * t * 16, lo);
+                if (2 * t + 1 < kn) _mm256_storeu_ps(out + (2 * t + 1) * 16, hi);
+            }
+        }
+    }
+}
+
+/* TILE_ROWS rows x 16 columns over all K from buf; rows past `rows` alias the last real row. */
+static void tile_kernel(const float *const *x, int K, const float *buf, const float *bias, const float *const *r,
+                        float *const *y, int rows, int cols) {
+    __m256 e00 = _mm256_setzero_ps(), e01 = e00, e10 = e00, e11 = e00, e20 = e00, e21 = e00;
+    __m256 o00 = e00, o01 = e00, o10 = e00, o11 = e00, o20 = e00, o21 = e00;
+    const float *x0 = x[0], *x1 = x[1], *x2 = x[2];
+    int k = 0;
+    for (; k + 1 < K; k += 2) {
+        const float *b = buf + (size_t)k * 16;
+        __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8);
+        __m256 v0 = _mm256_loadu_ps(b + 16), v1 = _mm256_loadu_ps(b + 24);
+        __m256 s;
+        s = _mm256_broadcast_ss(x0 + k), e00 = _mm256_fmadd_ps(s, w0, e00), e01 = _mm256_fmadd_ps(s, w1, e01);
+        s = _mm256_broadcast_ss(x1 + k), e10 = _mm256_fmadd_ps(s, w0, e10), e11 = _mm256_fmadd_ps(s, w1, e11);
+        s = _mm256_broadcast_ss(x2 + k), e20 = _mm256_fmadd_ps(s, w0, e20), e21 = _mm256_fmadd_ps(s, w1, e21);
+        s = _mm256_broadcast_ss(x0 + k + 1), o00 = _mm256_fmadd_ps(s, v0, o00), o01 = _mm256_fmadd_ps(s, v1, o01);
+        s = _mm256_broadcast_ss(x1 + k + 1), o10 = _mm256_fmadd_ps(s, v0, o10), o11 = _mm256_fmadd_ps(s, v1, o11);
+        s = _mm256_broadcast_ss(x2 + k + 1), o20 = _mm256_fmadd_ps(s, v0, o20), o21 = _mm256_fmadd_ps(s, v1, o21);
+    }
+    if (k < K) {
+        const float *b = buf + (size_t)k * 16;
+        __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8), s;
+        s = _mm256_broadcast_ss(x0 + k), e00 = _mm256_fmadd_ps(s, w0, e00), e01 = _mm256_fmadd_ps(s, w1, e01);
+        s = _mm256_broadcast_ss(x1 + k), e10 = _mm256_fmadd_ps(s, w0, e10), e11 = _mm256_fmadd_ps(s, w1, e11);
+        s = _mm256_broadcast_ss(x2 + k), e20 = _mm256_fmadd_ps(s, w0, e20), e21 = _mm256_fmadd_ps(s, w1, e21);
+    }
+    __m256 ev[TILE_ROWS][2] = {{e00, e01}, {e10, e11}, {e20, e21}};
+    __m256 od[TILE_ROWS][2] = {{o00, o01}, {o10, o11}, {o20, o21}};
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < 2 && h * PANEL < cols; h++) {
+            int c = cols - h * PANEL < PANEL ? cols - h * PANEL : PANEL;
+            store8(ev[i][h], od[i][h], bias ? bias + h * PANEL : NULL, r ? r[i] + h * PANEL : NULL,
+                   y[i] + h * PANEL, c);
+        }
+}
+
+static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
+                       int ldr, float *Y, int ldy, int M, int K, int N, int q0, int q1, float *buf) {
+    const int npanels = (N + PANEL - 1) / PANEL;
+    const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
+    for (int q = q0; q < q1; q++) { /* panel pair q: panels 2q and 2q + 1 */
+        const int n0 = q * 2 * PANEL, cols = N - n0 < 2 * PANEL ? N - n0 : 2 * PANEL;
+        dequant_panel(fmt, Wp + (size_t)(2 * q) * panel_bytes, K, buf, 0);
+        if (2 * q + 1 < npanels) dequant_panel(fmt, Wp + (size_t)(2 * q + 1) * panel_bytes, K, buf, 1);
+        else for (int k = 0; k < K; k++) memset(buf + (size_t)k * 16 + PANEL, 0, PANEL * sizeof(float));
+        for (int m0 = 0; m0 < M; m0 += TILE_ROWS) {
+            const int rows = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
+            const float *x[TILE_ROWS], *r[TILE_ROWS];
+            float *y[TILE_ROWS];
+            for (int i = 0; i < TILE_ROWS; i++) {
+                int m = m0 + (i < rows ? i : rows - 1);
+                x[i] = X + (size_t)m * ldx;
+                r[i] = R ? R + (size_t)m * ldr + n0 : NULL;
+                y[i] = Y + (size_t)m * ldy + n0;
+            }
+            tile_kernel(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
+        }
+    }
+}
+
+/* ---------------- entry point ---------------- */
+
+/* Y = X @ W^T (+ bias) (+ R) for W packed in format fmt (0 int8, 1 int4); bias and R may be NULL.
+ * M <= direct_rows takes the direct path, larger M the tile path (identical results).
+ * Returns 0, or -1 when a tile buffer could not be allocated (Y is then incomplete). */
+int quant_gemm(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R, int ldr,
+               float *Y, int ldy, int M, int K, int N, int nthreads, int direct_rows) {
+    const int npanels = (N + PANEL - 1) / PANEL;
+    const int direct = M <= direct_rows;
+    const int units = direct ? npanels : (npanels + 1) / 2;
+    int failed = 0;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > units) nthreads = units;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
+        if (direct) {
+            direct_range(fmt, X, ldx, Wp, bias, R, ldr, Y, ldy, M, K, N, u0, u1);
+        } else {
+            float *buf = aligned_alloc(64, ((size_t)K * 16 * sizeof(float) + 63) / 64 * 64);
+            if (buf == NULL) failed = 1;
+            else tile_range(fmt, X, ldx, Wp, bias, R, ldr, Y, ldy, M, K, N, u0, u1, buf);
+            free(buf);
+        }
+    }
+    return failed ? -1 : 0;
+}

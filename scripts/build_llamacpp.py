@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Build llama.cpp's ``llama-server`` once, from the source vendored in the ``llama-cpp-python`` sdist.
+
+    python scripts/build_llamacpp.py            # builds (10-30 minutes on 2 cores), prints the binary's path
+    python scripts/build_llamacpp.py --print    # prints the path if built, else exits 1 (builds nothing)
+
+Why this route: no network but package registries here, and the ``llama-cpp-python`` sdist
+(``pip download --no-deps --no-binary :all:``) carries a full llama.cpp tree under
+``vendor/llama.cpp``. It is built with cmake (target ``llama-server``, ``-DLLAMA_CURL=OFF``: no
+downloads from the server itself, and no libcurl needed) into ``<cache>/llamacpp-<version>``
+(``models/cache_dir.py``; default ``~/.cache/minibatch-llm``), so it is built once
+per machine; a second run finds the binary and only prints its path. The binary is written by
+cmake into the build tree; ``<cache>/llamacpp-<version>/llama-server`` is copied there last, so an
+interrupted build never looks finished.
+
+``scripts/benchmark.py --systems llamacpp`` uses ``binary_path()``. This script never runs in CI or
+tests: it is slow and needs the registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from models.cache_dir import cache_subdir  # noqa: E402  (torch-free)
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same
+
+
+def build_dir(version: str = VERSION) -> str:
+    """<cache root>/llamacpp-<version> (``models/cache_dir.py``: $MINIBATCH_CACHE, else XDG, else ~/.cache)."""
+    return cache_subdir(f"llamacpp-{version}")
+
+
+def binary_path(version: str = VERSION) -> str | None:
+    """The built ``llama-server``, or None when it has not been built on this machine."""
+    path = os.path.join(build_dir(version), "llama-server")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def _run(cmd: list[str], cwd: str | None = None) -> None:
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=cwd)
+    if proc.returncode != 0:
+        raise SystemExit(f"`{' '.join(cmd)}` failed (exit {proc.returncode})")
+
+
+def download_sdist(work_dir: str, version: str) -> str:
+    """``pip download`` the sdist alone (nothing is installed); returns the path of the .tar.gz."""
+    _run([
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        "--disable-pip-version-check", "--quiet", f"{PACKAGE}=={version}", "-d", work_dir,
+    ])
+    found = glob.glob(os.path.join(work_dir, "*.tar.gz"))
+    if not found:
+        raise SystemExit(f"pip download of {PACKAGE}=={version} produced no sdist")
+    return found[0]
+
+
+def extract_llamacpp(sdist: str, work_dir: str) -> str:
+    """Unpack the sdist; returns the vendored llama.cpp source directory."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work_dir, filter="data")
+    found = glob.glob(os.path.join(work_dir, "*", "vendor", "llama.cpp", "CMakeLists.txt"))
+    if not found:
+        raise SystemExit(f"{os.path.basename(sdist)} has no vendor/llama.cpp/CMakeLists.txt")
+    return os.path.dirname(found[0])
+
+
+def build(version: str, jobs: int) -> str:
+    """Configure and build the ``llama-server`` target; returns the installed binary's path."""
+    out_dir = build_dir(version)
+    os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="build-", dir=out_dir)
+    source = extract_llamacpp(download_sdist(work, version), work)
+    cmake_build = os.path.join(work, "build")
+    _run([
+        "cmake", "-S", source, "-B", cmake_build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON",
+    ])
+    _run(["cmake", "--build", cmake_build, "--target", "llama-server", "--config", "Release", "-j", str(jobs)])
+    built = glob.glob(os.path.join(cmake_build, "bin", "llama-server"))
+    if not built:
+        raise SystemExit(f"the build finished but {cmake_build}/bin/llama-server is missing")
+    tmp = os.path.join(out_dir, "llama-server.tmp")
+    shutil.copy2(built[0], tmp)
+    os.replace(tmp, os.path.join(out_dir, "llama-server"))  # last: its presence means a finished build
+    shutil.rmtree(work, ignore_errors=True)
+    return os.path.join(out_dir, "llama-server")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--version", default=VERSION, help=f"{PACKAGE} version whose vendored llama.cpp to build")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
+    ap.add_argument("--print", action="store_true", help="print the binary's path if built, else exit 1")
+    args = ap.parse_args()
+    path = binary_path(args.version)
+    if path is None and args.print:
+        print(f"llama-server is not built yet: run python {sys.argv[0]}", file=sys.stderr)
+        raise SystemExit(1)
+    if path is None:
+        path = build(args.version, args.jobs)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
