@@ -1,9 +1,9 @@
 """Weight-format quality: perplexity of a text through our own forward (the kernels the server runs).
 
 ``perplexity`` teacher-forces a token sequence through a ``layers.MixedForward``: a prefill of the
-first token, then one decode step per token in cache row 0, so every logit comes from the same
-kernels a served decode step uses. ``scripts/benchmark.py --workload quality`` scores
-``PASSAGE_PATH`` per WEIGHTS format; the tests score a short text on the tiny model.
+first token, then one decode step per token in the KV pool's first blocks, so every logit comes from
+the same kernels a served decode step uses. ``PASSAGE_PATH`` is the passage scored per WEIGHTS format
+for the README's quality table; the tests score a short text on the tiny model.
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ def passage() -> str:
 def perplexity(model, ids: list[int]) -> float:
     """exp(mean negative log-likelihood of ids[1:] given the tokens before each) under ``model``.
 
-    ``model`` needs one free cache row (row 0) and ``len(ids)`` positions of context.
+    ``model``'s KV pool must be free and hold ``len(ids)`` tokens (its first blocks are used).
     """
     if len(ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
-    logits = model.prefill([ids[:1]], [0])  # [1, V]: the distribution of ids[1]
+    table = list(range(-(-len(ids) // model.kv.block_size)))  # blocks 0.. hold positions 0..len(ids)-1
+    if len(table) > model.kv.num_blocks:
+        raise ValueError(f"{len(ids)} tokens do not fit in the KV pool ({model.kv.num_blocks} blocks)")
+    logits = model.prefill([ids[:1]], [table])  # [1, V]: the distribution of ids[1]
     nll = 0.0
     for pos in range(1, len(ids)):
         nll -= torch.log_softmax(logits[0].double(), dim=-1)[ids[pos]].item()
         if pos + 1 < len(ids):
-            logits = model.decode([ids[pos]], [pos])
+            logits = model.decode([ids[pos]], [pos], [table])
     return math.exp(nll / (len(ids) - 1))
