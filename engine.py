@@ -353,6 +353,9 @@ class HFEngine(BatchEngine):
     """
 
     def __init__(self, config: Config) -> None:
+        from models.native_memory import HeapTrimmer, bound_native_caches
+
+        bound_native_caches()  # before torch runs its first oneDNN op
         import torch  # deferred: the server stack must stay importable without torch
 
         from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
@@ -376,6 +379,7 @@ class HFEngine(BatchEngine):
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
+        self._heap = HeapTrimmer()
         try:
             self.model = family(hf_model, config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm)
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
@@ -417,6 +421,8 @@ class HFEngine(BatchEngine):
             [s.prompt_token_ids for s in newcomers],
             list(range(first_row, first_row + len(newcomers))),
         )  # [len(running) + len(newcomers), V]
+        if newcomers:  # prompts bring new shapes, whose scratch the heap would otherwise keep
+            self._heap.maybe_trim()
         return self._next_tokens(logits, running + newcomers)
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
