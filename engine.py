@@ -100,7 +100,9 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def abort(self, seq_id: int) -> bool:
-        """Free an active sequence's slot; it finishes as aborted unless it already has a finished status. False if not active."""
+        """Free an active sequence's slot; it finishes as aborted unless it already has a finished status.
+
+        False if not active."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -270,9 +272,9 @@ class FakeEngine(BatchEngine):
 
     Token ids: 0 is EOS, 1..256 are the bytes 0..255. By default a sequence's n-th token is a
     lowercase letter chosen from its prompt and n, so every answer identifies its prompt.
-    ``token_fn(seq) -> id`` overrides that (returning a ``RowFailure`` fails that row alone); ``admit_fault(seqs)`` (called when newcomers are
-    prefilled, ``_prefill``) and ``step_fault(step_no)`` (when running rows decode, ``_decode``)
-    may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
+    ``token_fn(seq) -> id`` overrides that (returning a ``RowFailure`` fails that row alone);
+    ``admit_fault(seqs)`` (called when newcomers are prefilled, ``_prefill``) and
+    ``step_fault(step_no)`` (when running rows decode, ``_decode``) may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
     call decodes first, then prefills.
     """
 

@@ -1,7 +1,7 @@
 """The torch side of the server: model families, their shared layers, the KV cache, compiled kernels.
 
-Importing this package imports no torch (a torch-free module may live here too, e.g. the cache-dir
-convention in ``cache_dir.py``); ``families()`` imports the torch modules when a model loads.
+Importing this package imports no torch (torch-free modules live here too: ``cache_dir.py``,
+``native_memory.py``); ``families()`` imports the torch modules when a model loads.
 
     layers.py      what every family shares: Linear (oneDNN / small-batch kernel), MixedBatch, the one
                    mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop)
@@ -10,6 +10,7 @@ convention in ``cache_dir.py``); ``families()`` imports the torch modules when a
     kv_cache.py    the preallocated KV cache, one row per batch slot
     kernels/       compiled kernels (small_gemm.c) and the build-once-into-the-cache loader
     cache_dir.py   where checkpoints and built kernels are cached
+    native_memory.py  caps oneDNN/ideep per-shape caches before torch loads; trims the heap after prefills
 """
 
 from __future__ import annotations
