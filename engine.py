@@ -103,7 +103,9 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def abort(self, seq_id: int) -> bool:
-        """Free an active sequence's slot; it finishes as aborted unless it already has a finished status. False if not active."""
+        """Free an active sequence's slot; it finishes as aborted unless it already has a finished status.
+
+        False if not active."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -492,9 +494,9 @@ class FakeEngine(BatchEngine):
 
     Token ids: 0 is EOS, 1..256 are the bytes 0..255. By default a sequence's n-th token is a
     lowercase letter chosen from its prompt and n, so every answer identifies its prompt.
-    ``token_fn(seq) -> id`` overrides that (returning a ``RowFailure`` fails that row alone); ``admit_fault(seqs)`` (called when newcomers are
-    prefilled, ``_prefill``) and ``step_fault(step_no)`` (when running rows decode, ``_decode``)
-    may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
+    ``token_fn(seq) -> id`` overrides that (returning a ``RowFailure`` fails that row alone);
+    ``admit_fault(seqs)`` (called when newcomers are prefilled, ``_prefill``) and
+    ``step_fault(step_no)`` (when running rows decode, ``_decode``) may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
     call decodes first, then prefills.
     """
 
@@ -586,6 +588,9 @@ class HFEngine(BatchEngine):
     """
 
     def __init__(self, config: Config) -> None:
+        from models.native_memory import HeapTrimmer, bound_native_caches
+
+        bound_native_caches()  # before torch runs its first oneDNN op
         import torch  # deferred: the server stack must stay importable without torch
 
         from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
@@ -615,6 +620,7 @@ class HFEngine(BatchEngine):
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
         weights = "fp32" if config.weights == "auto" else config.weights  # a GGUF's "auto" is in hf_model already
+        self._heap = HeapTrimmer()
         try:
             self.model = family(
                 hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm,
@@ -664,6 +670,8 @@ class HFEngine(BatchEngine):
             [s.prompt_token_ids + s.output_token_ids for s in newcomers],  # output: a recomputed sequence
             [table(s.seq_id) for s in newcomers],
         )  # [len(running) + len(newcomers), V]
+        if newcomers:  # prompts bring new shapes, whose scratch the heap would otherwise keep
+            self._heap.maybe_trim()
         return self._next_tokens(logits, running + newcomers)
 
     def _forward_chunks(
@@ -679,6 +687,8 @@ class HFEngine(BatchEngine):
             [table(s.seq_id) for s, _, _ in chunks],
             [start for _, start, _ in chunks],
         )  # [len(running) + len(chunks), V]
+        if chunks:  # prompt chunks bring new shapes, whose scratch the heap would otherwise keep
+            self._heap.maybe_trim()
         last = [i for i, (s, _, end) in enumerate(chunks) if end == s.num_tokens]
         rows = list(range(len(running))) + [len(running) + i for i in last]
         if len(rows) < logits.shape[0]:

@@ -1,7 +1,7 @@
 """The torch side of the server: model families, their shared layers, the KV cache, compiled kernels.
 
-Importing this package imports no torch (a torch-free module may live here too, e.g. the cache-dir
-convention in ``cache_dir.py``); ``families()`` imports the torch modules when a model loads.
+Importing this package imports no torch (torch-free modules live here too: ``cache_dir.py``,
+``native_memory.py``); ``families()`` imports the torch modules when a model loads.
 
     layers.py      what every family shares: Linear (oneDNN / small-batch kernel), MixedBatch, the one
                    mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop)
@@ -13,6 +13,7 @@ convention in ``cache_dir.py``); ``families()`` imports the torch modules when a
     quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights
     quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     cache_dir.py   where checkpoints and built kernels are cached
+    native_memory.py  caps oneDNN/ideep per-shape caches before torch loads; trims the heap after prefills
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The small-batch GEMM kernel (models/kernels/small_gemm.c) against float64 torch, and the Linear that dispatches to it.
+"""The small-batch GEMM kernel (models/kernels/small_gemm.c) against float64 torch, and the Linear using it.
 
 Nothing here imports torch or runs the compiler while pytest collects (``-m "not model"`` stays
 torch-free): the kernel is built by the ``small_gemm`` fixture when a test first needs it.
