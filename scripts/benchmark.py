@@ -220,7 +220,12 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int, weights:
     from scheduler import Scheduler
     from sequence import Sequence
 
-    engine = HFEngine(Config(model_id=gguf or model_dir, max_batch_size=capacity, num_threads=0, weights=weights))
+    # A GGUF's peer is llama.cpp, given the workload's longest request as its context per slot: ours gets
+    # the same, so that peak RSS compares weights and runtime rather than KV caches of different sizes.
+    context = slot_context(requests) if gguf else 0
+    engine = HFEngine(Config(
+        model_id=gguf or model_dir, max_batch_size=capacity, num_threads=0, weights=weights, max_model_len=context,
+    ))
 
     def once() -> list[dict]:
         async def main():
@@ -247,6 +252,11 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int, weights:
     }
 
 
+def slot_context(requests: list[Request]) -> int:
+    """Tokens of KV cache per slot that every request fits in (llama.cpp gets -c slots x this)."""
+    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + 8
+
+
 def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weights: str = "", gguf: str = ""):
     """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
     same threads, every request's token ids to /v1/completions with ignore_eos, streamed (for TTFT)."""
@@ -263,7 +273,7 @@ def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weig
         raise RuntimeError("llama-server is not built: run python scripts/build_llamacpp.py (10-30 min, once)")
     if not gguf:
         raise RuntimeError("llamacpp needs --model to be a .gguf file")
-    context = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + 8
+    context = slot_context(requests)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
