@@ -7,6 +7,7 @@ server-sent events (through ``streaming.py``). Errors use OpenAI's body shape. N
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -29,6 +30,7 @@ from serving import (
 )
 from streaming import Frames, run_to_completion, sse_response, usage
 
+log = logging.getLogger("minibatch.api")
 _CREATED = int(time.time())
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 422, 500, 503, 504)}
 
@@ -53,7 +55,7 @@ async def models(runtime: Runtime = Depends(current_runtime)) -> dict:
 
 @router.post("/completions", responses=_ERRORS)
 async def completions(req: CompletionRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
-    name = check_model(runtime, req.model)
+    name = check_fields(runtime, req)
     if req.echo and req.logprobs is not None:
         raise APIError(422, "echo together with logprobs is not supported", param="echo")
     max_tokens = check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
@@ -82,13 +84,13 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
 
 @router.post("/chat/completions", responses=_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
-    name = check_model(runtime, req.model)
+    name = check_fields(runtime, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(422, "top_logprobs requires logprobs: true", param="top_logprobs")
     asked = req.max_completion_tokens or req.max_tokens
     if asked:
         check_max_tokens(runtime, asked, "max_completion_tokens")
-    prompt_text = await render_chat(runtime, [{"role": m.role, "content": m.text()} for m in req.messages])
+    prompt_text = await render_chat(runtime, [m.template_dict() for m in req.messages])
     prompt_ids = await tokenize(runtime, prompt_text, add_special_tokens=False)  # the template holds them
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
@@ -116,6 +118,24 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
 
 
 # --- request checks ------------------------------------------------------------------------------
+_logged_unknown: set[str] = set()
+
+
+def check_fields(runtime: Runtime, req: OpenAIFields) -> str:
+    """The model name, after refusing (400) what the request asks for that is not implemented, and
+    logging (once per name) fields OpenAI does not define, which are ignored."""
+    name = check_model(runtime, req.model)
+    found = req.unsupported()
+    if found is not None:
+        param, message = found
+        raise APIError(400, message, param=param)
+    new = [f for f in req.unknown_fields() if f not in _logged_unknown]
+    if new and len(_logged_unknown) < 1000:  # bounded: clients choose these names
+        _logged_unknown.update(new)
+        log.warning("ignoring request fields OpenAI's API does not define: %s", ", ".join(f[:64] for f in new[:20]))
+    return name
+
+
 def check_model(runtime: Runtime, model: str | None) -> str:
     name = runtime.config.model_name
     if model is not None and model != name:

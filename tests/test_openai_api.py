@@ -366,7 +366,6 @@ def test_unknown_model_is_404(client):
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"seed": -1}, "seed"),
-        ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 50}, "logprobs"),
     ],
@@ -378,12 +377,37 @@ def test_invalid_sampling_values_are_422(client, kwargs, field):
 
 
 @pytest.mark.parametrize(
-    "kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n")]
+    "kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n")]
 )
 def test_invalid_chat_sampling_values_are_422(client, kwargs, field):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, **{"max_tokens": 2, **kwargs})
     assert_openai_error(e.value, 422, field)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 2}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ],
+)
+def test_unimplemented_chat_fields_are_400_through_the_client(client, kwargs, field):
+    """The client sends these as typed parameters; the answer names the field instead of ignoring it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
+    assert assert_openai_error(e.value, 400, field)["param"] == field
+
+
+@pytest.mark.parametrize("kwargs, field", [({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"), ({"n": 3}, "n")])
+def test_unimplemented_completion_fields_are_400_through_the_client(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kwargs)
+    assert assert_openai_error(e.value, 400, field)["param"] == field
 
 
 def test_chat_without_a_template_is_400(tiny_model_dir):

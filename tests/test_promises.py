@@ -84,15 +84,16 @@ def test_completion_prompt_may_be_a_list_holding_one_string():
 
 @pytest.mark.parametrize("field", ["best_of", "n"])
 def test_n_and_best_of_must_be_1(field):
-    """README: "`n` and `best_of` must be 1"."""
+    """README: "`n` > 1 and `best_of` > 1 get a 400" (0 is not a count: 422)."""
 
     async def body():
         async with serving() as c:
             base = {"prompt": "choices", "max_tokens": 3}
             one, _ = completion(await c.post("/v1/completions", json={**base, field: 1}))
             assert one == completion(await c.post("/v1/completions", json=base))[0]
-            for bad in (2, 5, 0):
-                assert_error(await c.post("/v1/completions", json={**base, field: bad}), 422, contains=field)
+            for bad in (2, 5):
+                assert_error(await c.post("/v1/completions", json={**base, field: bad}), 400, contains=field)
+            assert_error(await c.post("/v1/completions", json={**base, field: 0}), 422, contains=field)
 
     bounded(body)
 
@@ -157,7 +158,7 @@ def test_chat_default_budget_is_the_rest_of_the_window_capped_at_the_limit(max_c
 
 
 def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
-    """README: "Unknown request fields are ignored on `/v1` ... but rejected on `/generate`"."""
+    """README: "Fields OpenAI does not define are ignored on `/v1` ... but rejected on `/generate`"."""
     unknown = {"frobnicate": True, "metadata": {"trace": "x"}, "service_tier": "auto", "parallel_tool_calls": False}
 
     async def body():
