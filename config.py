@@ -49,6 +49,8 @@ class Config:
     request_timeout_s: float = 0.0
     # Most top logprobs a request may ask for.
     max_logprobs: int = 5
+    # Most prompts one /v1/completions request may carry (a list of texts or of token-id lists); beyond it, 422.
+    max_prompts_per_request: int = 32
     host: str = "127.0.0.1"
     port: int = 8000
     # --- operations (see ops.py) ---
@@ -94,6 +96,7 @@ class Config:
         _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")
         _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
+        _check(1 <= self.max_prompts_per_request <= 1024, "MAX_PROMPTS_PER_REQUEST", "must be in [1, 1024]")
         _check(self.log_level.upper() in _LOG_LEVELS, "LOG_LEVEL", f"must be one of {', '.join(_LOG_LEVELS)} (got {self.log_level!r})")
         _check(self.api_key == self.api_key.strip(), "API_KEY", "must not start or end with whitespace")
         _check(1024 <= self.max_body_bytes <= 2**31, "MAX_BODY_BYTES", "must be in [1024, 2147483648]")

@@ -28,7 +28,7 @@ async def generate(req: GenerateRequest, request: Request, runtime: Runtime = De
     request_id = req.request_id or f"req-{uuid.uuid4().hex}"
     gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id), req.stop)
     if req.stream:
-        return sse_response(gen, request, GenerateFrames(request_id))
+        return sse_response([gen], request, GenerateFrames(request_id))
     done = await run_to_completion(gen, request)
     return GenerateResponse(
         request_id=done.request_id,
@@ -46,12 +46,12 @@ class GenerateFrames(Frames):
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
 
-    def text(self, chunk: Chunk) -> dict | None:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
         if not (chunk.text or chunk.token_ids):  # a token with no text of its own (EOS) still counts
             return None
         return {"request_id": self.request_id, "text": chunk.text, "token_ids": chunk.token_ids}
 
-    def closing(self, seq: Sequence, rest: str) -> list[dict]:
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
         return [
             {
                 "request_id": self.request_id,

@@ -7,9 +7,11 @@ server-sent events (through ``streaming.py``). Errors use OpenAI's body shape. N
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 
 from fastapi import APIRouter, Depends, Request
 
@@ -26,9 +28,10 @@ from serving import (
     make_sequence,
     render_chat,
     start_generation,
+    start_generations,
     tokenize,
 )
-from streaming import Frames, run_to_completion, sse_response, usage
+from streaming import Frames, run_all, run_to_completion, sse_response, usage
 
 log = logging.getLogger("minibatch.api")
 _CREATED = int(time.time())
@@ -59,27 +62,72 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
     if req.echo and req.logprobs is not None:
         raise APIError(422, "echo together with logprobs is not supported", param="echo")
     max_tokens = check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
-    if isinstance(req.prompt, list) and isinstance(req.prompt[0], int):
-        prompt_ids = check_token_ids(runtime, req.prompt)
-        prompt_text = await detokenize(runtime, prompt_ids) if req.echo else ""
-    else:
-        prompt_text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-        prompt_ids = await tokenize(runtime, prompt_text)
+    prompts = await completion_prompts(runtime, req.prompt, req.echo)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_tokens, req, rid, req.logprobs), req.stop)
-    echo = prompt_text if req.echo else ""
+    seqs = []
+    for i, (ids, _) in enumerate(prompts):  # every prompt is checked before any is queued
+        with prompt_errors(i, len(prompts)):
+            seq_id = rid if len(prompts) == 1 else f"{rid}-{i}"  # a label for the logs
+            seqs.append(make_sequence(runtime, ids, max_tokens, req, seq_id, req.logprobs))
+    gens = start_generations(runtime, seqs, req.stop)
+    echoes = [text for _, text in prompts]
     if req.stream:
-        return sse_response(gen, request, CompletionFrames(runtime, gen.seq, name, echo, include_usage(req)))
-    done = await run_to_completion(gen, request)
-    logprobs = completion_logprobs(runtime, done.output_logprobs, len(echo)) if req.logprobs is not None else None
+        frames = CompletionFrames(runtime, rid, name, echoes, req.logprobs is not None, include_usage(req))
+        return sse_response(gens, request, frames)
+    done = await run_all(gens, request)
+    choices = []
+    for i, (gen, seq, echo) in enumerate(zip(gens, done, echoes)):
+        lps = completion_logprobs(runtime, seq.output_logprobs, len(echo)) if req.logprobs is not None else None
+        choices.append({"index": i, "text": echo + gen.text, "logprobs": lps, "finish_reason": seq.finish_reason})
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": name,
-        "choices": [{"index": 0, "text": echo + gen.text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
-        "usage": usage(done).model_dump(),
+        "choices": choices,
+        "usage": usage(*done).model_dump(),
     }
+
+
+async def completion_prompts(runtime: Runtime, prompt, echo: bool) -> list[tuple[list[int], str]]:
+    """Each prompt of a completions request as (token ids, the text ``echo`` prepends: "" without it).
+    ``prompt`` is a text, a list of texts, a list of token ids or a list of such lists (OpenAI's four
+    forms). Every prompt is checked (count first, then each one, tokenized concurrently off the
+    loop); the first bad one, in order, fails the whole request before anything is queued."""
+    several = not (isinstance(prompt, str) or isinstance(prompt[0], int))
+    items = prompt if several else [prompt]
+    limit = runtime.config.max_prompts_per_request
+    if len(items) > limit:
+        raise APIError(
+            422,
+            f"{len(items)} prompts in one request; the limit is {limit} (MAX_PROMPTS_PER_REQUEST)",
+            param="prompt",
+            reason="too_large",
+        )
+
+    async def one(i: int, item: str | list[int]) -> tuple[list[int], str]:
+        with prompt_errors(i, len(items)):
+            if isinstance(item, str):
+                return await tokenize(runtime, item), (item if echo else "")
+            ids = check_token_ids(runtime, item)
+            return ids, (await detokenize(runtime, ids) if echo else "")
+
+    results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+@contextmanager
+def prompt_errors(i: int, n: int):
+    """With several prompts, an error about one says which (``prompt 2: ...``)."""
+    try:
+        yield
+    except APIError as exc:
+        if n > 1:
+            exc.message = f"prompt {i}: {exc.message}"
+        raise
 
 
 @router.post("/chat/completions", responses=_ERRORS)
@@ -98,7 +146,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_tokens, req, rid, k), req.stop)
     if req.stream:
-        return sse_response(gen, request, ChatFrames(runtime, gen.seq, name, include_usage(req)))
+        return sse_response([gen], request, ChatFrames(runtime, rid, name, k is not None, include_usage(req)))
     done = await run_to_completion(gen, request)
     return {
         "id": rid,
@@ -176,51 +224,57 @@ def chat_logprobs(runtime: Runtime, lps: list) -> dict:
 
 # --- stream frames -------------------------------------------------------------------------------
 class OpenAIFrames(Frames):
-    """What both /v1 streams share: every event carries id/object/created/model, one choice; the
-    closing events are the final choice (finish_reason set) and, if asked, a usage event."""
+    """What both /v1 streams share: every event carries id/object/created/model and one choice (its
+    ``index``: the prompt's); each choice closes with a ``finish_reason`` event; once all have, a
+    usage event (summed), if asked."""
 
     object = ""
 
-    def __init__(self, runtime: Runtime, seq: Sequence, model: str, with_usage: bool) -> None:
+    def __init__(self, runtime: Runtime, request_id: str, model: str, wants_logprobs: bool, with_usage: bool) -> None:
         self.runtime = runtime
-        self.wants_logprobs = seq.logprobs is not None
+        self.wants_logprobs = wants_logprobs
         self.with_usage = with_usage
-        self.base = {"id": seq.request_id, "object": self.object, "created": int(time.time()), "model": model}
+        self.base = {"id": request_id, "object": self.object, "created": int(time.time()), "model": model}
 
-    def choice(self, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         raise NotImplementedError
 
-    def text(self, chunk: Chunk) -> dict | None:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
         if not (chunk.text or chunk.logprobs):  # tokens with no text of their own still carry their logprobs
             return None
-        return {**self.base, "choices": [self.choice(chunk.text, chunk, None)]}
+        return {**self.base, "choices": [self.choice(i, chunk.text, chunk, None)]}
 
-    def closing(self, seq: Sequence, rest: str) -> list[dict]:
-        events = [{**self.base, "choices": [self.choice(rest, None, seq.finish_reason)]}]
-        if self.with_usage:
-            events.append({**self.base, "choices": [], "usage": usage(seq).model_dump()})
-        return events
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
+        return [{**self.base, "choices": [self.choice(i, rest, None, seq.finish_reason)]}]
+
+    def finale(self, seqs: list[Sequence]) -> list[dict]:
+        return [{**self.base, "choices": [], "usage": usage(*seqs).model_dump()}] if self.with_usage else []
 
 
 class CompletionFrames(OpenAIFrames):
     object = "text_completion"
 
-    def __init__(self, runtime: Runtime, seq: Sequence, model: str, echo: str, with_usage: bool) -> None:
-        super().__init__(runtime, seq, model, with_usage)
-        self.echo = echo
-        self.offset = len(echo)  # text_offset counts from the start of the whole text, as in the non-streamed answer
+    def __init__(
+        self, runtime: Runtime, request_id: str, model: str, echoes: list[str], wants_logprobs: bool, with_usage: bool
+    ) -> None:
+        super().__init__(runtime, request_id, model, wants_logprobs, with_usage)
+        self.echoes = echoes
+        # text_offset counts from the start of each choice's whole text, as in the non-streamed answer
+        self.offsets = [len(echo) for echo in echoes]
 
     def opening(self) -> list[dict]:
-        if not self.echo:
-            return []
-        return [{**self.base, "choices": [{"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None}]}]
+        return [
+            {**self.base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
+            for i, echo in enumerate(self.echoes)
+            if echo
+        ]
 
-    def choice(self, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         lp = None
         if self.wants_logprobs and chunk is not None:
-            lp = completion_logprobs(self.runtime, chunk.logprobs, self.offset)
-            self.offset += sum(len(tok) for tok in lp["tokens"])
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            lp = completion_logprobs(self.runtime, chunk.logprobs, self.offsets[i])
+            self.offsets[i] += sum(len(tok) for tok in lp["tokens"])
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
 
 
 class ChatFrames(OpenAIFrames):
@@ -230,7 +284,7 @@ class ChatFrames(OpenAIFrames):
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [{**self.base, "choices": [first]}]
 
-    def choice(self, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         lp = chat_logprobs(self.runtime, chunk.logprobs) if self.wants_logprobs and chunk is not None else None
         delta = {"content": text} if text or finish is None else {}
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}

@@ -153,7 +153,10 @@ class OpenAIFields(SamplingFields):
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: str | list[int] | list[str] = Field(description="text, a list of token ids, or a list with one text")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, a list of texts, a list of token ids, or a list of token-id lists; "
+        "several prompts give one choice each (at most MAX_PROMPTS_PER_REQUEST)"
+    )
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
@@ -161,13 +164,10 @@ class CompletionRequest(OpenAIFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value):
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("must not be empty")
-            if isinstance(value[0], str) and len(value) != 1:
-                raise ValueError("a list of texts must hold exactly one text (batched prompts are not supported)")
-        elif value == "":
+        if value == "" or value == []:
             raise ValueError("must not be empty")
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("every prompt in the list must be non-empty")
         return _valid_unicode(value)
 
     def unsupported(self) -> tuple[str, str] | None:

@@ -159,3 +159,17 @@ def start_generation(runtime: Runtime, seq: Sequence, stop: list[str] | None) ->
     except QueueFullError as exc:
         raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
     return gen
+
+
+def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | None) -> list[Generation]:
+    """Queue all of ``seqs`` at once (no await between them: the scheduler sees them together), or
+    none: if the queue fills part way, the ones already queued are cancelled and the answer is 503."""
+    gens: list[Generation] = []
+    try:
+        for seq in seqs:
+            gens.append(start_generation(runtime, seq, stop))
+    except APIError:
+        for gen in gens:
+            gen.cancel()
+        raise
+    return gens

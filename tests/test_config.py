@@ -17,6 +17,7 @@ ALL_VARS = (
     "FAKE_STEP_DELAY_S", "FAKE_STEP_FAULT_EVERY",
     "BODY_TIMEOUT_S", "HEADER_TIMEOUT_S", "TIMEOUT_KEEP_ALIVE_S", "LIMIT_CONCURRENCY", "MAX_HEADER_BYTES",
     "TOKENIZER_THREADS",
+    "MAX_PROMPTS_PER_REQUEST",
 )
 
 
@@ -234,6 +235,7 @@ def test_is_fake(model_id, fake):
         ("MAX_QUEUE_TIME_S", "2.5", "max_queue_time_s", 2.5),
         ("REQUEST_TIMEOUT_S", "30", "request_timeout_s", 30.0),
         ("MAX_LOGPROBS", "3", "max_logprobs", 3),
+        ("MAX_PROMPTS_PER_REQUEST", "4", "max_prompts_per_request", 4),
         ("SERVED_MODEL_NAME", "my-model", "served_model_name", "my-model"),
     ],
 )
@@ -244,7 +246,8 @@ def test_operational_variables_parse(var, raw, field, value):
 @pytest.mark.parametrize(
     ("var", "raw"),
     [("MAX_QUEUE_TIME_S", "abc"), ("MAX_QUEUE_TIME_S", "nan"), ("MAX_QUEUE_TIME_S", "-1"),
-     ("REQUEST_TIMEOUT_S", "inf"), ("MAX_LOGPROBS", "21"), ("MAX_LOGPROBS", "1.5")],
+     ("REQUEST_TIMEOUT_S", "inf"), ("MAX_LOGPROBS", "21"), ("MAX_LOGPROBS", "1.5"),
+     ("MAX_PROMPTS_PER_REQUEST", "0"), ("MAX_PROMPTS_PER_REQUEST", "1025")],
 )
 def test_operational_variables_reject_bad_values(var, raw):
     with pytest.raises(ConfigError, match=var):

@@ -147,6 +147,29 @@ def test_completion_from_token_ids(client, live, tokenizer):
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
+def test_batched_prompts_through_the_client(client, tokenizer):
+    """Several prompts in one call (texts, or token-id lists as evaluation harnesses send them, ``[[ids]]``
+    even for one): one choice per prompt, in order, each the prompt's solo greedy answer; usage summed."""
+    prompts = [CLEAN_PROMPT, BYTES_PROMPT, "Hello"]
+    kw = {"model": MODEL, "max_tokens": 8, "temperature": 0, "extra_body": NO_EOS}
+    solo = [client.completions.create(prompt=p, **kw) for p in prompts]
+    token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+    for prompt in (prompts, token_lists):
+        r = client.completions.create(prompt=prompt, **kw)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert [c.text for c in r.choices] == [s.choices[0].text for s in solo]
+        assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in solo)
+        assert r.usage.completion_tokens == 24
+    one = client.completions.create(prompt=[token_lists[0]], **kw)
+    assert [c.text for c in one.choices] == [solo[0].choices[0].text]
+    # Streamed: chunks carry the index; reassembled per index they are the same texts.
+    texts = ["", "", ""]
+    for chunk in client.completions.create(prompt=token_lists, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [s.choices[0].text for s in solo]
+
+
 def test_echo(client):
     kw = dict(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=6, temperature=0, extra_body=NO_EOS)
     plain = client.completions.create(**kw).choices[0].text
