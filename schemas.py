@@ -34,6 +34,28 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(default=None, description="up to 8 stop strings; not returned")
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in [-100, 100] added to its logit; at most 300"
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value):
+        """Keys are token ids written in decimal ("50256"); the vocabulary bound is the server's check."""
+        if not value:
+            return value
+        if len(value) > 300:
+            raise ValueError(f"at most 300 entries (got {len(value)})")
+        seen = set()
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key[:20]!r}")
+            if not -100 <= bias <= 100 or bias != bias:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+            if int(key) in seen:
+                raise ValueError(f"token id {int(key)} appears twice")
+            seen.add(int(key))
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -114,7 +136,6 @@ REFUSED_FIELDS = {
 _KNOWN_V1 = {
     *IGNORED_FIELDS,
     *REFUSED_FIELDS,
-    "logit_bias",
     "n",
     "best_of",
     "stream_options",
@@ -133,7 +154,6 @@ class OpenAIFields(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field this request uses that the server does not implement: (name, message)."""
@@ -143,8 +163,6 @@ class OpenAIFields(SamplingFields):
                 return name, message
         if self.n is not None and self.n > 1:
             return "n", f"`n` > 1 is not supported (got {self.n}): send the request n times"
-        if self.logit_bias:
-            return "logit_bias", "`logit_bias` is not supported"
         return None
 
     def unknown_fields(self) -> list[str]:

@@ -106,6 +106,16 @@ async def render_chat(runtime: Runtime, messages: list[dict[str, str]]) -> str:
         raise APIError(400, str(exc), param="messages") from None
 
 
+def logit_bias(runtime: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as sorted (token id, bias) pairs; 422 for a token outside the vocabulary."""
+    pairs = tuple(sorted((int(key), float(value)) for key, value in (bias or {}).items()))
+    vocab = runtime.engine.vocab_size
+    bad = next((t for t, _ in pairs if t >= vocab), None)
+    if bad is not None:
+        raise APIError(422, f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+    return pairs
+
+
 # --- sequence and generation ----------------------------------------------------------------------
 def make_sequence(
     runtime: Runtime,
@@ -129,6 +139,7 @@ def make_sequence(
             presence_penalty=fields.presence_penalty,
             frequency_penalty=fields.frequency_penalty,
             seed=fields.seed,
+            logit_bias=logit_bias(runtime, fields.logit_bias),
         )
     except ValueError as exc:
         raise APIError(422, str(exc)) from None

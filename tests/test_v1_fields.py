@@ -33,7 +33,6 @@ REFUSED = {
     "moderation": {"model": "m"},
     "n": 2,
     "best_of": 3,
-    "logit_bias": {"5": 10},
 }
 # field -> a value that means "not used": accepted, same answer as without it
 NEUTRAL = {
