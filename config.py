@@ -8,11 +8,14 @@ request time.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A CORS origin: "*", or scheme://host[:port] with no path (what browsers send in Origin).
+_ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.\-\[\]:]+")
 
 
 class ConfigError(ValueError):
@@ -83,6 +86,8 @@ class Config:
     max_header_bytes: int = 65536
     # Threads that tokenize, detokenize and render chat templates, off the event loop.
     tokenizer_threads: int = 2
+    # Origins browsers may call the API from (CORS), comma-separated, or "*"; "" = CORS off (no CORS headers).
+    cors_allow_origins: str = ""
 
     def __post_init__(self) -> None:
         _check(self.model_id.strip() != "", "MODEL_ID", "must not be empty")
@@ -113,12 +118,26 @@ class Config:
         )
         _check(1024 <= self.max_header_bytes <= 16 << 20, "MAX_HEADER_BYTES", "must be in [1024, 16777216]")
         _check(1 <= self.tokenizer_threads <= 64, "TOKENIZER_THREADS", "must be in [1, 64]")
+        bad_origin = next((o for o in self.cors_origins if not _ORIGIN.fullmatch(o)), None)
+        _check(
+            bad_origin is None,
+            "CORS_ALLOW_ORIGINS",
+            f"must be \"*\" or comma-separated origins like https://app.example.com:8443 (got {bad_origin!r})",
+        )
+        _check(
+            len(self.cors_origins) <= 1 or "*" not in self.cors_origins, "CORS_ALLOW_ORIGINS", '"*" stands alone'
+        )
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
             "DEVICE",
             f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
         )
+
+    @property
+    def cors_origins(self) -> list[str]:
+        """CORS_ALLOW_ORIGINS as a list (empty: CORS off)."""
+        return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
 
     @property
     def is_fake(self) -> bool:

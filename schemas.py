@@ -268,6 +268,46 @@ class ChatCompletionRequest(OpenAIFields):
         return super().unsupported()
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = Field(
+        default=None, description="default: true for a prompt, false for messages (the template holds them)"
+    )
+    add_generation_prompt: bool = Field(default=True, description="only true (the prompt ends where the answer begins)")
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        _valid_unicode([self.prompt or ""] + [m.text() for m in self.messages or []])
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
