@@ -5,10 +5,11 @@ client and the real tiny model are in test_openai_api.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
-from conftest import assert_error, bounded, fake_text, serving, wait_until
+from conftest import Gate, assert_error, bounded, fake_text, serving, wait_until
 
 from engine import FakeEngine
 
@@ -184,5 +185,44 @@ def test_an_engine_failure_in_one_prompt_fails_the_request_and_frees_the_others(
             # The server still answers afterwards.
             ok = await c.post("/v1/completions", json={**BASE, "prompt": ["fine", "later"]})
             assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+    bounded(body)
+
+
+def test_a_stream_whose_prompt_fails_ends_with_the_error_and_frees_the_others():
+    def fault(seqs):
+        if any(s.prompt_token_ids == ids("poison") for s in seqs):
+            raise RuntimeError("injected")
+
+    async def body():
+        async with serving(FakeEngine(capacity=1, admit_fault=fault)) as c:
+            payload = {"prompt": ["fine", "poison", "later"], "max_tokens": 40, "stream": True}
+            r = await c.post("/v1/completions", json=payload)
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}, events[-3:]
+            assert events[-2]["error"]["code"] == 500
+            assert not any("usage" in e for e in events[:-1] if isinstance(e, dict))
+            sched = c.app.state.server.scheduler
+            await wait_until(lambda: not sched.waiting and not sched.running, what="the other prompts cancelled")
+
+    bounded(body)
+
+
+def test_a_queue_that_fills_part_way_queues_none_of_the_prompts():
+    """MAX_QUEUE_DEPTH 2 and a slot held: three prompts do not fit; the two queued first are taken back."""
+
+    async def body():
+        gate = Gate()
+        engine = FakeEngine(capacity=1, step_fault=gate.wait)
+        async with serving(engine, max_queue_depth=2) as c:
+            holder = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hold", "max_tokens": 3}))
+            await wait_until(gate.entered.is_set, what="the holder running")
+            r = await c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+            assert_error(r, 503, "overloaded")
+            sched = c.app.state.server.scheduler
+            await wait_until(lambda: not sched.waiting, what="the queued prompts taken back")
+            gate.open.set()
+            assert (await holder).status_code == 200
 
     bounded(body)
