@@ -293,6 +293,10 @@ class FakeEngine(BatchEngine):
         """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
         if self.admit_fault:
             self.admit_fault(seqs)
+        for seq in seqs:  # the fake is certain of every prompt token too
+            if seq.prompt_logprobs_k is not None:
+                k = seq.prompt_logprobs_k
+                seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, [(t, 0.0)][:k]) for t in seq.prompt_token_ids[1:]]
         return self._next_tokens(seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
@@ -382,13 +386,33 @@ class HFEngine(BatchEngine):
         """One forward for both (either may be empty): the weights stream once (a decode step alone is
         bound by that)."""
         first_row = len(self._rows)
+        every = [s.prompt_logprobs_k is not None for s in newcomers]
         logits = self.model.forward(
             [s.last_token_id for s in running],
             [s.num_tokens - 1 for s in running],
             [s.prompt_token_ids for s in newcomers],
             list(range(first_row, first_row + len(newcomers))),
-        )  # [len(running) + len(newcomers), V]
+            every if any(every) else (),
+        )  # [len(running) + len(newcomers), V], or more rows: every position of a prompt that asked for them
+        if any(every):
+            logits = self._take_prompt_logprobs(logits, len(running), newcomers)
         return self._next_tokens(logits, running + newcomers)
+
+    def _take_prompt_logprobs(self, logits, n_decode: int, newcomers: list[Sequence]):
+        """logits: the decode rows, then per newcomer its last position or, if it asked for prompt logprobs,
+        all its positions. Fills those newcomers' ``prompt_logprobs`` (position p's row predicts token p + 1,
+        from the raw logits) and returns the rows sampling needs: [n_decode + len(newcomers), V]."""
+        import torch
+
+        keep, start = list(range(n_decode)), n_decode
+        for seq in newcomers:
+            n = seq.prompt_len if seq.prompt_logprobs_k is not None else 1
+            if seq.prompt_logprobs_k is not None:
+                scored = logprobs(logits[start : start + n - 1], seq.prompt_token_ids[1:], seq.prompt_logprobs_k)
+                seq.prompt_logprobs = [None, *scored]
+            keep.append(start + n - 1)
+            start += n
+        return logits[torch.tensor(keep, device=logits.device)]
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.

@@ -59,33 +59,44 @@ async def models(runtime: Runtime = Depends(current_runtime)) -> dict:
 @router.post("/completions", responses=_ERRORS)
 async def completions(req: CompletionRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
     name = check_fields(runtime, req)
-    if req.echo and req.logprobs is not None:
-        raise APIError(422, "echo together with logprobs is not supported", param="echo")
-    max_tokens = check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
+    # max_tokens 0 with echo scores the prompt without generating (evaluation harnesses' loglikelihood):
+    # one token is generated, as every admission does, and dropped from the answer.
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise APIError(422, "max_tokens 0 needs echo: true (it returns the prompt, scored)", param="max_tokens")
+    max_tokens = 1 if score_only else check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
+    prompt_k = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
     prompts = await completion_prompts(runtime, req.prompt, req.echo)
     rid = f"cmpl-{uuid.uuid4().hex}"
     seqs = []
     for i, (ids, _) in enumerate(prompts):  # every prompt is checked before any is queued
         with prompt_errors(i, len(prompts)):
             seq_id = rid if len(prompts) == 1 else f"{rid}-{i}"  # a label for the logs
-            seqs.append(make_sequence(runtime, ids, max_tokens, req, seq_id, req.logprobs))
+            seqs.append(make_sequence(runtime, ids, max_tokens, req, seq_id, req.logprobs, prompt_k))
     gens = start_generations(runtime, seqs, req.stop)
     echoes = [text for _, text in prompts]
     if req.stream:
-        frames = CompletionFrames(runtime, rid, name, echoes, req.logprobs is not None, include_usage(req))
+        frames = CompletionFrames(
+            runtime, rid, name, echoes, seqs, req.logprobs is not None, include_usage(req), score_only=score_only
+        )
         return sse_response(gens, request, frames)
     done = await run_all(gens, request)
     choices = []
     for i, (gen, seq, echo) in enumerate(zip(gens, done, echoes)):
-        lps = completion_logprobs(runtime, seq.output_logprobs, len(echo)) if req.logprobs is not None else None
-        choices.append({"index": i, "text": echo + gen.text, "logprobs": lps, "finish_reason": seq.finish_reason})
+        text = echo if score_only else echo + gen.text
+        lps = None
+        if req.logprobs is not None:
+            lps = completion_logprobs(runtime, [] if score_only else seq.output_logprobs, len(echo))
+            if prompt_k is not None:
+                lps = join_logprobs(prompt_logprobs(runtime, seq), lps)
+        choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": seq.finish_reason})
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": name,
         "choices": choices,
-        "usage": usage(*done).model_dump(),
+        "usage": usage(*done, count_output=not score_only).model_dump(),
     }
 
 
@@ -212,6 +223,27 @@ def completion_logprobs(runtime: Runtime, lps: list, text_offset: int) -> dict:
     }
 
 
+def prompt_logprobs(runtime: Runtime, seq: Sequence) -> dict:
+    """The prompt's tokens in the legacy format, text offsets from 0; the first token's logprob and top
+    alternatives are null (nothing precedes it), as OpenAI and vLLM answer."""
+    rest = completion_logprobs(runtime, seq.prompt_logprobs[1:], 0)
+    tokens = [runtime.engine.decode([seq.prompt_token_ids[0]]), *rest["tokens"]]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
+
+
 def chat_logprobs(runtime: Runtime, lps: list) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = runtime.engine.decode([token_id])
@@ -229,6 +261,7 @@ class OpenAIFrames(Frames):
     usage event (summed), if asked."""
 
     object = ""
+    count_output = True  # usage counts the generated tokens (not for a prompt scored with max_tokens 0)
 
     def __init__(self, runtime: Runtime, request_id: str, model: str, wants_logprobs: bool, with_usage: bool) -> None:
         self.runtime = runtime
@@ -248,33 +281,72 @@ class OpenAIFrames(Frames):
         return [{**self.base, "choices": [self.choice(i, rest, None, seq.finish_reason)]}]
 
     def finale(self, seqs: list[Sequence]) -> list[dict]:
-        return [{**self.base, "choices": [], "usage": usage(*seqs).model_dump()}] if self.with_usage else []
+        if not self.with_usage:
+            return []
+        return [{**self.base, "choices": [], "usage": usage(*seqs, count_output=self.count_output).model_dump()}]
 
 
 class CompletionFrames(OpenAIFrames):
     object = "text_completion"
 
     def __init__(
-        self, runtime: Runtime, request_id: str, model: str, echoes: list[str], wants_logprobs: bool, with_usage: bool
+        self,
+        runtime: Runtime,
+        request_id: str,
+        model: str,
+        echoes: list[str],
+        seqs: list[Sequence],
+        wants_logprobs: bool,
+        with_usage: bool,
+        score_only: bool = False,
     ) -> None:
         super().__init__(runtime, request_id, model, wants_logprobs, with_usage)
-        self.echoes = echoes
+        self.echoes, self.seqs = echoes, seqs
+        self.score_only = score_only  # max_tokens 0: the one generated token is not part of the answer
+        self.count_output = not score_only
         # text_offset counts from the start of each choice's whole text, as in the non-streamed answer
         self.offsets = [len(echo) for echo in echoes]
+        # With logprobs, an echo carries the prompt's logprobs, known once the prompt's prefill has run: it
+        # goes out with that choice's first event instead of before everything.
+        self.pending = [bool(echo) and wants_logprobs for echo in echoes]
 
     def opening(self) -> list[dict]:
         return [
             {**self.base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
             for i, echo in enumerate(self.echoes)
-            if echo
+            if echo and not self.pending[i]
         ]
 
-    def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
+        if self.score_only:
+            chunk = Chunk("")
+        head, head_lp = self._held_echo(i)
+        if not (head or chunk.text or chunk.logprobs):
+            return None
+        return {**self.base, "choices": [self.choice(i, chunk.text, chunk, None, head, head_lp)]}
+
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
+        head, head_lp = self._held_echo(i)
+        text = "" if self.score_only else rest
+        return [{**self.base, "choices": [self.choice(i, text, None, seq.finish_reason, head, head_lp)]}]
+
+    def _held_echo(self, i: int) -> tuple[str, dict | None]:
+        """Choice i's held-back echo and its prompt logprobs, the first time it is asked for."""
+        if not self.pending[i]:
+            return "", None
+        self.pending[i] = False
+        return self.echoes[i], prompt_logprobs(self.runtime, self.seqs[i])
+
+    def choice(
+        self, i: int, text: str, chunk: Chunk | None, finish: str | None, head: str = "", head_lp: dict | None = None
+    ) -> dict:
         lp = None
         if self.wants_logprobs and chunk is not None:
             lp = completion_logprobs(self.runtime, chunk.logprobs, self.offsets[i])
             self.offsets[i] += sum(len(tok) for tok in lp["tokens"])
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+        if head_lp is not None:
+            lp = join_logprobs(head_lp, lp or completion_logprobs(self.runtime, [], 0))
+        return {"index": i, "text": head + text, "logprobs": lp, "finish_reason": finish}
 
 
 class ChatFrames(OpenAIFrames):

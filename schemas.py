@@ -79,6 +79,9 @@ class GenerateRequest(SamplingFields):
     # The upper bound is MAX_NEW_TOKENS_LIMIT, checked by the server (it is configuration).
     max_new_tokens: int = Field(default=16, ge=1)
     stream: bool = False
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="each prompt token's logprob and the top k (at most MAX_LOGPROBS)"
+    )
 
     @field_validator("prompt", "request_id")
     @classmethod
@@ -175,6 +178,7 @@ class CompletionRequest(OpenAIFields):
         description="a text, a list of texts, a list of token ids, or a list of token-id lists; "
         "several prompts give one choice each (at most MAX_PROMPTS_PER_REQUEST)"
     )
+    max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt, generate nothing")
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
@@ -321,6 +325,15 @@ class Metrics(BaseModel):
     e2e_ms: float  # arrival -> finished
 
 
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class PromptTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]  # the k most likely tokens at this position, most likely first
+
+
 class GenerateResponse(BaseModel):
     request_id: str
     text: str
@@ -328,6 +341,8 @@ class GenerateResponse(BaseModel):
     finish_reason: Literal["stop", "length"]
     usage: Usage
     metrics: Metrics
+    # With prompt_logprobs: one entry per prompt token, the first null (nothing precedes it).
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
 
 class ErrorDetail(BaseModel):

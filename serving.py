@@ -124,11 +124,14 @@ def make_sequence(
     fields: SamplingFields,
     request_id: str,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Sequence:
-    """Validate sampling and length against the config and the model; build the Sequence."""
+    """Validate sampling and length against the config and the model; build the Sequence.
+    ``logprobs`` / ``prompt_logprobs``: the top-k wanted for each output / prompt token (None: none)."""
     cfg = runtime.config
-    if logprobs is not None and logprobs > cfg.max_logprobs:
-        raise APIError(422, f"logprobs must be in [0, {cfg.max_logprobs}] (got {logprobs})", param="logprobs")
+    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if k is not None and k > cfg.max_logprobs:
+            raise APIError(422, f"{name} must be in [0, {cfg.max_logprobs}] (got {k})", param=name)
     try:
         sampling = SamplingParams(
             temperature=fields.temperature,
@@ -152,6 +155,7 @@ def make_sequence(
         ignore_eos=fields.ignore_eos,
         sampling=sampling,
         logprobs=logprobs,
+        prompt_logprobs_k=prompt_logprobs,
         arrival_time=now,
         queue_deadline=now + cfg.max_queue_time_s if cfg.max_queue_time_s else None,
         deadline=now + cfg.request_timeout_s if cfg.request_timeout_s else None,

@@ -30,10 +30,11 @@ def disconnect_future(request: Request) -> asyncio.Future:
     return asyncio.ensure_future(wait_for_disconnect(request.receive))
 
 
-def usage(*seqs: Sequence) -> Usage:
-    """Token counts, summed over the sequences of one request (several prompts on /v1/completions)."""
+def usage(*seqs: Sequence, count_output: bool = True) -> Usage:
+    """Token counts, summed over the sequences of one request (several prompts on /v1/completions).
+    ``count_output`` False: the generated tokens are not part of the answer (a prompt scored, max_tokens 0)."""
     prompt = sum(seq.prompt_len for seq in seqs)
-    completion = sum(len(seq.output_token_ids) for seq in seqs)
+    completion = sum(len(seq.output_token_ids) for seq in seqs) if count_output else 0
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

@@ -106,9 +106,16 @@ class MixedBatch:
 
     @classmethod
     def build(
-        cls, token_ids: list[int], positions: list[int], prompts: list[list[int]], rows: list[int], arange: torch.Tensor
+        cls,
+        token_ids: list[int],
+        positions: list[int],
+        prompts: list[list[int]],
+        rows: list[int],
+        arange: torch.Tensor,
+        every_position: list[bool] = (),
     ) -> "MixedBatch":
-        """``arange``: a preallocated ``torch.arange`` at least as long as any position or row count."""
+        """``arange``: a preallocated ``torch.arange`` at least as long as any position or row count.
+        ``every_position[i]``: prompt i's logits are wanted at all its positions, not only the last."""
         B, dev = len(token_ids), arange.device
         lengths = [len(p) for p in prompts]
         starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
@@ -116,7 +123,9 @@ class MixedBatch:
         pos = torch.cat([torch.tensor(positions, device=dev, dtype=torch.long)] + [arange[:n] for n in lengths])
         length = max(positions) + 1 if B else 0
         mask = (arange[:length] <= pos[:B, None]).view(B, 1, 1, length) if B else None
-        sample = [*range(B), *(s + n - 1 for s, n in zip(starts, lengths))] if prompts else None
+        full = list(every_position) or [False] * len(prompts)
+        last = [range(s, s + n) if f else [s + n - 1] for s, n, f in zip(starts, lengths, full)]
+        sample = [*range(B), *(r for span in last for r in span)] if prompts else None
         return cls(
             ids, pos, B, list(zip(starts, lengths, rows)), arange[:B], mask, length,
             torch.tensor(sample, device=dev) if sample is not None else None,
@@ -173,13 +182,19 @@ class MixedForward:
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: list[int], positions: list[int], prompts: list[list[int]] = (), rows: list[int] = ()
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        prompts: list[list[int]] = (),
+        rows: list[int] = (),
+        every_position: list[bool] = (),
     ) -> torch.Tensor:
         """Decode rows [0, B) (token_ids[b] at positions[b]) and prefill whole prompts into cache rows ``rows``.
 
-        Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position.
+        Returns logits [B + len(prompts), V]: the decode rows, then each prompt's last position; a prompt
+        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs).
         """
-        batch = MixedBatch.build(token_ids, positions, prompts, rows, self._arange)
+        batch = MixedBatch.build(token_ids, positions, prompts, rows, self._arange, every_position)
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)

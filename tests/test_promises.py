@@ -98,8 +98,9 @@ def test_n_and_best_of_must_be_1(field):
     bounded(body)
 
 
-def test_echo_and_logprobs_together_are_refused():
-    """README: "`echo` (prepend the prompt; not together with `logprobs`)"."""
+def test_echo_with_logprobs_scores_the_prompt_too():
+    """README: "`echo` with `logprobs` also returns the prompt's tokens and logprobs (the first one's null)";
+    the FakeEngine is certain of every token (logprob 0)."""
 
     async def body():
         async with serving() as c:
@@ -109,12 +110,10 @@ def test_echo_and_logprobs_together_are_refused():
             assert echoed == "echo me" + plain
             r = await c.post("/v1/completions", json={**base, "logprobs": 1})
             assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 3
-            for lp in (0, 1):
-                r = await c.post("/v1/completions", json={**base, "echo": True, "logprobs": lp})
-                err = assert_error(r, 422, "invalid_request_error", "echo")
-                assert "logprobs" in err["message"]
-                r = await c.post("/v1/completions", json={**base, "echo": True, "logprobs": lp, "stream": True})
-                assert_error(r, 422, "invalid_request_error", "echo")
+            r = await c.post("/v1/completions", json={**base, "echo": True, "logprobs": 1})
+            lp = r.json()["choices"][0]["logprobs"]
+            assert "".join(lp["tokens"]) == echoed and lp["token_logprobs"] == [None] + [0.0] * 9
+            assert lp["text_offset"] == list(range(10))
 
     bounded(body)
 
