@@ -89,7 +89,8 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
             lps = completion_logprobs(runtime, [] if score_only else seq.output_logprobs, len(echo))
             if prompt_k is not None:
                 lps = join_logprobs(prompt_logprobs(runtime, seq), lps)
-        choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": seq.finish_reason})
+        finish = "length" if score_only else seq.finish_reason  # the budget, 0, was reached
+        choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
     return {
         "id": rid,
         "object": "text_completion",
@@ -327,8 +328,8 @@ class CompletionFrames(OpenAIFrames):
 
     def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
         head, head_lp = self._held_echo(i)
-        text = "" if self.score_only else rest
-        return [{**self.base, "choices": [self.choice(i, text, None, seq.finish_reason, head, head_lp)]}]
+        text, finish = ("", "length") if self.score_only else (rest, seq.finish_reason)
+        return [{**self.base, "choices": [self.choice(i, text, None, finish, head, head_lp)]}]
 
     def _held_echo(self, i: int) -> tuple[str, dict | None]:
         """Choice i's held-back echo and its prompt logprobs, the first time it is asked for."""

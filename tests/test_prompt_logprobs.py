@@ -113,7 +113,10 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(live, tiny_model_dir):
     r = post(live, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=K)
     assert r.status_code == 200, r.text
     (choice,) = r.json()["choices"]
-    assert choice["text"] == PROMPTS[0]
+    assert choice["text"] == PROMPTS[0] and choice["finish_reason"] == "length"
+    # The one token generated under the hood is not part of the answer, even when it would stop the sequence.
+    stopped = post(live, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=K, stop_token_ids=[int(ref[-1].argmax())])
+    assert stopped.json()["choices"][0] == choice
     assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
     lp = choice["logprobs"]
     assert lp["tokens"] == [tok.decode([t]) for t in ids]
