@@ -8,12 +8,15 @@ request time.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
+# A CORS origin: "*", or scheme://host[:port] with no path (what browsers send in Origin).
+_ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.\-\[\]:]+")
 
 
 class ConfigError(ValueError):
@@ -63,6 +66,8 @@ class Config:
     request_timeout_s: float = 0.0
     # Most top logprobs a request may ask for.
     max_logprobs: int = 5
+    # Most prompts one /v1/completions request may carry (a list of texts or of token-id lists); beyond it, 422.
+    max_prompts_per_request: int = 32
     host: str = "127.0.0.1"
     port: int = 8000
     # --- operations (see ops.py) ---
@@ -98,6 +103,8 @@ class Config:
     max_header_bytes: int = 65536
     # Threads that tokenize, detokenize and render chat templates, off the event loop.
     tokenizer_threads: int = 2
+    # Origins browsers may call the API from (CORS), comma-separated, or "*"; "" = CORS off (no CORS headers).
+    cors_allow_origins: str = ""
 
     def __post_init__(self) -> None:
         _check(self.model_id.strip() != "", "MODEL_ID", "must not be empty")
@@ -117,6 +124,7 @@ class Config:
         _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")
         _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
+        _check(1 <= self.max_prompts_per_request <= 1024, "MAX_PROMPTS_PER_REQUEST", "must be in [1, 1024]")
         _check(self.log_level.upper() in _LOG_LEVELS, "LOG_LEVEL", f"must be one of {', '.join(_LOG_LEVELS)} (got {self.log_level!r})")
         _check(self.api_key == self.api_key.strip(), "API_KEY", "must not start or end with whitespace")
         _check(1024 <= self.max_body_bytes <= 2**31, "MAX_BODY_BYTES", "must be in [1024, 2147483648]")
@@ -136,12 +144,26 @@ class Config:
         _check(
             self.weights in WEIGHT_FORMATS, "WEIGHTS", f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})"
         )
+        bad_origin = next((o for o in self.cors_origins if not _ORIGIN.fullmatch(o)), None)
+        _check(
+            bad_origin is None,
+            "CORS_ALLOW_ORIGINS",
+            f"must be \"*\" or comma-separated origins like https://app.example.com:8443 (got {bad_origin!r})",
+        )
+        _check(
+            len(self.cors_origins) <= 1 or "*" not in self.cors_origins, "CORS_ALLOW_ORIGINS", '"*" stands alone'
+        )
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
             "DEVICE",
             f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
         )
+
+    @property
+    def cors_origins(self) -> list[str]:
+        """CORS_ALLOW_ORIGINS as a list (empty: CORS off)."""
+        return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
 
     @property
     def is_fake(self) -> bool:

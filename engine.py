@@ -555,6 +555,10 @@ class FakeEngine(BatchEngine):
         """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
         if self.admit_fault:
             self.admit_fault(seqs)
+        for seq in seqs:  # the fake is certain of every prompt token too
+            if seq.prompt_logprobs_k is not None:
+                k = seq.prompt_logprobs_k
+                seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, [(t, 0.0)][:k]) for t in seq.prompt_token_ids[1:]]
         return self._next_tokens(seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
@@ -662,23 +666,18 @@ class HFEngine(BatchEngine):
     def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
         """One forward for both (either may be empty): the weights stream once (a decode step alone is
         bound by that)."""
-        table = self.blocks.block_table
-        logits = self.model.forward(
-            [s.last_token_id for s in running],
-            [s.num_tokens - 1 for s in running],
-            [table(s.seq_id) for s in running],
-            [s.prompt_token_ids + s.output_token_ids for s in newcomers],  # output: a recomputed sequence
-            [table(s.seq_id) for s in newcomers],
-        )  # [len(running) + len(newcomers), V]
-        if newcomers:  # prompts bring new shapes, whose scratch the heap would otherwise keep
-            self._heap.maybe_trim()
-        return self._next_tokens(logits, running + newcomers)
+        return self._forward_chunks(running, [(s, 0, s.num_tokens) for s in newcomers])
 
     def _forward_chunks(
         self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]
     ) -> list[int | RowFailure]:
-        """Decode rows and prompt chunks in one forward; tokens only where a chunk ends its sequence."""
+        """Decode rows and prompt chunks in one forward; tokens only where a chunk ends its sequence.
+
+        A chunk whose sequence asked for prompt logprobs gets logits at every position (scored into
+        ``seq.prompt_logprobs``); every other chunk only at its last, and only when it ends the sequence.
+        """
         table = self.blocks.block_table
+        every = [_scores_prompt(seq, start) for seq, start, _ in chunks]
         logits = self.model.forward(
             [s.last_token_id for s in running],
             [s.num_tokens - 1 for s in running],
@@ -686,14 +685,22 @@ class HFEngine(BatchEngine):
             [(s.prompt_token_ids + s.output_token_ids)[start:end] for s, start, end in chunks],
             [table(s.seq_id) for s, _, _ in chunks],
             [start for _, start, _ in chunks],
-        )  # [len(running) + len(chunks), V]
+            every if any(every) else (),
+        )  # [len(running) + one row per chunk (every position of a scoring chunk), V]
         if chunks:  # prompt chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
-        last = [i for i, (s, _, end) in enumerate(chunks) if end == s.num_tokens]
-        rows = list(range(len(running))) + [len(running) + i for i in last]
-        if len(rows) < logits.shape[0]:
-            logits = logits[rows]
-        return self._next_tokens(logits, running + [chunks[i][0] for i in last])
+        keep, row, ending = list(range(len(running))), len(running), []
+        for (seq, start, end), full in zip(chunks, every):
+            n = end - start if full else 1
+            if full:
+                _score_prompt(seq, logits[row : row + n], start, end)
+            if end == seq.num_tokens:
+                keep.append(row + n - 1)
+                ending.append(seq)
+            row += n
+        if len(keep) < logits.shape[0]:
+            logits = logits[keep]
+        return self._next_tokens(logits, running + ending)
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
@@ -755,6 +762,27 @@ class HFEngine(BatchEngine):
         for i, lp in zip(wanted, logprobs(rows, [tokens[i] for i in wanted], k)):
             seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
 
+
+
+def _scores_prompt(seq: Sequence, start: int) -> bool:
+    """Whether a chunk of ``seq`` from ``start`` computes prompt logprobs: the sequence asked for them, the
+    chunk has a position that predicts a prompt token, and they are not complete already (a sequence
+    recomputed after a preemption keeps the ones it has)."""
+    if seq.prompt_logprobs_k is None or start >= seq.prompt_len - 1:
+        return False
+    if start == 0:
+        return len(seq.prompt_logprobs) < seq.prompt_len
+    return len(seq.prompt_logprobs) == start + 1  # the earlier chunks scored positions [0, start)
+
+
+def _score_prompt(seq: Sequence, logits, start: int, end: int) -> None:
+    """logits: [end - start, V], position p's row predicting token p + 1 (raw logits). Appends the
+    logprobs of the prompt tokens those positions predict; position 0 has nothing before it (None)."""
+    if start == 0:
+        seq.prompt_logprobs = [None]
+    stop = min(end, seq.prompt_len - 1)  # the last prompt position predicts the first output token
+    predicted = seq.prompt_token_ids[start + 1 : stop + 1]
+    seq.prompt_logprobs += logprobs(logits[: stop - start], predicted, seq.prompt_logprobs_k)
 
 
 def kv_pool_blocks(config: Config, max_context: int, block_bytes: int) -> int:

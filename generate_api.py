@@ -20,15 +20,17 @@ router = APIRouter()
 @router.post(
     "/generate",
     response_model=GenerateResponse,
+    response_model_exclude_none=True,  # prompt_logprobs only when asked for
     responses={code: {"model": ErrorResponse} for code in (422, 500, 503, 504)},
 )
 async def generate(req: GenerateRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
     max_new_tokens = check_max_tokens(runtime, req.max_new_tokens, "max_new_tokens")
     prompt_ids = await tokenize(runtime, req.prompt)
     request_id = req.request_id or f"req-{uuid.uuid4().hex}"
-    gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id), req.stop)
+    seq = make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id, prompt_logprobs=req.prompt_logprobs)
+    gen = start_generation(runtime, seq, req.stop)
     if req.stream:
-        return sse_response(gen, request, GenerateFrames(request_id))
+        return sse_response([gen], request, GenerateFrames(request_id))
     done = await run_to_completion(gen, request)
     return GenerateResponse(
         request_id=done.request_id,
@@ -37,7 +39,24 @@ async def generate(req: GenerateRequest, request: Request, runtime: Runtime = De
         finish_reason=done.finish_reason,
         usage=usage(done),
         metrics=Metrics(**done.metrics_ms()),
+        prompt_logprobs=prompt_logprobs(done),
     )
+
+
+def prompt_logprobs(seq: Sequence) -> list[dict | None] | None:
+    """The sequence's prompt logprobs in /generate's shape (None if it did not ask for them)."""
+    if seq.prompt_logprobs_k is None:
+        return None
+    return [
+        None
+        if lp is None
+        else {
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top],
+        }
+        for lp in seq.prompt_logprobs
+    ]
 
 
 class GenerateFrames(Frames):
@@ -46,12 +65,12 @@ class GenerateFrames(Frames):
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
 
-    def text(self, chunk: Chunk) -> dict | None:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
         if not (chunk.text or chunk.token_ids):  # a token with no text of its own (EOS) still counts
             return None
         return {"request_id": self.request_id, "text": chunk.text, "token_ids": chunk.token_ids}
 
-    def closing(self, seq: Sequence, rest: str) -> list[dict]:
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
         return [
             {
                 "request_id": self.request_id,
@@ -60,5 +79,6 @@ class GenerateFrames(Frames):
                 "finish_reason": seq.finish_reason,
                 "usage": usage(seq).model_dump(),
                 "metrics": seq.metrics_ms(),
+                **({"prompt_logprobs": prompt_logprobs(seq)} if seq.prompt_logprobs_k is not None else {}),
             }
         ]

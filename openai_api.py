@@ -7,8 +7,11 @@ server-sent events (through ``streaming.py``). Errors use OpenAI's body shape. N
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
+from contextlib import contextmanager
 
 from fastapi import APIRouter, Depends, Request
 
@@ -25,10 +28,12 @@ from serving import (
     make_sequence,
     render_chat,
     start_generation,
+    start_generations,
     tokenize,
 )
-from streaming import Frames, run_to_completion, sse_response, usage
+from streaming import Frames, run_all, run_to_completion, sse_response, usage
 
+log = logging.getLogger("minibatch.api")
 _CREATED = int(time.time())
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 422, 500, 503, 504)}
 
@@ -53,42 +58,99 @@ async def models(runtime: Runtime = Depends(current_runtime)) -> dict:
 
 @router.post("/completions", responses=_ERRORS)
 async def completions(req: CompletionRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
-    name = check_model(runtime, req.model)
-    if req.echo and req.logprobs is not None:
-        raise APIError(422, "echo together with logprobs is not supported", param="echo")
-    max_tokens = check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
-    if isinstance(req.prompt, list) and isinstance(req.prompt[0], int):
-        prompt_ids = check_token_ids(runtime, req.prompt)
-        prompt_text = await detokenize(runtime, prompt_ids) if req.echo else ""
-    else:
-        prompt_text = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-        prompt_ids = await tokenize(runtime, prompt_text)
+    name = check_fields(runtime, req)
+    # max_tokens 0 with echo scores the prompt without generating (evaluation harnesses' loglikelihood):
+    # one token is generated, as every admission does, and dropped from the answer.
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise APIError(422, "max_tokens 0 needs echo: true (it returns the prompt, scored)", param="max_tokens")
+    max_tokens = 1 if score_only else check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
+    prompt_k = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
+    prompts = await completion_prompts(runtime, req.prompt, req.echo)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_tokens, req, rid, req.logprobs), req.stop)
-    echo = prompt_text if req.echo else ""
+    seqs = []
+    for i, (ids, _) in enumerate(prompts):  # every prompt is checked before any is queued
+        with prompt_errors(i, len(prompts)):
+            seq_id = rid if len(prompts) == 1 else f"{rid}-{i}"  # a label for the logs
+            seqs.append(make_sequence(runtime, ids, max_tokens, req, seq_id, req.logprobs, prompt_k))
+    gens = start_generations(runtime, seqs, req.stop)
+    echoes = [text for _, text in prompts]
     if req.stream:
-        return sse_response(gen, request, CompletionFrames(runtime, gen.seq, name, echo, include_usage(req)))
-    done = await run_to_completion(gen, request)
-    logprobs = completion_logprobs(runtime, done.output_logprobs, len(echo)) if req.logprobs is not None else None
+        frames = CompletionFrames(
+            runtime, rid, name, echoes, seqs, req.logprobs is not None, include_usage(req), score_only=score_only
+        )
+        return sse_response(gens, request, frames)
+    done = await run_all(gens, request)
+    choices = []
+    for i, (gen, seq, echo) in enumerate(zip(gens, done, echoes)):
+        text = echo if score_only else echo + gen.text
+        lps = None
+        if req.logprobs is not None:
+            lps = completion_logprobs(runtime, [] if score_only else seq.output_logprobs, len(echo))
+            if prompt_k is not None:
+                lps = join_logprobs(prompt_logprobs(runtime, seq), lps)
+        finish = "length" if score_only else seq.finish_reason  # the budget, 0, was reached
+        choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": name,
-        "choices": [{"index": 0, "text": echo + gen.text, "logprobs": logprobs, "finish_reason": done.finish_reason}],
-        "usage": usage(done).model_dump(),
+        "choices": choices,
+        "usage": usage(*done, count_output=not score_only).model_dump(),
     }
+
+
+async def completion_prompts(runtime: Runtime, prompt, echo: bool) -> list[tuple[list[int], str]]:
+    """Each prompt of a completions request as (token ids, the text ``echo`` prepends: "" without it).
+    ``prompt`` is a text, a list of texts, a list of token ids or a list of such lists (OpenAI's four
+    forms). Every prompt is checked (count first, then each one, tokenized concurrently off the
+    loop); the first bad one, in order, fails the whole request before anything is queued."""
+    several = not (isinstance(prompt, str) or isinstance(prompt[0], int))
+    items = prompt if several else [prompt]
+    limit = runtime.config.max_prompts_per_request
+    if len(items) > limit:
+        raise APIError(
+            422,
+            f"{len(items)} prompts in one request; the limit is {limit} (MAX_PROMPTS_PER_REQUEST)",
+            param="prompt",
+            reason="too_large",
+        )
+
+    async def one(i: int, item: str | list[int]) -> tuple[list[int], str]:
+        with prompt_errors(i, len(items)):
+            if isinstance(item, str):
+                return await tokenize(runtime, item), (item if echo else "")
+            ids = check_token_ids(runtime, item)
+            return ids, (await detokenize(runtime, ids) if echo else "")
+
+    results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+@contextmanager
+def prompt_errors(i: int, n: int):
+    """With several prompts, an error about one says which (``prompt 2: ...``)."""
+    try:
+        yield
+    except APIError as exc:
+        if n > 1:
+            exc.message = f"prompt {i}: {exc.message}"
+        raise
 
 
 @router.post("/chat/completions", responses=_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
-    name = check_model(runtime, req.model)
+    name = check_fields(runtime, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(422, "top_logprobs requires logprobs: true", param="top_logprobs")
     asked = req.max_completion_tokens or req.max_tokens
     if asked:
         check_max_tokens(runtime, asked, "max_completion_tokens")
-    prompt_text = await render_chat(runtime, [{"role": m.role, "content": m.text()} for m in req.messages])
+    prompt_text = await render_chat(runtime, [m.template_dict() for m in req.messages])
     prompt_ids = await tokenize(runtime, prompt_text, add_special_tokens=False)  # the template holds them
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
@@ -96,7 +158,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_tokens, req, rid, k), req.stop)
     if req.stream:
-        return sse_response(gen, request, ChatFrames(runtime, gen.seq, name, include_usage(req)))
+        return sse_response([gen], request, ChatFrames(runtime, rid, name, k is not None, include_usage(req)))
     done = await run_to_completion(gen, request)
     return {
         "id": rid,
@@ -116,6 +178,24 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
 
 
 # --- request checks ------------------------------------------------------------------------------
+_logged_unknown: set[str] = set()
+
+
+def check_fields(runtime: Runtime, req: OpenAIFields) -> str:
+    """The model name, after refusing (400) what the request asks for that is not implemented, and
+    logging (once per name) fields OpenAI does not define, which are ignored."""
+    name = check_model(runtime, req.model)
+    found = req.unsupported()
+    if found is not None:
+        param, message = found
+        raise APIError(400, message, param=param)
+    new = [f for f in req.unknown_fields() if f not in _logged_unknown]
+    if new and len(_logged_unknown) < 1000:  # bounded: clients choose these names
+        _logged_unknown.update(new)
+        log.warning("ignoring request fields OpenAI's API does not define: %s", ", ".join(f[:64] for f in new[:20]))
+    return name
+
+
 def check_model(runtime: Runtime, model: str | None) -> str:
     name = runtime.config.model_name
     if model is not None and model != name:
@@ -144,6 +224,27 @@ def completion_logprobs(runtime: Runtime, lps: list, text_offset: int) -> dict:
     }
 
 
+def prompt_logprobs(runtime: Runtime, seq: Sequence) -> dict:
+    """The prompt's tokens in the legacy format, text offsets from 0; the first token's logprob and top
+    alternatives are null (nothing precedes it), as OpenAI and vLLM answer."""
+    rest = completion_logprobs(runtime, seq.prompt_logprobs[1:], 0)
+    tokens = [runtime.engine.decode([seq.prompt_token_ids[0]]), *rest["tokens"]]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict, then: dict) -> dict:
+    return {key: first[key] + then[key] for key in first}
+
+
 def chat_logprobs(runtime: Runtime, lps: list) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = runtime.engine.decode([token_id])
@@ -156,51 +257,97 @@ def chat_logprobs(runtime: Runtime, lps: list) -> dict:
 
 # --- stream frames -------------------------------------------------------------------------------
 class OpenAIFrames(Frames):
-    """What both /v1 streams share: every event carries id/object/created/model, one choice; the
-    closing events are the final choice (finish_reason set) and, if asked, a usage event."""
+    """What both /v1 streams share: every event carries id/object/created/model and one choice (its
+    ``index``: the prompt's); each choice closes with a ``finish_reason`` event; once all have, a
+    usage event (summed), if asked."""
 
     object = ""
+    count_output = True  # usage counts the generated tokens (not for a prompt scored with max_tokens 0)
 
-    def __init__(self, runtime: Runtime, seq: Sequence, model: str, with_usage: bool) -> None:
+    def __init__(self, runtime: Runtime, request_id: str, model: str, wants_logprobs: bool, with_usage: bool) -> None:
         self.runtime = runtime
-        self.wants_logprobs = seq.logprobs is not None
+        self.wants_logprobs = wants_logprobs
         self.with_usage = with_usage
-        self.base = {"id": seq.request_id, "object": self.object, "created": int(time.time()), "model": model}
+        self.base = {"id": request_id, "object": self.object, "created": int(time.time()), "model": model}
 
-    def choice(self, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         raise NotImplementedError
 
-    def text(self, chunk: Chunk) -> dict | None:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
         if not (chunk.text or chunk.logprobs):  # tokens with no text of their own still carry their logprobs
             return None
-        return {**self.base, "choices": [self.choice(chunk.text, chunk, None)]}
+        return {**self.base, "choices": [self.choice(i, chunk.text, chunk, None)]}
 
-    def closing(self, seq: Sequence, rest: str) -> list[dict]:
-        events = [{**self.base, "choices": [self.choice(rest, None, seq.finish_reason)]}]
-        if self.with_usage:
-            events.append({**self.base, "choices": [], "usage": usage(seq).model_dump()})
-        return events
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
+        return [{**self.base, "choices": [self.choice(i, rest, None, seq.finish_reason)]}]
+
+    def finale(self, seqs: list[Sequence]) -> list[dict]:
+        if not self.with_usage:
+            return []
+        return [{**self.base, "choices": [], "usage": usage(*seqs, count_output=self.count_output).model_dump()}]
 
 
 class CompletionFrames(OpenAIFrames):
     object = "text_completion"
 
-    def __init__(self, runtime: Runtime, seq: Sequence, model: str, echo: str, with_usage: bool) -> None:
-        super().__init__(runtime, seq, model, with_usage)
-        self.echo = echo
-        self.offset = len(echo)  # text_offset counts from the start of the whole text, as in the non-streamed answer
+    def __init__(
+        self,
+        runtime: Runtime,
+        request_id: str,
+        model: str,
+        echoes: list[str],
+        seqs: list[Sequence],
+        wants_logprobs: bool,
+        with_usage: bool,
+        score_only: bool = False,
+    ) -> None:
+        super().__init__(runtime, request_id, model, wants_logprobs, with_usage)
+        self.echoes, self.seqs = echoes, seqs
+        self.score_only = score_only  # max_tokens 0: the one generated token is not part of the answer
+        self.count_output = not score_only
+        # text_offset counts from the start of each choice's whole text, as in the non-streamed answer
+        self.offsets = [len(echo) for echo in echoes]
+        # With logprobs, an echo carries the prompt's logprobs, known once the prompt's prefill has run: it
+        # goes out with that choice's first event instead of before everything.
+        self.pending = [bool(echo) and wants_logprobs for echo in echoes]
 
     def opening(self) -> list[dict]:
-        if not self.echo:
-            return []
-        return [{**self.base, "choices": [{"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None}]}]
+        return [
+            {**self.base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
+            for i, echo in enumerate(self.echoes)
+            if echo and not self.pending[i]
+        ]
 
-    def choice(self, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
+        if self.score_only:
+            chunk = Chunk("")
+        head, head_lp = self._held_echo(i)
+        if not (head or chunk.text or chunk.logprobs):
+            return None
+        return {**self.base, "choices": [self.choice(i, chunk.text, chunk, None, head, head_lp)]}
+
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
+        head, head_lp = self._held_echo(i)
+        text, finish = ("", "length") if self.score_only else (rest, seq.finish_reason)
+        return [{**self.base, "choices": [self.choice(i, text, None, finish, head, head_lp)]}]
+
+    def _held_echo(self, i: int) -> tuple[str, dict | None]:
+        """Choice i's held-back echo and its prompt logprobs, the first time it is asked for."""
+        if not self.pending[i]:
+            return "", None
+        self.pending[i] = False
+        return self.echoes[i], prompt_logprobs(self.runtime, self.seqs[i])
+
+    def choice(
+        self, i: int, text: str, chunk: Chunk | None, finish: str | None, head: str = "", head_lp: dict | None = None
+    ) -> dict:
         lp = None
         if self.wants_logprobs and chunk is not None:
-            lp = completion_logprobs(self.runtime, chunk.logprobs, self.offset)
-            self.offset += sum(len(tok) for tok in lp["tokens"])
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            lp = completion_logprobs(self.runtime, chunk.logprobs, self.offsets[i])
+            self.offsets[i] += sum(len(tok) for tok in lp["tokens"])
+        if head_lp is not None:
+            lp = join_logprobs(head_lp, lp or completion_logprobs(self.runtime, [], 0))
+        return {"index": i, "text": head + text, "logprobs": lp, "finish_reason": finish}
 
 
 class ChatFrames(OpenAIFrames):
@@ -210,7 +357,7 @@ class ChatFrames(OpenAIFrames):
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [{**self.base, "choices": [first]}]
 
-    def choice(self, text: str, chunk: Chunk | None, finish: str | None) -> dict:
+    def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         lp = chat_logprobs(self.runtime, chunk.logprobs) if self.wants_logprobs and chunk is not None else None
         delta = {"content": text} if text or finish is None else {}
-        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}

@@ -27,6 +27,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
+from starlette.middleware.cors import CORSMiddleware
+
 from api_errors import error_body
 from config import Config
 from metrics import ServerMetrics, logfmt
@@ -341,3 +343,31 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class CORSFromConfig:
+    """Starlette's ``CORSMiddleware`` with ``CORS_ALLOW_ORIGINS``, outside everything else, so preflight
+    requests need no API key and error answers (401, 429, ...) carry the CORS headers too. The config is
+    only known once the lifespan has started (``uvicorn server:app`` reads it there), so the inner
+    middleware is built on the first HTTP request; with no origins configured requests pass straight through."""
+
+    def __init__(self, app, operations: Operations) -> None:
+        self.app = app
+        self.operations = operations
+        self.cors = None
+
+    async def __call__(self, scope, receive: Receive, send: Send) -> None:
+        cfg = self.operations.config
+        if scope["type"] != "http" or cfg is None or not cfg.cors_origins:
+            await self.app(scope, receive, send)
+            return
+        if self.cors is None:
+            self.cors = CORSMiddleware(
+                self.app,
+                allow_origins=cfg.cors_origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],  # OpenAI's JS client sends its own x-stainless-* headers
+                expose_headers=["Retry-After"],
+                max_age=600,
+            )
+        await self.cors(scope, receive, send)

@@ -5,7 +5,8 @@ one token id per sequence, each row under its own ``SamplingParams``. The order 
 
 1. repetition penalty (HF/vLLM: over prompt + output tokens, positive logits divided by the
    penalty, negative ones multiplied), then frequency and presence penalties (OpenAI: over
-   output tokens only, ``l -= frequency * count + presence * (count > 0)``);
+   output tokens only, ``l -= frequency * count + presence * (count > 0)``), then each row's
+   ``logit_bias`` (added to its tokens' logits; rows without one are not touched);
 2. greedy rows (``temperature`` below ``GREEDY_TEMPERATURE``) take the argmax of the penalized
    logits; top-k/top-p/min-p and the seed do not matter for them;
 3. the other rows: divide by the temperature, then top-k (keep logits >= the k-th largest),
@@ -58,9 +59,11 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "LOGIT_LIMIT",
     "NonFiniteLogits",
+    "MAX_LOGIT_BIAS",
     "TOP_P_WINDOWS",
     "SamplingParams",
     "TokenLogprobs",
+    "apply_logit_bias",
     "apply_penalties",
     "logprobs",
     "sample",
@@ -75,6 +78,7 @@ LOGIT_LIMIT = 1e30
 # for the rows whose nucleus is wider, and fully sorts only the rows whose nucleus is wider still.
 TOP_P_WINDOWS = (256, 2048)
 _MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI
 _M64 = (1 << 64) - 1
 
 
@@ -106,6 +110,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # (token id, bias) pairs added to the logits after the penalties, before the temperature (OpenAI/vLLM).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,6 +140,7 @@ class SamplingParams:
         s = self.seed
         if s is not None and (not _is_int(s) or not 0 <= s <= _MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or null, got {s!r}")
+        _check_logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -143,6 +150,19 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_logit_bias(pairs) -> None:
+    """At most MAX_LOGIT_BIAS (token id >= 0, bias in [-100, 100]) pairs, each token once."""
+    if not isinstance(pairs, tuple) or len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0):
+            raise ValueError(f"logit_bias entries must be (token id >= 0, bias) pairs, got {pair!r}")
+        if not _is_real(pair[1]) or not -100 <= pair[1] <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {pair[1]!r}")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias names a token id more than once")
 
 
 _GREEDY = SamplingParams()
@@ -215,6 +235,24 @@ def _penalize_(
         pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[row]
         # vLLM: l -= f * count; l -= p * (count > 0)
         flat_x[pos] = (flat_x[pos] - freq * count - pres).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
+
+
+def apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to ``x`` [N, V] (float32) in place and return it: one index_add
+    over the flat positions ``row * V + token`` of the rows that have a bias (the others are not touched)."""
+    import torch
+
+    n, vocab = x.shape
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return x
+    pos = [i * vocab + t for i in rows for t, _ in params[i].logit_bias]
+    bias = [b for i in rows for _, b in params[i].logit_bias]
+    if max(t for i in rows for t, _ in params[i].logit_bias) >= vocab:
+        raise ValueError(f"logit_bias token ids must be < the vocabulary size {vocab}")
+    dev = x.device
+    x.view(-1).index_add_(0, torch.tensor(pos, device=dev), torch.tensor(bias, dtype=x.dtype, device=dev))
+    return x
 
 
 def apply_penalties(
@@ -382,10 +420,13 @@ def sample(
     if not bool(usable.all()):
         raise NonFiniteLogits((~usable).nonzero().flatten().tolist())
     penalized = any(p.has_penalties for p in params)
-    if not penalized and all(p.is_greedy for p in params):
+    biased = any(p.logit_bias for p in params)
+    if not penalized and not biased and all(p.is_greedy for p in params):
         return logits.argmax(dim=-1).tolist()
 
-    x = apply_penalties(logits, params, prompt_ids, output_ids) if penalized else logits.float()
+    x = apply_penalties(logits, params, prompt_ids, output_ids) if penalized or biased else logits.float()
+    if biased:
+        apply_logit_bias(x, params)  # x is a copy here (apply_penalties copies)
     dev = x.device
     out = [0] * n
     greedy = [i for i, p in enumerate(params) if p.is_greedy]

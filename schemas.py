@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _valid_unicode(value):
@@ -34,6 +34,28 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(default=None, description="up to 8 stop strings; not returned")
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in [-100, 100] added to its logit; at most 300"
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value):
+        """Keys are token ids written in decimal ("50256"); the vocabulary bound is the server's check."""
+        if not value:
+            return value
+        if len(value) > 300:
+            raise ValueError(f"at most 300 entries (got {len(value)})")
+        seen = set()
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key[:20]!r}")
+            if not -100 <= bias <= 100 or bias != bias:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+            if int(key) in seen:
+                raise ValueError(f"token id {int(key)} appears twice")
+            seen.add(int(key))
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -57,6 +79,9 @@ class GenerateRequest(SamplingFields):
     # The upper bound is MAX_NEW_TOKENS_LIMIT, checked by the server (it is configuration).
     max_new_tokens: int = Field(default=16, ge=1)
     stream: bool = False
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="each prompt token's logprob and the top k (at most MAX_LOGPROBS)"
+    )
 
     @field_validator("prompt", "request_id")
     @classmethod
@@ -65,73 +90,166 @@ class GenerateRequest(SamplingFields):
 
 
 class StreamOptions(BaseModel):
+    # include_obfuscation (OpenAI pads stream events against side channels) does not change the text.
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
-class OpenAIFields(SamplingFields):
-    """Fields common to /v1/completions and /v1/chat/completions. Unknown fields are ignored,
-    as OpenAI clients send some we do not use; the ones that would change the answer are checked."""
+# --- what a /v1 request may carry ------------------------------------------------------------------
+# Every field of OpenAI's request types is declared: implemented (typed fields below), ignored because it
+# cannot change the output (IGNORED_FIELDS), or not implemented here (REFUSED_FIELDS: a value that means
+# "not used" is accepted, anything else gets a 400 naming the field, from ``unsupported()``). Fields
+# OpenAI does not define are ignored (clients send new ones; see ``unknown_fields()``), and logged.
+IGNORED_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "parallel_tool_calls",  # only means something with tools, which are refused
+)
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+
+def _unused(value) -> bool:
+    return value is None or value == [] or value == {} or value == ""
+
+
+# field -> (is the value one that means "not used"?, what to say when it is not)
+REFUSED_FIELDS = {
+    "suffix": (_unused, "`suffix` (insertion) is not supported"),
+    "functions": (_unused, "`functions` (function calling) is not supported"),
+    "function_call": (lambda v: _unused(v) or v == "none", "`function_call` is not supported"),
+    "tools": (_unused, "`tools` (tool calling) is not supported"),
+    "tool_choice": (lambda v: _unused(v) or v in ("none", "auto"), "`tool_choice` is not supported (no tools)"),
+    "response_format": (
+        lambda v: _unused(v) or v == {"type": "text"},
+        '`response_format` other than {"type": "text"} is not supported (no JSON mode or schemas)',
+    ),
+    "modalities": (lambda v: _unused(v) or v == ["text"], '`modalities` other than ["text"] are not supported'),
+    "audio": (_unused, "`audio` output is not supported"),
+    "prediction": (_unused, "`prediction` (predicted outputs) is not supported"),
+    "web_search_options": (_unused, "`web_search_options` is not supported"),
+    "reasoning_effort": (_unused, "`reasoning_effort` is not supported (the model does not reason)"),
+    "verbosity": (_unused, "`verbosity` is not supported"),
+    "moderation": (_unused, "`moderation` is not supported"),
+}
+_KNOWN_V1 = {
+    *IGNORED_FIELDS,
+    *REFUSED_FIELDS,
+    "n",
+    "best_of",
+    "stream_options",
+}
+
+
+class OpenAIFields(SamplingFields):
+    """Fields common to /v1/completions and /v1/chat/completions (see REFUSED_FIELDS above)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)  # OpenAI's default
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: int | None = Field(default=None, ge=1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field this request uses that the server does not implement: (name, message)."""
+        extra = self.model_extra or {}
+        for name, (unused, message) in REFUSED_FIELDS.items():
+            if name in extra and not unused(extra[name]):
+                return name, message
+        if self.n is not None and self.n > 1:
+            return "n", f"`n` > 1 is not supported (got {self.n}): send the request n times"
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        """Fields OpenAI's API does not define either: ignored (and logged by the caller)."""
+        return sorted(set(self.model_extra or {}) - _KNOWN_V1 - set(IGNORED_FIELDS))
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: str | list[int] | list[str] = Field(description="text, a list of token ids, or a list with one text")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, a list of texts, a list of token ids, or a list of token-id lists; "
+        "several prompts give one choice each (at most MAX_PROMPTS_PER_REQUEST)"
+    )
+    max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt, generate nothing")
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=1)
-    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
 
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value):
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("must not be empty")
-            if isinstance(value[0], str) and len(value) != 1:
-                raise ValueError("a list of texts must hold exactly one text (batched prompts are not supported)")
-        elif value == "":
+        if value == "" or value == []:
             raise ValueError("must not be empty")
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("every prompt in the list must be non-empty")
         return _valid_unicode(value)
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of > 1:
+            return "best_of", f"`best_of` > 1 is not supported (got {self.best_of})"
+        return super().unsupported()
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content. Only text is implemented; the other OpenAI part types
+    (``image_url``, ``input_audio``, ``file``, ``refusal``) are answered with a 400."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(default=None, max_length=256)  # given to the chat template
+    # Tool and function calling history, and audio, are not implemented: non-null -> 400.
+    tool_calls: list | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and self.role != "assistant":  # OpenAI: only an assistant's may be absent
+            raise ValueError(f"a `{self.role}` message needs `content`")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content or [])
+
+    def template_dict(self) -> dict[str, str]:
+        """What the chat template sees: role, content and, if given, name."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    def unsupported(self, where: str) -> tuple[str, str] | None:
+        """The first thing in this message the server does not implement: (param, message)."""
+        if self.role in ("tool", "function"):
+            return f"{where}.role", f"messages with role `{self.role}` are not supported (no tool calling)"
+        for name in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            if not _unused(getattr(self, name)):
+                return f"{where}.{name}", f"`{name}` in a message is not supported"
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if part.type != "text":
+                return f"{where}.content.{j}.type", f"content parts of type `{part.type}` are not supported (text only)"
+            if part.text is None:
+                return f"{where}.content.{j}.text", "a text content part needs `text`"
+        return None
 
 
 class ChatCompletionRequest(OpenAIFields):
@@ -143,8 +261,55 @@ class ChatCompletionRequest(OpenAIFields):
     @field_validator("messages")
     @classmethod
     def _unicode_messages(cls, value):
-        _valid_unicode([m.text() for m in value])
+        _valid_unicode([m.text() for m in value] + [m.name for m in value if m.name])
         return value
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for i, message in enumerate(self.messages):
+            found = message.unsupported(f"messages.{i}")
+            if found is not None:
+                return found
+        return super().unsupported()
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = Field(
+        default=None, description="default: true for a prompt, false for messages (the template holds them)"
+    )
+    add_generation_prompt: bool = Field(default=True, description="only true (the prompt ends where the answer begins)")
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        _valid_unicode([self.prompt or ""] + [m.text() for m in self.messages or []])
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):
@@ -160,6 +325,15 @@ class Metrics(BaseModel):
     e2e_ms: float  # arrival -> finished
 
 
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class PromptTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]  # the k most likely tokens at this position, most likely first
+
+
 class GenerateResponse(BaseModel):
     request_id: str
     text: str
@@ -167,6 +341,8 @@ class GenerateResponse(BaseModel):
     finish_reason: Literal["stop", "length"]
     usage: Usage
     metrics: Metrics
+    # With prompt_logprobs: one entry per prompt token, the first null (nothing precedes it).
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -53,6 +53,11 @@ class Sequence:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top k
     output_logprobs: list[Any] = field(default_factory=list)  # one sampling.TokenLogprobs per output token
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it, and the top k, computed in
+    # the prefill forward into prompt_logprobs: None for the first token (nothing precedes it), then one
+    # sampling.TokenLogprobs per prompt token.
+    prompt_logprobs_k: int | None = None
+    prompt_logprobs: list[Any] = field(default_factory=list)
     # perf_counter() deadlines; None = no limit. Past them the scheduler ends it as FINISHED_TIMEOUT.
     queue_deadline: float | None = None
     deadline: float | None = None

@@ -2,7 +2,7 @@
 ``main``, which runs it under uvicorn. No torch here, and no endpoint either:
 
 * ``generate_api.py``: ``POST /generate``;  ``openai_api.py``: ``/v1/...``;
-* ``probes.py``: ``GET /health``, ``/ready``, ``/metrics``;
+* ``probes.py``: ``GET /health``, ``/ready``, ``/metrics``;  ``tokenize_api.py``: ``/tokenize``, ``/detokenize``;
 * ``serving.py``: request -> running generation;  ``streaming.py``: generation -> answer or SSE;
 * ``ops.py``: auth, limits, slow bodies, drain;  ``transport.py``: connection-level defences;
 * ``api_errors.py``: the error shape.
@@ -28,10 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import generate_api
 import openai_api
 import probes
+import tokenize_api
 from api_errors import APIError, describe_unparsable_body, describe_validation
 from config import Config
 from engine import FakeEngine, InferenceEngine, build_engine
-from ops import OPEN_PATHS, Operations, OperationsMiddleware
+from ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
 from scheduler import Scheduler
 from schemas import ErrorResponse
 from serving import Runtime
@@ -74,10 +75,12 @@ def create_app(config: Config | None = None, engine: InferenceEngine | None = No
     operations = Operations(config, lambda: app.state.server)
     app.state.ops = operations
     app.add_middleware(OperationsMiddleware, operations=operations)
+    app.add_middleware(CORSFromConfig, operations=operations)  # added last: outermost
     _add_error_handlers(app, operations)
     app.include_router(probes.router)
     app.include_router(generate_api.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)
     app.openapi = _openapi_with_ops_errors(app)
     return app
 

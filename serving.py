@@ -106,6 +106,16 @@ async def render_chat(runtime: Runtime, messages: list[dict[str, str]]) -> str:
         raise APIError(400, str(exc), param="messages") from None
 
 
+def logit_bias(runtime: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """The request's logit_bias as sorted (token id, bias) pairs; 422 for a token outside the vocabulary."""
+    pairs = tuple(sorted((int(key), float(value)) for key, value in (bias or {}).items()))
+    vocab = runtime.engine.vocab_size
+    bad = next((t for t, _ in pairs if t >= vocab), None)
+    if bad is not None:
+        raise APIError(422, f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias")
+    return pairs
+
+
 # --- sequence and generation ----------------------------------------------------------------------
 def make_sequence(
     runtime: Runtime,
@@ -114,11 +124,14 @@ def make_sequence(
     fields: SamplingFields,
     request_id: str,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Sequence:
-    """Validate sampling and length against the config and the model; build the Sequence."""
+    """Validate sampling and length against the config and the model; build the Sequence.
+    ``logprobs`` / ``prompt_logprobs``: the top-k wanted for each output / prompt token (None: none)."""
     cfg = runtime.config
-    if logprobs is not None and logprobs > cfg.max_logprobs:
-        raise APIError(422, f"logprobs must be in [0, {cfg.max_logprobs}] (got {logprobs})", param="logprobs")
+    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if k is not None and k > cfg.max_logprobs:
+            raise APIError(422, f"{name} must be in [0, {cfg.max_logprobs}] (got {k})", param=name)
     try:
         sampling = SamplingParams(
             temperature=fields.temperature,
@@ -129,6 +142,7 @@ def make_sequence(
             presence_penalty=fields.presence_penalty,
             frequency_penalty=fields.frequency_penalty,
             seed=fields.seed,
+            logit_bias=logit_bias(runtime, fields.logit_bias),
         )
     except ValueError as exc:
         raise APIError(422, str(exc)) from None
@@ -141,6 +155,7 @@ def make_sequence(
         ignore_eos=fields.ignore_eos,
         sampling=sampling,
         logprobs=logprobs,
+        prompt_logprobs_k=prompt_logprobs,
         arrival_time=now,
         queue_deadline=now + cfg.max_queue_time_s if cfg.max_queue_time_s else None,
         deadline=now + cfg.request_timeout_s if cfg.request_timeout_s else None,
@@ -159,3 +174,17 @@ def start_generation(runtime: Runtime, seq: Sequence, stop: list[str] | None) ->
     except QueueFullError as exc:
         raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
     return gen
+
+
+def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | None) -> list[Generation]:
+    """Queue all of ``seqs`` at once (no await between them: the scheduler sees them together), or
+    none: if the queue fills part way, the ones already queued are cancelled and the answer is 503."""
+    gens: list[Generation] = []
+    try:
+        for seq in seqs:
+            gens.append(start_generation(runtime, seq, stop))
+    except APIError:
+        for gen in gens:
+            gen.cancel()
+        raise
+    return gens

@@ -1,11 +1,13 @@
 """How a running ``Generation`` becomes an HTTP answer, for both APIs. No torch.
 
-* ``run_to_completion``: wait for the whole answer, or give up when the client disconnects
-  (the sequence is then cancelled: dropped from the queue or freed at the next step).
-* ``event_stream``: the one server-sent-event loop. Each API supplies its ``Frames`` (what the
-  first event, each text event and the closing events look like); the loop is the same: events
-  as text arrives, then the closing events or the error body, then ``data: [DONE]`` (OpenAI's
-  rule, for every stream that was not abandoned by its client).
+* ``run_all`` / ``run_to_completion``: wait for the whole answer, or give up when the client
+  disconnects (the sequences are then cancelled: dropped from the queue or freed at the next step).
+* ``event_stream``: the one server-sent-event loop, over one generation or several (one per prompt
+  of a batched /v1/completions request). Each API supplies its ``Frames`` (what the first event,
+  each text event and the closing events look like); the loop is the same: events as text
+  arrives, each generation's closing events when it ends (or the error body, which ends the
+  stream), then the final events and ``data: [DONE]`` (OpenAI's rule, for every stream that was
+  not abandoned by its client).
 """
 
 from __future__ import annotations
@@ -28,57 +30,125 @@ def disconnect_future(request: Request) -> asyncio.Future:
     return asyncio.ensure_future(wait_for_disconnect(request.receive))
 
 
-def usage(seq: Sequence) -> Usage:
-    n = len(seq.output_token_ids)
-    return Usage(prompt_tokens=seq.prompt_len, completion_tokens=n, total_tokens=seq.prompt_len + n)
+def usage(*seqs: Sequence, count_output: bool = True) -> Usage:
+    """Token counts, summed over the sequences of one request (several prompts on /v1/completions).
+    ``count_output`` False: the generated tokens are not part of the answer (a prompt scored, max_tokens 0)."""
+    prompt = sum(seq.prompt_len for seq in seqs)
+    completion = sum(len(seq.output_token_ids) for seq in seqs) if count_output else 0
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 async def run_to_completion(gen: Generation, request: Request) -> Sequence:
-    """The finished sequence, its text complete in ``gen.text``. Raises the sequence's error answer,
-    or a 499 (not sent to anyone: the client is gone) when the client disconnects first."""
-    done = await gen.result(disconnect_future(request))
-    if done is None:
-        raise APIError(499, "client disconnected", "cancelled")
-    error = sequence_error(done)
-    if error is not None:
-        raise error
-    gen.final_text()
-    return done
+    """``run_all`` for one generation."""
+    return (await run_all([gen], request))[0]
+
+
+async def run_all(gens: list[Generation], request: Request) -> list[Sequence]:
+    """The finished sequences, in order, their texts complete in ``gen.text``. Raises the first failed
+    sequence's error answer, or a 499 (not sent to anyone: the client is gone) when the client
+    disconnects first; either way the others are cancelled."""
+    disconnected = disconnect_future(request)
+    pending = {gen.future for gen in gens}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending | {disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if disconnected in done:
+                raise APIError(499, "client disconnected", "cancelled")
+            for future in done:
+                error = sequence_error(future.result())
+                if error is not None:
+                    raise error
+            pending -= done
+    except BaseException:  # an error answer, a disconnect, or this task cancelled: nobody wants the rest
+        for gen in gens:
+            gen.cancel()
+        raise
+    finally:
+        disconnected.cancel()
+    for gen in gens:
+        gen.final_text()
+    return [gen.seq for gen in gens]
 
 
 class Frames:
-    """One API's event payloads. Subclasses override what differs; ``None`` skips an event."""
+    """One API's event payloads. Subclasses override what differs; ``None`` skips an event. ``i`` is the
+    index of the generation (the prompt, on /v1/completions) an event belongs to; 0 when there is one."""
 
     def opening(self) -> list[dict]:
         """Events before any text."""
         return []
 
-    def text(self, chunk: Chunk) -> dict | None:
+    def text(self, i: int, chunk: Chunk) -> dict | None:
         """The event for newly generated text (and the tokens and logprobs behind it)."""
         raise NotImplementedError
 
-    def closing(self, seq: Sequence, rest: str) -> list[dict]:
-        """Events after the last chunk: ``rest`` is the text held back until the end."""
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
+        """Events after generation ``i``'s last chunk: ``rest`` is the text held back until the end."""
         raise NotImplementedError
 
+    def finale(self, seqs: list[Sequence]) -> list[dict]:
+        """Events once every generation has closed (before ``[DONE]``)."""
+        return []
 
-async def event_stream(gen: Generation, request: Request, frames: Frames) -> AsyncIterator[str]:
+
+async def merged_chunks(
+    gens: list[Generation], disconnected: asyncio.Future
+) -> AsyncIterator[tuple[int, Chunk | None]]:
+    """``(i, chunk)`` from every generation as they come, and ``(i, None)`` when generation ``i`` ends.
+    Several generations are pumped by one task each into a queue; closing this iterator cancels them
+    (and so the generations still running)."""
+    if len(gens) == 1:
+        async for chunk in gens[0].stream(disconnected):
+            yield 0, chunk
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for chunk in gen.stream(disconnected):
+                queue.put_nowait((i, chunk))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        open_ = len(gens)
+        while open_:
+            item = await queue.get()
+            open_ -= item[1] is None
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def event_stream(gens: list[Generation], request: Request, frames: Frames) -> AsyncIterator[str]:
     disconnected = disconnect_future(request)
+    chunks = merged_chunks(gens, disconnected)
     try:
         for event in frames.opening():
             yield sse(event)
-        async for chunk in gen.stream(disconnected):
-            event = frames.text(chunk)
-            if event is not None:
+        async for i, chunk in chunks:
+            if chunk is not None:
+                event = frames.text(i, chunk)
+                if event is not None:
+                    yield sse(event)
+                continue
+            if disconnected.done():
+                return  # nobody is listening
+            error = sequence_error(gens[i].seq)
+            if error is not None:  # the whole answer fails (the others are cancelled on the way out)
+                yield sse(error.body())
+                yield sse("[DONE]")
+                return
+            for event in frames.closing(i, gens[i].seq, gens[i].final_text()):
                 yield sse(event)
-        if disconnected.done():
-            return  # nobody is listening
-        error = sequence_error(gen.seq)
-        events = [error.body()] if error is not None else frames.closing(gen.seq, gen.final_text())
-        for event in events:
+        for event in frames.finale([gen.seq for gen in gens]):
             yield sse(event)
         yield sse("[DONE]")
     finally:
+        await chunks.aclose()
         disconnected.cancel()
 
 
@@ -86,7 +156,7 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def sse_response(gen: Generation, request: Request, frames: Frames) -> StreamingResponse:
+def sse_response(gens: list[Generation], request: Request, frames: Frames) -> StreamingResponse:
     return StreamingResponse(
-        event_stream(gen, request, frames), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        event_stream(gens, request, frames), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )

@@ -179,7 +179,10 @@ class MixedBatch:
         prompt_starts: list[int],
         block_size: int,
         device: torch.device,
+        every_position: list[bool] = (),
     ) -> "MixedBatch":
+        """``every_position[i]``: chunk i's logits are wanted at all its positions, not only the last
+        (prompt logprobs)."""
         B = len(token_ids)
         lengths = [len(p) for p in prompts]
         starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
@@ -193,7 +196,9 @@ class MixedBatch:
             width = max(len(t) for t in tables)
             block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
             context_lens = torch.tensor(positions, dtype=torch.int32) + 1
-        sample = [*range(B), *(s + n - 1 for s, n in zip(starts, lengths))] if prompts else None
+        full = list(every_position) or [False] * len(prompts)
+        spans = [range(s, s + n) if f else [s + n - 1] for s, n, f in zip(starts, lengths, full)]
+        sample = [*range(B), *(r for span in spans for r in span)] if prompts else None
         pos_t = torch.tensor(pos, dtype=torch.long)
         return cls(
             ids.to(device), pos_t.to(device), torch.tensor(blocks, dtype=torch.long, device=device),
@@ -272,16 +277,18 @@ class MixedForward:
         prompts: list[list[int]] = (),
         prompt_tables: list[list[int]] = (),
         prompt_starts: list[int] | None = None,
+        every_position: list[bool] = (),
     ) -> torch.Tensor:
         """Decode B tokens (token_ids[b] at positions[b] of the sequence with block table tables[b]) and
         prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block table
         prompt_tables[i]); every table must already cover its tokens' positions.
 
-        Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position.
+        Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position; a chunk
+        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs).
         """
         starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
         batch = MixedBatch.build(
-            token_ids, positions, tables, prompts, prompt_tables, starts, self.kv.block_size, self.device
+            token_ids, positions, tables, prompts, prompt_tables, starts, self.kv.block_size, self.device, every_position
         )
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):

@@ -19,6 +19,8 @@ ALL_VARS = (
     "TOKENIZER_THREADS",
     "KV_BLOCK_SIZE", "KV_CACHE_MB", "FAKE_KV_BLOCKS", "MAX_NUM_BATCHED_TOKENS",
     "WEIGHTS",
+    "MAX_PROMPTS_PER_REQUEST",
+    "CORS_ALLOW_ORIGINS",
 )
 
 
@@ -236,6 +238,9 @@ def test_is_fake(model_id, fake):
         ("MAX_QUEUE_TIME_S", "2.5", "max_queue_time_s", 2.5),
         ("REQUEST_TIMEOUT_S", "30", "request_timeout_s", 30.0),
         ("MAX_LOGPROBS", "3", "max_logprobs", 3),
+        ("MAX_PROMPTS_PER_REQUEST", "4", "max_prompts_per_request", 4),
+        ("CORS_ALLOW_ORIGINS", "https://a.example, http://localhost:3000", "cors_origins",
+         ["https://a.example", "http://localhost:3000"]),
         ("SERVED_MODEL_NAME", "my-model", "served_model_name", "my-model"),
     ],
 )
@@ -246,7 +251,10 @@ def test_operational_variables_parse(var, raw, field, value):
 @pytest.mark.parametrize(
     ("var", "raw"),
     [("MAX_QUEUE_TIME_S", "abc"), ("MAX_QUEUE_TIME_S", "nan"), ("MAX_QUEUE_TIME_S", "-1"),
-     ("REQUEST_TIMEOUT_S", "inf"), ("MAX_LOGPROBS", "21"), ("MAX_LOGPROBS", "1.5")],
+     ("REQUEST_TIMEOUT_S", "inf"), ("MAX_LOGPROBS", "21"), ("MAX_LOGPROBS", "1.5"),
+     ("MAX_PROMPTS_PER_REQUEST", "0"), ("MAX_PROMPTS_PER_REQUEST", "1025"),
+     ("CORS_ALLOW_ORIGINS", "example.com"), ("CORS_ALLOW_ORIGINS", "https://a.example/path"),
+     ("CORS_ALLOW_ORIGINS", "*, https://a.example")],
 )
 def test_operational_variables_reject_bad_values(var, raw):
     with pytest.raises(ConfigError, match=var):

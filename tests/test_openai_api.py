@@ -147,6 +147,29 @@ def test_completion_from_token_ids(client, live, tokenizer):
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
+def test_batched_prompts_through_the_client(client, tokenizer):
+    """Several prompts in one call (texts, or token-id lists as evaluation harnesses send them, ``[[ids]]``
+    even for one): one choice per prompt, in order, each the prompt's solo greedy answer; usage summed."""
+    prompts = [CLEAN_PROMPT, BYTES_PROMPT, "Hello"]
+    kw = {"model": MODEL, "max_tokens": 8, "temperature": 0, "extra_body": NO_EOS}
+    solo = [client.completions.create(prompt=p, **kw) for p in prompts]
+    token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+    for prompt in (prompts, token_lists):
+        r = client.completions.create(prompt=prompt, **kw)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert [c.text for c in r.choices] == [s.choices[0].text for s in solo]
+        assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in solo)
+        assert r.usage.completion_tokens == 24
+    one = client.completions.create(prompt=[token_lists[0]], **kw)
+    assert [c.text for c in one.choices] == [solo[0].choices[0].text]
+    # Streamed: chunks carry the index; reassembled per index they are the same texts.
+    texts = ["", "", ""]
+    for chunk in client.completions.create(prompt=token_lists, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [s.choices[0].text for s in solo]
+
+
 def test_echo(client):
     kw = dict(model=MODEL, prompt=CLEAN_PROMPT, max_tokens=6, temperature=0, extra_body=NO_EOS)
     plain = client.completions.create(**kw).choices[0].text
@@ -366,7 +389,6 @@ def test_unknown_model_is_404(client):
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"seed": -1}, "seed"),
-        ({"n": 2}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": 50}, "logprobs"),
     ],
@@ -378,12 +400,36 @@ def test_invalid_sampling_values_are_422(client, kwargs, field):
 
 
 @pytest.mark.parametrize(
-    "kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 2}, "n")]
+    "kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n")]
 )
 def test_invalid_chat_sampling_values_are_422(client, kwargs, field):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, **{"max_tokens": 2, **kwargs})
     assert_openai_error(e.value, 422, field)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 2}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ],
+)
+def test_unimplemented_chat_fields_are_400_through_the_client(client, kwargs, field):
+    """The client sends these as typed parameters; the answer names the field instead of ignoring it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
+    assert assert_openai_error(e.value, 400, field)["param"] == field
+
+
+@pytest.mark.parametrize("kwargs, field", [({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"), ({"n": 3}, "n")])
+def test_unimplemented_completion_fields_are_400_through_the_client(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kwargs)
+    assert assert_openai_error(e.value, 400, field)["param"] == field
 
 
 def test_chat_without_a_template_is_400(tiny_model_dir):

@@ -1,0 +1,53 @@
+"""``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer over HTTP, in vLLM's
+request and response shapes (a client counts tokens, or checks what a chat template makes of its
+messages, before sending). Behind ``API_KEY`` like the generating endpoints; the tokenizer runs in
+the tokenizer pool, off the event loop (``serving.py``). No torch."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from api_errors import APIError
+from openai_api import check_model
+from schemas import DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeRequest, TokenizeResponse
+from serving import Runtime, current_runtime, detokenize, render_chat, tokenize
+
+router = APIRouter()
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 422, 503)}
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+async def tokenize_endpoint(req: TokenizeRequest, runtime: Runtime = Depends(current_runtime)) -> TokenizeResponse:
+    check_model(runtime, req.model)
+    if req.messages is not None:
+        if not req.add_generation_prompt:
+            raise APIError(400, "`add_generation_prompt: false` is not supported", param="add_generation_prompt")
+        for i, message in enumerate(req.messages):
+            found = message.unsupported(f"messages.{i}")
+            if found is not None:
+                raise APIError(400, found[1], param=found[0])
+        text = await render_chat(runtime, [m.template_dict() for m in req.messages])
+        special = bool(req.add_special_tokens)  # false by default: the template holds them
+    else:
+        text = req.prompt
+        special = req.add_special_tokens is not False
+    ids = await tokenize(runtime, text, add_special_tokens=special)
+    strs = await runtime.off_loop(_token_strs, runtime, ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=runtime.engine.max_context, tokens=ids, token_strs=strs)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+async def detokenize_endpoint(
+    req: DetokenizeRequest, runtime: Runtime = Depends(current_runtime)
+) -> DetokenizeResponse:
+    check_model(runtime, req.model)
+    vocab = runtime.engine.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(422, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return DetokenizeResponse(prompt=await detokenize(runtime, req.tokens))
+
+
+def _token_strs(runtime: Runtime, ids: list[int]) -> list[str]:
+    """Each token's own text (a token that is part of a multi-byte character decodes to U+FFFD)."""
+    return [runtime.engine.decode([t]) for t in ids]
