@@ -200,3 +200,49 @@ def test_generate_prompt_logprobs(live, tiny_model_dir):
     assert "prompt_logprobs" not in plain.json()
     too_many = httpx.post(f"{live.url}/generate", json={**body, "prompt_logprobs": 6}, timeout=TIMEOUT)
     assert too_many.status_code == 422 and "prompt_logprobs" in too_many.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("budget", [3, 4, 5, 64], ids=["chunk3", "chunk4=block", "chunk5", "whole"])
+def test_prompt_logprobs_across_prefill_chunks_and_preemption(model_dir, budget):
+    """Prompts split into chunks of 3, 4 (one block) and 5 tokens, and whole, in a pool so small that the
+    sequences are preempted and recomputed: each chunk scores its own positions, a recomputed sequence
+    keeps what it has, and the result equals HF's forward; tokens equal the unpressured run's."""
+    import asyncio
+
+    from conftest import run
+    from test_kv_pool import pool_mb
+
+    from engine import HFEngine
+    from sampling import SamplingParams
+    from scheduler import Scheduler
+    from sequence import Sequence
+
+    def run_all(engine: HFEngine, prompts: list[str]) -> list[Sequence]:
+        seqs = [Sequence(engine.encode(p), 12, ignore_eos=True, sampling=SamplingParams()) for p in prompts]
+        for s in seqs:
+            s.prompt_logprobs_k = K
+
+        async def main():
+            sched = Scheduler(engine, max_queue_depth=100)
+            sched.start()
+            futures = [sched.submit(s) for s in seqs]
+            await asyncio.wait_for(asyncio.gather(*futures), TIMEOUT)
+            await sched.stop()
+
+        run(main())
+        return seqs
+
+    prompts = [" ".join(PROMPTS) * 2, PROMPTS[0], PROMPTS[1] + " and the lazy dog sleeps", PROMPTS[2]]
+    roomy = HFEngine(Config(model_id=model_dir, max_batch_size=4, max_model_len=64, max_num_batched_tokens=0))
+    expected = [s.output_token_ids for s in run_all(roomy, prompts)]
+    tight = HFEngine(
+        Config(
+            model_id=model_dir, max_batch_size=4, max_model_len=64, kv_block_size=4,
+            kv_cache_mb=pool_mb(model_dir, 16, 4), max_num_batched_tokens=budget,
+        )
+    )
+    seqs = run_all(tight, prompts)
+    assert [s.output_token_ids for s in seqs] == expected
+    assert tight.num_preemptions > 0, tight.stats()
+    for s in seqs:
+        check_against_hf(model_dir, s.prompt_token_ids, s.prompt_logprobs)
