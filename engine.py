@@ -18,7 +18,8 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from block_manager import BlockManager
 from checkpoints import ModelLoadError
@@ -464,9 +465,13 @@ class BatchEngine(InferenceEngine):
 
     def stats(self) -> dict[str, int]:
         return {
-            "steps": self._steps, "peak_batch": self._peak_batch, "generated_tokens": self._tokens,
-            "kv_blocks": self.blocks.num_blocks, "kv_free_blocks": self.blocks.num_free_blocks,
-            "kv_block_size": self.blocks.block_size, "num_preemptions": self.num_preemptions,
+            "steps": self._steps,
+            "peak_batch": self._peak_batch,
+            "generated_tokens": self._tokens,
+            "kv_blocks": self.blocks.num_blocks,
+            "kv_free_blocks": self.blocks.num_free_blocks,
+            "kv_block_size": self.blocks.block_size,
+            "num_preemptions": self.num_preemptions,
             "num_prefilling": len(self._prefilling),
         }
 
@@ -496,8 +501,8 @@ class FakeEngine(BatchEngine):
     lowercase letter chosen from its prompt and n, so every answer identifies its prompt.
     ``token_fn(seq) -> id`` overrides that (returning a ``RowFailure`` fails that row alone);
     ``admit_fault(seqs)`` (called when newcomers are prefilled, ``_prefill``) and
-    ``step_fault(step_no)`` (when running rows decode, ``_decode``) may raise to inject failures; ``step_delay`` sleeps per decode to mimic compute. A mixed
-    call decodes first, then prefills.
+    ``step_fault(step_no)`` (when running rows decode, ``_decode``) may raise to inject failures;
+    ``step_delay`` sleeps per decode to mimic compute. A mixed call decodes first, then prefills.
     """
 
     EOS = 0
@@ -627,8 +632,14 @@ class HFEngine(BatchEngine):
         self._heap = HeapTrimmer()
         try:
             self.model = family(
-                hf_model.eval(), config.max_batch_size, max_context, self.device, use_small_gemm=config.small_gemm,
-                num_blocks=num_blocks, block_size=block_size, weights=weights,
+                hf_model.eval(),
+                config.max_batch_size,
+                max_context,
+                self.device,
+                use_small_gemm=config.small_gemm,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                weights=weights,
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
@@ -639,9 +650,19 @@ class HFEngine(BatchEngine):
         log.info(
             "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
             "%.1f MiB; weights resident %s (%.1f MiB); oneDNN linears %s, small-batch kernel %s, %d threads",
-            config.model_id, self.device, self.capacity, max_context, num_blocks, block_size, num_blocks * block_size,
-            self.model.kv.nbytes / 2**20, ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
-            sum(resident.values()) / 2**20, self.model.onednn, self.model.small_gemm, torch.get_num_threads(),
+            config.model_id,
+            self.device,
+            self.capacity,
+            max_context,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            self.model.kv.nbytes / 2**20,
+            ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
+            sum(resident.values()) / 2**20,
+            self.model.onednn,
+            self.model.small_gemm,
+            torch.get_num_threads(),
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -763,7 +784,6 @@ class HFEngine(BatchEngine):
             seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
 
 
-
 def _scores_prompt(seq: Sequence, start: int) -> bool:
     """Whether a chunk of ``seq`` from ``start`` computes prompt logprobs: the sequence asked for them, the
     chunk has a position that predicts a prompt token, and they are not complete already (a sequence
@@ -841,8 +861,10 @@ def build_engine(config: Config) -> InferenceEngine:
     """
     if config.is_fake:
         return FakeEngine(
-            capacity=config.max_batch_size, stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
-            num_blocks=config.fake_kv_blocks, block_size=config.kv_block_size,
+            capacity=config.max_batch_size,
+            stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
+            num_blocks=config.fake_kv_blocks,
+            block_size=config.kv_block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
     return HFEngine(config)

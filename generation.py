@@ -10,8 +10,9 @@ HTTP layers (``streaming.py`` and the API modules) only format what comes out of
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from detokenizer import IncrementalDecoder
 from scheduler import Scheduler

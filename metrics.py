@@ -16,7 +16,8 @@ import json
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -244,8 +245,9 @@ class _LiveCollector:
         failures.add_metric(["decode"], float(values.get("failed_steps", 0)))
         yield failures
         yield CounterMetricFamily(
-            "minibatch:num_preemptions", "Running sequences sent back to the queue because the KV cache was full "
-            "(recomputed on readmission).", value=float(values.get("num_preemptions", 0)),
+            "minibatch:num_preemptions",
+            "Running sequences sent back to the queue because the KV cache was full (recomputed on readmission).",
+            value=float(values.get("num_preemptions", 0)),
         )
 
 

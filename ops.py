@@ -25,7 +25,8 @@ import hmac
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from starlette.middleware.cors import CORSMiddleware
 

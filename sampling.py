@@ -49,8 +49,9 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # torch is imported where it is used: SamplingParams needs no torch
     import torch
@@ -446,7 +447,10 @@ def sample(
     if unseeded:
         where = generator.device if generator is not None else "cpu"
         draws = iter(torch.rand(len(unseeded), dtype=torch.float64, generator=generator, device=where).tolist())
-    u = {i: next(draws) if params[i].seed is None else seeded_uniform(params[i].seed, len(output_ids[i])) for i in sampled}
+    u = {
+        i: next(draws) if params[i].seed is None else seeded_uniform(params[i].seed, len(output_ids[i]))
+        for i in sampled
+    }
 
     windowed = [i for i in sampled if 0 < params[i].top_k < vocab]
     whole = [i for i in sampled if not 0 < params[i].top_k < vocab]
@@ -486,7 +490,4 @@ def logprobs(logits: torch.Tensor, chosen: Sequence[int] | torch.Tensor, k: int 
     if k == 0:
         return [TokenLogprobs(t, v, []) for t, v in zip(ids, picked)]
     top_v, top_i = lp.topk(min(k, vocab), dim=-1)
-    return [
-        TokenLogprobs(t, v, list(zip(ti, tv)))
-        for t, v, ti, tv in zip(ids, picked, top_i.tolist(), top_v.tolist())
-    ]
+    return [TokenLogprobs(t, v, list(zip(ti, tv))) for t, v, ti, tv in zip(ids, picked, top_i.tolist(), top_v.tolist())]

@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from engine import InferenceEngine
 from sequence import Sequence, SequenceStatus

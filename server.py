@@ -17,8 +17,8 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -23,8 +23,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 import httpx
 import ray

@@ -10,7 +10,7 @@ Shapes: N = tokens of the mixed batch, C = n_embd, H = n_head, D = C / H, V = vo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -14,8 +14,8 @@ D = head_dim, V = vocab, L = positions attended by a decode step.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +180,7 @@ class MixedBatch:
         block_size: int,
         device: torch.device,
         every_position: list[bool] = (),
-    ) -> "MixedBatch":
+    ) -> MixedBatch:
         """``every_position[i]``: chunk i's logits are wanted at all its positions, not only the last
         (prompt logprobs)."""
         B = len(token_ids)
@@ -201,10 +201,17 @@ class MixedBatch:
         sample = [*range(B), *(r for span in spans for r in span)] if prompts else None
         pos_t = torch.tensor(pos, dtype=torch.long)
         return cls(
-            ids.to(device), pos_t.to(device), torch.tensor(blocks, dtype=torch.long, device=device),
-            (pos_t % block_size).to(device), B, block_tables, context_lens,
-            [(r, n, s, torch.tensor(t, dtype=torch.long, device=device))
-             for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)],
+            ids.to(device),
+            pos_t.to(device),
+            torch.tensor(blocks, dtype=torch.long, device=device),
+            (pos_t % block_size).to(device),
+            B,
+            block_tables,
+            context_lens,
+            [
+                (r, n, s, torch.tensor(t, dtype=torch.long, device=device))
+                for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)
+            ],
             torch.tensor(sample, device=device) if sample is not None else None,
         )
 
@@ -288,7 +295,15 @@ class MixedForward:
         """
         starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
         batch = MixedBatch.build(
-            token_ids, positions, tables, prompts, prompt_tables, starts, self.kv.block_size, self.device, every_position
+            token_ids,
+            positions,
+            tables,
+            prompts,
+            prompt_tables,
+            starts,
+            self.kv.block_size,
+            self.device,
+            every_position,
         )
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):

@@ -15,7 +15,7 @@ G = H / KVH, D = head_dim, I = intermediate_size, V = vocab.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

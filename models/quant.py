@@ -317,18 +317,29 @@ def llama_qk_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 LLAMA_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GPT2_BLOCK = {
-    "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
-    "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+    "attn_norm": "ln_1",
+    "ffn_norm": "ln_2",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
 }
 GPT2_TOP = {
-    "token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
     "output": "lm_head",
 }
 GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF stores these [in, out]
@@ -393,7 +404,7 @@ class GGUFModel:
             self.generation_config = GenerationConfig.from_model_config(self.config)
         self.source = GGUFWeights(path, weights)
 
-    def eval(self) -> "GGUFModel":
+    def eval(self) -> GGUFModel:
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor | QuantWeight]:

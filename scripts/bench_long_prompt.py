@@ -29,15 +29,33 @@ from sequence import Sequence  # noqa: E402
 
 
 def run_once(model: str, budget: int, threads: int, stream_tokens: int, seed: int) -> dict:
-    engine = HFEngine(Config(
-        model_id=model, max_batch_size=12, max_model_len=2304, num_threads=threads, max_num_batched_tokens=budget,
-    ))
+    engine = HFEngine(
+        Config(
+            model_id=model,
+            max_batch_size=12,
+            max_model_len=2304,
+            num_threads=threads,
+            max_num_batched_tokens=budget,
+        )
+    )
     rng = random.Random(seed)
     vocab = min(engine.vocab_size, 30000)
-    streams = [Sequence(prompt_token_ids=[rng.randrange(100, vocab) for _ in range(32)],
-                        max_new_tokens=stream_tokens, ignore_eos=True) for _ in range(8)]
-    longs = [Sequence(prompt_token_ids=[rng.randrange(100, vocab) for _ in range(rng.randint(1500, 2000))],
-                      max_new_tokens=8, ignore_eos=True) for _ in range(4)]
+    streams = [
+        Sequence(
+            prompt_token_ids=[rng.randrange(100, vocab) for _ in range(32)],
+            max_new_tokens=stream_tokens,
+            ignore_eos=True,
+        )
+        for _ in range(8)
+    ]
+    longs = [
+        Sequence(
+            prompt_token_ids=[rng.randrange(100, vocab) for _ in range(rng.randint(1500, 2000))],
+            max_new_tokens=8,
+            ignore_eos=True,
+        )
+        for _ in range(4)
+    ]
     stamps: dict[int, list[float]] = {s.seq_id: [] for s in streams}
 
     async def main() -> float:
@@ -54,9 +72,14 @@ def run_once(model: str, budget: int, threads: int, stream_tokens: int, seed: in
 
     wall = asyncio.run(main())
     worst = [max(b - a for a, b in zip(v, v[1:])) for v in stamps.values()]
-    return {"budget": budget, "max_itl_s": max(worst), "median_stream_max_itl_s": statistics.median(worst),
-            "per_stream_max_itl_s": [round(w, 3) for w in worst], "wall_s": wall,
-            "preemptions": engine.num_preemptions}
+    return {
+        "budget": budget,
+        "max_itl_s": max(worst),
+        "median_stream_max_itl_s": statistics.median(worst),
+        "per_stream_max_itl_s": [round(w, 3) for w in worst],
+        "wall_s": wall,
+        "preemptions": engine.num_preemptions,
+    }
 
 
 def main() -> None:
@@ -67,12 +90,15 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    results = [run_once(args.model, int(b), args.threads, args.stream_tokens, args.seed)
-               for b in args.budgets.split(",")]
+    results = [
+        run_once(args.model, int(b), args.threads, args.stream_tokens, args.seed) for b in args.budgets.split(",")
+    ]
     for r in results:
-        print(f"MAX_NUM_BATCHED_TOKENS={r['budget']:5d}: max ITL {r['max_itl_s']:.3f} s, median of streams' max "
-              f"{r['median_stream_max_itl_s']:.3f} s, wall {r['wall_s']:.1f} s, preemptions {r['preemptions']}; "
-              f"per stream {r['per_stream_max_itl_s']}")
+        print(
+            f"MAX_NUM_BATCHED_TOKENS={r['budget']:5d}: max ITL {r['max_itl_s']:.3f} s, median of streams' max "
+            f"{r['median_stream_max_itl_s']:.3f} s, wall {r['wall_s']:.1f} s, preemptions {r['preemptions']}; "
+            f"per stream {r['per_stream_max_itl_s']}"
+        )
     if len(results) >= 2 and results[-1]["max_itl_s"]:
         print(f"worst stall, first / last setting: {results[0]['max_itl_s'] / results[-1]['max_itl_s']:.2f}x")
 

@@ -147,13 +147,19 @@ def system_static_hf(model_dir: str, requests: list[Request], capacity: int):
             first = FirstStep()
             with torch.inference_mode():
                 gen = runner.model.generate(
-                    input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None,
-                    max_new_tokens=max(r.max_new_tokens for r in batch), pad_token_id=runner.pad_id,
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    eos_token_id=None,
+                    max_new_tokens=max(r.max_new_tokens for r in batch),
+                    pad_token_id=runner.pad_id,
                     logits_processor=LogitsProcessorList([first]),
                 )
             end = time.perf_counter()
             for r in batch:
-                out.append({"tokens": min(r.max_new_tokens, gen.shape[1] - width), "ttft": first.time - t0, "e2e": end - t0})
+                out.append(
+                    {"tokens": min(r.max_new_tokens, gen.shape[1] - width), "ttft": first.time - t0, "e2e": end - t0}
+                )
         return out
 
     return once, {"batching": "static FCFS batches, left-padded, HF generate(do_sample=False)", "batch_size": capacity}
@@ -168,7 +174,9 @@ def system_hf_cb(model_dir: str, requests: list[Request], capacity: int):
     page = 32
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     # eos_token_id=-1: no EOS (None would fall back to the model's EOS).
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.max_new_tokens for r in requests))
+    gen = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.max_new_tokens for r in requests)
+    )
     cb = ContinuousBatchingConfig(
         max_requests_per_batch=capacity,  # the request cap, as for ours
         max_batch_tokens=max(256, 2 * capacity),  # explicit: left unset it sizes itself from system RAM
@@ -178,8 +186,14 @@ def system_hf_cb(model_dir: str, requests: list[Request], capacity: int):
         allow_block_sharing=False,
         auto_switch_to_flash=False,
     )
-    config = {"attn_implementation": "sdpa", "max_requests_per_batch": capacity, "max_batch_tokens": cb.max_batch_tokens,
-              "page_size": page, "num_blocks": cb.num_blocks, "scheduler_type": "fifo"}
+    config = {
+        "attn_implementation": "sdpa",
+        "max_requests_per_batch": capacity,
+        "max_batch_tokens": cb.max_batch_tokens,
+        "page_size": page,
+        "num_blocks": cb.num_blocks,
+        "scheduler_type": "fifo",
+    }
 
     def once() -> list[dict]:
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
@@ -188,8 +202,13 @@ def system_hf_cb(model_dir: str, requests: list[Request], capacity: int):
         t0 = time.perf_counter()
         try:
             for i, r in enumerate(requests):
-                manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.max_new_tokens,
-                                    record_timestamps=True, eos_token_id=-1)
+                manager.add_request(
+                    r.prompt_ids,
+                    request_id=f"r{i}",
+                    max_new_tokens=r.max_new_tokens,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
             deadline = time.monotonic() + 1800
             while len(done) < len(requests):
                 if time.monotonic() > deadline or not manager.is_running():
@@ -223,9 +242,15 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int, weights:
     # A GGUF's peer is llama.cpp, given the workload's longest request as its context per slot: ours gets
     # the same, so that peak RSS compares weights and runtime rather than KV caches of different sizes.
     context = slot_context(requests) if gguf else 0
-    engine = HFEngine(Config(
-        model_id=gguf or model_dir, max_batch_size=capacity, num_threads=0, weights=weights, max_model_len=context,
-    ))
+    engine = HFEngine(
+        Config(
+            model_id=gguf or model_dir,
+            max_batch_size=capacity,
+            num_threads=0,
+            weights=weights,
+            max_model_len=context,
+        )
+    )
 
     def once() -> list[dict]:
         async def main():
@@ -233,7 +258,9 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int, weights:
             sched.start()
             t0 = time.perf_counter()
             seqs = [
-                Sequence(prompt_token_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True, arrival_time=t0)
+                Sequence(
+                    prompt_token_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True, arrival_time=t0
+                )
                 for r in requests
             ]
             done = await asyncio.gather(*(sched.submit(s) for s in seqs))
@@ -241,13 +268,17 @@ def system_ours(model_dir: str, requests: list[Request], capacity: int, weights:
             return t0, done
 
         t0, done = asyncio.run(main())
-        return [{"tokens": len(s.output_token_ids), "ttft": s.first_token_time - t0, "e2e": s.finish_time - t0} for s in done]
+        return [
+            {"tokens": len(s.output_token_ids), "ttft": s.first_token_time - t0, "e2e": s.finish_time - t0}
+            for s in done
+        ]
 
     once.engine = engine
     resident = engine.model.resident_weights()
     return once, {
         "engine": "HFEngine (hand-written forward, preallocated KV, oneDNN / quantized linears)",
-        "capacity": capacity, "weights": weights,
+        "capacity": capacity,
+        "weights": weights,
         "resident_weight_mb": {fmt: round(n / 2**20, 1) for fmt, n in resident.items()},
     }
 
@@ -278,8 +309,20 @@ def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weig
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
-        binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(capacity),
-        "-t", str(torch.get_num_threads()), "-c", str(capacity * context), "--no-webui",
+        binary,
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(capacity),
+        "-t",
+        str(torch.get_num_threads()),
+        "-c",
+        str(capacity * context),
+        "--no-webui",
     ]
     log_file = open(os.path.join(ROOT, "weights", f"llamacpp-{port}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
@@ -297,8 +340,14 @@ def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weig
         time.sleep(0.5)
 
     async def one(client, r: Request, t0: float) -> dict:
-        body = {"prompt": r.prompt_ids, "max_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "cache_prompt": False}
+        body = {
+            "prompt": r.prompt_ids,
+            "max_tokens": r.max_new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "cache_prompt": False,
+        }
         first, tokens = None, 0
         async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
             resp.raise_for_status()
@@ -341,7 +390,7 @@ SYSTEM_FNS = {"static_hf": system_static_hf, "hf_cb": system_hf_cb, "ours": syst
 
 
 def parse_system(name: str) -> tuple[str, dict]:
-    """"ours:int8" -> ("ours", {"weights": "int8"}); plain names -> (name, {})."""
+    """ "ours:int8" -> ("ours", {"weights": "int8"}); plain names -> (name, {})."""
     base, _, weights = name.partition(":")
     if base not in SYSTEM_FNS or (weights and base != "ours"):
         raise SystemExit(f"unknown system {name!r} (choose from {', '.join(SYSTEM_FNS)}; ours:auto|fp32|int8|int4)")
@@ -420,8 +469,10 @@ def decode_cost(model, batch: int, context: int) -> tuple[float, float]:
     q_heads = getattr(model, "n_head", n_kv_head)
     attn_flops = n_layer * 4 * context * q_heads * head_dim
     # bytes a step streams: each linear's one copy the step reads (a quantized weight's packed bytes)
-    weight_bytes = sum(lin.quant.nbytes if lin.quant is not None else lin.out_features * lin.in_features * 4
-                       for lin in model_linears(model))
+    weight_bytes = sum(
+        lin.quant.nbytes if lin.quant is not None else lin.out_features * lin.in_features * 4
+        for lin in model_linears(model)
+    )
     return batch * (linear_flops + attn_flops), weight_bytes
 
 
@@ -475,16 +526,21 @@ def overhead_and_roofline(
         flops, weight_bytes = decode_cost(model, batch, prompt_len + steps // 2)
         compute_s = flops / (peaks["matmul_gflops"] * 1e9)
         memory_s = weight_bytes / (peaks["copy_gb_s"] * 1e9)
-        rows.append({
-            "batch": batch, "context": prompt_len + steps // 2, "engine_step_ms": engine_ms, "bare_step_ms": bare_ms,
-            "overhead_pct": (statistics.median(ratios) - 1) * 100,
-            "overhead_pct_per_round": [(r - 1) * 100 for r in ratios],
-            "bare_gflops": flops / (bare_ms / 1e3) / 1e9,
-            "bare_weight_gb_s": weight_bytes / (bare_ms / 1e3) / 1e9,
-            "roofline_step_ms": max(compute_s, memory_s) * 1e3,
-            "roofline_fraction": max(compute_s, memory_s) / (bare_ms / 1e3),
-            "bare_tokens_per_s": batch / (bare_ms / 1e3),
-        })
+        rows.append(
+            {
+                "batch": batch,
+                "context": prompt_len + steps // 2,
+                "engine_step_ms": engine_ms,
+                "bare_step_ms": bare_ms,
+                "overhead_pct": (statistics.median(ratios) - 1) * 100,
+                "overhead_pct_per_round": [(r - 1) * 100 for r in ratios],
+                "bare_gflops": flops / (bare_ms / 1e3) / 1e9,
+                "bare_weight_gb_s": weight_bytes / (bare_ms / 1e3) / 1e9,
+                "roofline_step_ms": max(compute_s, memory_s) * 1e3,
+                "roofline_fraction": max(compute_s, memory_s) / (bare_ms / 1e3),
+                "bare_tokens_per_s": batch / (bare_ms / 1e3),
+            }
+        )
     return rows
 
 
@@ -541,8 +597,10 @@ def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> li
         out = []
         for m in rows:
             xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
-            runs = [_timed(lambda: [quant_gemm.matmul(xs[lin.in_features], lin.quant) for lin in linears])
-                    for _ in range(repeats + 1)]  # the first pass warms up
+            runs = [
+                _timed(lambda: [quant_gemm.matmul(xs[lin.in_features], lin.quant) for lin in linears])
+                for _ in range(repeats + 1)
+            ]  # the first pass warms up
             out.append({"rows": m, "quant_gemm_gb_s": weight_bytes / min(runs[1:]) / 1e9, "fmt": linears[0].fmt})
         return out
 
@@ -581,18 +639,40 @@ def worker(args) -> None:
     if base == "ours" and args.overhead:
         sizes = [b for b in (1, 8, 32) if b <= capacity] if not args.quick else [min(2, capacity)]
         result["machine_peaks"] = peaks
-        result["overhead"] = overhead_and_roofline(once.engine, sizes, 64, 8 if args.quick else 16, peaks, 2 if args.quick else 6)
+        result["overhead"] = overhead_and_roofline(
+            once.engine, sizes, 64, 8 if args.quick else 16, peaks, 2 if args.quick else 6
+        )
         result["linear_kernels"] = linear_kernel_rates(once.engine.model, (1, 8) if args.quick else (1, 4, 8, 16, 32))
     result["peak_rss_mb"] = server_rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
 
 def run_worker(args, system: str, model_dir: str, workload: str, capacity: int = 0, overhead: bool = False) -> dict:
-    cmd = [
-        sys.executable, os.path.abspath(__file__), "--worker", "--system", system, "--model-dir", model_dir,
-        "--workload", workload, "--repeats", str(args.repeats), "--seed", str(args.seed),
-        "--threads", str(args.threads), "--capacity", str(capacity), "--gguf", args.gguf,
-    ] + (["--quick"] if args.quick else []) + (["--overhead"] if overhead else [])
+    cmd = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--system",
+            system,
+            "--model-dir",
+            model_dir,
+            "--workload",
+            workload,
+            "--repeats",
+            str(args.repeats),
+            "--seed",
+            str(args.seed),
+            "--threads",
+            str(args.threads),
+            "--capacity",
+            str(capacity),
+            "--gguf",
+            args.gguf,
+        ]
+        + (["--quick"] if args.quick else [])
+        + (["--overhead"] if overhead else [])
+    )
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -602,7 +682,7 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
         lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
         err = next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1] if lines else "no output")
         return {"failed": True, "error": err.strip()[:300]}
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def resolve_model(name: str) -> tuple[str, str]:
@@ -628,7 +708,10 @@ def resolve_model(name: str) -> tuple[str, str]:
     path = os.path.join(ROOT, "weights", "bench-distilgpt2")
     if not os.path.exists(os.path.join(path, "config.json")):
         build_checkpoint(path, shape="distilgpt2", initializer_range=0.02)
-    return path, "model: distilgpt2 could not be loaded offline, so a distilgpt2-shaped RANDOM-weight checkpoint (6x768, vocab 50257) stands in"
+    return (
+        path,
+        "model: distilgpt2 could not be loaded offline, so a distilgpt2-shaped RANDOM-weight checkpoint (6x768, vocab 50257) stands in",
+    )
 
 
 def machine_line(threads: int) -> str:
@@ -709,8 +792,18 @@ def main(argv: list[str] | None = None) -> int:
                     print_linear_kernels(r)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats,
-                       "quick": args.quick, "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "model": model_dir,
+                    "note": note,
+                    "machine": machine,
+                    "repeats": args.repeats,
+                    "quick": args.quick,
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
         print(f"\nwrote {args.json}")
     if args.plot:
         for path in plot(results, args.plot, note):
@@ -723,9 +816,11 @@ def print_table(results: dict) -> None:
     base = results.get("static_hf", {}).get("tokens_per_s")
     cb = results.get("hf_cb", {}).get("tokens_per_s")
     lc = results.get("llamacpp", {}).get("tokens_per_s")
-    head = (f"{'system':<10} {'tok/s':>7} {'x static':>8} {'x hf_cb':>7} {'x llama':>7} "
-            f"{'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
-            f"{'TTFT50':>7} {'TTFT95':>7} {'TPOT50':>7} {'TPOT95':>7} {'RSS MB':>6}")
+    head = (
+        f"{'system':<10} {'tok/s':>7} {'x static':>8} {'x hf_cb':>7} {'x llama':>7} "
+        f"{'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
+        f"{'TTFT50':>7} {'TTFT95':>7} {'TPOT50':>7} {'TPOT95':>7} {'RSS MB':>6}"
+    )
     print(head)
     print("-" * len(head))
     for name, r in results.items():
@@ -736,22 +831,30 @@ def print_table(results: dict) -> None:
         x_cb = f"{r['tokens_per_s'] / cb:.2f}" if cb else "-"
         x_lc = f"{r['tokens_per_s'] / lc:.2f}" if lc else "-"
         lat, ttft, tpot = r["latency_ms"], r["ttft_ms"], r["tpot_ms"]
-        print(f"{name:<10} {r['tokens_per_s']:>7.1f} {x_static:>8} {x_cb:>7} {x_lc:>7} "
-              f"{lat['p50']:>7.0f} {lat['p95']:>7.0f} "
-              f"{lat['p99']:>7.0f} {ttft['p50']:>7.0f} {ttft['p95']:>7.0f} {tpot['p50']:>7.1f} {tpot['p95']:>7.1f} "
-              f"{r['peak_rss_mb']:>6.0f}")
+        print(
+            f"{name:<10} {r['tokens_per_s']:>7.1f} {x_static:>8} {x_cb:>7} {x_lc:>7} "
+            f"{lat['p50']:>7.0f} {lat['p95']:>7.0f} "
+            f"{lat['p99']:>7.0f} {ttft['p50']:>7.0f} {ttft['p95']:>7.0f} {tpot['p50']:>7.1f} {tpot['p95']:>7.1f} "
+            f"{r['peak_rss_mb']:>6.0f}"
+        )
 
 
 def print_overhead(ours: dict) -> None:
     peaks = ours["machine_peaks"]
-    print(f"\nmachine peaks: fp32 matmul {peaks['matmul_gflops']:.0f} GFLOP/s, copy bandwidth {peaks['copy_gb_s']:.1f} GB/s")
-    head = (f"{'batch':>5} {'context':>7} {'engine ms':>9} {'bare ms':>8} {'overhead':>8} {'GFLOP/s':>8} "
-            f"{'weights GB/s':>12} {'roofline ms':>11} {'of roofline':>11}")
+    print(
+        f"\nmachine peaks: fp32 matmul {peaks['matmul_gflops']:.0f} GFLOP/s, copy bandwidth {peaks['copy_gb_s']:.1f} GB/s"
+    )
+    head = (
+        f"{'batch':>5} {'context':>7} {'engine ms':>9} {'bare ms':>8} {'overhead':>8} {'GFLOP/s':>8} "
+        f"{'weights GB/s':>12} {'roofline ms':>11} {'of roofline':>11}"
+    )
     print(head)
     for o in ours["overhead"]:
-        print(f"{o['batch']:>5} {o['context']:>7} {o['engine_step_ms']:>9.1f} {o['bare_step_ms']:>8.1f} "
-              f"{o['overhead_pct']:>7.1f}% {o['bare_gflops']:>8.1f} {o['bare_weight_gb_s']:>12.1f} "
-              f"{o['roofline_step_ms']:>11.1f} {o['roofline_fraction'] * 100:>10.0f}%")
+        print(
+            f"{o['batch']:>5} {o['context']:>7} {o['engine_step_ms']:>9.1f} {o['bare_step_ms']:>8.1f} "
+            f"{o['overhead_pct']:>7.1f}% {o['bare_gflops']:>8.1f} {o['bare_weight_gb_s']:>12.1f} "
+            f"{o['roofline_step_ms']:>11.1f} {o['roofline_fraction'] * 100:>10.0f}%"
+        )
 
 
 def print_linear_kernels(ours: dict) -> None:

@@ -57,10 +57,22 @@ def _run(cmd: list[str], cwd: str | None = None) -> None:
 
 def download_sdist(work_dir: str, version: str) -> str:
     """``pip download`` the sdist alone (nothing is installed); returns the path of the .tar.gz."""
-    _run([
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        "--disable-pip-version-check", "--quiet", f"{PACKAGE}=={version}", "-d", work_dir,
-    ])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--quiet",
+            f"{PACKAGE}=={version}",
+            "-d",
+            work_dir,
+        ]
+    )
     found = glob.glob(os.path.join(work_dir, "*.tar.gz"))
     if not found:
         raise SystemExit(f"pip download of {PACKAGE}=={version} produced no sdist")
@@ -84,11 +96,22 @@ def build(version: str, jobs: int) -> str:
     work = tempfile.mkdtemp(prefix="build-", dir=out_dir)
     source = extract_llamacpp(download_sdist(work, version), work)
     cmake_build = os.path.join(work, "build")
-    _run([
-        "cmake", "-S", source, "-B", cmake_build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-        "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-        "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON",
-    ])
+    _run(
+        [
+            "cmake",
+            "-S",
+            source,
+            "-B",
+            cmake_build,
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DBUILD_SHARED_LIBS=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DGGML_NATIVE=ON",
+        ]
+    )
     _run(["cmake", "--build", cmake_build, "--target", "llama-server", "--config", "Release", "-j", str(jobs)])
     built = glob.glob(os.path.join(cmake_build, "bin", "llama-server"))
     if not built:

@@ -106,7 +106,9 @@ def build_checkpoint(
     return out_dir
 
 
-def _llama(tokenizer, shape: str, initializer_range: float, seed: int, n_positions: int | None, tied: bool, overrides: dict):
+def _llama(
+    tokenizer, shape: str, initializer_range: float, seed: int, n_positions: int | None, tied: bool, overrides: dict
+):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -114,8 +114,10 @@ async def smoke(url: str, n: int, max_new: int) -> list[str]:
     peak = after.get("peak_batch", 0)
     steps = after.get("steps", 0) - before.get("steps", 0)
     tokens = sum(len(b["token_ids"]) for b in first.values())
-    print(f"{n} concurrent requests: {tokens} tokens in {wall:.2f}s ({tokens / wall:.1f} tok/s), "
-          f"{steps} decode steps, peak batch {peak}")
+    print(
+        f"{n} concurrent requests: {tokens} tokens in {wall:.2f}s ({tokens / wall:.1f} tok/s), "
+        f"{steps} decode steps, peak batch {peak}"
+    )
     if n > 1 and peak < 2:
         errors.append(f"requests were not batched: peak batch {peak}")
     if n > 1 and steps >= tokens:
@@ -126,7 +128,9 @@ async def smoke(url: str, n: int, max_new: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="test this running server instead of starting one")
-    p.add_argument("--model", default=os.environ.get("MODEL_ID", "distilgpt2"), help="MODEL_ID for the server it starts")
+    p.add_argument(
+        "--model", default=os.environ.get("MODEL_ID", "distilgpt2"), help="MODEL_ID for the server it starts"
+    )
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--capacity", type=int, default=8)

@@ -175,7 +175,11 @@ def drive(engine, batches: list, fused: bool = True) -> None:
     step = 0
     while pending or engine.num_active():
         joining = []
-        while pending and pending[0][0] <= step and engine.num_active() + len(joining) + len(pending[0][1]) <= engine.capacity:
+        while (
+            pending
+            and pending[0][0] <= step
+            and engine.num_active() + len(joining) + len(pending[0][1]) <= engine.capacity
+        ):
             joining += pending.pop(0)[1]
         if fused and joining and engine.num_active():
             engine.admit_and_step(joining)

@@ -110,7 +110,7 @@ class ProcessServer:
         with open(self.log.name, errors="replace") as f:
             return f.read()
 
-    def __enter__(self) -> "ProcessServer":
+    def __enter__(self) -> ProcessServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -168,7 +168,7 @@ class ThreadServer:
         self._sock.close()
         assert not self._thread.is_alive(), "uvicorn thread did not stop"
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.model
@@ -56,7 +55,9 @@ def test_quick_seed_benchmark_writes_json_for_every_system(tiny_model_dir, tmp_p
 
 def test_quick_sweep_plots_throughput_vs_capacity(tiny_model_dir, tmp_path):
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
-    bench("--model", tiny_model_dir, "--workload", "sweep", "--systems", "ours", "--json", str(out), "--plot", str(plots))
+    bench(
+        "--model", tiny_model_dir, "--workload", "sweep", "--systems", "ours", "--json", str(out), "--plot", str(plots)
+    )
     sweep = json.loads(out.read_text())["results"]["sweep"]["ours"]
     assert set(sweep) == {"1", "2"} and all(v["tokens_per_s"] > 0 for v in sweep.values())
     assert sweep["1"]["capacity"] == 1 and sweep["2"]["capacity"] == 2
@@ -79,5 +80,7 @@ def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_mo
     assert set(ours["config"]["resident_weight_mb"]) >= {"int8"}
     assert [k["rows"] for k in ours["linear_kernels"]] == [1, 8]
     assert all(k["quant_gemm_gb_s"] > 0 and k["fmt"] == "int8" for k in ours["linear_kernels"])
-    assert seed["llamacpp"]["failed"] and ("llama-server" in seed["llamacpp"]["error"] or ".gguf" in seed["llamacpp"]["error"])
+    assert seed["llamacpp"]["failed"] and (
+        "llama-server" in seed["llamacpp"]["error"] or ".gguf" in seed["llamacpp"]["error"]
+    )
     assert "quant_gemm (int8)" in proc.stdout

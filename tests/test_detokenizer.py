@@ -42,7 +42,7 @@ def random_chunks(ids, rng: random.Random, max_chunk: int = 4):
     out, i = [], 0
     while i < len(ids):
         n = rng.randint(1, max_chunk)
-        out.append(ids[i:i + n])
+        out.append(ids[i : i + n])
         i += n
     return out
 
@@ -177,7 +177,9 @@ def test_decode_work_is_linear_in_output_length():
 
 
 def test_module_imports_no_torch():
-    code = "import sys, detokenizer; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    code = (
+        "import sys, detokenizer; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -383,7 +385,7 @@ def test_property_byte_stream_matches_non_streaming_truncate():
         if matched is not None:
             assert flushed == ""
             stop_at = next(i for i, d in enumerate(deltas) if d.stopped)
-            assert all(d == Delta("", True, matched) for d in deltas[stop_at + 1:])
+            assert all(d == Delta("", True, matched) for d in deltas[stop_at + 1 :])
 
 
 def test_property_real_tokenizer_matches_non_streaming_truncate(tok, tok_decode):

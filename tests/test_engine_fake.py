@@ -187,7 +187,9 @@ def test_step_advances_each_sequence_exactly_one_token(n):
             assert s.output_token_ids == letters(s.prompt_token_ids, 1 + k)
     stats = eng.stats()
     assert {k: stats[k] for k in ("steps", "peak_batch", "generated_tokens")} == {
-        "steps": 5, "peak_batch": n, "generated_tokens": 6 * n
+        "steps": 5,
+        "peak_batch": n,
+        "generated_tokens": 6 * n,
     }
     # 2 prompt + 6 output tokens each, one not yet fed: 7 slots -> 1 block of 32 per sequence.
     assert stats["kv_free_blocks"] == stats["kv_blocks"] - n and stats["num_preemptions"] == 0
@@ -253,8 +255,9 @@ def test_ignore_eos_runs_to_length():
 
 @pytest.mark.parametrize("how", ["length", "stop"])
 def test_finishing_on_first_token_holds_no_slot(how):
-    eng = engine(capacity=2, token_fn=lambda s: STOP if s.prompt_token_ids[0] == 1 else tagged_token(s),
-                 stop_token_ids=(STOP,))
+    eng = engine(
+        capacity=2, token_fn=lambda s: STOP if s.prompt_token_ids[0] == 1 else tagged_token(s), stop_token_ids=(STOP,)
+    )
     if how == "length":
         quick = seq(prompt=(2,), max_new=1)
         status, first = SequenceStatus.FINISHED_LENGTH, tagged(2, 1)
@@ -336,6 +339,7 @@ def test_compaction_moves_a_middle_row():
 def test_a_failing_row_finishes_alone_and_its_row_is_compacted(fail_at):
     """A RowFailure from the tensor work fails that sequence alone (FINISHED_ERROR, its stable reason);
     its batchmates take their tokens in the same call and go on, in compacted rows."""
+
     def token_fn(s: Sequence):
         if s.prompt_token_ids == [2] and len(s.output_token_ids) == fail_at:
             return RowFailure("row 2 failed")

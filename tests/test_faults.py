@@ -354,9 +354,7 @@ def test_a_fault_while_clients_disconnect_loses_nothing():
                 assert isinstance(r, asyncio.CancelledError), (rid, r)
             elif rid in batch:
                 err = r.json()["error"]
-                assert (
-                    r.status_code == 500 and err["message"].endswith("engine step failed")
-                )
+                assert r.status_code == 500 and err["message"].endswith("engine step failed")
             else:
                 assert r.status_code == 200 and r.json()["text"] == fake_text(prompts[rid], 30), (rid, r.text)
         assert_idle(srv)

@@ -71,7 +71,7 @@ def closed_by_peer(s: socket.socket, timeout: float) -> bool:
         return s.recv(65536) == b""
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 

@@ -157,8 +157,14 @@ def test_health_ok():
             assert h["capacity"] == 5
             assert h["running"] == 0 and h["waiting"] == 0
             assert h["engine"] == {
-                "steps": 2, "peak_batch": 1, "generated_tokens": 3, "kv_blocks": 160, "kv_free_blocks": 160,
-                "kv_block_size": 32, "num_preemptions": 0, "num_prefilling": 0,
+                "steps": 2,
+                "peak_batch": 1,
+                "generated_tokens": 3,
+                "kv_blocks": 160,
+                "kv_free_blocks": 160,
+                "kv_block_size": 32,
+                "num_preemptions": 0,
+                "num_prefilling": 0,
             }  # the fake's default pool: 5 slots x 1024 tokens in blocks of 32, all free again
 
     bounded(body)

@@ -12,8 +12,8 @@ import asyncio
 import random
 
 import pytest
-
 from conftest import assert_error, bounded, fake_ids, run, serving
+
 from engine import AdmissionError, FakeEngine
 from scheduler import Scheduler
 from sequence import Sequence, SequenceStatus
@@ -142,8 +142,10 @@ def drive_scheduler(eng: FakeEngine, seqs: list[Sequence], abort_ids=(), stagger
 def test_scheduler_requeues_preempted_first_and_every_stream_is_gapless():
     rng = random.Random(3)
     eng = FakeEngine(capacity=6, max_context=256, num_blocks=10, block_size=4)
-    seqs = [seq(prompt=[rng.randint(1, 200) for _ in range(rng.randint(1, 12))], max_new=rng.randint(1, 24))
-            for _ in range(40)]
+    seqs = [
+        seq(prompt=[rng.randint(1, 200) for _ in range(rng.randint(1, 12))], max_new=rng.randint(1, 24))
+        for _ in range(40)
+    ]
     sched, done, seen = drive_scheduler(eng, seqs, stagger=3)
     assert [d.seq_id for d in done] == [s.seq_id for s in seqs]
     for s in seqs:
@@ -206,10 +208,13 @@ def test_chunked_prefill_gives_the_first_token_only_after_the_last_chunk():
 
 def test_chunked_prefill_with_preemption_and_aborts_returns_every_block():
     rng = random.Random(9)
-    eng = FakeEngine(capacity=5, max_context=128, num_blocks=14, block_size=4, max_num_batched_tokens=6,
-                     step_delay=0.0005)
-    seqs = [seq(prompt=[rng.randint(1, 200) for _ in range(rng.randint(1, 30))], max_new=rng.randint(1, 20))
-            for _ in range(30)]
+    eng = FakeEngine(
+        capacity=5, max_context=128, num_blocks=14, block_size=4, max_num_batched_tokens=6, step_delay=0.0005
+    )
+    seqs = [
+        seq(prompt=[rng.randint(1, 200) for _ in range(rng.randint(1, 30))], max_new=rng.randint(1, 20))
+        for _ in range(30)
+    ]
     sched, done, seen = drive_scheduler(eng, seqs, abort_ids=[seqs[3].seq_id, seqs[17].seq_id], stagger=4)
     for s in seqs:
         if s.finish_reason == "abort":
@@ -225,8 +230,9 @@ def test_a_failed_chunked_admission_leaves_nothing_behind():
     def boom(seqs):
         raise RuntimeError("boom")
 
-    eng = FakeEngine(capacity=2, max_context=64, num_blocks=8, block_size=4, max_num_batched_tokens=50,
-                     admit_fault=boom)
+    eng = FakeEngine(
+        capacity=2, max_context=64, num_blocks=8, block_size=4, max_num_batched_tokens=50, admit_fault=boom
+    )
     with pytest.raises(RuntimeError):
         eng.admit([seq(prompt=range(1, 6), max_new=2)])
     assert eng.num_active() == 0 and pool_is_full(eng)
@@ -253,8 +259,9 @@ def test_http_many_concurrent_requests_under_preemption_each_answered_once_and_e
         eng = FakeEngine(capacity=8, num_blocks=12, block_size=4)
         async with serving(eng) as c:
             prompts = [f"p{i}-" + "y" * (i % 7) for i in range(300)]
-            rs = await asyncio.gather(*(c.post("/generate", json={"prompt": p, "max_new_tokens": 4 + i % 9})
-                                        for i, p in enumerate(prompts)))
+            rs = await asyncio.gather(
+                *(c.post("/generate", json={"prompt": p, "max_new_tokens": 4 + i % 9}) for i, p in enumerate(prompts))
+            )
             for i, (p, r) in enumerate(zip(prompts, rs)):
                 assert r.status_code == 200, r.text
                 assert r.json()["token_ids"] == fake_ids(p, 4 + i % 9)
@@ -300,10 +307,16 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     from engine import HFEngine
 
     reference = Reference(pressure_model)
-    engine = HFEngine(Config(
-        model_id=pressure_model, max_batch_size=4, num_threads=2, small_gemm=small_gemm,
-        kv_block_size=4, kv_cache_mb=pool_mb(pressure_model, 14, 4),
-    ))
+    engine = HFEngine(
+        Config(
+            model_id=pressure_model,
+            max_batch_size=4,
+            num_threads=2,
+            small_gemm=small_gemm,
+            kv_block_size=4,
+            kv_cache_mb=pool_mb(pressure_model, 14, 4),
+        )
+    )
     assert engine.blocks.num_blocks == 14
     rng = random.Random(5)
     seqs = []
@@ -343,10 +356,17 @@ def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm):
     from engine import HFEngine
 
     reference = Reference(pressure_model)
-    engine = HFEngine(Config(
-        model_id=pressure_model, max_batch_size=3, num_threads=2, small_gemm=small_gemm,
-        kv_block_size=4, kv_cache_mb=pool_mb(pressure_model, 24, 4), max_num_batched_tokens=budget,
-    ))
+    engine = HFEngine(
+        Config(
+            model_id=pressure_model,
+            max_batch_size=3,
+            num_threads=2,
+            small_gemm=small_gemm,
+            kv_block_size=4,
+            kv_cache_mb=pool_mb(pressure_model, 24, 4),
+            max_num_batched_tokens=budget,
+        )
+    )
     text = " ".join(PROMPTS)
     seqs = [
         Sequence(prompt_token_ids=reference.encode(PROMPTS[0]), max_new_tokens=12),

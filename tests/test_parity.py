@@ -15,7 +15,6 @@ import asyncio
 import random
 
 import pytest
-
 from conftest import PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
 
 torch = pytest.importorskip("torch")
@@ -163,7 +162,9 @@ def test_scheduler_churn_matches_standalone(model_dir, reference):
     rng = random.Random(1)
     engine = make_engine(model_dir, capacity=3)
     seqs = [
-        Sequence(prompt_token_ids=reference.encode(rng.choice(PROMPTS) + f" {i}"), max_new_tokens=rng.choice([1, 4, 9, 16]))
+        Sequence(
+            prompt_token_ids=reference.encode(rng.choice(PROMPTS) + f" {i}"), max_new_tokens=rng.choice([1, 4, 9, 16])
+        )
         for i in range(10)
     ]
 

@@ -237,8 +237,12 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption(model_dir, budget)
     expected = [s.output_token_ids for s in run_all(roomy, prompts)]
     tight = HFEngine(
         Config(
-            model_id=model_dir, max_batch_size=4, max_model_len=64, kv_block_size=4,
-            kv_cache_mb=pool_mb(model_dir, 16, 4), max_num_batched_tokens=budget,
+            model_id=model_dir,
+            max_batch_size=4,
+            max_model_len=64,
+            kv_block_size=4,
+            kv_cache_mb=pool_mb(model_dir, 16, 4),
+            max_num_batched_tokens=budget,
         )
     )
     seqs = run_all(tight, prompts)

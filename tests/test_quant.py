@@ -226,8 +226,13 @@ def tiny_hf_model(model_type: str):
     torch.manual_seed(0)
     if model_type == "llama":
         cfg = transformers.LlamaConfig(
-            vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False,
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
         )
         return transformers.LlamaForCausalLM(cfg)
     cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)

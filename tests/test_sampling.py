@@ -110,7 +110,7 @@ def test_properties_and_frozen():
     assert SP(repetition_penalty=1.3).has_penalties
     assert SP(presence_penalty=0.1).has_penalties and SP(frequency_penalty=-0.1).has_penalties
     assert not SP(temperature=0.7).is_greedy
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         SP().temperature = 1.0  # frozen
 
 
@@ -207,8 +207,14 @@ TARGETS = {
     "top_p_wide": SP(temperature=2.0, top_p=0.99, seed=5),
     "min_p": SP(temperature=1.5, min_p=0.05, seed=11),
     "everything": SP(
-        temperature=0.8, top_k=100, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
-        presence_penalty=0.3, frequency_penalty=0.2, seed=123,
+        temperature=0.8,
+        top_k=100,
+        top_p=0.95,
+        min_p=0.01,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        seed=123,
     ),
     "penalties_no_top_k": SP(temperature=1.1, top_p=0.97, repetition_penalty=1.5, frequency_penalty=1.0, seed=9),
 }
@@ -225,14 +231,18 @@ def generate(target: SamplingParams, vocab: int, steps: int, rng: random.Random 
             continue
         n = rng.randint(1, 7)
         pos = rng.randrange(n + 1)
-        logits = torch.randn(n + 1, vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * rng.choice([0.5, 2, 6])
+        logits = torch.randn(n + 1, vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * rng.choice(
+            [0.5, 2, 6]
+        )
         logits[pos] = row
         params = [random_params(rng) for _ in range(n + 1)]
         params[pos] = target
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(n + 1)]
         outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(n + 1)]
         prompts[pos], outputs[pos] = prompt, list(out)
-        out.append(sample(logits, params, prompts, outputs, generator=torch.Generator().manual_seed(rng.randrange(99)))[pos])
+        out.append(
+            sample(logits, params, prompts, outputs, generator=torch.Generator().manual_seed(rng.randrange(99)))[pos]
+        )
     return out
 
 
@@ -250,7 +260,11 @@ def test_seed_independent_of_batchmates_at_full_vocab():
     vocab = 50257
     gen = torch.Generator().manual_seed(3)
     row = torch.randn(vocab, generator=gen) * 3
-    targets = [SP(temperature=1.0, top_p=0.9, seed=1), SP(temperature=0.7, top_k=50, seed=2), SP(temperature=1.3, seed=3)]
+    targets = [
+        SP(temperature=1.0, top_p=0.9, seed=1),
+        SP(temperature=0.7, top_k=50, seed=2),
+        SP(temperature=1.3, seed=3),
+    ]
     alone = [sample(row.unsqueeze(0), [t], output_ids=[[0] * 5])[0] for t in targets]
     rng = random.Random(0)
     mates = [random_params(rng) for _ in range(9)]
@@ -411,7 +425,9 @@ def test_penalties_match_a_dense_reference_at_full_vocab():
     rng = random.Random(1)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(32)]
     outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 60))] for _ in range(32)]
-    params = [SP(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2) if i % 3 else SP() for i in range(32)]
+    params = [
+        SP(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2) if i % 3 else SP() for i in range(32)
+    ]
     got = apply_penalties(logits, params, prompts, outputs)
     want = logits.clone()
     for i, p in enumerate(params):  # the dense reference, row by row
@@ -422,7 +438,9 @@ def test_penalties_match_a_dense_reference_at_full_vocab():
         r = want[i]
         rp, freq, pres = (torch.full((vocab,), v) for v in (1.3, 0.2, 0.4))
         r = torch.where(seen, torch.where(r > 0, r / rp, r * rp), r)
-        counts = torch.zeros(vocab).scatter_add_(0, torch.tensor(outputs[i], dtype=torch.long), torch.ones(len(outputs[i])))
+        counts = torch.zeros(vocab).scatter_add_(
+            0, torch.tensor(outputs[i], dtype=torch.long), torch.ones(len(outputs[i]))
+        )
         r = r - freq * counts
         r = r - pres * (counts > 0).float()
         want[i] = r

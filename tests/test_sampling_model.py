@@ -18,7 +18,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import PROMPTS, Reference, drive, seqs_for
 
 torch = pytest.importorskip("torch")
@@ -56,10 +55,15 @@ def hf_greedy(ref: Reference, prompt: list[int], n: int, stops: set[int] = froze
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = ref.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-            eos_token_id=sorted(stops) or None, pad_token_id=0, **generate_kw,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=sorted(stops) or None,
+            pad_token_id=0,
+            **generate_kw,
         )
-    return trim(out[0, len(prompt):].tolist(), n, set(stops))
+    return trim(out[0, len(prompt) :].tolist(), n, set(stops))
 
 
 class OpenAIPenalties(transformers.LogitsProcessor):
@@ -70,7 +74,7 @@ class OpenAIPenalties(transformers.LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         for row in range(scores.shape[0]):
-            out = input_ids[row, self.prompt_len:]
+            out = input_ids[row, self.prompt_len :]
             if out.numel():
                 ids, counts = out.unique(return_counts=True)
                 scores[row, ids] -= self.frequency * counts.to(scores.dtype) + self.presence
@@ -115,7 +119,8 @@ def test_per_request_stop_token_ids_match_hf_eos(engine, ref):
 
 
 @pytest.mark.parametrize(
-    "sampling", [SP(temperature=1.0, top_k=1, seed=1), SP(temperature=1.5, min_p=1.0), SP(temperature=1.0, top_p=1e-9)],
+    "sampling",
+    [SP(temperature=1.0, top_k=1, seed=1), SP(temperature=1.5, min_p=1.0), SP(temperature=1.0, top_p=1e-9)],
     ids=["top_k=1", "min_p=1", "top_p=1e-9"],
 )
 def test_single_candidate_filters_equal_hf_greedy(engine, ref, sampling):
@@ -129,10 +134,14 @@ def test_single_candidate_filters_equal_hf_greedy(engine, ref, sampling):
     "sampling, warpers",
     [
         (SP(temperature=1.0, top_k=5, seed=3), lambda: [transformers.TopKLogitsWarper(5)]),
-        (SP(temperature=0.8, top_p=0.6, seed=4), lambda: [transformers.TemperatureLogitsWarper(0.8),
-                                                           transformers.TopPLogitsWarper(0.6)]),
-        (SP(temperature=1.2, min_p=0.2, seed=5), lambda: [transformers.TemperatureLogitsWarper(1.2),
-                                                           transformers.MinPLogitsWarper(0.2)]),
+        (
+            SP(temperature=0.8, top_p=0.6, seed=4),
+            lambda: [transformers.TemperatureLogitsWarper(0.8), transformers.TopPLogitsWarper(0.6)],
+        ),
+        (
+            SP(temperature=1.2, min_p=0.2, seed=5),
+            lambda: [transformers.TemperatureLogitsWarper(1.2), transformers.MinPLogitsWarper(0.2)],
+        ),
     ],
     ids=["top_k", "top_p", "min_p"],
 )
@@ -184,6 +193,7 @@ EXTREMES = {
 
 def random_params(rng: random.Random) -> SamplingParams:
     """Each field an extreme of its range or a random value inside it."""
+
     def pick(name, lo, hi, log=False):
         if rng.random() < 0.6:
             return rng.choice(EXTREMES[name])

@@ -727,7 +727,9 @@ def test_failing_engine_abort_still_resolves_the_sequence():
         try:
             await asyncio.wait_for(asyncio.shield(fut), 2)
         except asyncio.TimeoutError:
-            raise AssertionError(f"future never resolved; status {s.status}, in _futures: {s.seq_id in sched._pending}")
+            raise AssertionError(
+                f"future never resolved; status {s.status}, in _futures: {s.seq_id in sched._pending}"
+            ) from None
         finally:
             await sched.stop()
         assert s.is_finished

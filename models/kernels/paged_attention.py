@@ -45,13 +45,24 @@ def _load() -> ctypes.CDLL:
     lib = build_and_load(SOURCE, FLAGS)
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [
-        ctypes.c_void_p, ctypes.c_long,  # q, q_row_stride
-        ctypes.c_void_p, ctypes.c_void_p,  # k_pool, v_pool
-        ctypes.c_long, ctypes.c_long, ctypes.c_long,  # block, token, head strides
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,  # block_tables, table_stride, context_lens
+        ctypes.c_void_p,
+        ctypes.c_long,  # q, q_row_stride
+        ctypes.c_void_p,
+        ctypes.c_void_p,  # k_pool, v_pool
+        ctypes.c_long,
+        ctypes.c_long,
+        ctypes.c_long,  # block, token, head strides
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,  # block_tables, table_stride, context_lens
         ctypes.c_void_p,  # out
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # B, H, KVH, D, block_size
-        ctypes.c_float, ctypes.c_int,  # scale, nthreads
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,  # B, H, KVH, D, block_size
+        ctypes.c_float,
+        ctypes.c_int,  # scale, nthreads
     ]
     return lib
 
@@ -119,10 +130,24 @@ def paged_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty(B, H, D, dtype=torch.float32)
     rc = load().paged_attention(
-        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
-        B, H, k_pool.shape[2], D, k_pool.shape[1], scale, torch.get_num_threads(),
+        q.data_ptr(),
+        q.stride(0),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        k_pool.stride(2),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        out.data_ptr(),
+        B,
+        H,
+        k_pool.shape[2],
+        D,
+        k_pool.shape[1],
+        scale,
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise MemoryError("paged attention: cannot allocate the partition workspace")

@@ -90,11 +90,19 @@ def _load() -> ctypes.CDLL:
     lib.quant_gemm.restype = ctypes.c_int
     lib.quant_gemm.argtypes = [
         ctypes.c_int,  # fmt
-        ctypes.c_void_p, ctypes.c_int,  # X, ldx
-        ctypes.c_void_p, ctypes.c_void_p,  # Wp, bias
-        ctypes.c_void_p, ctypes.c_int,  # R, ldr
-        ctypes.c_void_p, ctypes.c_int,  # Y, ldy
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # M, K, N, nthreads, direct_rows
+        ctypes.c_void_p,
+        ctypes.c_int,  # X, ldx
+        ctypes.c_void_p,
+        ctypes.c_void_p,  # Wp, bias
+        ctypes.c_void_p,
+        ctypes.c_int,  # R, ldr
+        ctypes.c_void_p,
+        ctypes.c_int,  # Y, ldy
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,  # M, K, N, nthreads, direct_rows
     ]
     return lib
 
@@ -262,9 +270,20 @@ def matmul(
     if m == 0:
         return out
     rc = kernel.quant_gemm(
-        FORMATS[w.fmt], x.data_ptr(), x.stride(0), w.data.data_ptr(), _ptr(bias),
-        _ptr(residual), residual.stride(0) if residual is not None else 0,
-        out.data_ptr(), n, m, k, n, torch.get_num_threads(), direct_rows,
+        FORMATS[w.fmt],
+        x.data_ptr(),
+        x.stride(0),
+        w.data.data_ptr(),
+        _ptr(bias),
+        _ptr(residual),
+        residual.stride(0) if residual is not None else 0,
+        out.data_ptr(),
+        n,
+        m,
+        k,
+        n,
+        torch.get_num_threads(),
+        direct_rows,
     )
     if rc != 0:
         raise MemoryError(f"quant_gemm could not allocate its {k} x 16 fp32 tile buffer")

@@ -42,15 +42,24 @@ unavailable_reason: str | None = None
 
 def _load() -> ctypes.CDLL:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 and FMA")
+        raise RuntimeError(
+            f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 and FMA"
+        )
     lib = build_and_load(SOURCE, FLAGS)
     lib.small_gemm.restype = None
     lib.small_gemm.argtypes = [
-        ctypes.c_void_p, ctypes.c_int,  # X, ldx
-        ctypes.c_void_p, ctypes.c_void_p,  # Wp, bias
-        ctypes.c_void_p, ctypes.c_int,  # R, ldr
-        ctypes.c_void_p, ctypes.c_int,  # Y, ldy
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # M, K, N, nthreads
+        ctypes.c_void_p,
+        ctypes.c_int,  # X, ldx
+        ctypes.c_void_p,
+        ctypes.c_void_p,  # Wp, bias
+        ctypes.c_void_p,
+        ctypes.c_int,  # R, ldr
+        ctypes.c_void_p,
+        ctypes.c_int,  # Y, ldy
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,  # M, K, N, nthreads
     ]
     return lib
 
@@ -105,8 +114,17 @@ def matmul(
         residual = residual.contiguous()
     out = torch.empty(m, n_out, dtype=torch.float32)
     kernel.small_gemm(
-        x.data_ptr(), x.stride(0), packed.data_ptr(), _ptr(bias),
-        _ptr(residual), residual.stride(0) if residual is not None else 0,
-        out.data_ptr(), n_out, m, k, n_out, torch.get_num_threads(),
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        _ptr(bias),
+        _ptr(residual),
+        residual.stride(0) if residual is not None else 0,
+        out.data_ptr(),
+        n_out,
+        m,
+        k,
+        n_out,
+        torch.get_num_threads(),
     )
     return out
