@@ -181,7 +181,6 @@ def main() -> int:
     try:
         config = Config.from_env()
         logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-        log.info("loading %s (no connections are accepted until it has loaded)", config.model_id)
         engine = load_engine(config)
     except Exception as exc:  # ConfigError, a model that cannot load: the message says which
         print(f"error: {_one_line(exc)}", file=sys.stderr)
