@@ -25,7 +25,8 @@ line: it runs every (workload, system) in a worker subprocess and hands the resu
 Alongside, for ours: the decode step as the scheduler sees it against the bare forward
 (``model.decode`` alone, same batch and context lengths) -> engine overhead, and the bare
 forward's achieved GFLOP/s and weight bandwidth against this machine's measured fp32 matmul
-peak and copy bandwidth -> roofline fraction.
+peak and copy bandwidth -> roofline fraction (a step's FLOPs and weight bytes as the model counts
+them: ``flops_per_token``, ``weight_bytes``).
 """
 
 from __future__ import annotations
@@ -60,14 +61,18 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads or physical_cores())
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     requests, capacity = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
-    peaks = machine_peaks() if args.overhead else None  # first, before any other thread has run torch
     base, kwargs = parse_system(args.system)
     if base == RAY_SYSTEM:
-        print(
-            "RESULT "
-            + json.dumps(run_ours_ray(args.gguf or args.model_dir, tok, requests, capacity, args.repeats, args.threads))
-        )
-        return
+        result = run_ours_ray(args.gguf or args.model_dir, tok, requests, capacity, args.repeats, args.threads)
+    else:
+        result = measure(args, base, kwargs, requests, capacity)
+    print("RESULT " + json.dumps(result))
+
+
+def measure(args, base: str, kwargs: dict, requests: list, capacity: int) -> dict:
+    """A warm-up and ``--repeats`` timed runs of one system; the median run's summary, plus (ours, with
+    ``--overhead``) the engine overhead, roofline and kernel rates."""
+    peaks = machine_peaks() if args.overhead else None  # first, before any other thread has run torch
     if base in ("ours", "llamacpp"):
         kwargs["gguf"] = args.gguf
     once, config = SYSTEM_FNS[base](args.model_dir, requests, capacity, **kwargs)
@@ -91,10 +96,11 @@ def worker(args) -> None:
         )
         result["linear_kernels"] = linear_kernel_rates(once.engine.model, (1, 8) if args.quick else (1, 4, 8, 16, 32))
     result["peak_rss_mb"] = server_rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result))
+    return result
 
 
 def run_worker(args, system: str, model_dir: str, workload: str, capacity: int = 0, overhead: bool = False) -> dict:
+    """One worker subprocess (``--worker``) -> its result, or {"failed": True, "error": ...}."""
     cmd = (
         [
             sys.executable,
