@@ -38,12 +38,8 @@ class HFModelRunner:
         stop_token_ids: tuple[int, ...] = (),
     ) -> list[list[int]]:
         """Generate greedily for a batch of token-id prompts; returns each row's new tokens."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left-padded
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = left_pad(prompts, self.pad_id)  # each [B, W]
+        width = ids.shape[1]
         stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
         # Passed as keywords: a GenerationConfig with eos_token_id=None would fall back to the
         # model's default EOS, silently breaking ignore_eos.
@@ -56,6 +52,18 @@ class HFModelRunner:
             pad_token_id=self.pad_id,
         )  # [B, W + new]
         return [trim(out[row, width:].tolist(), budget, stops) for row, budget in enumerate(max_new_tokens)]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts -> (ids, attention mask), each [B, W] long, W the longest prompt: every row
+    right-aligned so that all rows' next token sits in column W (what ``generate`` expects)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
 
 
 def trim(tokens: list[int], budget: int, stops: set[int]) -> list[int]:

@@ -45,20 +45,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import httpx  # noqa: E402
+from bench.workloads import PROMPT_TEXTS  # noqa: E402  the seed workload's prompts (scripts/benchmark.py)
 
-PROMPT_TEXTS = [  # the seed workload's prompts (scripts/benchmark.py)
-    "Hello!",
-    "What is the capital of France?",
-    "Write a haiku about continuous batching.",
-    "Summarize the plot of a heist movie in two sentences, focusing on the twist at the end.",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman and his curious cat. "
-    "Every morning they rowed out past the lighthouse, and every evening they came back with a story. "
-    "One day the cat found a bottle with a map inside it.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "# Explain what this function returns for n = 10 and why:\n",
-    "The quick brown fox jumps over the lazy dog. " * 6,
-    "Translate to French: I would like a cup of coffee and a croissant, please.",
-]
 BATCH = 8
 SYSTEMS = ("ours", "ours_ray1", "ours_ray2")
 

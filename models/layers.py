@@ -79,6 +79,11 @@ class Linear:
     def n_params(self) -> int:
         return self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)
 
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of weight one call reads: the packed copy (quantized) or one fp32 copy (whichever kernel runs)."""
+        return self.quant.nbytes if self.quant is not None else self.out_features * self.in_features * 4
+
     def _use_small(self, x: torch.Tensor) -> bool:
         return self.small is not None and x.shape[0] <= small_gemm.MAX_ROWS
 
@@ -265,15 +270,21 @@ def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str
 class MixedForward:
     """A model family's forward over a mixed batch: the loop every family shares.
 
-    Subclasses set ``blocks``, ``kv`` (a PagedKVCache, ``_init_cache``), ``device``,
-    ``onednn``/``small_gemm`` (which linear kernels are on) and supply the family's math:
-    ``_embed`` (token ids -> [N, C] plus whatever positional state the blocks need), ``_block``
-    (one transformer layer) and ``_logits`` (final norm and lm_head).
+    Subclasses set ``blocks``, ``lm_head``, ``n_layer``, ``n_head``, ``head_dim``, ``kv`` (a PagedKVCache,
+    ``_init_cache``), ``device``, ``onednn``/``small_gemm`` (which linear kernels are on) and supply the
+    family's math: ``_embed`` (token ids -> [N, C] plus whatever positional state the blocks need),
+    ``_block`` (one transformer layer) and ``_logits`` (final norm and lm_head). Shared here: the
+    forward loop, and what the model costs (``linears``, ``flops_per_token``, ``weight_bytes``,
+    ``resident_weights``), which the benchmark's roofline asks for.
     """
 
     model_type: str  # HF config.model_type this family serves
-    blocks: list
+    blocks: list  # each has .linears()
+    lm_head: Linear  # [C] -> [V]
     kv: PagedKVCache
+    n_layer: int
+    n_head: int  # query heads
+    head_dim: int
 
     @torch.inference_mode()
     def forward(
@@ -319,6 +330,32 @@ class MixedForward:
         """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
         return self.forward(token_ids, positions, tables)
 
+    def linears(self) -> list[Linear]:
+        """Every linear of the model in forward order: each block's, then the lm_head."""
+        return [lin for block in self.blocks for lin in block.linears()] + [self.lm_head]
+
+    def flops_per_token(self, context: int) -> int:
+        """FLOPs to run one token that attends over ``context`` positions (nanoGPT's ``estimate_mfu`` count).
+
+        Linears: 2 * out * in per token (a multiply and an add per weight). Attention, per layer:
+        q @ K^T [H, D] x [D, L] and att @ V [H, L] x [L, D], 2 * L * H * D each. Norms, RoPE, softmax
+        and the embedding lookup are left out (O(C) per token, noise beside the O(C^2) linears).
+        """
+        linear = sum(2 * lin.out_features * lin.in_features for lin in self.linears())
+        return linear + self.n_layer * 4 * context * self.n_head * self.head_dim
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights one forward step streams, per format ("fp32", "int8", "int4").
+
+        Each linear's one copy that the step reads (``Linear.streamed_bytes``): a decode step at small
+        batch is bound by these. Embedding lookups read a few rows only and are left out; a tied lm_head
+        counts its table once, as the lm_head.
+        """
+        out: dict[str, int] = {}
+        for lin in self.linears():
+            out[lin.fmt] = out.get(lin.fmt, 0) + lin.streamed_bytes
+        return out
+
     def resident_weights(self) -> dict[str, int]:
         """Bytes of weights held, per format: every linear's copies, then the embedding tables.
 
@@ -327,7 +364,7 @@ class MixedForward:
         """
         out: dict[str, int] = {}
         seen: set[int] = set()
-        linears = [lin for block in self.blocks for lin in block.linears()] + [self.lm_head]
+        linears = self.linears()
         tables = [t for t in self.embedding_tables() if isinstance(t, QuantWeight)]
         for item in [*linears, *tables]:
             key = id(item.quant) if isinstance(item, Linear) and item.quant is not None else id(item)

@@ -84,3 +84,81 @@ def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_mo
         "llama-server" in seed["llamacpp"]["error"] or ".gguf" in seed["llamacpp"]["error"]
     )
     assert "quant_gemm (int8)" in proc.stdout
+
+
+# --- the model's cost model (what the roofline asks), against a direct count of the checkpoint's weights ---
+# Bytes per weight by the formats' own definitions (GGUF): Q8_0 = 32 int8 + one fp16 scale per 32 weights,
+# Q4_1 = 32 nibbles + fp16 scale and min per 32. Packed, a quantized weight's rows are padded to panels of 8
+# and its inputs to groups of 32 (quant_gemm.c's layout).
+BYTES_PER_WEIGHT = {"fp32": 4, "int8": 34 / 32, "int4": 20 / 32}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_untied_dir(tmp_path_factory) -> str:
+    from make_test_model import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_cost")), arch="llama", seed=2, tied=False)
+
+
+def direct_linear_shapes(hf_model) -> list[tuple[int, ...]]:
+    """Shapes of the weights the linears multiply by, from the HF state dict: every 2-D weight but the
+    embedding tables, plus the lm_head's (the token table again when tied)."""
+    sd = hf_model.state_dict()
+    tables = ("wte.weight", "wpe.weight", "embed_tokens.weight")
+    shapes = [tuple(v.shape) for k, v in sd.items() if v.ndim == 2 and not k.endswith(tables) and k != "lm_head.weight"]
+    return shapes + [tuple(hf_model.get_output_embeddings().weight.shape)]
+
+
+def direct_bytes(shapes: list[tuple[int, ...]], fmt: str) -> float:
+    """Bytes of ``shapes`` in ``fmt``. Every tiny width is a multiple of 32 (so GPT-2's [in, out] Conv1D
+    orientation does not matter) except the vocab: only the lm_head [V, C] pads its rows to a panel of 8."""
+    *blocks, (vocab, width) = shapes
+    assert all(a % 32 == 0 and b % 32 == 0 for a, b in blocks) and width % 32 == 0
+    rows = vocab if fmt == "fp32" else -(-vocab // 8) * 8
+    return (sum(a * b for a, b in blocks) + rows * width) * BYTES_PER_WEIGHT[fmt]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+def test_cost_model_agrees_with_a_direct_count_of_the_weights(family, fmt, tiny_model_dir, tiny_llama_untied_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models import families
+
+    path = tiny_model_dir if family == "gpt2" else tiny_llama_untied_dir
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = hf.config
+    model = families()[cfg.model_type](hf, 2, 64, torch.device("cpu"), weights=fmt)
+    shapes = direct_linear_shapes(hf)
+    params = sum(a * b for a, b in shapes)
+    n_layer = cfg.num_hidden_layers
+    q_width = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)  # H * D
+
+    assert len(model.linears()) == 4 * n_layer + 1 and model.linears()[-1] is model.lm_head
+    assert sum(lin.out_features * lin.in_features for lin in model.linears()) == params
+    # 2 FLOPs per weight, plus q.K and att.V over the context: 4 * L * H * D per layer.
+    assert model.flops_per_token(0) == 2 * params
+    assert model.flops_per_token(100) - model.flops_per_token(0) == n_layer * 4 * 100 * q_width
+    assert model.weight_bytes() == {fmt: direct_bytes(shapes, fmt)}
+    # A step streams one copy of each weight; what is held can only be more (embeddings, a second fp32 copy).
+    assert sum(model.resident_weights().values()) >= sum(model.weight_bytes().values())
+
+
+def test_static_baseline_pads_with_model_runner_and_ours_ray_calls_bench_ray():
+    """The benchmark's static batches use model_runner's padding; ours_ray is deploy/bench_ray.py's code (no copy).
+    Import-level only: starting Ray is slow, ``--systems ours_ray`` exercises it."""
+    import importlib.util
+
+    from bench import systems, workloads
+
+    from deploy import bench_ray
+    from model_runner import left_pad
+
+    ids, mask = left_pad([[5, 6, 7], [9]], pad_id=0)  # [2, 3] each, right-aligned
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert systems.parse_system("ours_ray") == ("ours_ray", {})
+    assert (systems.ray_missing() is None) == (importlib.util.find_spec("ray") is not None)
+    assert bench_ray.PROMPT_TEXTS is workloads.PROMPT_TEXTS
+    for name in ("direct_server", "ray_fleet", "interleaved", "proxy_overhead", "print_table"):
+        assert callable(getattr(bench_ray, name))

@@ -1,0 +1,173 @@
+"""Inside the ``ours`` worker: the engine's decode step against the bare forward, and the bare forward
+against this machine's roofline (measured fp32 matmul peak and copy bandwidth); the cost of a step is
+the model's own (``MixedForward.flops_per_token`` / ``weight_bytes``)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def machine_peaks() -> dict:
+    """Measured fp32 matmul peak (GFLOP/s) and copy bandwidth (GB/s) of this machine, best of a few."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+    src, dst = torch.empty(64 * 2**20), torch.empty(64 * 2**20)  # 256 MiB each
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return {"matmul_gflops": 2 * 2048**3 / best / 1e9, "copy_gb_s": 2 * src.numel() * 4 / copy / 1e9}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def decode_cost(model, batch: int, context: int) -> tuple[int, int]:
+    """(FLOPs, weight bytes) of one decode step of ``batch`` rows at ``context``, as the model counts them:
+    every row costs ``flops_per_token``; the step streams every linear's weight once."""
+    return batch * model.flops_per_token(context), sum(model.weight_bytes().values())
+
+
+async def _scheduled_steps(engine, batch: int, prompt: list[int], steps: int) -> list[float]:
+    """Seconds between decode steps as the scheduler delivers them: ``batch`` copies of ``prompt``,
+    ``steps`` + 1 tokens each."""
+    from scheduler import Scheduler
+    from sequence import Sequence
+
+    stamps: list[float] = []
+    sched = Scheduler(engine, max_queue_depth=batch + 1)
+    sched.on_tokens = lambda seqs: stamps.append(time.perf_counter())
+    sched.start()
+    seqs = [Sequence(prompt_token_ids=prompt, max_new_tokens=steps + 1, ignore_eos=True) for _ in range(batch)]
+    await asyncio.gather(*(sched.submit(s) for s in seqs))
+    await sched.stop()
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # step-to-step, after the admit callback
+
+
+def _bare_steps(model, batch: int, prompt: list[int], steps: int) -> list[float]:
+    """Same rows, same positions, nothing but model.decode (over blocks of its own: the engine is idle)."""
+    per_row = -(-(len(prompt) + steps + 1) // model.kv.block_size)
+    tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(batch)]
+    model.prefill([prompt] * batch, tables)
+    n = len(prompt)
+    return [_timed(functools.partial(model.decode, [11] * batch, [n + s] * batch, tables)) for s in range(steps)]
+
+
+def overhead_and_roofline(
+    engine, batch_sizes: list[int], prompt_len: int, steps: int, peaks: dict, rounds: int = 6
+) -> list[dict]:
+    """Per batch size: our decode step inside the scheduler loop vs the bare forward alone."""
+    model = engine.model
+    rows = []
+    for batch in batch_sizes:
+        if batch > engine.capacity:
+            continue
+        prompt = [(i * 7919) % 200 + 10 for i in range(prompt_len)]
+
+        # Pair the two, round by round, so that a noisy minute hits both alike; the overhead is the
+        # median of the per-round ratios. The bare forward runs in a worker thread of its own, as
+        # the engine does: an OpenMP team left spinning by one thread slows another thread's team
+        # badly on a 2-core box.
+        engine_steps, bare, ratios = [], [], []
+        for _ in range(rounds):
+            engine_round = asyncio.run(_scheduled_steps(engine, batch, prompt, steps))
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                bare_round_ms = pool.submit(_bare_steps, model, batch, prompt, steps).result()
+            ratios.append(statistics.median(engine_round) / statistics.median(bare_round_ms))
+            engine_steps += engine_round
+            bare += bare_round_ms
+        engine_ms = statistics.median(engine_steps) * 1e3
+        bare_ms = statistics.median(bare) * 1e3
+        flops, weight_bytes = decode_cost(model, batch, prompt_len + steps // 2)
+        compute_s = flops / (peaks["matmul_gflops"] * 1e9)
+        memory_s = weight_bytes / (peaks["copy_gb_s"] * 1e9)
+        rows.append(
+            {
+                "batch": batch,
+                "context": prompt_len + steps // 2,
+                "engine_step_ms": engine_ms,
+                "bare_step_ms": bare_ms,
+                "overhead_pct": (statistics.median(ratios) - 1) * 100,
+                "overhead_pct_per_round": [(r - 1) * 100 for r in ratios],
+                "bare_gflops": flops / (bare_ms / 1e3) / 1e9,
+                "bare_weight_gb_s": weight_bytes / (bare_ms / 1e3) / 1e9,
+                "roofline_step_ms": max(compute_s, memory_s) * 1e3,
+                "roofline_fraction": max(compute_s, memory_s) / (bare_ms / 1e3),
+                "bare_tokens_per_s": batch / (bare_ms / 1e3),
+            }
+        )
+    return rows
+
+
+def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[dict]:
+    """Per row count M: GB/s of weights streamed through every linear of the model in turn, by
+    oneDNN and by the small-batch kernel (small_gemm.c), on the model's own packed weights.
+    Runs in a worker thread of its own, as the engine does."""
+    import torch
+
+    from models.kernels import small_gemm
+
+    linears = model.linears()
+    if linears and linears[0].quant is not None:  # quantized: the one kernel every call takes
+        return quant_kernel_rates(linears, rows, repeats)
+    if not linears or not linears[0].onednn:
+        return []
+    weight_bytes = sum(lin.streamed_bytes for lin in linears)
+
+    def onednn(x, lin):
+        return torch.ops.mkldnn._linear_pointwise(x, lin.weight, None, "none", [], "")
+
+    def kernel(x, lin):
+        return small_gemm.matmul(x, lin.small, lin.out_features)
+
+    def rate(fn, m: int) -> float:
+        xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
+        runs = []
+        for _ in range(repeats + 1):  # the first pass warms up
+            runs.append(_timed(lambda: [fn(xs[lin.in_features], lin) for lin in linears]))
+        return weight_bytes / min(runs[1:]) / 1e9
+
+    def measure() -> list[dict]:
+        out = []
+        for m in rows:
+            entry = {"rows": m, "onednn_gb_s": rate(onednn, m)}
+            if linears[0].small is not None:
+                entry["small_gemm_gb_s"] = rate(kernel, m)
+            out.append(entry)
+        return out
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(measure).result()
+
+
+def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> list[dict]:
+    """Per row count M: GB/s of packed int8/int4 weights streamed by quant_gemm through every linear."""
+    import torch
+
+    from models.kernels import quant_gemm
+
+    weight_bytes = sum(lin.streamed_bytes for lin in linears)
+
+    def measure() -> list[dict]:
+        out = []
+        for m in rows:
+            xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
+            one_pass = functools.partial(_quant_pass, quant_gemm, xs, linears)
+            runs = [_timed(one_pass) for _ in range(repeats + 1)]  # the first pass warms up
+            out.append({"rows": m, "quant_gemm_gb_s": weight_bytes / min(runs[1:]) / 1e9, "fmt": linears[0].fmt})
+        return out
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(measure).result()
+
+
+def _quant_pass(quant_gemm, xs: dict, linears: list) -> None:
+    """Every linear once on its input width's activation (xs: in_features -> [M, in])."""
+    for lin in linears:
+        quant_gemm.matmul(xs[lin.in_features], lin.quant)
