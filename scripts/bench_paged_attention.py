@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if pa.load() is None:
-        sys.exit(f"kernel unavailable: {pa.unavailable_reason}")
+        sys.exit(f"kernel unavailable: {pa.KERNEL.unavailable_reason}")
     gen = torch.Generator().manual_seed(0)
     B = args.batch
     clock = "thread CPU time" if args.threads == 1 else "wall time"

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def kernel():
     if pa.load() is None:
-        pytest.skip(f"kernel unavailable: {pa.unavailable_reason}")
+        pytest.skip(f"kernel unavailable: {pa.KERNEL.unavailable_reason}")
     return pa
 
 
@@ -147,9 +147,7 @@ def test_mismatched_shapes_are_a_clear_error():
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     """The loader as if never loaded, building into an empty cache dir (restored afterwards)."""
-    monkeypatch.setattr(pa, "_kernel", None)
-    monkeypatch.setattr(pa, "_tried", False)
-    monkeypatch.setattr(pa, "unavailable_reason", None)
+    monkeypatch.setattr(pa, "KERNEL", pa.KernelLoader(pa.KERNEL.what, pa._load, pa.KERNEL.instead, pa.log))
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
@@ -158,7 +156,7 @@ def test_a_failed_build_falls_back_cleanly(fresh_loader, monkeypatch):
     broken = fresh_loader / "broken.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(pa, "SOURCE", str(broken))
-    assert pa.load() is None and "failed" in pa.unavailable_reason
+    assert pa.load() is None and "failed" in pa.KERNEL.unavailable_reason
     assert not list((fresh_loader / "cache").glob("**/*.so"))  # no half-written library left behind
     q, k, v, tables, lens = make_case([9, 40], 6, 2, 64, 16, seed=2)
     assert_matches(pa.paged_attention(q, k, v, tables, lens, 0.125), reference(q, k, v, tables, lens, 0.125))
@@ -166,6 +164,6 @@ def test_a_failed_build_falls_back_cleanly(fresh_loader, monkeypatch):
 
 def test_no_compiler_falls_back_cleanly(fresh_loader, monkeypatch):
     monkeypatch.setattr(build.shutil, "which", lambda name: None)
-    assert pa.load() is None and "no C compiler" in pa.unavailable_reason
+    assert pa.load() is None and "no C compiler" in pa.KERNEL.unavailable_reason
     q, k, v, tables, lens = make_case([3], 3, 3, 64, 16, seed=4)
     assert_matches(pa.paged_attention(q, k, v, tables, lens, 0.125), reference(q, k, v, tables, lens, 0.125))

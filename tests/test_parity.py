@@ -128,7 +128,7 @@ def test_both_linear_kernels_across_the_small_batch_threshold(model_dir, referen
     if small_gemm and not engine.model.small_gemm:
         from models.kernels import small_gemm as kernel
 
-        pytest.skip(f"the small-batch kernel is unavailable here: {kernel.unavailable_reason}")
+        pytest.skip(f"the small-batch kernel is unavailable here: {kernel.KERNEL.unavailable_reason}")
     budgets = [1 + (i * 7) % 23 for i in range(26)]
     seqs = seqs_for(reference, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(26)], budgets, ignore_eos=True)
     drive(engine, [(0, seqs[:20]), (3, seqs[20:23]), (9, seqs[23:])])

@@ -16,7 +16,7 @@ def kernel():
     """Builds the kernel on first use (never at collection); skips the kernel tests where it cannot build."""
     lib = qg.load()
     if lib is None:
-        pytest.skip(f"kernel unavailable: {qg.unavailable_reason}")
+        pytest.skip(f"kernel unavailable: {qg.KERNEL.unavailable_reason}")
     return lib
 
 

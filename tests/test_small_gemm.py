@@ -25,7 +25,7 @@ def small_gemm(torch):
     from models.kernels import small_gemm
 
     if small_gemm.load() is None:
-        pytest.skip(f"kernel unavailable: {small_gemm.unavailable_reason}")
+        pytest.skip(f"kernel unavailable: {small_gemm.KERNEL.unavailable_reason}")
     return small_gemm
 
 

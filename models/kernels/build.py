@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 
 from ..cache_dir import cache_subdir
 
@@ -58,3 +61,29 @@ def build_and_load(source: str, flags: list[str]) -> ctypes.CDLL:
             raise RuntimeError(f"no C compiler found to build {os.path.basename(source)} (set CC, or install gcc)")
         compile_to(compiler, source, flags, target)
     return ctypes.CDLL(target)  # ctypes releases the GIL during each call
+
+
+class KernelLoader:
+    """One compiled kernel, loaded at most once per process (every kernel module has one).
+
+    ``load()`` returns the library, or None when it cannot be built or run here: then
+    ``unavailable_reason`` says why, logged once together with what the callers do instead.
+    """
+
+    def __init__(self, what: str, load: Callable[[], ctypes.CDLL], instead: str, log: logging.Logger) -> None:
+        self.what, self.instead, self._load, self._log = what, instead, load, log
+        self._lock = threading.Lock()
+        self._kernel: ctypes.CDLL | None = None
+        self._tried = False
+        self.unavailable_reason: str | None = None
+
+    def load(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self._kernel = self._load()
+                except Exception as exc:  # no compiler, no AVX2, a failed build: the fallback carries on
+                    self.unavailable_reason = str(exc)
+                    self._log.warning("%s unavailable, %s: %s", self.what, self.instead, exc)
+            return self._kernel

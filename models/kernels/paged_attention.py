@@ -18,12 +18,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
 
-from .build import build_and_load
+from .build import KernelLoader, build_and_load
 
 log = logging.getLogger("minibatch.paged_attention")
 
@@ -31,11 +30,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attenti
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
 MAX_HEAD_DIM = 256  # DMAX in paged_attention.c
 MAX_BLOCK_SIZE = 256  # BSMAX in paged_attention.c
-
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
-_tried = False
-unavailable_reason: str | None = None
 
 
 def _load() -> ctypes.CDLL:
@@ -67,18 +61,12 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+KERNEL = KernelLoader("paged attention kernel", _load, "using the torch fallback", log)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (reason in ``unavailable_reason``, logged once)."""
-    global _kernel, _tried, unavailable_reason
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernel = _load()
-            except Exception as exc:  # no compiler, no AVX2, a failed build: the torch fallback carries on
-                unavailable_reason = str(exc)
-                log.warning("paged attention kernel unavailable, using the torch fallback: %s", exc)
-        return _kernel
+    """The compiled kernel, or None (``KERNEL.unavailable_reason`` says why; logged once)."""
+    return KERNEL.load()
 
 
 def kernel_supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:

@@ -38,12 +38,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from .build import build_and_load
+from .build import KernelLoader, build_and_load
 
 log = logging.getLogger("minibatch.quant_gemm")
 
@@ -54,11 +53,6 @@ GROUP = 32  # inputs per quantization group
 FORMATS = {"int8": 0, "int4": 1}  # name -> the kernel's fmt argument
 BLOCK_BYTES = {"int8": 16 + GROUP * PANEL, "int4": 32 + GROUP * PANEL // 2}  # one group of one panel
 DIRECT_ROWS = 16  # at most this many rows dequantize in registers; more go through the L2 tile (measured)
-
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
-_tried = False
-unavailable_reason: str | None = None
 
 
 @dataclass
@@ -107,18 +101,12 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+KERNEL = KernelLoader("quantized GEMM kernel", _load, "using the torch fallback", log)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (reason in ``unavailable_reason``, logged once)."""
-    global _kernel, _tried, unavailable_reason
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernel = _load()
-            except Exception as exc:  # no compiler, no AVX2, a failed build: the torch fallback carries on
-                unavailable_reason = str(exc)
-                log.warning("quantized GEMM kernel unavailable, using the torch fallback: %s", exc)
-        return _kernel
+    """The compiled kernel, or None (``KERNEL.unavailable_reason`` says why; logged once)."""
+    return KERNEL.load()
 
 
 # ---------------------------------------------------------------- packing

@@ -21,11 +21,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 
 import torch
 
-from .build import build_and_load
+from .build import KernelLoader, build_and_load
 
 log = logging.getLogger("minibatch.small_gemm")
 
@@ -33,11 +32,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 8  # output columns per packed panel (small_gemm.c)
 MAX_ROWS = 16  # use the kernel for at most this many rows; oneDNN wins above (table above)
-
-_lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
-_tried = False
-unavailable_reason: str | None = None
 
 
 def _load() -> ctypes.CDLL:
@@ -64,18 +58,12 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+KERNEL = KernelLoader("small-batch GEMM kernel", _load, "using oneDNN for every linear", log)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (reason in ``unavailable_reason``, logged once)."""
-    global _kernel, _tried, unavailable_reason
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _kernel = _load()
-            except Exception as exc:  # no compiler, no AVX2, a failed build: oneDNN carries on
-                unavailable_reason = str(exc)
-                log.warning("small-batch GEMM kernel unavailable, using oneDNN for every linear: %s", exc)
-        return _kernel
+    """The compiled kernel, or None (``KERNEL.unavailable_reason`` says why; logged once)."""
+    return KERNEL.load()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -104,7 +92,7 @@ def matmul(
     """
     kernel = load()
     if kernel is None:
-        raise RuntimeError(f"small-batch GEMM kernel unavailable: {unavailable_reason}")
+        raise RuntimeError(f"small-batch GEMM kernel unavailable: {KERNEL.unavailable_reason}")
     m, k = x.shape
     if packed.shape[1] != k or packed.shape[0] * PANEL < n_out:
         raise ValueError(f"x [{m}, {k}] does not match packed weights {tuple(packed.shape)} for {n_out} outputs")
