@@ -76,6 +76,8 @@ def load_checkpoint(model_id: str, weights: str = "fp32"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if model_id in ALIASES:  # an alias is its fetched .gguf file from here on
+        model_id = fetch_gguf(ALIASES[model_id], cache_subdir("gguf"))[0]
     path = resolve_model_id(model_id)  # a .gguf file -> its converted checkpoint directory
     with load_errors(path):  # a hub id that cannot load -> an error naming the offline way
         tokenizer = AutoTokenizer.from_pretrained(path)
