@@ -63,6 +63,15 @@ def build_and_load(source: str, flags: list[str]) -> ctypes.CDLL:
     return ctypes.CDLL(target)  # ctypes releases the GIL during each call
 
 
+def require_avx2(needs: str = "AVX2 and FMA") -> None:
+    """Raise unless torch reports an AVX2-class CPU: every kernel here is compiled with -mavx2 -mfma."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise RuntimeError(f"CPU capability is {capability}, the kernel needs {needs}")
+
+
 class KernelLoader:
     """One compiled kernel, loaded at most once per process (every kernel module has one).
 

@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .build import KernelLoader, build_and_load
+from .build import KernelLoader, build_and_load, require_avx2
 
 log = logging.getLogger("minibatch.paged_attention")
 
@@ -33,9 +33,7 @@ MAX_BLOCK_SIZE = 256  # BSMAX in paged_attention.c
 
 
 def _load() -> ctypes.CDLL:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        capability = torch.backends.cpu.get_cpu_capability()
-        raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2 and FMA")
+    require_avx2()
     lib = build_and_load(SOURCE, FLAGS)
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = [

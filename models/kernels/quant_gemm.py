@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import KernelLoader, build_and_load
+from .build import KernelLoader, build_and_load, require_avx2
 
 log = logging.getLogger("minibatch.quant_gemm")
 
@@ -77,9 +77,7 @@ class QuantWeight:
 
 
 def _load() -> ctypes.CDLL:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        capability = torch.backends.cpu.get_cpu_capability()
-        raise RuntimeError(f"CPU capability is {capability}, the kernel needs AVX2, FMA and F16C")
+    require_avx2("AVX2, FMA and F16C")
     lib = build_and_load(SOURCE, FLAGS)
     lib.quant_gemm.restype = ctypes.c_int
     lib.quant_gemm.argtypes = [

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .build import KernelLoader, build_and_load
+from .build import KernelLoader, build_and_load, require_avx2
 
 log = logging.getLogger("minibatch.small_gemm")
 
@@ -35,10 +35,7 @@ MAX_ROWS = 16  # use the kernel for at most this many rows; oneDNN wins above (t
 
 
 def _load() -> ctypes.CDLL:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError(
-            f"CPU capability is {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2 and FMA"
-        )
+    require_avx2()
     lib = build_and_load(SOURCE, FLAGS)
     lib.small_gemm.restype = None
     lib.small_gemm.argtypes = [
