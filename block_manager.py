@@ -1,4 +1,4 @@
-"""KV-cache bookkeeping: a pool of fixed-size blocks, one block table per sequence. No torch.
+"""KV-cache bookkeeping: a pool of fixed-size blocks, one block table per sequence, and the prefix cache. No torch.
 
 The engine owns the tensors (one preallocated pool of ``num_blocks`` blocks of ``block_size``
 token slots, every layer); this module only decides which block ids each sequence holds.
@@ -6,28 +6,64 @@ Token ``i`` of a sequence lives in slot ``i % block_size`` of block ``table[i //
 
 The API follows nano-vllm / vLLM:
 
-- ``can_allocate(n)`` / ``allocate(seq_id, n)``: admission, a new sequence's first ``n`` tokens.
+- ``can_allocate(n, hashes)`` / ``allocate(seq_id, n, hashes)``: admission, a new sequence's first
+  ``n`` tokens, its leading blocks taken from the prefix cache where ``hashes`` match.
   Admission keeps ``watermark`` blocks in reserve so the running sequences can still grow
   by a few blocks before anyone has to be preempted (vLLM's rule: admitting right up to the
   last block would preempt on the very next step).
 - ``can_append(seq_id, n)`` / ``append_slots(seq_id, n)``: room for ``n`` more tokens of a
   running sequence (a decode step appends 1; the watermark does not apply, growth of what
   already runs takes priority over admission).
+- ``cache_blocks(seq_id, hashes)``: the sequence's first ``len(hashes)`` blocks are full and
+  computed; they enter the prefix cache under those hashes.
 - ``free(seq_id)``: finish, abort or preemption; every block it held is released.
 
-Every block carries a reference count so blocks can be shared: ``fork`` gives a second
-sequence the first one's full blocks (``n > 1`` choices sharing a prompt), and prefix caching
-can later map a hash chain of full blocks to block ids on top of the same counts. A block
-returns to the free list only when its count drops to zero. The free list is a FIFO: a freed
-block goes to the back and allocation takes from the front, so the most recently freed blocks
-are reused last (the order a prefix cache wants for LRU eviction). Any free block serves any
-sequence, so there is no fragmentation: ``num_free_blocks`` is exactly what can be allocated.
+Every block carries a reference count so blocks can be shared: a prefix-cache hit shares a cached
+block (count + 1), and ``fork`` gives a second sequence the first one's full blocks. A block
+returns to the free pool only when its count drops to zero.
+
+**Prefix caching** (vLLM's automatic prefix caching). A full block is identified by its *chain
+hash*: ``hash(block i) = BLAKE2b-128(hash(block i - 1) || token ids of block i as little-endian
+int64)``, with the empty string for block -1 (``chain_hash``, ``extend_block_hashes``). So a hash
+names the block's tokens *and* everything before them, which is all its K/V depend on today; any
+future input that changes a block's K/V beyond its tokens and position (a LoRA adapter, multimodal
+inputs, another model) must be mixed into the hash as an extra key. A collision-resistant hash,
+because a collision would hand one request's K/V to another. Only full, computed blocks are
+cached (``cache_blocks``); a sequence's partial last block is always its own and never shared, so
+a shared block is never written. ``allocate`` shares the longest cached prefix, in whole blocks,
+of the hashes it is given (the caller leaves out the block holding the last token, which must be
+computed to get its logits).
+
+The free pool has two parts: blocks that hold nothing reusable (FIFO: a freed block goes to the
+back, allocation takes from the front) and free blocks that are still cached (*evictable*, in LRU
+order). Allocation takes a plain free block first and evicts the least recently freed cached block
+only when none is left, so cached blocks live as long as the pool can afford. A sequence releases
+its blocks last block first, so its early blocks (the prefix others share) are evicted last. Any
+free block serves any sequence, so there is no fragmentation: ``num_free_blocks`` (both parts)
+is exactly what can be allocated. ``is_all_free()`` is "no block referenced" (every block free or
+free-and-cached): the pool is full again.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of a full block of ``tokens`` whose preceding block hashed to ``parent`` (b"" for the first)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Append to ``hashes`` (the chain hashes of the first ``len(hashes)`` blocks of ``token_ids``) those of
+    every further full block of ``token_ids``; returns ``hashes``. Tokens only ever append, so a
+    sequence keeps its list and extends it as blocks fill."""
+    for i in range(len(hashes), len(token_ids) // block_size):
+        hashes.append(chain_hash(hashes[-1] if hashes else b"", token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -35,7 +71,9 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark_blocks: int = 0, enable_caching: bool = True
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         if not 0 <= watermark_blocks < num_blocks:
@@ -43,24 +81,48 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = watermark_blocks
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # free, nothing cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # chain hash -> the block holding it (in use or evictable)
         self._tables: dict[Hashable, list[int]] = {}
         self._num_tokens: dict[Hashable, int] = {}  # token slots reserved per sequence
+        self._num_hashed: dict[Hashable, int] = {}  # leading blocks of a table known full and computed
+        self._hit_blocks: dict[Hashable, int] = {}  # blocks the sequence got from the cache at allocation
+        # Prefix-cache counters, in tokens (vLLM's queries/hits pair) and blocks.
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
 
     # --- queries ----------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, held by a sequence or evictable."""
+        return len(self._cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (``kv_cache_usage_perc``)."""
+        """Fraction of blocks in use (``kv_cache_usage_perc``); evictable cached blocks count as free."""
         return self.num_used_blocks / self.num_blocks
+
+    def is_all_free(self) -> bool:
+        """No block is referenced: every block is free or free-and-cached (the pool is full again)."""
+        return not self._tables and self.num_free_blocks == self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -77,32 +139,107 @@ class BlockManager:
         """Token slots reserved for the sequence (its KV length once they are written)."""
         return self._num_tokens[seq_id]
 
+    def num_hashed_blocks(self, seq_id: Hashable) -> int:
+        """Leading blocks of the sequence that are in the prefix cache (hits, or registered by ``cache_blocks``)."""
+        return self._num_hashed[seq_id]
+
+    def cached_tokens(self, seq_id: Hashable) -> int:
+        """Tokens whose K/V the sequence got from the prefix cache at allocation (need not be computed)."""
+        return self._hit_blocks[seq_id] * self.block_size
+
     def slot(self, seq_id: Hashable, position: int) -> tuple[int, int]:
         """(block id, offset in the block) of the sequence's token ``position``."""
         if not 0 <= position < self._num_tokens[seq_id]:
             raise IndexError(f"position {position} outside the {self._num_tokens[seq_id]} reserved slots")
         return self._tables[seq_id][position // self.block_size], position % self.block_size
 
+    # --- prefix cache -----------------------------------------------------------------------------
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest prefix of ``hashes`` in the cache (in use or evictable); a pure query."""
+        blocks: list[int] = []
+        if self.enable_caching:
+            for h in hashes:
+                block = self._cached.get(h)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def is_cached(self, block_hash: bytes) -> bool:
+        return self.enable_caching and block_hash in self._cached
+
+    def cache_blocks(self, seq_id: Hashable, hashes: Sequence[bytes]) -> None:
+        """The sequence's first ``len(hashes)`` blocks are full and computed, with these chain hashes: they
+        enter the cache. A hash already cached in another block (two sequences computed the same prefix)
+        keeps its block; this one stays uncached and returns to the plain free list when released."""
+        if not self.enable_caching:
+            return
+        table, done = self._tables[seq_id], self._num_hashed[seq_id]
+        if len(hashes) > len(table) or len(hashes) * self.block_size > self._num_tokens[seq_id]:
+            raise ValueError(f"sequence {seq_id!r}: {len(hashes)} full blocks claimed, it holds {len(table)}")
+        for i in range(done, len(hashes)):
+            block, h = table[i], hashes[i]
+            if h not in self._cached and self._hash_of[block] is None:
+                self._cached[h] = block
+                self._hash_of[block] = h
+        self._num_hashed[seq_id] = max(done, len(hashes))
+
+    def reset_cache(self) -> int:
+        """Drop every unreferenced cached block from the cache (they become plain free blocks); blocks a
+        sequence holds stay cached. Returns how many were dropped."""
+        dropped = len(self._evictable)
+        for block in self._evictable:
+            del self._cached[self._hash_of[block]]
+            self._hash_of[block] = None
+            self._free[block] = None
+        self._evictable.clear()
+        return dropped
+
     # --- admission --------------------------------------------------------------------------------
-    def can_allocate(self, num_tokens: int) -> bool:
+    def admission_cost(self, num_tokens: int, hashes: Sequence[bytes] = ()) -> int:
+        """Free-pool blocks a new sequence of ``num_tokens`` tokens takes, given the hashes of its leading full
+        blocks (the ones it may share): all its blocks but the leading cache hits that some sequence holds
+        (an evictable hit comes out of the free pool, so it costs a block like a fresh one). Never less than
+        ``allocate`` takes, whatever is allocated or evicted before it."""
+        shared = 0
+        for block in self.match(hashes[: (num_tokens - 1) // self.block_size if num_tokens else 0]):
+            if self.ref_counts[block] == 0:
+                break
+            shared += 1
+        return self.blocks_for(num_tokens) - shared
+
+    def can_allocate(self, num_tokens: int, hashes: Sequence[bytes] = ()) -> bool:
         """Whether a new sequence of ``num_tokens`` tokens fits and leaves the watermark free."""
-        return self.blocks_for(num_tokens) + self.watermark_blocks <= len(self._free)
+        return self.admission_cost(num_tokens, hashes) + self.watermark_blocks <= self.num_free_blocks
 
     def can_ever_allocate(self, num_tokens: int) -> bool:
         """Whether ``num_tokens`` tokens fit in the whole pool (else the request can never run)."""
         return self.blocks_for(num_tokens) + self.watermark_blocks <= self.num_blocks
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Reserve slots for a new sequence's first ``num_tokens`` tokens; returns its block table."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, hashes: Sequence[bytes] = ()) -> list[int]:
+        """Reserve slots for a new sequence's first ``num_tokens`` tokens; returns its block table.
+
+        ``hashes``: chain hashes of its leading full blocks. The longest cached prefix of them, short of the
+        block holding the last token (always computed, for its logits), is shared instead of allocated:
+        ``cached_tokens(seq_id)`` says how many tokens need no computing.
+        """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
-        if not self.can_allocate(num_tokens):
+        hits = self.match(hashes[: (num_tokens - 1) // self.block_size if num_tokens else 0])
+        fresh = self.blocks_for(num_tokens) - len(hits)
+        taken = fresh + sum(1 for b in hits if self.ref_counts[b] == 0)
+        if taken + self.watermark_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
-                f"{self.blocks_for(num_tokens)} blocks + {self.watermark_blocks} watermark needed, "
-                f"{len(self._free)} free"
+                f"{taken} blocks + {self.watermark_blocks} watermark needed, {self.num_free_blocks} free"
             )
-        self._tables[seq_id] = [self._take() for _ in range(self.blocks_for(num_tokens))]
+        for block in hits:  # first, so that taking fresh blocks cannot evict them
+            self._share(block)
+        self._tables[seq_id] = hits + [self._take() for _ in range(fresh)]
         self._num_tokens[seq_id] = num_tokens
+        self._num_hashed[seq_id] = self._hit_blocks[seq_id] = len(hits)
+        if self.enable_caching:
+            self.queried_tokens += num_tokens
+            self.hit_tokens += len(hits) * self.block_size
         return self._tables[seq_id]
 
     # --- growth -----------------------------------------------------------------------------------
@@ -112,18 +249,19 @@ class BlockManager:
         return max(0, self.blocks_for(self._num_tokens[seq_id] + num_tokens) - have)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
-        return self.blocks_to_append(seq_id, num_tokens) <= len(self._free)
+        return self.blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
 
     def append_slots(self, seq_id: Hashable, num_tokens: int = 1) -> list[int]:
         """Reserve ``num_tokens`` more slots; returns the block ids newly added (often none).
 
         The sequence's last block must be its own (refcount 1) when a slot in it is reserved:
-        a shared block is never written (``fork`` gives each sequence its own partial block).
+        a shared block is never written (``fork`` gives each sequence its own partial block, and only
+        full blocks are ever cached).
         """
         table, used = self._tables[seq_id], self._num_tokens[seq_id]
         need = self.blocks_to_append(seq_id, num_tokens)
-        if need > len(self._free):
-            raise NoFreeBlocksError(f"{need} blocks needed, {len(self._free)} free")
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(f"{need} blocks needed, {self.num_free_blocks} free")
         if used % self.block_size and self.ref_counts[table[-1]] != 1:
             raise RuntimeError(f"block {table[-1]} is shared; sequence {seq_id!r} cannot write into it")
         new = [self._take() for _ in range(need)]
@@ -133,13 +271,14 @@ class BlockManager:
 
     # --- release and sharing ----------------------------------------------------------------------
     def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence's table; its blocks return to the pool once no one else holds them.
+        """Drop the sequence's table; its blocks return to the pool once no one else holds them, the
+        cached ones as evictable (still cached).
 
-        Released last block first, so that a sequence's early blocks (its prompt, the part a
-        prefix cache would reuse) stay in the pool longest.
+        Released last block first, so that a sequence's early blocks (its prompt, the part the prefix
+        cache reuses most) are evicted last.
         """
         table = self._tables.pop(seq_id)
-        del self._num_tokens[seq_id]
+        del self._num_tokens[seq_id], self._num_hashed[seq_id], self._hit_blocks[seq_id]
         for block in reversed(table):
             self._release(block)
 
@@ -154,7 +293,7 @@ class BlockManager:
             raise ValueError(f"sequence {child!r} already holds blocks")
         table, used = self._tables[parent], self._num_tokens[parent]
         partial = used % self.block_size != 0
-        if partial and not self._free:
+        if partial and not self.num_free_blocks:
             raise NoFreeBlocksError("no free block for the child's partial last block")
         shared = table[:-1] if partial else list(table)
         for block in shared:
@@ -165,31 +304,56 @@ class BlockManager:
             shared.append(copy[1])
         self._tables[child] = shared
         self._num_tokens[child] = used
+        self._num_hashed[child] = min(self._num_hashed[parent], used // self.block_size)
+        self._hit_blocks[child] = 0
         return copy
 
     def check(self) -> None:
-        """Assert the bookkeeping is consistent (tests): every block is free xor referenced, and
-        each block's count equals the number of tables holding it."""
+        """Assert the bookkeeping is consistent (tests): every block is free xor referenced, each block's count
+        equals the number of tables holding it, free blocks are cached exactly when evictable, and the cache
+        maps each hash to the one block that carries it."""
         held = [0] * self.num_blocks
         for table in self._tables.values():
             for block in table:
                 held[block] += 1
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not set(self._free) & set(self._evictable), "a block is free and evictable at once"
         for block in range(self.num_blocks):
-            count = self.ref_counts[block]
+            count, free = self.ref_counts[block], block in self._free or block in self._evictable
             assert held[block] == count, f"block {block}: count {count}, held {held[block]}"
-            assert (block in free) == (held[block] == 0), f"block {block}: free list disagrees with its count"
+            assert free == (count == 0), f"block {block}: free pool disagrees with its count"
+            if free:
+                assert (block in self._evictable) == (self._hash_of[block] is not None), f"block {block}: evictable"
+        assert len(self._cached) == sum(h is not None for h in self._hash_of), "cache and block hashes differ"
+        for h, block in self._cached.items():
+            assert self._hash_of[block] == h, f"block {block}: cached under another hash"
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._num_tokens[seq_id]), f"sequence {seq_id!r}: table size"
+            for block in table[: self._hit_blocks[seq_id]]:
+                assert self.ref_counts[block] >= 1, f"sequence {seq_id!r}: hit block {block} not referenced"
 
     # --- internals --------------------------------------------------------------------------------
     def _take(self) -> int:
-        block = self._free.popleft()
+        """A block for writing: a plain free one, else the least recently freed cached one (evicted)."""
+        if self._free:
+            block, _ = self._free.popitem(last=False)
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of[block]]
+            self._hash_of[block] = None
+            self.evictions += 1
         self.ref_counts[block] = 1
         return block
+
+    def _share(self, block: int) -> None:
+        """One more holder of a cached block (out of the evictable list if nobody held it)."""
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free.append(block)
+            if self._hash_of[block] is not None:
+                self._evictable[block] = None
+            else:
+                self._free[block] = None

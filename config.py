@@ -45,6 +45,9 @@ class Config:
     # Chunked prefill: most tokens one engine step feeds (decode rows first, then prompt chunks), so a long
     # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
     max_num_batched_tokens: int = 512
+    # Automatic prefix caching: full KV blocks stay cached by the hash of their tokens and prefix, and a new
+    # sequence shares the longest cached prefix of its prompt instead of computing it (block_manager.py).
+    prefix_caching: bool = True
     # Torch intra-op threads. 0 = the physical cores of this machine.
     num_threads: int = 0
     # Decode-step linears through the small-batch AVX2 kernel (small_gemm.c, compiled once with the
@@ -65,6 +68,8 @@ class Config:
     request_timeout_s: float = 0.0
     # Most top logprobs a request may ask for.
     max_logprobs: int = 5
+    # Most choices (n) one /v1 request may ask for; beyond it, 422.
+    max_n: int = 8
     # Most prompts one /v1/completions request may carry (a list of texts or of token-id lists); beyond it, 422.
     max_prompts_per_request: int = 32
     host: str = "127.0.0.1"
@@ -127,6 +132,7 @@ class Config:
         _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")
         _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
+        _check(1 <= self.max_n <= 128, "MAX_N", "must be in [1, 128]")
         _check(1 <= self.max_prompts_per_request <= 1024, "MAX_PROMPTS_PER_REQUEST", "must be in [1, 1024]")
         _check(
             self.log_level.upper() in _LOG_LEVELS,

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from block_manager import BlockManager
+from block_manager import BlockManager, extend_block_hashes
 from checkpoints import ModelLoadError
 from config import Config
 from sampling import NonFiniteLogits, TokenLogprobs, logprobs, sample
@@ -136,6 +136,10 @@ class InferenceEngine(ABC):
             )
         return None
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block no sequence holds; returns how many (engines without a cache: 0)."""
+        return 0
+
     def stats(self) -> dict[str, int]:
         return {}
 
@@ -157,6 +161,18 @@ class BatchEngine(InferenceEngine):
     tokens in all (at least one chunk token per step). A sequence gets its first token from the
     forward that computes its last chunk, then decodes like any row. It holds its blocks (and
     a place in ``capacity``) from admission on.
+
+    Prefix caching (``prefix_caching``, on by default; the block manager owns the cache): every full
+    block a sequence has computed is registered under its chain hash after the forward that wrote it
+    (``_cache_computed``), and stays cached when the sequence ends, is aborted or preempted, until the
+    pool needs the block. A newcomer shares the longest cached prefix of its tokens in whole blocks
+    (short of the block holding its last token, whose logits it needs) and prefills only the rest: a
+    chunk that starts past the shared blocks. Admission counts only the blocks it really takes
+    (``BlockManager.admission_cost``). A newcomer whose next uncached block is being computed right now by
+    an admitted sequence (or by one admitted ahead of it in the same call) waits for it instead of
+    computing it again (``_waits_for_prefix``): identical prompts, the choices of an ``n`` > 1 request and
+    a burst of requests with one system prompt prefill their common part once. A sequence that still
+    needs its prompt logprobs skips the lookup: cached blocks have no logits.
     """
 
     def __init__(
@@ -167,6 +183,7 @@ class BatchEngine(InferenceEngine):
         num_blocks: int = 0,
         block_size: int = 32,
         max_num_batched_tokens: int = 0,
+        prefix_caching: bool = True,
     ) -> None:
         self.capacity = capacity
         self.max_context = max_context
@@ -175,7 +192,8 @@ class BatchEngine(InferenceEngine):
         num_blocks = num_blocks or capacity * -(-max_context // block_size)
         # Admission leaves 1% of the pool free (vLLM's watermark) so running sequences can grow a little
         # before anyone is preempted.
-        self.blocks = BlockManager(num_blocks, block_size, watermark_blocks=num_blocks // 100)
+        self.blocks = BlockManager(num_blocks, block_size, num_blocks // 100, enable_caching=prefix_caching)
+        self.prefill_tokens_computed = 0  # tokens fed by prefill chunks (prompt, or recompute), cache hits excluded
         self._rows: list[Sequence] = []  # _rows[r] owns row r of the batch
         self._admitted: dict[int, int] = {}  # seq_id -> admission serial (the preemption order)
         self._serial = itertools.count()
@@ -228,14 +246,71 @@ class BatchEngine(InferenceEngine):
         return list(self._rows) + list(self._prefilling)
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
-        """Free rows for ``seqs``, and free blocks for all their tokens plus the watermark, after the
-        running sequences took the blocks their next token needs (never for one that can never fit)."""
+        """``seqs`` fit now (``_fits``), and none of them had better wait for a prefix being computed."""
+        return self._fits(seqs) and not any(self._waits_for_prefix(s, seqs[:i]) for i, s in enumerate(seqs))
+
+    def _fits(self, seqs: list[Sequence]) -> bool:
+        """Free rows for ``seqs``, and free blocks for the tokens they do not find in the prefix cache plus the
+        watermark, after the running sequences took the blocks their next token needs (never for one that can
+        never fit)."""
         if self.num_active() + len(seqs) > self.capacity or any(self.check_admissible(s) for s in seqs):
             return False
         bm = self.blocks
         growth = sum(bm.blocks_to_append(s.seq_id, max(0, s.num_tokens - bm.num_tokens(s.seq_id))) for s in self._rows)
-        need = sum(bm.blocks_for(s.num_tokens) for s in seqs)
+        need = sum(bm.admission_cost(s.num_tokens, self._lookup_hashes(s)) for s in seqs)
         return need + growth + bm.watermark_blocks <= bm.num_free_blocks
+
+    # --- prefix cache ------------------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chain hashes of the full blocks among the sequence's first ``num_tokens`` tokens (kept on the
+        sequence and extended as its blocks fill)."""
+        n, bs = num_tokens // self.blocks.block_size, self.blocks.block_size
+        if len(seq.block_hashes) < n:
+            tokens = (seq.prompt_token_ids + seq.output_token_ids)[: n * bs]
+            extend_block_hashes(seq.block_hashes, tokens, bs)
+        return seq.block_hashes[:n]
+
+    def _lookup_hashes(self, seq: Sequence) -> list[bytes]:
+        """What a newcomer may find in the cache: its full blocks before the one holding its last token (that
+        one is computed, for its logits); nothing when caching is off or it still needs prompt logprobs."""
+        if not self.blocks.enable_caching or _needs_prompt_logprobs(seq):
+            return []
+        return self._block_hashes(seq, seq.num_tokens - 1)
+
+    def _waits_for_prefix(self, seq: Sequence, ahead: list[Sequence]) -> bool:
+        """Whether the first block ``seq`` would have to compute is being computed by an admitted sequence still
+        prefilling, or will be by one of ``ahead`` (admitted before it in the same call): then it waits one
+        or a few steps and shares the block instead of computing it twice."""
+        hashes = self._lookup_hashes(seq)
+        hit = len(self.blocks.match(hashes))
+        if hit == len(hashes):
+            return False
+        wanted = hashes[hit]
+        for other in [*self._prefilling, *ahead]:
+            if _needs_prompt_logprobs(other) or not self.blocks.enable_caching:
+                continue
+            done = self._computed.get(other.seq_id, 0) // self.blocks.block_size
+            if wanted in self._block_hashes(other, other.num_tokens)[done:]:
+                return True
+        return False
+
+    def _allocate(self, seq: Sequence) -> int:
+        """Blocks for all of a newcomer's tokens, its cached prefix shared; returns how many tokens are cached."""
+        self.blocks.allocate(seq.seq_id, seq.num_tokens, self._lookup_hashes(seq))
+        cached = self.blocks.cached_tokens(seq.seq_id)
+        if seq.num_cached_tokens is None:  # the first admission: what the prompt found in the cache
+            seq.num_cached_tokens = min(cached, seq.prompt_len)
+        return cached
+
+    def _cache_computed(self, seq: Sequence, computed: int) -> None:
+        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache."""
+        bm = self.blocks
+        if bm.enable_caching and computed // bm.block_size > bm.num_hashed_blocks(seq.seq_id):
+            bm.cache_blocks(seq.seq_id, self._block_hashes(seq, computed))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no sequence holds (``POST /admin/reset_prefix_cache``); returns how many."""
+        return self.blocks.reset_cache()
 
     def take_preempted(self) -> list[Sequence]:
         preempted, self._preempted = self._preempted, []
@@ -293,9 +368,8 @@ class BatchEngine(InferenceEngine):
         Atomic like ``admit_and_step``: on failure the newcomers hold nothing and no progress is kept."""
         start = time.perf_counter()
         for seq in newcomers:
-            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            self._computed[seq.seq_id] = self._allocate(seq)
             self._admitted[seq.seq_id] = next(self._serial)
-            self._computed[seq.seq_id] = 0
         self._prefilling.extend(newcomers)
         running = list(self._rows) if decode else []
         chunks = self._plan_chunks(len(running))
@@ -313,10 +387,13 @@ class BatchEngine(InferenceEngine):
         if running:
             self._commit_step(tokens[: len(running)], now)
         done = []
-        for seq, _, end in chunks:
+        for seq, start, end in chunks:
             self._computed[seq.seq_id] = end
+            self.prefill_tokens_computed += end - start
             if end == seq.num_tokens:
                 done.append(seq)
+            else:
+                self._cache_computed(seq, end)
         for seq in done:
             self._prefilling.remove(seq)
             del self._computed[seq.seq_id]
@@ -346,15 +423,21 @@ class BatchEngine(InferenceEngine):
             self.blocks.free(seq.seq_id)
 
     def _forward_newcomers(self, running: list[Sequence], seqs: list[Sequence]) -> list[int]:
-        """Give the newcomers blocks for all their tokens, then ``_forward``; on failure they hold none."""
-        for seq in seqs:
-            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+        """Give the newcomers blocks for all their tokens, then one forward over the tokens not cached (the
+        whole prompts, ``_forward``, when nothing is); on failure they hold none."""
         try:
-            return self._forward(running, seqs)
+            cached = [self._allocate(seq) for seq in seqs]
+            if any(cached):
+                tokens = self._forward_chunks(running, [(s, c, s.num_tokens) for s, c in zip(seqs, cached)])
+            else:
+                tokens = self._forward(running, seqs)
         except BaseException:
             for seq in seqs:
-                self.blocks.free(seq.seq_id)
+                if seq.seq_id in self.blocks:
+                    self.blocks.free(seq.seq_id)
             raise
+        self.prefill_tokens_computed += sum(s.num_tokens - c for s, c in zip(seqs, cached))
+        return tokens
 
     def _reserve_running(self) -> None:
         """A slot for every running sequence's next token, oldest admission first; while a block is
@@ -391,7 +474,7 @@ class BatchEngine(InferenceEngine):
             reason = self.check_admissible(seq)
             if reason:
                 raise AdmissionError(f"sequence {seq.seq_id}: {reason}")
-        if not self.can_admit(seqs):
+        if not self._fits(seqs):
             raise AdmissionError(
                 f"{len(seqs)} newcomers need {sum(self.blocks.blocks_for(s.num_tokens) for s in seqs)} KV blocks; "
                 f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} are free"
@@ -422,6 +505,7 @@ class BatchEngine(InferenceEngine):
             if not seq.ignore_eos:
                 seq.stop_token_ids = seq.stop_token_ids | self.stop_token_ids
             self._take(seq, token, now)
+            self._cache_fed(seq)
         self._tokens += len(seqs)
         self._peak_batch = max(self._peak_batch, len(self._rows))
 
@@ -429,9 +513,16 @@ class BatchEngine(InferenceEngine):
         """Each active sequence (rows [0, n), in order) takes its next token."""
         for seq, token in zip(self._rows, tokens):
             self._take(seq, token, now)
+            self._cache_fed(seq)
         self._steps += 1
         self._tokens += len(self._rows)
         self._peak_batch = max(self._peak_batch, len(self._rows))
+
+    def _cache_fed(self, seq: Sequence) -> None:
+        """After a forward fed every token of ``seq`` but its newest: cache its full blocks, unless it failed
+        (its K/V may be garbage: never shared)."""
+        if seq.status is not SequenceStatus.FINISHED_ERROR:
+            self._cache_computed(seq, seq.num_tokens - 1)
 
     @staticmethod
     def _take(seq: Sequence, token: int | RowFailure, now: float) -> None:
@@ -459,8 +550,9 @@ class BatchEngine(InferenceEngine):
         self._prefilling.clear()
         self._computed.clear()
         self._admitted.clear()
-        bm = self.blocks
-        self.blocks = BlockManager(bm.num_blocks, bm.block_size, bm.watermark_blocks)
+        bm = self.blocks  # the cache goes too: a failed call may have left blocks half written
+        self.blocks = BlockManager(bm.num_blocks, bm.block_size, bm.watermark_blocks, bm.enable_caching)
+        self.blocks.queried_tokens, self.blocks.hit_tokens = bm.queried_tokens, bm.hit_tokens
         self._reset_state()
 
     def stats(self) -> dict[str, int]:
@@ -473,6 +565,10 @@ class BatchEngine(InferenceEngine):
             "kv_block_size": self.blocks.block_size,
             "num_preemptions": self.num_preemptions,
             "num_prefilling": len(self._prefilling),
+            "kv_cached_blocks": self.blocks.num_cached_blocks,
+            "prefix_cache_queries": self.blocks.queried_tokens,
+            "prefix_cache_hits": self.blocks.hit_tokens,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
         }
 
     def _evict(self, leaving: list[Sequence]) -> None:
@@ -519,8 +615,11 @@ class FakeEngine(BatchEngine):
         num_blocks: int = 0,
         block_size: int = 32,
         max_num_batched_tokens: int = 0,
+        prefix_caching: bool = True,
     ) -> None:
-        super().__init__(capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens)
+        super().__init__(
+            capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens, prefix_caching
+        )
         self.model_name = "fake"
         self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
@@ -623,7 +722,13 @@ class HFEngine(BatchEngine):
         block_bytes = family.kv_bytes_per_token(hf_config) * block_size
         num_blocks = kv_pool_blocks(config, max_context, block_bytes)
         super().__init__(
-            config.max_batch_size, max_context, stops, num_blocks, block_size, config.max_num_batched_tokens
+            config.max_batch_size,
+            max_context,
+            stops,
+            num_blocks,
+            block_size,
+            config.max_num_batched_tokens,
+            config.prefix_caching,
         )
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
@@ -784,6 +889,11 @@ class HFEngine(BatchEngine):
             seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
 
 
+def _needs_prompt_logprobs(seq: Sequence) -> bool:
+    """The sequence asked for prompt logprobs and does not have them all yet (a recomputed one may)."""
+    return seq.prompt_logprobs_k is not None and len(seq.prompt_logprobs) < seq.prompt_len
+
+
 def _scores_prompt(seq: Sequence, start: int) -> bool:
     """Whether a chunk of ``seq`` from ``start`` computes prompt logprobs: the sequence asked for them, the
     chunk has a position that predicts a prompt token, and they are not complete already (a sequence
@@ -866,5 +976,6 @@ def build_engine(config: Config) -> InferenceEngine:
             num_blocks=config.fake_kv_blocks,
             block_size=config.kv_block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            prefix_caching=config.prefix_caching,
         )
     return HFEngine(config)

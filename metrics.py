@@ -223,6 +223,7 @@ class _LiveCollector:
         "kv_cache_usage_perc": "KV-cache blocks in use / blocks in the pool, 0..1.",
         "kv_cache_free_blocks": "KV-cache blocks free in the pool.",
         "kv_cache_blocks": "KV-cache blocks in the pool (KV_CACHE_MB / bytes per block).",
+        "kv_cache_cached_blocks": "KV-cache blocks in the prefix cache (held by a sequence, or free and evictable).",
         "num_requests_in_flight": "HTTP requests in flight (probes and /metrics excluded).",
         "batch_capacity": "Most sequences running at once (MAX_BATCH_SIZE).",
         "ready": "1 when /ready answers 200.",
@@ -248,6 +249,16 @@ class _LiveCollector:
             "minibatch:num_preemptions",
             "Running sequences sent back to the queue because the KV cache was full (recomputed on readmission).",
             value=float(values.get("num_preemptions", 0)),
+        )
+        yield CounterMetricFamily(
+            "minibatch:prefix_cache_queries",
+            "Tokens of admitted sequences looked up in the prefix cache (prefix caching on).",
+            value=float(values.get("prefix_cache_queries", 0)),
+        )
+        yield CounterMetricFamily(
+            "minibatch:prefix_cache_hits",
+            "Of those, tokens found in the cache (their K/V shared, not computed).",
+            value=float(values.get("prefix_cache_hits", 0)),
         )
 
 

@@ -8,6 +8,7 @@ server-sent events (through ``streaming.py``). Errors use OpenAI's body shape. N
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -17,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 
 from api_errors import APIError
 from generation import Chunk
-from schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, OpenAIFields
+from schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, OpenAIFields, OpenAIUsage
 from sequence import Sequence
 from serving import (
     Runtime,
@@ -27,11 +28,10 @@ from serving import (
     detokenize,
     make_sequence,
     render_chat,
-    start_generation,
     start_generations,
     tokenize,
 )
-from streaming import Frames, run_all, run_to_completion, sse_response, usage
+from streaming import Frames, run_all, sse_response, usage
 
 log = logging.getLogger("minibatch.api")
 _CREATED = int(time.time())
@@ -66,18 +66,21 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
         raise APIError(422, "max_tokens 0 needs echo: true (it returns the prompt, scored)", param="max_tokens")
     max_tokens = 1 if score_only else check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
     prompt_k = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
+    n = check_n(runtime, req)
     prompts = await completion_prompts(runtime, req.prompt, req.echo)
     rid = f"cmpl-{uuid.uuid4().hex}"
     seqs = []
     for i, (ids, _) in enumerate(prompts):  # every prompt is checked before any is queued
         with prompt_errors(i, len(prompts)):
-            seq_id = rid if len(prompts) == 1 else f"{rid}-{i}"  # a label for the logs
-            seqs.append(make_sequence(runtime, ids, max_tokens, req, seq_id, req.logprobs, prompt_k))
+            for j in range(n):  # choice index i * n + j, as OpenAI and vLLM number them
+                seq_id = rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}"  # a label for the logs
+                fields = choice_fields(req, j)
+                seqs.append(make_sequence(runtime, ids, max_tokens, fields, seq_id, req.logprobs, prompt_k))
     gens = start_generations(runtime, seqs, req.stop)
-    echoes = [text for _, text in prompts]
+    echoes = [text for _, text in prompts for _ in range(n)]
     if req.stream:
         frames = CompletionFrames(
-            runtime, rid, name, echoes, seqs, req.logprobs is not None, include_usage(req), score_only=score_only
+            runtime, rid, name, echoes, seqs, req.logprobs is not None, include_usage(req), score_only=score_only, n=n
         )
         return sse_response(gens, request, frames)
     done = await run_all(gens, request)
@@ -97,7 +100,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
         "created": int(time.time()),
         "model": name,
         "choices": choices,
-        "usage": usage(*done, count_output=not score_only).model_dump(),
+        "usage": openai_usage(done, n, count_output=not score_only),
     }
 
 
@@ -155,11 +158,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
     k = (req.top_logprobs or 0) if req.logprobs else None
+    n = check_n(runtime, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = start_generation(runtime, make_sequence(runtime, prompt_ids, max_tokens, req, rid, k), req.stop)
+    seqs = [
+        make_sequence(runtime, prompt_ids, max_tokens, choice_fields(req, j), rid if n == 1 else f"{rid}-{j}", k)
+        for j in range(n)
+    ]
+    gens = start_generations(runtime, seqs, req.stop)
     if req.stream:
-        return sse_response([gen], request, ChatFrames(runtime, rid, name, k is not None, include_usage(req)))
-    done = await run_to_completion(gen, request)
+        return sse_response(gens, request, ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n))
+    done = await run_all(gens, request)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -167,13 +175,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         "model": name,
         "choices": [
             {
-                "index": 0,
+                "index": j,
                 "message": {"role": "assistant", "content": gen.text},
-                "logprobs": chat_logprobs(runtime, done.output_logprobs) if k is not None else None,
-                "finish_reason": done.finish_reason,
+                "logprobs": chat_logprobs(runtime, seq.output_logprobs) if k is not None else None,
+                "finish_reason": seq.finish_reason,
             }
+            for j, (gen, seq) in enumerate(zip(gens, done))
         ],
-        "usage": usage(done).model_dump(),
+        "usage": openai_usage(done, n),
     }
 
 
@@ -201,6 +210,45 @@ def check_model(runtime: Runtime, model: str | None) -> str:
     if model is not None and model != name:
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{name}`", param="model")
     return name
+
+
+def check_n(runtime: Runtime, req: OpenAIFields) -> int:
+    """The choices per prompt (``n``; 422 beyond MAX_N). They share the prompt: queued together, the first
+    prefills it and the others find its blocks in the prefix cache. With greedy sampling they are equal."""
+    n = req.n or 1
+    limit = runtime.config.max_n
+    if n > limit:
+        raise APIError(422, f"n must be in [1, {limit}] (got {n}; MAX_N)", param="n")
+    return n
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice ``i``'s seed: choice 0 keeps the request's (so ``n: 1`` with that seed is choice 0), choice i > 0
+    draws from its own stream, a 63-bit hash of (seed, i); None stays None (unseeded)."""
+    if seed is None or i == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def choice_fields(req: OpenAIFields, i: int) -> OpenAIFields:
+    """The request as choice ``i`` samples it: the same fields, its own seed."""
+    return req if i == 0 or req.seed is None else req.model_copy(update={"seed": choice_seed(req.seed, i)})
+
+
+def openai_usage(seqs: list[Sequence], n: int = 1, count_output: bool = True) -> dict:
+    """Usage over a request's choices (prompt-major, ``n`` per prompt): each prompt counted once, as OpenAI
+    counts it, every choice's completion tokens, and ``prompt_tokens_details.cached_tokens``: the prompt
+    tokens the first choice of each prompt found in the prefix cache."""
+    firsts = seqs[::n]
+    summed = usage(*seqs, count_output=count_output)
+    prompt = sum(seq.prompt_len for seq in firsts)
+    return OpenAIUsage(
+        prompt_tokens=prompt,
+        completion_tokens=summed.completion_tokens,
+        total_tokens=prompt + summed.completion_tokens,
+        prompt_tokens_details={"cached_tokens": sum(seq.num_cached_tokens or 0 for seq in firsts)},
+    ).model_dump()
 
 
 def include_usage(req: OpenAIFields) -> bool:
@@ -264,10 +312,13 @@ class OpenAIFrames(Frames):
     object = ""
     count_output = True  # usage counts the generated tokens (not for a prompt scored with max_tokens 0)
 
-    def __init__(self, runtime: Runtime, request_id: str, model: str, wants_logprobs: bool, with_usage: bool) -> None:
+    def __init__(
+        self, runtime: Runtime, request_id: str, model: str, wants_logprobs: bool, with_usage: bool, n: int = 1
+    ) -> None:
         self.runtime = runtime
         self.wants_logprobs = wants_logprobs
         self.with_usage = with_usage
+        self.n = n  # choices per prompt
         self.base = {"id": request_id, "object": self.object, "created": int(time.time()), "model": model}
 
     def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
@@ -284,7 +335,7 @@ class OpenAIFrames(Frames):
     def finale(self, seqs: list[Sequence]) -> list[dict]:
         if not self.with_usage:
             return []
-        return [{**self.base, "choices": [], "usage": usage(*seqs, count_output=self.count_output).model_dump()}]
+        return [{**self.base, "choices": [], "usage": openai_usage(seqs, self.n, self.count_output)}]
 
 
 class CompletionFrames(OpenAIFrames):
@@ -300,8 +351,9 @@ class CompletionFrames(OpenAIFrames):
         wants_logprobs: bool,
         with_usage: bool,
         score_only: bool = False,
+        n: int = 1,
     ) -> None:
-        super().__init__(runtime, request_id, model, wants_logprobs, with_usage)
+        super().__init__(runtime, request_id, model, wants_logprobs, with_usage, n)
         self.echoes, self.seqs = echoes, seqs
         self.score_only = score_only  # max_tokens 0: the one generated token is not part of the answer
         self.count_output = not score_only
@@ -354,8 +406,9 @@ class ChatFrames(OpenAIFrames):
     object = "chat.completion.chunk"
 
     def opening(self) -> list[dict]:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [{**self.base, "choices": [first]}]
+        """The role frame of every choice."""
+        role = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [{**self.base, "choices": [{"index": i, **role}]} for i in range(self.n)]
 
     def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         lp = chat_logprobs(self.runtime, chunk.logprobs) if self.wants_logprobs and chunk is not None else None

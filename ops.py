@@ -89,6 +89,9 @@ class Operations:
                 failed_admits=runtime.scheduler.failed_admits,
                 failed_steps=runtime.scheduler.failed_steps,
                 num_preemptions=runtime.scheduler.num_preemptions,
+                kv_cache_cached_blocks=stats.get("kv_cached_blocks", 0),
+                prefix_cache_queries=stats.get("prefix_cache_queries", 0),
+                prefix_cache_hits=stats.get("prefix_cache_hits", 0),
             )
         return values
 

@@ -166,6 +166,11 @@ class Scheduler:
             self._aborts[seq_id] = (status, error)
             self._wakeup.set()
 
+    async def call_engine(self, fn, *args):
+        """``fn(*args)`` in the engine's worker thread, between two engine calls (never during one): for
+        operations on engine state from outside the loop, such as a prefix-cache reset."""
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
     async def stop(self) -> None:
         """Stop the loop; everything still queued or running finishes as aborted. An engine call in
         flight is waited for first (up to ``stop_wait_s``), so that no token lands on a sequence

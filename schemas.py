@@ -153,7 +153,7 @@ class OpenAIFields(SamplingFields):
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)  # OpenAI's default
     max_tokens: int | None = Field(default=None, ge=1)
-    n: int | None = Field(default=None, ge=1, description="only 1 is supported")
+    n: int | None = Field(default=None, ge=1, description="choices per prompt, at most MAX_N")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -164,8 +164,6 @@ class OpenAIFields(SamplingFields):
         for name, (unused, message) in REFUSED_FIELDS.items():
             if name in extra and not unused(extra[name]):
                 return name, message
-        if self.n is not None and self.n > 1:
-            return "n", f"`n` > 1 is not supported (got {self.n}): send the request n times"
         return None
 
     def unknown_fields(self) -> list[str]:
@@ -181,7 +179,7 @@ class CompletionRequest(OpenAIFields):
     max_tokens: int | None = Field(default=None, ge=0, description="0 (with echo): score the prompt, generate nothing")
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
+    best_of: int | None = Field(default=None, ge=1, description="only equal to n (no ranking of extra choices)")
 
     @field_validator("prompt")
     @classmethod
@@ -193,8 +191,8 @@ class CompletionRequest(OpenAIFields):
         return _valid_unicode(value)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.best_of is not None and self.best_of > 1:
-            return "best_of", f"`best_of` > 1 is not supported (got {self.best_of})"
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            return "best_of", f"`best_of` other than n is not supported (got {self.best_of}, n {self.n or 1})"
         return super().unsupported()
 
 
@@ -316,6 +314,14 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache (not computed)
+
+
+class OpenAIUsage(Usage):
+    prompt_tokens_details: PromptTokensDetails
 
 
 class Metrics(BaseModel):

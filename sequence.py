@@ -65,6 +65,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # Prefix cache: chain hashes of the sequence's full blocks so far (the engine extends them as blocks fill;
+    # block_manager.extend_block_hashes), and how many prompt tokens its first admission found cached.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
     # perf_counter() timestamps; None until the event happens.
     arrival_time: float = field(default_factory=time.perf_counter)
     admit_time: float | None = None

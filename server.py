@@ -3,6 +3,7 @@
 
 * ``generate_api.py``: ``POST /generate``;  ``openai_api.py``: ``/v1/...``;
 * ``probes.py``: ``GET /health``, ``/ready``, ``/metrics``;  ``tokenize_api.py``: ``/tokenize``, ``/detokenize``;
+  ``admin_api.py``: ``POST /admin/reset_prefix_cache``;
 * ``serving.py``: request -> running generation;  ``streaming.py``: generation -> answer or SSE;
 * ``ops.py``: auth, limits, slow bodies, drain;  ``transport.py``: connection-level defences;
 * ``api_errors.py``: the error shape.
@@ -25,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import admin_api
 import generate_api
 import openai_api
 import probes
@@ -81,6 +83,7 @@ def create_app(config: Config | None = None, engine: InferenceEngine | None = No
     app.include_router(generate_api.router)
     app.include_router(openai_api.router)
     app.include_router(tokenize_api.router)
+    app.include_router(admin_api.router)
     app.openapi = _openapi_with_ops_errors(app)
     return app
 

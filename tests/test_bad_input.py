@@ -210,7 +210,7 @@ BAD_FIELDS = [
     {"stop": 5},
     {"stop_token_ids": [-1]},
     {"stop_token_ids": list(range(65))},
-    {"n": 2},
+    {"n": 9},  # beyond MAX_N (8)
     {"stream": "yes"},
     {"logprobs": 99},
     {"logit_bias": {"x": 5}},

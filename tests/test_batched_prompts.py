@@ -54,7 +54,12 @@ def test_the_four_prompt_forms_give_the_same_answer(form):
             assert r.status_code == 200, r.text
             (choice,) = r.json()["choices"]
             assert choice["index"] == 0 and choice["text"] == "four forms" + fake_text("four forms", 5)
-            assert r.json()["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
+            assert r.json()["usage"] == {
+                "prompt_tokens": 10,
+                "completion_tokens": 5,
+                "total_tokens": 15,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
 
     bounded(body)
 
@@ -74,7 +79,12 @@ def test_several_prompts_one_choice_each_in_order_usage_summed_admitted_together
             assert [ch["text"] for ch in b["choices"]] == [fake_text(p, 5) for p in prompts]
             assert all(ch["finish_reason"] == "length" for ch in b["choices"])
             n_prompt = sum(len(p) for p in prompts)
-            assert b["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 15, "total_tokens": n_prompt + 15}
+            assert b["usage"] == {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": 15,
+                "total_tokens": n_prompt + 15,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             # One prefill admitted all three: they reached the scheduler together.
             assert engine.admitted == [[f"{b['id']}-{i}" for i in range(3)]]
 

@@ -47,6 +47,8 @@ ALL_VARS = (
     "WEIGHTS",
     "MAX_PROMPTS_PER_REQUEST",
     "CORS_ALLOW_ORIGINS",
+    "PREFIX_CACHING",
+    "MAX_N",
 )
 
 
@@ -63,6 +65,7 @@ def test_defaults():
     assert cfg.stop_token_ids == ()
     assert cfg.host == "127.0.0.1"
     assert cfg.port == 8000
+    assert cfg.prefix_caching is True and cfg.max_n == 8
     assert not cfg.is_fake
 
 
@@ -209,6 +212,9 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
         ("PORT", "-80"),
         ("PORT", "http"),
         ("PORT", "80.0"),
+        ("PREFIX_CACHING", "sometimes"),
+        ("MAX_N", "0"),
+        ("MAX_N", "129"),
     ],
 )
 def test_bad_value_raises_config_error_naming_variable(var, raw):
@@ -217,7 +223,7 @@ def test_bad_value_raises_config_error_naming_variable(var, raw):
     message = str(info.value)
     assert re.match(rf"{var}\b", message), message
     # No other variable is blamed.
-    assert not any(other in message for other in ALL_VARS if other != var)
+    assert not any(re.search(rf"\b{other}\b", message) for other in ALL_VARS if other != var)
     assert isinstance(info.value, ValueError)
 
 
@@ -390,7 +396,7 @@ def test_operations_variables_reject_bad_values(var, raw):
         Config.from_env({var: raw})
     message = str(info.value)
     assert re.match(rf"{var}\b", message), message
-    assert not any(other in message for other in ALL_VARS if other != var)
+    assert not any(re.search(rf"\b{other}\b", message) for other in ALL_VARS if other != var)
 
 
 def test_api_key_is_not_in_the_repr():

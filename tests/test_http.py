@@ -165,6 +165,10 @@ def test_health_ok():
                 "kv_block_size": 32,
                 "num_preemptions": 0,
                 "num_prefilling": 0,
+                "kv_cached_blocks": 0,
+                "prefix_cache_queries": 1,
+                "prefix_cache_hits": 0,
+                "prefill_tokens_computed": 1,
             }  # the fake's default pool: 5 slots x 1024 tokens in blocks of 32, all free again
 
     bounded(body)

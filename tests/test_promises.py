@@ -82,18 +82,22 @@ def test_completion_prompt_may_be_a_list_of_strings():
     bounded(body)
 
 
-@pytest.mark.parametrize("field", ["best_of", "n"])
-def test_n_and_best_of_must_be_1(field):
-    """README: "`n` > 1 and `best_of` > 1 get a 400" (0 is not a count: 422)."""
+def test_n_choices_and_best_of_equal_to_n():
+    """README: "`n` (1 to `MAX_N`) choices per prompt, `best_of` only equal to `n`" (beyond MAX_N: 422; 0 is not
+    a count: 422; `best_of` other than `n`: 400)."""
 
     async def body():
         async with serving() as c:
             base = {"prompt": "choices", "max_tokens": 3}
-            one, _ = completion(await c.post("/v1/completions", json={**base, field: 1}))
+            one, _ = completion(await c.post("/v1/completions", json={**base, "n": 1, "best_of": 1}))
             assert one == completion(await c.post("/v1/completions", json=base))[0]
+            r = await c.post("/v1/completions", json={**base, "n": 3, "best_of": 3})
+            assert [ch["index"] for ch in r.json()["choices"]] == [0, 1, 2]
             for bad in (2, 5):
-                assert_error(await c.post("/v1/completions", json={**base, field: bad}), 400, contains=field)
-            assert_error(await c.post("/v1/completions", json={**base, field: 0}), 422, contains=field)
+                assert_error(await c.post("/v1/completions", json={**base, "best_of": bad}), 400, contains="best_of")
+            for field in ("n", "best_of"):
+                assert_error(await c.post("/v1/completions", json={**base, field: 0}), 422, contains=field)
+            assert_error(await c.post("/v1/completions", json={**base, "n": 9}), 422, contains="MAX_N")
 
     bounded(body)
 

@@ -117,7 +117,12 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(live, tiny_model_dir):
     # The one token generated under the hood is not part of the answer, even when it would stop the sequence.
     stopped = post(live, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=K, stop_token_ids=[int(ref[-1].argmax())])
     assert stopped.json()["choices"][0] == choice
-    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert r.json()["usage"] == {  # prompt logprobs skip the prefix cache: nothing cached is reported
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+        "total_tokens": len(ids),
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     lp = choice["logprobs"]
     assert lp["tokens"] == [tok.decode([t]) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None

@@ -31,7 +31,6 @@ REFUSED = {
     "reasoning_effort": "high",
     "verbosity": "low",
     "moderation": {"model": "m"},
-    "n": 2,
     "best_of": 3,
 }
 # field -> a value that means "not used": accepted, same answer as without it
