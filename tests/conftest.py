@@ -224,3 +224,26 @@ def repoint_eos(src_dir: str, out_dir: str, prompts: list[str], n_tokens: int = 
     ref.model.config.eos_token_id = token
     ref.model.save_pretrained(out_dir)
     return token
+
+
+# --- KV pool gates (test_kv_pool.py, test_prefix_cache.py) ----------------------------------------------
+
+
+@pytest.fixture(scope="session", params=["gpt2", "llama"])
+def pressure_model(request, tmp_path_factory) -> str:
+    """Tiny random GPT-2, and a tiny random Llama (GQA: 4 query heads over 2 K/V heads)."""
+    if request.param == "gpt2":
+        return request.getfixturevalue("tiny_model_dir")
+    from make_test_model import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
+
+
+def pool_mb(model_dir: str, blocks: int, block_size: int) -> float:
+    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint."""
+    import transformers
+
+    from models import families
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    return families()[cfg.model_type].kv_bytes_per_token(cfg) * block_size * blocks / 2**20

@@ -12,7 +12,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import assert_error, bounded, fake_ids, run, serving
+from conftest import assert_error, bounded, fake_ids, pool_mb, run, serving
 
 from engine import AdmissionError, FakeEngine
 from scheduler import Scheduler
@@ -274,26 +274,6 @@ def test_http_many_concurrent_requests_under_preemption_each_answered_once_and_e
 
 
 # --- model gates: greedy parity with HF generate under memory pressure ----------------------------------
-
-
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def pressure_model(request, tmp_path_factory) -> str:
-    """Tiny random GPT-2, and a tiny random Llama (GQA: 4 query heads over 2 K/V heads)."""
-    if request.param == "gpt2":
-        return request.getfixturevalue("tiny_model_dir")
-    from make_test_model import build_checkpoint
-
-    return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
-
-
-def pool_mb(model_dir: str, blocks: int, block_size: int) -> float:
-    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint."""
-    import transformers
-
-    from models import families
-
-    cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    return families()[cfg.model_type].kv_bytes_per_token(cfg) * block_size * blocks / 2**20
 
 
 @pytest.mark.model
