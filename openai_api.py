@@ -150,6 +150,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     name = check_fields(runtime, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(422, "top_logprobs requires logprobs: true", param="top_logprobs")
+    n = check_n(runtime, req)
     asked = req.max_completion_tokens or req.max_tokens
     if asked:
         check_max_tokens(runtime, asked, "max_completion_tokens")
@@ -158,7 +159,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    n = check_n(runtime, req)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     seqs = [
         make_sequence(runtime, prompt_ids, max_tokens, choice_fields(req, j), rid if n == 1 else f"{rid}-{j}", k)

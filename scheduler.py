@@ -1,11 +1,13 @@
 """The continuous batcher: decides who runs, between engine steps, on the event loop.
 
 Each iteration: apply pending aborts, admit waiting sequences FCFS while the engine has
-room for them (a free slot, and KV blocks for their tokens plus a watermark: ``can_admit``;
-the queue never skips its oldest), and advance every running sequence by one token: one ``engine.admit_and_step()`` call
-when there are both (newcomers' prefill rides in the decode step's forward, so the
-weights stream once), else ``engine.admit()`` or ``engine.step()``. Engine calls run in
-a single worker thread, never on the event loop, so HTTP keeps flowing while the model
+room for them (a free slot, and KV blocks for the tokens they do not find in the prefix cache
+plus a watermark: ``can_admit``, which also holds back a sequence whose prefix is being computed
+right now, so that it shares it instead; the queue never skips its oldest), and advance every
+running sequence by one token: one ``engine.admit_and_step()`` call when there are both
+(newcomers' prefill rides in the decode step's forward, so the weights stream once), else
+``engine.admit()`` or ``engine.step()``. Engine calls run in a single worker thread, never on
+the event loop, so HTTP keeps flowing while the model
 computes. Every submitted sequence's future resolves exactly once, with the sequence
 itself, the moment it finishes (its status says why: stop, length, abort or error).
 
