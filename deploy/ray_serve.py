@@ -276,6 +276,7 @@ async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[list[dict]]:
     try:
         while True:
             batch = [await out.get()]
+            await asyncio.sleep(0)  # what the app sends in the same turn of the loop goes in the same batch
             while not out.empty():
                 batch.append(out.get_nowait())
             messages = [m for m in batch if m is not None]
