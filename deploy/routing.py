@@ -13,13 +13,15 @@ call; this router, which Serve runs inside the gateway's DeploymentHandle, sends
   queue-length cache (which also counts other gateways' requests, but lags behind a burst);
 * requests without a key (``GET /metrics``, an unparsable body, affinity off) go straight to power of two choices.
 
-Requests are routed in arrival order per key, not FIFO across keys: a replica freed for one key is not handed to
-the oldest request of another key (Serve's FIFOMixin would undo the affinity).
+Each replica chosen is for the request it was chosen for (Serve's base behaviour), not handed to the oldest pending
+request as under Serve's FIFOMixin, which would give one key's replica to another key's request.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 
 # Serve's default router, whose choose_replicas is the fallback (called as a function, as Serve's own LLM prefix
 # router does); it is not exported under ray.serve.request_router.
@@ -34,6 +36,7 @@ from ray.serve.request_router import (
 )
 
 PREFIX_KEY = "prefix_key"  # the replica call's keyword argument that carries the key
+ASSIGNED_TTL_S = 5.0  # how long an assignment counts as load before the replica has accepted it
 
 
 def rendezvous_score(key: str, replica: str) -> int:
@@ -60,23 +63,41 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, max_affinity_load: int = 8) -> None:
         """``request_router_kwargs`` from the deployment: the load at which affinity gives way."""
         self.max_affinity_load = int(max_affinity_load)
-        self.routed: dict[ReplicaID, set[str]] = {}  # replica -> internal ids of its requests not yet completed
+        # replica -> {internal request id: when it was assigned there, or inf once the replica accepted it}
+        self.in_flight: dict[ReplicaID, dict[str, float]] = {}
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        """Serve's hook where a replica is assigned to the request (matched by its internal id). Counted here, not in
-        ``on_request_routed`` (after the replica accepted), because a burst is assigned before any answer comes."""
+        """Serve's hook where a replica is assigned to the request (matched by its internal id). Counted from here, not
+        from ``on_request_routed`` (once the replica accepted), because a burst is assigned before any answer comes."""
+        if self._get_pending_request_matching_internal_request_id(request_metadata) is not None:
+            self.in_flight.setdefault(replica.replica_id, {})[request_metadata.internal_request_id] = time.monotonic()
         super()._fulfill_next_pending_request(replica, request_metadata)
-        if request_metadata is not None:
-            self.routed.setdefault(replica.replica_id, set()).add(request_metadata.internal_request_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """The replica accepted: it counts until ``on_request_completed``, which may already have come (a short
+        request can finish before Serve calls this), so only a request still counted is marked."""
+        ids = self.in_flight.get(replica_id, {})
+        if pending_request.metadata.internal_request_id in ids:
+            ids[pending_request.metadata.internal_request_id] = math.inf
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # Also called for a request the replica refused (never routed): discard, not remove.
-        self.routed.get(replica_id, set()).discard(internal_request_id)
+        self.in_flight.get(replica_id, {}).pop(internal_request_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's hook when the set of replicas changes: forget the counts of replicas that are gone."""
+        super().update_replicas(replicas)
+        current = {r.replica_id for r in replicas}
+        in_flight = getattr(self, "in_flight", {})  # (Serve may call this before initialize_state)
+        self.in_flight = {replica_id: ids for replica_id, ids in in_flight.items() if replica_id in current}
 
     def load(self, replica: RunningReplica) -> int:
-        """Requests in flight at ``replica``, as far as this router knows."""
-        cached = self._replica_queue_len_cache.get(replica.replica_id) or 0
-        return max(len(self.routed.get(replica.replica_id, ())), cached)
+        """Requests in flight at ``replica``, as far as this router knows. An assignment that the replica has not
+        accepted within ASSIGNED_TTL_S (refused, or its caller left) stops counting."""
+        ids = self.in_flight.get(replica.replica_id, {})
+        expired = time.monotonic() - ASSIGNED_TTL_S
+        for request_id in [k for k, t in ids.items() if t < expired]:
+            del ids[request_id]
+        return max(len(ids), self._replica_queue_len_cache.get(replica.replica_id) or 0)
 
     async def choose_replicas(
         self,
