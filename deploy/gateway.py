@@ -160,7 +160,7 @@ class Relay:
         """Answer the failure in the API's shape: the error body if nothing was sent, an error event and
         ``[DONE]`` in a stream under way. False: neither is possible (a plain body half sent)."""
         if not self.forwarded:
-            await send_error(self.send, status, message, kind, [(b"retry-after", b"1")])
+            await send_error(self.send, status, message, kind, [(b"retry-after", b"1")] if status == 503 else None)
             return True
         if self.event_stream:
             tail = sse(error_body(status, message, kind)) + sse("[DONE]")
