@@ -1,15 +1,26 @@
-"""Ray Serve vs one process, on this machine: the proxy's added latency and tokens/s with 1 and 2 replicas.
+"""Ray Serve vs one process, on this machine: the proxy's added latency, tokens/s with 1 and 2 replicas, and the
+prefix-cache hit rate under prefix-affinity routing against power of two choices.
 
     python deploy/bench_ray.py                          # tiny GPT-2 (built locally), seed-like workload
     python deploy/bench_ray.py --model fake --json out.json
     python deploy/bench_ray.py --model weights/d2 --requests 32 --repeats 3
+    python deploy/bench_ray.py --systems ours,ours_ray1,ours_ray1_direct          # the gateway's cost
+    python deploy/bench_ray.py --systems ours,ours_ray2,ours_ray2_affinity --workload prefix   # hit rates
 
 Systems, all up at once over real HTTP on 127.0.0.1, fed the same requests:
 
 * ``ours``: ``python server.py`` in a subprocess (NUM_THREADS = the machine's CPUs);
 * ``ours_ray1``: Ray Serve (a local single-machine cluster, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), 1 replica with
-  all the CPUs (so the same threads as ``ours``), at ``/ray1``;
-* ``ours_ray2``: 2 replicas with half the CPUs each (NUM_THREADS follows each replica's num_cpus), at ``/ray2``.
+  all the CPUs (so the same threads as ``ours``) behind the gateway (the default app), at ``/ray1``;
+* ``ours_ray2``: 2 replicas with half the CPUs each (NUM_THREADS follows each replica's num_cpus), at ``/ray2``;
+* ``ours_ray1_direct``: as ``ours_ray1`` without the gateway (``gateway: false``: Serve's proxy calls the replica);
+* ``ours_ray2_affinity``: as ``ours_ray2`` with ``routing: prefix_affinity``.
+
+Workloads: ``seed`` (the prompts of ``scripts/benchmark.py``) or ``prefix`` (4 long shared preambles, each followed
+by one of the short seed prompts: what a prefix cache and affinity routing are for). Every system's prefix-cache hit
+rate over the rounds is read from its replicas' ``/metrics`` (``minibatch:prefix_cache_hits_total`` over
+``minibatch:prefix_cache_queries_total``, in tokens, summed over the replicas); "-" when the server exports no such
+series (a build without prefix caching).
 
 The machine may be shared and its speed may swing from minute to minute, so everything is measured side by side:
 
@@ -48,12 +59,38 @@ import httpx  # noqa: E402
 from bench.workloads import PROMPT_TEXTS  # noqa: E402  the seed workload's prompts (scripts/benchmark.py)
 
 BATCH = 8
-SYSTEMS = ("ours", "ours_ray1", "ours_ray2")
+# Ray systems: the build_app args of each (beside num_cpus and env); all but the *_direct ones use the gateway.
+RAY_SYSTEMS = {
+    "ours_ray1": {"num_replicas": 1},
+    "ours_ray2": {"num_replicas": 2},
+    "ours_ray1_direct": {"num_replicas": 1, "gateway": False},
+    "ours_ray2_affinity": {"num_replicas": 2, "routing": "prefix_affinity"},
+}
+SYSTEMS = ("ours", *RAY_SYSTEMS)
+PREFIX_HITS, PREFIX_QUERIES = "minibatch:prefix_cache_hits_total", "minibatch:prefix_cache_queries_total"
+# The prefix workload's shared preambles: each well over the affinity router's 128 characters, distinct from the start.
+PREAMBLES = [
+    f"{topic} Answer the question below in plain words, in at most three sentences, without lists, without "
+    "repeating the question, and say so when you are not sure. Keep any numbers exact and name your units. "
+    for topic in (
+        "You are a support agent for a bicycle shop.",
+        "You are a tutor for a first course in chemistry.",
+        "You are a travel guide for a small coastal town.",
+        "You are a reviewer of short Python programs.",
+    )
+]
 
 
-def workload(n: int, seed: int) -> list[tuple[str, int]]:
+def workload(n: int, seed: int, kind: str = "seed") -> list[tuple[str, int]]:
+    """``seed``: the seed prompts; ``prefix``: a shared preamble (one of 4) before each. Budgets 8-48."""
     rng = random.Random(seed)
-    return [(rng.choice(PROMPT_TEXTS), rng.choice([8, 16, 32, 48])) for _ in range(n)]
+    reqs = []
+    for _ in range(n):
+        prompt = rng.choice(PROMPT_TEXTS)
+        if kind == "prefix":
+            prompt = rng.choice(PREAMBLES) + prompt
+        reqs.append((prompt, rng.choice([8, 16, 32, 48])))
+    return reqs
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -111,11 +148,52 @@ async def run_workload(url: str, reqs: list[tuple[str, int]]) -> dict:
     }
 
 
+def replica_count(name: str) -> int:
+    return RAY_SYSTEMS[name]["num_replicas"] if name in RAY_SYSTEMS else 1
+
+
+async def prefix_cache_counts(url: str, replicas: int) -> tuple[float, float] | None:
+    """(hits, queries) of the prefix cache summed over the ``replicas`` replicas behind ``url``, each read from its
+    own /metrics (asked until every replica has answered; the router picks one per request). None: no such series."""
+    seen: dict[str, tuple[float, float] | None] = {}
+    async with httpx.AsyncClient(timeout=30) as c:
+        for _ in range(20 * replicas):
+            r = await c.get(f"{url}/metrics")
+            seen[r.headers.get("x-minibatch-replica", "direct")] = prefix_counts(r.text)
+            if len(seen) == replicas:
+                break
+    if len(seen) < replicas:
+        raise RuntimeError(f"only {len(seen)} of {replicas} replicas behind {url} answered /metrics")
+    if any(v is None for v in seen.values()):
+        return None
+    return sum(v[0] for v in seen.values()), sum(v[1] for v in seen.values())  # type: ignore[index]
+
+
+def prefix_counts(text: str) -> tuple[float, float] | None:
+    """(hits, queries) from one Prometheus page, summed over label sets; None when it has no queries series."""
+    sums = {PREFIX_HITS: 0.0, PREFIX_QUERIES: 0.0}
+    found = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+            found |= name == PREFIX_QUERIES
+    return (sums[PREFIX_HITS], sums[PREFIX_QUERIES]) if found else None
+
+
+def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def interleaved(urls: dict[str, str], reqs: list[tuple[str, int]], repeats: int) -> dict[str, dict]:
-    """``repeats`` rounds of the workload on every system in turn (rotating order); medians and paired ratios."""
+    """``repeats`` rounds of the workload on every system in turn (rotating order); medians and paired ratios, and
+    each system's prefix-cache hit rate over the rounds (None: not exported)."""
     for url in urls.values():
         asyncio.run(run_workload(url, reqs[:BATCH]))  # warm-up
     names = list(urls)
+    before = {name: asyncio.run(prefix_cache_counts(urls[name], replica_count(name))) for name in names}
     rounds: list[dict[str, dict]] = []
     for k in range(repeats):
         order = names[k % len(names) :] + names[: k % len(names)]
@@ -123,11 +201,13 @@ def interleaved(urls: dict[str, str], reqs: list[tuple[str, int]], repeats: int)
     out = {}
     for name in names:
         runs = [r[name] for r in rounds]
+        after = asyncio.run(prefix_cache_counts(urls[name], replica_count(name)))
         out[name] = {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
             "ttft_ms": {q: statistics.median(r["ttft_ms"][q] for r in runs) for q in ("p50", "p95")},
             "tokens": runs[0]["tokens"],
+            "prefix_cache_hit_rate": hit_rate(before[name], after),
         }
         if "ours" in urls:
             out[name]["x_ours"] = statistics.median(r[name]["tokens_per_s"] / r["ours"]["tokens_per_s"] for r in rounds)
@@ -188,13 +268,19 @@ def direct_server(env: dict[str, str], cpus: int):
             proc.wait()
 
 
-@contextmanager
 def ray_fleet(env: dict[str, str], cpus: int, replica_counts: list[int]):
-    """Serve apps ``/ray1`` and/or ``/ray2`` on a local single-machine cluster; yields {system: url}.
+    """``ray_systems`` for ``ours_ray1`` and/or ``ours_ray2`` (the default app: the gateway, power of two choices)."""
+    return ray_systems(env, cpus, [f"ours_ray{n}" for n in replica_counts])
 
-    Ray gets twice the machine's CPUs as logical CPUs so both apps fit at once; each replica still gets
+
+@contextmanager
+def ray_systems(env: dict[str, str], cpus: int, names: list[str]):
+    """A Serve app per system of ``names`` (RAY_SYSTEMS) at ``/<name>`` on a local single-machine cluster; yields
+    {system: url}.
+
+    Ray gets the machine's CPUs once per app as logical CPUs so all apps fit at once; each replica still gets
     NUM_THREADS = its share of the real CPUs (all for 1 replica, half for 2)."""
-    if not replica_counts:
+    if not names:
         yield {}
         return
     import ray
@@ -202,20 +288,17 @@ def ray_fleet(env: dict[str, str], cpus: int, replica_counts: list[int]):
 
     from deploy.ray_serve import build_app
 
-    ray.init(num_cpus=2 * cpus, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 2**20)
+    ray.init(num_cpus=len(names) * cpus, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 2**20)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        apps = [
-            serve.RunTarget(
-                build_app({"num_replicas": n, "num_cpus": cpus / n, "env": env}),
-                name=f"ray{n}",
-                route_prefix=f"/ray{n}",
-            )
-            for n in replica_counts
-        ]
+        apps = []
+        for name in names:
+            spec = RAY_SYSTEMS[name]
+            args = {**spec, "num_cpus": cpus / spec["num_replicas"], "env": env}
+            apps.append(serve.RunTarget(build_app(args), name=name, route_prefix=f"/{name}"))
         serve.run_many(apps)
-        urls = {f"ours_ray{n}": f"http://127.0.0.1:{port}/ray{n}" for n in replica_counts}
+        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in names}
         for url in urls.values():
             wait_ready(url, 180)
         yield urls
@@ -235,8 +318,11 @@ def resolve_model(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--systems", default="ours,ours_ray", help="comma-separated: ours, ours_ray1, ours_ray2 (ours_ray: both)"
+        "--systems",
+        default="ours,ours_ray",
+        help=f"comma-separated: {', '.join(SYSTEMS)} (ours_ray: ours_ray1 and ours_ray2)",
     )
+    p.add_argument("--workload", choices=("seed", "prefix"), default="seed")
     p.add_argument("--model", default="tiny", help="tiny (built locally), fake, or a MODEL_ID")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -255,24 +341,25 @@ def main(argv: list[str] | None = None) -> int:
     if model == "fake":
         env["FAKE_STEP_DELAY_S"] = str(args.fake_step_delay)
     cpus = os.cpu_count() or 1
-    reqs = workload(args.requests, args.seed)
-    replica_counts = [n for n in (1, 2) if f"ours_ray{n}" in systems]
-    with direct_server(env, cpus) as direct, ray_fleet(env, cpus, replica_counts) as ray_urls:
+    reqs = workload(args.requests, args.seed, args.workload)
+    ray_names = [name for name in RAY_SYSTEMS if name in systems]
+    with direct_server(env, cpus) as direct, ray_systems(env, cpus, ray_names) as ray_urls:
         urls = {**({"ours": direct} if "ours" in systems else {}), **ray_urls}
         results = interleaved(urls, reqs, args.repeats)
         for name, url in ray_urls.items():  # the direct server answers the paired probes even if not benchmarked
             results[name].update(proxy_overhead(direct, url, args.probes))
-    print_table(results, args.model, cpus)
+    print_table(results, f"{args.model}, workload {args.workload}", cpus)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "cpus": cpus, "requests": len(reqs), "results": results}, f, indent=1)
+            out = {"model": args.model, "workload": args.workload, "cpus": cpus, "requests": len(reqs)}
+            json.dump({**out, "results": results}, f, indent=1)
     return 0
 
 
 def print_table(results: dict, model: str, cpus: int) -> None:
     print(f"\nmodel {model}, {cpus} CPUs, MAX_BATCH_SIZE {BATCH} per replica; medians over the rounds")
     print(
-        f"{'system':<10} {'tok/s':>7} {'x ours':>6} {'TTFT p50':>9} {'TTFT p95':>9}   "
+        f"{'system':<18} {'tok/s':>7} {'x ours':>6} {'TTFT p50':>9} {'TTFT p95':>9} {'prefix hits':>11}   "
         f"{'idle TTFT p50: via Ray / direct':>31} {'added p50':>9}"
     )
     for name, r in results.items():
@@ -283,9 +370,11 @@ def print_table(results: dict, model: str, cpus: int) -> None:
                 f"{r['added_ms_p50']:>+8.1f} ms"
             )
         ratio = f"{r['x_ours']:>6.2f}" if "x_ours" in r else f"{'-':>6}"
+        hits = r.get("prefix_cache_hit_rate")
+        hits = f"{hits:>11.1%}" if hits is not None else f"{'-':>11}"
         print(
-            f"{name:<10} {r['tokens_per_s']:>7.1f} {ratio} {r['ttft_ms']['p50']:>9.0f} {r['ttft_ms']['p95']:>9.0f}   "
-            + idle
+            f"{name:<18} {r['tokens_per_s']:>7.1f} {ratio} {r['ttft_ms']['p50']:>9.0f} {r['ttft_ms']['p95']:>9.0f} "
+            f"{hits}   " + idle
         )
 
 

@@ -1,8 +1,12 @@
 """MiniBatch on Ray Serve: N replicas of the whole server behind one HTTP endpoint, same API.
 
 Each replica is one full MiniBatch server (``server.create_app``: scheduler + engine + ops) hosted
-with ``@serve.ingress``; Serve's proxy accepts HTTP and its router spreads requests over the
-replicas. Nothing in the server stack knows about Ray: this module only builds the app, reads
+with ``@serve.ingress``. By default Serve's proxy hands each request to the gateway (deploy/gateway.py),
+which calls a replica through a DeploymentHandle (``handle_http``), so a replica that dies under a request is
+answered in the API's error shape (or the request is resent, when nothing reached the client yet), and the
+router may route on the prompt's prefix (deploy/routing.py). With ``gateway: false`` the proxy calls the
+replicas directly (one hop less; a dead replica's requests get the proxy's plain 500).
+Nothing in the server stack knows about Ray: this module only builds the app, reads
 the same environment variables (``Config.from_env``), and adds what a fleet needs:
 
 * ``NUM_THREADS`` defaults to the CPUs Ray gave the replica, so replicas sharing a node do not
@@ -23,7 +27,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
@@ -40,11 +44,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from config import Config  # noqa: E402
+from deploy.gateway import GatewayApp, GatewaySettings  # noqa: E402
+from deploy.routing import PrefixAffinityRouter  # noqa: E402
 from server import create_app  # noqa: E402
 
 log = logging.getLogger("minibatch.ray_serve")
 
 DEPLOYMENT_NAME = "MiniBatch"
+GATEWAY_NAME = "Gateway"
+ROUTINGS = ("pow2", "prefix_affinity")
 REPLICA_HEADER = "x-minibatch-replica"
 # Seconds between two copies of the replica's /metrics into Ray's metrics system. Ray's own export
 # interval comes on top; the copy itself is a local ASGI call and a text parse (about a millisecond).
@@ -65,11 +73,15 @@ def deployment_options(cfg: Config, args: Mapping[str, Any]) -> dict[str, Any]:
 
     * ``max_ongoing_requests`` = 2 x MAX_BATCH_SIZE: one batch running plus one batch waiting at the
       replica, so a freed slot is refilled at the next step without a round trip to the router, while
-      everything beyond that waits in the proxy's queue, where the power-of-two-choices router can
-      give it to whichever replica frees up first. A replica with a deep queue of its own would swallow
-      requests another replica could start at once. Capped by MAX_CONCURRENT_REQUESTS (else 429s).
-    * ``max_queued_requests`` = MAX_QUEUE_DEPTH: the proxy's queue (per proxy) has the bound one
-      server's queue has; beyond it, 503.
+      everything beyond that waits in the router's queue (in the gateway, or the proxy without it), where
+      the router can give it to whichever replica frees up first. A replica with a deep queue of its own
+      would swallow requests another replica could start at once. Capped by MAX_CONCURRENT_REQUESTS
+      (else 429s).
+    * ``max_queued_requests`` = MAX_QUEUE_DEPTH: the router's queue (per gateway replica, or per proxy)
+      has the bound one server's queue has; beyond it, 503.
+    * ``routing: prefix_affinity``: the PrefixAffinityRouter (deploy/routing.py), which keeps a prompt
+      prefix on one replica while that replica has fewer than ``max_affinity_load`` (default
+      MAX_BATCH_SIZE) requests in flight.
     * autoscaling (when ``min_replicas``/``max_replicas`` are given): target MAX_BATCH_SIZE ongoing
       requests per replica (a full batch), scale up after 10 s of sustained excess, down only after
       300 s (a new replica pays the model load).
@@ -101,7 +113,48 @@ def deployment_options(cfg: Config, args: Mapping[str, Any]) -> dict[str, Any]:
         options["num_replicas"] = int(args.get("num_replicas", 1))
     if "max_constructor_retry_count" in args:
         options["max_constructor_retry_count"] = int(args["max_constructor_retry_count"])
+    if routing(args) == "prefix_affinity":
+        options["request_router_config"] = {
+            "request_router_class": PrefixAffinityRouter,
+            "request_router_kwargs": {"max_affinity_load": int(args.get("max_affinity_load", batch))},
+        }
     return options
+
+
+def routing(args: Mapping[str, Any]) -> str:
+    """The ``routing`` arg, checked: ``pow2`` (Serve's power of two choices) or ``prefix_affinity`` (gateway only)."""
+    name = str(args.get("routing", "pow2"))
+    if name not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {name!r}")
+    if name == "prefix_affinity" and not args.get("gateway", True):
+        raise ValueError("routing: prefix_affinity needs the gateway (gateway: true): the proxy cannot see the prompt")
+    return name
+
+
+def gateway_options(cfg: Config, args: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+    """Serve options of the gateway deployment, from the model deployment's (``model``).
+
+    The gateway only relays, so it takes every request the replicas and the router's queue can hold
+    (``max_ongoing_requests``: the largest fleet's in-flight bound plus MAX_QUEUE_DEPTH); the replicas'
+    own bounds then apply as without it. It drains after the replicas do (their grace + 5 s)."""
+    most = int(model.get("autoscaling_config", {}).get("max_replicas", model.get("num_replicas", 1)))
+    return {
+        "num_replicas": int(args.get("gateway_replicas", 1)),
+        "max_ongoing_requests": most * model["max_ongoing_requests"] + cfg.max_queue_depth,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": model["graceful_shutdown_timeout_s"] + 5.0,
+    }
+
+
+def gateway_settings(cfg: Config, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The gateway's GatewaySettings (as a dict, the deployment's init argument)."""
+    affinity = routing(args) == "prefix_affinity"
+    return {
+        "max_body_bytes": cfg.max_body_bytes,
+        "body_timeout_s": cfg.body_timeout_s,
+        "replica_retries": int(args.get("replica_retries", 2)),
+        "affinity_prefix_chars": int(args.get("affinity_prefix_chars", 128)) if affinity else 0,
+    }
 
 
 def replica_config(environ: Mapping[str, str], assigned_cpus: float) -> Config:
@@ -196,11 +249,53 @@ class MetricsMirror:
         return n
 
 
-@serve.deployment(name=DEPLOYMENT_NAME)
-@serve.ingress()
-class MiniBatchServer:
+async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[list[dict]]:
+    """Run one HTTP request through ``app`` in this process and yield its ASGI messages, in lists of whatever is
+    ready at once (a stream under load crosses to the gateway in fewer calls).
+
+    ``receive`` gives the body whole, then waits until the caller goes away: closing or cancelling this
+    generator (the gateway's client left) shows the app ``http.disconnect`` and cancels it, which aborts its
+    sequences, as a client disconnect does on one server."""
+    out: asyncio.Queue[dict | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        out.put_nowait(message)
+
+    task = asyncio.ensure_future(app(dict(scope), receive, send))
+    task.add_done_callback(lambda _: out.put_nowait(None))  # after the app's last message
+    try:
+        while True:
+            batch = [await out.get()]
+            await asyncio.sleep(0)  # what the app sends in the same turn of the loop goes in the same batch
+            while not out.empty():
+                batch.append(out.get_nowait())
+            messages = [m for m in batch if m is not None]
+            if messages:
+                yield messages
+            if batch[-1] is None:
+                break
+        task.result()  # the app's own exception, if it raised one instead of answering
+    finally:
+        if not task.done():
+            gone.set()
+            task.cancel()
+
+
+class ReplicaCore:
     """One full MiniBatch server (scheduler + engine) per replica, configured from the environment
-    (``runtime_env.env_vars``, set by ``build_app``)."""
+    (``runtime_env.env_vars``, set by ``build_app``). Two deployments share it: MiniBatchReplica behind the
+    gateway (called through ``handle_http``) and MiniBatchServer, the app's ingress without it (Serve allows one
+    ingress per app, so the replica is not one behind the gateway)."""
 
     async def __init__(self) -> None:
         keep_replica_grpc_on_loopback()
@@ -215,10 +310,6 @@ class MiniBatchServer:
         self.mirror = MetricsMirror()
         self._mirror_task = asyncio.get_running_loop().create_task(self._mirror_metrics(), name="metrics-mirror")
         log.info("replica %s: model %s, num_threads %d", self.replica, self.config.model_id, self.config.num_threads)
-
-    def __serve_build_asgi_app__(self):
-        """Serve runs the app's lifespan (model load, scheduler start) after this returns."""
-        return self.server_app
 
     async def check_health(self) -> None:
         """Serve calls this every ``health_check_period_s``; raising makes Serve replace the replica.
@@ -245,12 +336,60 @@ class MiniBatchServer:
             await local.aclose()
 
 
+@serve.deployment(name=DEPLOYMENT_NAME)
+class MiniBatchReplica(ReplicaCore):
+    """A replica behind the gateway: it runs the app's lifespan itself (model load, scheduler start)."""
+
+    async def __init__(self) -> None:
+        await super().__init__()
+        self._lifespan = self.server_app.router.lifespan_context(self.server_app)
+        await self._lifespan.__aenter__()  # a model that fails to load fails the replica here, with its error
+
+    async def handle_http(self, request: dict, prefix_key: str | None = None) -> AsyncIterator[list[dict]]:
+        """One HTTP request from the gateway (its scope fields and whole body) through this replica's app;
+        yields the answer's ASGI messages. ``prefix_key`` is for the router (deploy/routing.py), not used here."""
+        async for batch in run_asgi(self.server_app, request["scope"], request["body"]):
+            yield batch
+
+    async def __del__(self) -> None:
+        """After Serve's drain: the app's shutdown (aborting anything left), then the core's."""
+        lifespan = getattr(self, "_lifespan", None)
+        if lifespan is not None:
+            await lifespan.__aexit__(None, None, None)
+        await super().__del__()
+
+
+@serve.deployment(name=DEPLOYMENT_NAME)
+@serve.ingress()
+class MiniBatchServer(ReplicaCore):
+    """A replica as the app's ingress (``gateway: false``): Serve's proxy calls its app directly."""
+
+    def __serve_build_asgi_app__(self):
+        """Serve runs the app's lifespan (model load, scheduler start) after this returns."""
+        return self.server_app
+
+
+@serve.deployment(name=GATEWAY_NAME, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Gateway:
+    """The app's HTTP ingress: relays each request to a MiniBatchReplica (deploy/gateway.py)."""
+
+    def __init__(self, model, settings: dict) -> None:
+        keep_replica_grpc_on_loopback()
+        self.gateway = GatewayApp(model, GatewaySettings(**settings))
+
+    def __serve_build_asgi_app__(self):
+        return self.gateway
+
+
 def build_app(args: Mapping[str, Any] | None = None):
     """The Serve application (``import_path: deploy.ray_serve:build_app`` in a Serve config).
 
     ``args`` (the config's ``args:``): ``num_replicas`` (default 1), or ``min_replicas``/``max_replicas``
     (and optionally ``autoscaling_config`` overrides) for autoscaling; ``num_cpus`` per replica (default 1;
-    also NUM_THREADS's default); ``env``: variables on top of the environment this builder sees.
+    also NUM_THREADS's default); ``env``: variables on top of the environment this builder sees;
+    ``gateway`` (default true), ``gateway_replicas`` (1), ``replica_retries`` (2); ``routing`` (``pow2`` or
+    ``prefix_affinity``), ``affinity_prefix_chars`` (128), ``max_affinity_load`` (MAX_BATCH_SIZE).
     The server's variables (MODEL_ID, MAX_BATCH_SIZE, ...) found in that environment travel to every
     replica through ``runtime_env.env_vars``; the config is validated here first, so a bad value fails the
     deploy with the variable's name instead of failing replicas one by one.
@@ -261,8 +400,11 @@ def build_app(args: Mapping[str, Any] | None = None):
     options = deployment_options(cfg, args)
     # The replicas import the project from ROOT (with a Serve config's working_dir, from their own copy).
     replica_env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)}
-    options["ray_actor_options"] = {
-        "num_cpus": float(args.get("num_cpus", 1)),
-        "runtime_env": {"env_vars": replica_env},
-    }
-    return MiniBatchServer.options(**options).bind()
+    runtime_env = {"env_vars": replica_env}
+    options["ray_actor_options"] = {"num_cpus": float(args.get("num_cpus", 1)), "runtime_env": runtime_env}
+    if not args.get("gateway", True):
+        return MiniBatchServer.options(**options).bind()
+    model = MiniBatchReplica.options(**options).bind()
+    gateway = gateway_options(cfg, args, options)
+    gateway["ray_actor_options"] = {"num_cpus": 0, "runtime_env": runtime_env}
+    return Gateway.options(**gateway).bind(model, gateway_settings(cfg, args))

@@ -1,8 +1,9 @@
 """MiniBatch on Ray Serve (deploy/ray_serve.py): a local two-node Ray cluster in this process, everything on loopback.
 
-One cluster and one Serve instance for the module (start-up costs ~30 s on 2 cores): the app ``fake`` (2 replicas
-of MODEL_ID=fake with a step delay, API_KEY and limits set) at ``/``, and, when the GPT-2 test is selected, ``gpt2``
-(2 replicas of the tiny GPT-2) at ``/gpt2``.
+One cluster and one Serve instance for the module (start-up costs ~30 s on 2 cores): the app ``fake`` (the gateway,
+prefix-affinity routing, 2 replicas of MODEL_ID=fake with a step delay, API_KEY and limits set) at ``/``, and, when
+the GPT-2 test is selected, ``gpt2`` (2 replicas of the tiny GPT-2, called by Serve's proxy directly: no gateway) at
+``/gpt2``. The autoscaling test deploys and deletes its own app.
 Traffic goes to the Serve proxy on 127.0.0.1 only. Ray runs in its single-machine mode
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): every node address is 127.0.0.1, and a test asserts that no Ray process
 listens outside 127.0.0.0/8. At the end every Ray process is stopped (serve.shutdown, ray.shutdown, cluster).
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -148,7 +150,8 @@ def fleet(request):
     from deploy.ray_serve import build_app
 
     assert not ray_constants.ENABLE_RAY_CLUSTER, "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set"
-    apps = [serve.RunTarget(build_app({"num_replicas": 2, "env": FAKE_ENV, "health_check_period_s": 1}), name=APP)]
+    fake = build_app({"num_replicas": 2, "env": FAKE_ENV, "health_check_period_s": 1, "routing": "prefix_affinity"})
+    apps = [serve.RunTarget(fake, name=APP)]
     if any(item.name.startswith("test_tiny_gpt2") for item in request.session.items):  # not under -m "not model"
         gpt2_env = {
             "MODEL_ID": request.getfixturevalue("tiny_model_dir"),
@@ -157,7 +160,9 @@ def fleet(request):
             "LOG_LEVEL": "WARNING",
         }
         apps.append(
-            serve.RunTarget(build_app({"num_replicas": 2, "env": gpt2_env}), name=GPT2_APP, route_prefix="/gpt2")
+            serve.RunTarget(
+                build_app({"num_replicas": 2, "env": gpt2_env, "gateway": False}), name=GPT2_APP, route_prefix="/gpt2"
+            )
         )
     node = {"num_cpus": 3, "object_store_memory": 80 * 2**20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
@@ -167,6 +172,7 @@ def fleet(request):
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run_many(apps)  # the apps start at once; returns when all are running
+        wait_routed(f"http://127.0.0.1:{port}")
         yield Fleet(
             f"http://127.0.0.1:{port}", [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]], os.getpid()
         )
@@ -176,6 +182,17 @@ def fleet(request):
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def wait_routed(url: str, timeout: float = 30) -> None:
+    """Until 10 new connections in a row reach the app: each node's proxy learns the routes on its own."""
+    deadline, ok = time.monotonic() + timeout, 0
+    while ok < 10:
+        assert time.monotonic() < deadline, f"{url}/health not routed by every proxy within {timeout:.0f} s"
+        with httpx.Client(timeout=10) as c:
+            ok = ok + 1 if c.get(f"{url}/health").status_code == 200 else 0
+        if ok == 0:
+            time.sleep(0.2)
 
 
 def client(timeout: float = 60) -> httpx.AsyncClient:
@@ -215,9 +232,9 @@ def test_api_key_and_limits_enforced_by_every_replica(fleet):
     async def main():
         async with client() as c:
             seen: dict[int, set[str]] = {}
-            for _ in range(12):
+            for i in range(12):  # a prompt of its own each time: under prefix affinity one prompt has one replica
                 checks = [
-                    (401, await c.post(f"{fleet.url}/generate", json={"prompt": "x", "max_new_tokens": 1})),
+                    (401, await c.post(f"{fleet.url}/generate", json={"prompt": f"x{i}", "max_new_tokens": 1})),
                     (401, await c.get(f"{fleet.url}/v1/models", headers={"authorization": "Bearer wrong"})),
                     (
                         413,
@@ -225,7 +242,7 @@ def test_api_key_and_limits_enforced_by_every_replica(fleet):
                             f"{fleet.url}/generate", headers=AUTH, json={"prompt": "x" * 5000, "max_new_tokens": 1}
                         ),
                     ),
-                    (422, await generate(c, fleet.url, "x", 201)),
+                    (422, await generate(c, fleet.url, f"x{i}", 201)),
                 ]
                 for status, r in checks:
                     assert r.status_code == status, r.text
@@ -471,62 +488,201 @@ def test_a_model_that_fails_to_load_fails_the_deploy_and_nothing_else(fleet):
     run(asyncio.wait_for(still_serving(), 30))
 
 
+async def stream_outcome(
+    c: httpx.AsyncClient, url: str, prompt: str, n: int, on_event=lambda replica, events: None
+) -> tuple[str, dict | None]:
+    """A streamed /generate: (its text, the error body of its error event or None). Asserts it ended with [DONE].
+    ``on_event(replica, events so far)`` is called at each event."""
+    events = []
+    body = {"prompt": prompt, "max_new_tokens": n, "stream": True}
+    async with c.stream("POST", f"{url}/generate", headers=AUTH, json=body) as r:
+        assert r.status_code == 200, (r.status_code, await r.aread())
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                on_event(r.headers["x-minibatch-replica"], len(events))
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    error = chunks[-1].get("error") if chunks else None
+    return "".join(ch.get("text", "") for ch in chunks), error
+
+
+async def replica_ids(c: httpx.AsyncClient, url: str, n: int = 2) -> set[str]:
+    """The replicas that answer /health (no prompt: the router picks by load), asked until ``n`` have."""
+    seen: set[str] = set()
+    for _ in range(40):
+        seen.add((await c.get(f"{url}/health")).headers["x-minibatch-replica"])
+        if len(seen) == n:
+            break
+    return seen
+
+
 def test_kill_one_replica_mid_load(fleet):
-    """Survivor finishes its requests; the dead replica's in-flight ones fail with an error; Serve replaces it."""
+    """A replica killed under load: the gateway resends its plain requests (nothing had reached their clients) and
+    ends its streams under way with a 503 error event and [DONE]; nothing is lost or answered twice; Serve replaces
+    the replica and traffic reaches the new one."""
     import ray
     from ray import serve
 
-    n_requests, n_tokens = 120, 30
+    n_plain, n_streams, n_tokens = 60, 60, 30
 
     async def main():
         async with client() as c:
-            # Which replicas exist now: ask until both have answered.
-            before: set[str] = set()
-            for _ in range(40):
-                before.add((await c.get(f"{fleet.url}/health")).headers["x-minibatch-replica"])
-                if len(before) == 2:
-                    break
+            before = await replica_ids(c, fleet.url)
             assert len(before) == 2
-            victim = sorted(before)[0]
-            tasks = [asyncio.ensure_future(generate(c, fleet.url, f"load {i}", n_tokens)) for i in range(n_requests)]
-            await asyncio.sleep(0.6)  # both replicas are mid-batch (a request takes >= 30 x 20 ms)
+            # The victim: the replica of the first stream seen 3 events in (27 to go, >= 0.5 s): it dies mid-batch.
+            under_way: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+            def on_event(replica: str, events: int) -> None:
+                if events == 3 and not under_way.done():
+                    under_way.set_result(replica)
+
+            plain, streams = [], []
+            for i in range(max(n_plain, n_streams)):  # interleaved: each replica's first batch holds both kinds
+                if i < n_plain:
+                    plain.append(asyncio.ensure_future(generate(c, fleet.url, f"load {i}", n_tokens)))
+                if i < n_streams:
+                    stream = stream_outcome(c, fleet.url, f"stream {i}", n_tokens, on_event)
+                    streams.append(asyncio.ensure_future(stream))
+            victim = await asyncio.wait_for(under_way, 30)
             name = next(
                 a["name"]
                 for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(f"#{victim}")
             )
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-            rs = await asyncio.gather(*tasks, return_exceptions=True)
-            ok, failed = 0, []
-            for i, r in enumerate(rs):
-                if isinstance(r, httpx.Response) and r.status_code == 200:
-                    assert r.json()["text"] == fake_text(f"load {i}", n_tokens)
-                    ok += 1  # by the survivor, the victim before it died, or (queued at the proxy) the replacement
-                else:
-                    failed.append(r if isinstance(r, Exception) else (r.status_code, r.text))
-            # A failure is an HTTP error answer from the proxy, never a hang or an empty 200.
-            assert all(isinstance(f, tuple) and f[0] >= 500 and f[1] for f in failed), failed[:3]
-            assert ok + len(failed) == n_requests and ok >= n_requests - 16, (
-                ok,
-                failed[:3],
-            )  # 16: one replica's max_ongoing
-            print(f"\nkill mid-load: {ok} answered, {len(failed)} failed with an error: {failed[:1]}")
+            answers = await asyncio.gather(*plain)
+            outcomes = await asyncio.gather(*streams)
+            for i, r in enumerate(answers):  # every plain request answered once, correctly: resent if need be
+                assert r.status_code == 200, (i, r.status_code, r.text)
+                assert r.json()["text"] == fake_text(f"load {i}", n_tokens)
+            assert len({r.json()["request_id"] for r in answers}) == n_plain
+            cut = []
+            for i, (text, error) in enumerate(outcomes):
+                want = fake_text(f"stream {i}", n_tokens)
+                if error is None:
+                    assert text == want, (i, text)
+                else:  # the events sent before the replica died are valid; then the API's error body and [DONE]
+                    assert error["code"] == 503 and "died" in error["message"] and want.startswith(text), (i, error)
+                    cut.append(len(text))
+            # The victim ran a batch of 8 when it died, one of them (at least) the stream that chose it.
+            assert 1 <= len(cut) <= 8, cut
+            print(
+                f"\nkill mid-load: {n_plain}/{n_plain} plain requests answered (resent when their replica died), "
+                f"{n_streams - len(cut)} streams complete, {len(cut)} ended by the 503 error event + [DONE] after "
+                f"{sorted(cut)} characters; lost 0"
+            )
 
             # Serve brings a replacement up and traffic reaches it.
             deadline = time.monotonic() + 60
             fresh: set[str] = set()
+            k = 0
             while time.monotonic() < deadline and not fresh:
                 states = serve.status().applications[APP].deployments["MiniBatch"].replica_states
                 if states.get("RUNNING", 0) == 2:
                     for _ in range(10):
-                        r = await generate(c, fleet.url, "after", 3)
-                        assert r.status_code == 200 and r.json()["text"] == fake_text("after", 3), r.text
+                        k += 1  # a prompt of its own each time: prefix affinity spreads them over the replicas
+                        r = await generate(c, fleet.url, f"after {k}", 3)
+                        assert r.status_code == 200 and r.json()["text"] == fake_text(f"after {k}", 3), r.text
                         fresh |= {r.headers["x-minibatch-replica"]} - before
                 await asyncio.sleep(0.5)
             assert fresh, "no new replica served traffic within 60 s"
             assert victim not in fresh
 
     run(asyncio.wait_for(main(), 120))
+
+
+PREAMBLE = "You are a careful assistant. Answer in one short sentence and never repeat the question. " * 2
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_and_spreads_the_rest(fleet):
+    """The fake app routes on the first 128 characters of the prompt (a chat's system prompt): a shared prefix stays on
+    one replica until that replica holds a full batch (8), different prefixes spread over both."""
+    assert len(PREAMBLE) >= 128
+
+    async def main():
+        async with client() as c:
+
+            async def replica_of(prompt: str, n: int = 2) -> str:
+                r = await generate(c, fleet.url, prompt, n)
+                assert r.status_code == 200 and r.json()["text"] == fake_text(prompt, n), r.text
+                return r.headers["x-minibatch-replica"]
+
+            async def chat_replica(question: str) -> str:
+                messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": question}]
+                body = {"model": "fake", "messages": messages, "max_tokens": 2}
+                r = await c.post(f"{fleet.url}/v1/chat/completions", headers=AUTH, json=body)
+                assert r.status_code == 200, r.text
+                return r.headers["x-minibatch-replica"]
+
+            shared: list[str] = []
+            for wave in range(3):  # waves of 4: below the affinity bound of a full batch (8)
+                shared += await asyncio.gather(*(replica_of(PREAMBLE + f"question {wave}.{i}") for i in range(4)))
+            chat = await asyncio.gather(*(chat_replica(f"question {i}") for i in range(6)))
+            distinct = await asyncio.gather(*(replica_of(f"{i}: " + PREAMBLE) for i in range(16)))
+            assert len(set(shared)) == 1 and len(set(chat)) == 1, (shared, chat)
+            assert len(set(distinct)) == 2, distinct
+            # 16 long requests sharing a prefix at once: the owner takes them up to its affinity bound, then power of
+            # two choices sends the rest to the other replica (pure affinity would queue all 16 on the owner).
+            owner = shared[0]
+            burst = Counter(await asyncio.gather(*(replica_of(PREAMBLE + f"burst {i}", 40) for i in range(16))))
+            assert len(burst) == 2 and 8 <= burst[owner] <= 12, burst
+            print(f"\nprefix affinity: shared prefix {Counter(shared)}, distinct {Counter(distinct)}, burst {burst}")
+
+    run(asyncio.wait_for(main(), 60))
+
+
+def test_autoscaling_adds_a_replica_under_a_burst_and_removes_it_after(fleet):
+    """An app with min 1 and max 2 replicas, a target of a full batch (2) per replica and short delays: a burst of
+    requests brings up the second replica, which serves; when the burst ends, it goes away. Nothing is lost."""
+    from ray import serve
+
+    from deploy.ray_serve import build_app
+
+    autoscaling = {"upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "metrics_interval_s": 0.5, "look_back_period_s": 1}
+    env = {**FAKE_ENV, "MAX_BATCH_SIZE": "2"}
+    args = {"min_replicas": 1, "max_replicas": 2, "autoscaling_config": autoscaling, "env": env}
+    serve.run(build_app(args), name="auto", route_prefix="/auto")
+    url = f"{fleet.url}/auto"
+
+    def running() -> int:
+        return serve.status().applications["auto"].deployments["MiniBatch"].replica_states.get("RUNNING", 0)
+
+    async def main() -> tuple[float, float, Counter]:
+        assert running() == 1
+        t0 = time.monotonic()
+        served: Counter = Counter()
+        async with client() as c:
+
+            async def one(i: int) -> None:
+                r = await generate(c, url, f"auto {i}", 20)
+                assert r.status_code == 200 and r.json()["text"] == fake_text(f"auto {i}", 20), r.text
+                served[r.headers["x-minibatch-replica"]] += 1
+
+            # Keep 12 requests in flight (6 x the target) until two replicas have answered, at most 45 s.
+            pending, i, up = set(), 0, None
+            while len(served) < 2 and time.monotonic() - t0 < 45:
+                while len(pending) < 12:
+                    pending.add(asyncio.ensure_future(one(i)))
+                    i += 1
+                done, pending = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+                if up is None and await asyncio.to_thread(running) == 2:
+                    up = time.monotonic() - t0
+            await asyncio.gather(*pending)
+        assert len(served) == 2 and up is not None, (served, up)
+        t1 = time.monotonic()
+        while await asyncio.to_thread(running) != 1 and time.monotonic() - t1 < 30:
+            await asyncio.sleep(0.25)
+        assert await asyncio.to_thread(running) == 1, "the second replica was not removed within 30 s"
+        return up, time.monotonic() - t1, served
+
+    try:
+        up, down, served = run(asyncio.wait_for(main(), 90))
+        print(f"\nautoscaling: 2 replicas running {up:.1f} s into the burst; back to 1 {down:.1f} s after; {served}")
+    finally:
+        serve.delete("auto")
 
 
 def test_graceful_shutdown_lets_in_flight_requests_finish(fleet):
