@@ -411,7 +411,6 @@ def test_invalid_chat_sampling_values_are_422(client, kwargs, field):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"n": 2}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -425,7 +424,7 @@ def test_unimplemented_chat_fields_are_400_through_the_client(client, kwargs, fi
     assert assert_openai_error(e.value, 400, field)["param"] == field
 
 
-@pytest.mark.parametrize("kwargs, field", [({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of"), ({"n": 3}, "n")])
+@pytest.mark.parametrize("kwargs, field", [({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")])
 def test_unimplemented_completion_fields_are_400_through_the_client(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kwargs)
