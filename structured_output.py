@@ -49,7 +49,11 @@ def _grammar_from(kind: str, text: str) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=COMPACT_JSON)
         return llguidance.grammar_from(kind, text)
     except Exception as exc:  # llguidance raises ValueError / RuntimeError on text it cannot parse
-        raise GrammarError(f"invalid {kind}: {exc}") from None
+        raise GrammarError(f"invalid {kind}: {_one_line(str(exc))}") from None
+    except BaseException as exc:  # a Rust panic surfaces as pyo3's PanicException (a BaseException)
+        if not _is_panic(exc):
+            raise
+        raise GrammarError(f"the {kind} could not be compiled: {_one_line(str(exc))}") from None
 
 
 def schema_grammar(schema: Any) -> str:
@@ -152,10 +156,20 @@ class GrammarCompiler:
         """A fresh matcher for ``grammar``; GrammarError naming the construct it does not support."""
         import llguidance
 
-        m = llguidance.LLMatcher(self.tokenizer, grammar)
+        try:
+            m = llguidance.LLMatcher(self.tokenizer, grammar)
+        except BaseException as exc:
+            if not _is_panic(exc):
+                raise
+            raise GrammarError(f"the grammar could not be compiled: {_one_line(str(exc))}") from None
         if m.is_error():
             raise GrammarError(_one_line(m.get_error()))
         return GrammarState(m)
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """pyo3's PanicException: a bug in the library on this input, not a reason to stop the server."""
+    return type(exc).__name__ == "PanicException"
 
 
 def _one_line(text: str) -> str:

@@ -50,7 +50,8 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any) -> str | None:
         if not names:
             raise APIError(400, f'`tool_choice` "{tool_choice}" needs `tools`', param="tool_choice")
         return tool_choice
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":
         raise APIError(
             400,

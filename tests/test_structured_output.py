@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 from live import ThreadServer
+from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-once fixture)
 
 from config import Config
 from sampling import SamplingParams, apply_token_bitmask
@@ -36,6 +37,22 @@ TOOLS_TEMPLATE = """{%- if tools %}<|system|>You can call these tools, answering
 {% else %}<|{{ m.role }}|>{{ m.content }}
 {% endif %}
 {%- endfor %}<|assistant|>"""
+
+# The same in ChatML, SmolLM2's turn format (its own template does not render tools).
+CHATML_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+You can call tools. To call one, answer <tool_call>
+{"name": <name>, "arguments": <object>}
+</tool_call>
+Tools:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}<|im_start|>assistant
+"""
 
 PERSON = {
     "type": "object",
@@ -355,3 +372,34 @@ def test_tools_need_a_template_that_renders_them(tiny_llama_dir):
         r = httpx.post(url, json={"messages": history, "max_tokens": 2}, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role", r.text
         assert httpx.post(url, json={"messages": ASK, "max_tokens": 2}, timeout=TIMEOUT).status_code == 200
+
+
+# --- SmolLM2 (real weights) ------------------------------------------------------------------------------
+@pytest.mark.model
+def test_smollm2_tool_call_round_trip(smollm2_gguf):  # noqa: F811 (the fixture imported from test_llama)
+    """SmolLM2-135M-Instruct with a tools template: it calls get_weather for Paris, gets the tool's answer, and
+    answers in words."""
+    gguf = smollm2_gguf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
+        config = Config(model_id=gguf, max_batch_size=2, max_model_len=1024, chat_template=CHATML_TOOLS_TEMPLATE)
+        server = ThreadServer(create_app(config))
+    with server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+        first = c.chat.completions.create(
+            model=gguf, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0, max_tokens=60
+        )
+        assert first.choices[0].finish_reason == "tool_calls", first
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] == "Paris"
+        history = [
+            *ASK,
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'},
+        ]
+        answer = c.chat.completions.create(
+            model=gguf, messages=history, tools=[WEATHER, CLOCK], tool_choice="none", temperature=0, max_tokens=40
+        )
+        text = answer.choices[0].message.content
+        assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "stop", answer
+        assert "sunny" in text.lower() or "21" in text, text  # it read the tool's answer
