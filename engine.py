@@ -24,7 +24,7 @@ from typing import NamedTuple
 from block_manager import BlockManager, extend_block_hashes
 from checkpoints import ModelLoadError
 from config import Config
-from sampling import NonFiniteLogits, TokenLogprobs, logprobs, sample
+from sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.engine")
@@ -112,9 +112,19 @@ class InferenceEngine(ABC):
     def reset(self) -> None:
         """Drop every active sequence and return to an empty, usable state (after a failure)."""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render chat messages into a prompt that ends where the assistant's answer begins."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render chat messages (and the tools the model may call) into a prompt that ends where the
+        assistant's answer begins."""
         raise ChatTemplateError(f"model {self.model_name!r} has no chat template")
+
+    def grammar_vocabulary(self) -> tuple | None:
+        """Structured output: (HF tokenizer, vocabulary size, stop token ids) that grammars are compiled against,
+        or None when this engine cannot constrain its sampling (then a grammar request gets a 400)."""
+        return None
+
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (a request with tools is refused otherwise)."""
+        return False
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
         """Whether ``seqs`` could all be admitted now (free slots; engines with a KV pool: free memory)."""
@@ -637,7 +647,7 @@ class FakeEngine(BatchEngine):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
     def decode(self, token_ids: list[int]) -> str:
@@ -773,7 +783,15 @@ class HFEngine(BatchEngine):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def grammar_vocabulary(self) -> tuple:
+        return self.tokenizer, self.vocab_size, self.stop_token_ids
+
+    def supports_tools(self) -> bool:
+        from tool_calls import template_supports_tools
+
+        return bool(self.chat_template) and template_supports_tools(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ChatTemplateError(
                 f"model {self.model_name!r} has no chat template; set CHAT_TEMPLATE to a Jinja template "
@@ -781,7 +799,7 @@ class HFEngine(BatchEngine):
             )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # a template that raises on these messages (e.g. role order)
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
@@ -837,6 +855,7 @@ class HFEngine(BatchEngine):
         """
         results: list[int | RowFailure] = [RowFailure(SAMPLING_FAILED)] * len(seqs)
         rows = list(range(len(seqs)))
+        raw, logits = logits, self._constrain(logits, seqs)
         try:
             tokens = self._sample(logits, seqs)
         except NonFiniteLogits as exc:
@@ -854,8 +873,19 @@ class HFEngine(BatchEngine):
                 log.error("sampling gave token %d outside [0, %d) for sequence %d", token, vocab, seqs[i].seq_id)
                 token = RowFailure(SAMPLING_FAILED)
             results[i] = token
-        self._add_logprobs(logits, seqs, results)
+        self._add_logprobs(raw, seqs, results)
         return results
+
+    @staticmethod
+    def _constrain(logits, seqs: list[Sequence]):
+        """Structured output: the logits with each grammar row's disallowed tokens at -inf (a copy), or
+        ``logits`` itself when no row has a grammar (an unconstrained batch pays nothing). The masks are
+        computed here, in the engine thread, one row at a time."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return logits
+        mask = grammar_bitmask([seqs[i].grammar for i in rows], logits.shape[-1])
+        return apply_token_bitmask(logits, rows, mask)
 
     @staticmethod
     def _sample(logits, seqs: list[Sequence]) -> list[int]:

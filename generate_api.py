@@ -13,6 +13,7 @@ from schemas import ErrorResponse, GenerateRequest, GenerateResponse, Metrics
 from sequence import Sequence
 from serving import Runtime, check_max_tokens, current_runtime, make_sequence, start_generation, tokenize
 from streaming import Frames, run_to_completion, sse_response, usage
+from structured_output import attach_grammar, generate_grammar
 
 router = APIRouter()
 
@@ -21,13 +22,14 @@ router = APIRouter()
     "/generate",
     response_model=GenerateResponse,
     response_model_exclude_none=True,  # prompt_logprobs only when asked for
-    responses={code: {"model": ErrorResponse} for code in (422, 500, 503, 504)},
+    responses={code: {"model": ErrorResponse} for code in (400, 422, 500, 503, 504)},
 )
 async def generate(req: GenerateRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
     max_new_tokens = check_max_tokens(runtime, req.max_new_tokens, "max_new_tokens")
     prompt_ids = await tokenize(runtime, req.prompt)
     request_id = req.request_id or f"req-{uuid.uuid4().hex}"
     seq = make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id, prompt_logprobs=req.prompt_logprobs)
+    await attach_grammar(runtime, [seq], *generate_grammar(req.json_schema, req.regex, req.choice))
     gen = start_generation(runtime, seq, req.stop)
     if req.stream:
         return sse_response([gen], request, GenerateFrames(request_id))

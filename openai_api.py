@@ -8,6 +8,7 @@ server-sent events (through ``streaming.py``). Errors use OpenAI's body shape. N
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -32,6 +33,8 @@ from serving import (
     tokenize,
 )
 from streaming import Frames, run_all, sse_response, usage
+from structured_output import attach_grammar, response_format_grammar
+from tool_calls import may_be_tool_call, parse_tool_calls, tool_call_grammar, tool_mode
 
 log = logging.getLogger("minibatch.api")
 _CREATED = int(time.time())
@@ -76,6 +79,8 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
                 seq_id = rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}"  # a label for the logs
                 fields = choice_fields(req, j)
                 seqs.append(make_sequence(runtime, ids, max_tokens, fields, seq_id, req.logprobs, prompt_k))
+    if not score_only:
+        await attach_grammar(runtime, seqs, response_format_grammar(req.response_format), "response_format")
     gens = start_generations(runtime, seqs, req.stop)
     echoes = [text for _, text in prompts for _ in range(n)]
     if req.stream:
@@ -154,7 +159,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     asked = req.max_completion_tokens or req.max_tokens
     if asked:
         check_max_tokens(runtime, asked, "max_completion_tokens")
-    prompt_text = await render_chat(runtime, [m.template_dict() for m in req.messages])
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+    mode = check_tools(runtime, req, tools)
+    grammar, grammar_param = response_format_grammar(req.response_format), "response_format"
+    if mode not in (None, "none", "auto"):  # required or a named function: the answer is one call, always
+        if grammar is not None:
+            raise APIError(
+                400, "response_format cannot be combined with tool_choice " + repr(mode), param="tool_choice"
+            )
+        grammar, grammar_param = tool_call_grammar(tools, mode), "tools"
+    prompt_text = await render_chat(runtime, [m.template_dict() for m in req.messages], tools)
     prompt_ids = await tokenize(runtime, prompt_text, add_special_tokens=False)  # the template holds them
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
@@ -164,10 +178,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         make_sequence(runtime, prompt_ids, max_tokens, choice_fields(req, j), rid if n == 1 else f"{rid}-{j}", k)
         for j in range(n)
     ]
+    await attach_grammar(runtime, seqs, grammar, grammar_param)
     gens = start_generations(runtime, seqs, req.stop)
+    names = [t["function"]["name"] for t in tools or []] if mode not in (None, "none") else []
     if req.stream:
-        return sse_response(gens, request, ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n))
+        frames = ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n, tool_names=names)
+        return sse_response(gens, request, frames)
     done = await run_all(gens, request)
+    answers = [chat_message(gen.text, names, seq.finish_reason) for gen, seq in zip(gens, done)]
     return {
         "id": rid,
         "object": "chat.completion",
@@ -176,14 +194,42 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         "choices": [
             {
                 "index": j,
-                "message": {"role": "assistant", "content": gen.text},
+                "message": message,
                 "logprobs": chat_logprobs(runtime, seq.output_logprobs) if k is not None else None,
-                "finish_reason": seq.finish_reason,
+                "finish_reason": finish,
             }
-            for j, (gen, seq) in enumerate(zip(gens, done))
+            for j, (seq, (message, finish)) in enumerate(zip(done, answers))
         ],
         "usage": openai_usage(done, n),
     }
+
+
+def check_tools(runtime: Runtime, req: ChatCompletionRequest, tools: list[dict] | None) -> str | None:
+    """The request's tool mode (``tool_calls.tool_mode``), after refusing (400) tools or tool messages sent
+    to a model whose chat template cannot render them."""
+    mode = tool_mode(tools, req.tool_choice)
+    if runtime.engine.supports_tools():
+        return mode
+    if tools:
+        raise APIError(
+            400,
+            f"`tools`: the chat template of model {runtime.config.model_name!r} does not render tools",
+            param="tools",
+        )
+    for i, message in enumerate(req.messages):
+        if message.uses_tools:
+            param = f"messages.{i}.role" if message.role == "tool" else f"messages.{i}.tool_calls"
+            message = "`tool_calls` and `tool` messages in the history need a chat template that renders tools"
+            raise APIError(400, f"{message} (model {runtime.config.model_name!r})", param=param)
+    return mode
+
+
+def chat_message(text: str, tool_names: list[str], finish: str | None) -> tuple[dict, str | None]:
+    """The answer's ``message`` and ``finish_reason``: tool calls when the text is one (``tool_calls.py``)."""
+    calls = parse_tool_calls(text, tool_names) if tool_names else None
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
 
 # --- request checks ------------------------------------------------------------------------------
@@ -403,7 +449,46 @@ class CompletionFrames(OpenAIFrames):
 
 
 class ChatFrames(OpenAIFrames):
+    """With tools (``tool_names``), text that may be a tool call is held back: once it cannot be one it goes out
+    as content; if the answer is one, its calls go out at the end as ``delta.tool_calls`` (per call, the id
+    and name, then the arguments), with finish_reason "tool_calls". Logprobs of held-back tokens go out
+    with empty deltas as they come."""
+
     object = "chat.completion.chunk"
+
+    def __init__(self, *args, tool_names: list[str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_names = tool_names or []
+        # Per choice, the text held back while it may still be a tool call; a choice not in it streams content.
+        self.held: dict[int, str] = {i: "" for i in range(self.n)} if self.tool_names else {}
+
+    def text(self, i: int, chunk: Chunk) -> dict | None:
+        if i not in self.held:
+            return super().text(i, chunk)
+        self.held[i] += chunk.text
+        if may_be_tool_call(self.held[i]):
+            lp = chat_logprobs(self.runtime, chunk.logprobs) if self.wants_logprobs and chunk.logprobs else None
+            if lp is None:
+                return None
+            return {**self.base, "choices": [{"index": i, "delta": {}, "logprobs": lp, "finish_reason": None}]}
+        return super().text(i, dataclasses.replace(chunk, text=self.held.pop(i)))
+
+    def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
+        if i not in self.held:
+            return super().closing(i, seq, rest)
+        text = self.held.pop(i) + rest
+        calls = parse_tool_calls(text, self.tool_names)
+        if calls is None:
+            return super().closing(i, seq, text)
+        events = []
+        for j, call in enumerate(calls):
+            head = {"index": j, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
+            args = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
+            for delta in (head, args):
+                choice = {"index": i, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None}
+                events.append({**self.base, "choices": [choice]})
+        end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+        return [*events, {**self.base, "choices": [end]}]
 
     def opening(self) -> list[dict]:
         """The role frame of every choice."""

@@ -66,6 +66,8 @@ __all__ = [
     "TokenLogprobs",
     "apply_logit_bias",
     "apply_penalties",
+    "apply_token_bitmask",
+    "grammar_bitmask",
     "logprobs",
     "sample",
     "seeded_uniform",
@@ -463,6 +465,34 @@ def sample(
         toks = fn(xr, temp, [params[i] for i in rows], _col([u[i] for i in rows], torch.float64, dev))
         for i, tok in zip(rows, toks.tolist()):
             out[i] = tok
+    return out
+
+
+def grammar_bitmask(grammars: Sequence, vocab: int) -> torch.Tensor:
+    """Structured output: each grammar's allowed next tokens as one row of an int32 bitmask [len(grammars),
+    ceil(vocab / 32)] (bit t % 32 of word t // 32 set = token t allowed), each row filled in place by
+    ``grammar.fill_mask(address, nbytes)``."""
+    import torch
+
+    mask = torch.zeros(len(grammars), (vocab + 31) // 32, dtype=torch.int32)  # contiguous, on the CPU
+    row_bytes = mask.shape[1] * mask.element_size()
+    for row, grammar in enumerate(grammars):
+        grammar.fill_mask(mask.data_ptr() + row * row_bytes, row_bytes)
+    return mask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` [N, V] in which, for each ``rows[j]``, the tokens bitmask row j does not allow are
+    -inf (a masked token: sampling never picks it; the other rows are unchanged). Bits past V are ignored."""
+    import torch
+
+    n, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32)
+    # [len(rows), W, 32] -> [len(rows), W * 32]: bit b of word w is token 32 * w + b
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab].to(logits.device)
+    out = logits.clone()
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    out[index] = out[index].masked_fill(~allowed, -math.inf)
     return out
 
 

@@ -82,6 +82,16 @@ class GenerateRequest(SamplingFields):
     prompt_logprobs: int | None = Field(
         default=None, ge=0, le=20, description="each prompt token's logprob and the top k (at most MAX_LOGPROBS)"
     )
+    # Structured output (at most one): the text is constrained to the grammar (README, "Structured output").
+    json_schema: dict | bool | None = Field(default=None, description="the output is JSON valid under this schema")
+    regex: str | None = Field(default=None, min_length=1, description="the output matches this regex")
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=256, description="the output is one of")
+
+    @model_validator(mode="after")
+    def _one_grammar(self):
+        if sum(x is not None for x in (self.json_schema, self.regex, self.choice)) > 1:
+            raise ValueError("give at most one of `json_schema`, `regex` and `choice`")
+        return self
 
     @field_validator("prompt", "request_id")
     @classmethod
@@ -109,7 +119,7 @@ IGNORED_FIELDS = (
     "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_cache_options",
-    "parallel_tool_calls",  # only means something with tools, which are refused
+    "parallel_tool_calls",  # auto may answer several calls; required/named answers one
 )
 
 
@@ -122,12 +132,9 @@ REFUSED_FIELDS = {
     "suffix": (_unused, "`suffix` (insertion) is not supported"),
     "functions": (_unused, "`functions` (function calling) is not supported"),
     "function_call": (lambda v: _unused(v) or v == "none", "`function_call` is not supported"),
-    "tools": (_unused, "`tools` (tool calling) is not supported"),
-    "tool_choice": (lambda v: _unused(v) or v in ("none", "auto"), "`tool_choice` is not supported (no tools)"),
-    "response_format": (
-        lambda v: _unused(v) or v == {"type": "text"},
-        '`response_format` other than {"type": "text"} is not supported (no JSON mode or schemas)',
-    ),
+    # Implemented on /v1/chat/completions (typed fields there), refused on /v1/completions.
+    "tools": (_unused, "`tools` (tool calling) is only supported on /v1/chat/completions"),
+    "tool_choice": (lambda v: _unused(v) or v in ("none", "auto"), "`tool_choice` needs /v1/chat/completions"),
     "modalities": (lambda v: _unused(v) or v == ["text"], '`modalities` other than ["text"] are not supported'),
     "audio": (_unused, "`audio` output is not supported"),
     "prediction": (_unused, "`prediction` (predicted outputs) is not supported"),
@@ -157,6 +164,8 @@ class OpenAIFields(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by structured_output.py
+    response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field this request uses that the server does not implement: (name, message)."""
@@ -196,6 +205,35 @@ class CompletionRequest(OpenAIFields):
         return super().unsupported()
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=100_000, description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    """A tool call in an assistant message of the history (as the API answered it)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = Field(default=None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None  # calls under tool_choice required/named always follow the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ContentPart(BaseModel):
     """One part of a message's content. Only text is implemented; the other OpenAI part types
     (``image_url``, ``input_audio``, ``file``, ``refusal``) are answered with a 400."""
@@ -210,9 +248,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(default=None, max_length=256)  # given to the chat template
-    # Tool and function calling history, and audio, are not implemented: non-null -> 400.
-    tool_calls: list | None = None
-    tool_call_id: str | None = None
+    # Tool calling history (tool_calls on an assistant message, tool messages); function calling (the
+    # deprecated form) and audio are not implemented: non-null -> 400.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
     function_call: dict | None = None
     audio: dict | None = None
     refusal: str | None = None
@@ -228,18 +267,30 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text or "" for p in self.content or [])
 
-    def template_dict(self) -> dict[str, str]:
-        """What the chat template sees: role, content and, if given, name."""
+    def template_dict(self) -> dict:
+        """What the chat template sees: role, content and, if given, name, tool_calls and tool_call_id."""
         out = {"role": self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            from tool_calls import history_tool_calls
+
+            out["tool_calls"] = history_tool_calls([c.model_dump() for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
     def unsupported(self, where: str) -> tuple[str, str] | None:
         """The first thing in this message the server does not implement: (param, message)."""
-        if self.role in ("tool", "function"):
-            return f"{where}.role", f"messages with role `{self.role}` are not supported (no tool calling)"
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+        if self.role == "function":
+            return f"{where}.role", "messages with role `function` are not supported (use `tools` and role `tool`)"
+        if self.tool_calls and self.role != "assistant":
+            return f"{where}.tool_calls", "only an assistant message may carry `tool_calls`"
+        for name in ("function_call", "audio", "refusal"):
             if not _unused(getattr(self, name)):
                 return f"{where}.{name}", f"`{name}` in a message is not supported"
         for j, part in enumerate(self.content if isinstance(self.content, list) else []):
@@ -255,6 +306,16 @@ class ChatCompletionRequest(OpenAIFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, value):
+        names = [t.function.name for t in value or []]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be unique")
+        return value
 
     @field_validator("messages")
     @classmethod

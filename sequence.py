@@ -58,6 +58,9 @@ class Sequence:
     # sampling.TokenLogprobs per prompt token.
     prompt_logprobs_k: int | None = None
     prompt_logprobs: list[Any] = field(default_factory=list)
+    # Structured output: a structured_output.GrammarState (None: unconstrained). The engine masks the row's
+    # logits with it; append_token advances it, so it always matches output_token_ids (preemption included).
+    grammar: Any = None
     # perf_counter() deadlines; None = no limit. Past them the scheduler ends it as FINISHED_TIMEOUT.
     queue_deadline: float | None = None
     deadline: float | None = None
@@ -101,7 +104,9 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+        if token_id in self.stop_token_ids or (self.grammar is not None and self.grammar.is_finished):
             self.finish(SequenceStatus.FINISHED_STOPPED, now)
         elif len(self.output_token_ids) >= self.max_new_tokens:
             self.finish(SequenceStatus.FINISHED_LENGTH, now)

@@ -98,10 +98,11 @@ async def detokenize(runtime: Runtime, ids: list[int]) -> str:
     return await runtime.off_loop(runtime.engine.decode, ids)
 
 
-async def render_chat(runtime: Runtime, messages: list[dict[str, str]]) -> str:
-    """The chat template applied to ``messages`` (400 if the model has none or it fails on them)."""
+async def render_chat(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The chat template applied to ``messages`` and ``tools`` (400 if the model has none or it fails on them)."""
     try:
-        return await runtime.off_loop(runtime.engine.apply_chat_template, messages)
+        args = (messages,) if tools is None else (messages, tools)
+        return await runtime.off_loop(runtime.engine.apply_chat_template, *args)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
 

@@ -411,7 +411,10 @@ def test_invalid_chat_sampling_values_are_422(client, kwargs, field):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}},
+            "response_format",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"modalities": ["text", "audio"]}, "modalities"),

@@ -16,7 +16,8 @@ CHAT = [{"role": "user", "content": "Hello there"}]
 COMPLETION = ("/v1/completions", {"prompt": "fields", "max_tokens": 4})
 CHAT_COMPLETION = ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})
 
-# field -> a value that asks for something not implemented
+# field -> a value that asks for something not implemented (tools and response_format are, on /v1/chat and
+# with a model: the FakeEngine has neither a tools chat template nor a tokenizer to compile grammars against)
 REFUSED = {
     "suffix": "the end",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
@@ -118,7 +119,11 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog):
         ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.1.role", "tool"),
         ({"role": "function", "name": "f", "content": "42"}, "messages.1.role", "function"),
         (
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
             "messages.1.tool_calls",
             "tool_calls",
         ),

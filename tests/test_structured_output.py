@@ -1,0 +1,405 @@
+"""Structured output and tool calling on the tiny Llama checkpoint, through real clients (the ``openai`` client
+and httpx against uvicorn on 127.0.0.1) and through the engine directly (preemption and chunked prefill).
+
+The tiny model is random: whatever it samples, the grammar must make the answer parse and validate.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from live import ThreadServer
+from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-once fixture)
+
+from config import Config
+from sampling import SamplingParams, apply_token_bitmask
+from sequence import Sequence, SequenceStatus
+from server import create_app
+
+TIMEOUT = 120.0
+
+# A Hermes-style chat template that renders tools (what tool_calls.py parses back).
+TOOLS_TEMPLATE = """{%- if tools %}<|system|>You can call these tools, answering <tool_call>{"name": ..., \
+"arguments": ...}</tool_call>:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}
+{% elif m.role == 'tool' %}<|tool|>{{ m.content }}
+{% else %}<|{{ m.role }}|>{{ m.content }}
+{% endif %}
+{%- endfor %}<|assistant|>"""
+
+# The same in ChatML, SmolLM2's turn format (its own template does not render tools).
+CHATML_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+You can call tools. To call one, answer <tool_call>
+{"name": <name>, "arguments": <object>}
+</tool_call>
+Tools:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}<|im_start|>assistant
+"""
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome", "Tokyo"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from make_test_model import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), shape="tiny", seed=0, arch="llama")
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama_dir):
+    config = Config(model_id=tiny_llama_dir, max_batch_size=8, chat_template=TOOLS_TEMPLATE, max_new_tokens_limit=400)
+    with ThreadServer(create_app(config)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+        yield c
+
+
+def person_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+# --- the mask --------------------------------------------------------------------------------------------
+def test_apply_token_bitmask_masks_only_the_grammar_rows():
+    logits = torch.randn(3, 40)
+    mask = torch.zeros(1, 2, dtype=torch.int32)
+    mask[0, 0] = (1 << 3) - (1 << 31)  # tokens 3 and 31 (bit 31 is the int32 sign bit)
+    mask[0, 1] = 1 << 5  # token 37
+    out = apply_token_bitmask(logits, [1], mask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])  # the other rows: untouched
+    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    assert allowed == [3, 31, 37] and torch.equal(out[1][allowed], logits[1][allowed])
+    assert torch.isfinite(logits).all()  # the input is not modified
+
+
+# --- the engine: preemption and chunked prefill ---------------------------------------------------------
+def run_engine(engine, seqs: list[Sequence], max_steps: int = 2000) -> None:
+    """Admit as room allows, step, readmit the preempted (front of the queue): a scheduler's loop, bounded."""
+    waiting = list(seqs)
+    for _ in range(max_steps):
+        waiting = engine.take_preempted() + waiting
+        batch = []
+        while waiting and engine.can_admit([*batch, waiting[0]]):
+            batch.append(waiting.pop(0))
+        engine.admit_and_step(batch) if batch else engine.step()
+        waiting = engine.take_preempted() + waiting
+        if all(s.is_finished for s in seqs):
+            return
+    raise AssertionError("sequences did not finish")
+
+
+def test_grammar_survives_preemption_and_chunked_prefill(tiny_llama_dir):
+    """A KV pool too small for the batch preempts and recomputes sequences, and prompts arrive in chunks: every
+    constrained answer still validates, and an unconstrained row gets the tokens it gets alone."""
+    from engine import HFEngine
+    from structured_output import compiler_for, schema_grammar
+
+    cfg = dict(model_id=tiny_llama_dir, max_batch_size=4, kv_block_size=4, max_num_batched_tokens=8)
+    engine = HFEngine(Config(**cfg, kv_cache_mb=0.08))
+    grammar = schema_grammar(PERSON)
+    prompt = engine.encode("Describe a person as JSON:")
+    seqs = []
+    for i in range(3):
+        seq = Sequence(prompt, 120, sampling=SamplingParams(temperature=1.0, seed=i))
+        seq.grammar = compiler_for(engine).matcher(grammar)
+        seqs.append(seq)
+    free = Sequence(prompt, 40)  # greedy, unconstrained
+    run_engine(engine, [*seqs, free])
+    assert engine.num_preemptions > 0
+    for seq in seqs:
+        assert seq.status == SequenceStatus.FINISHED_STOPPED, seq.status
+        jsonschema.validate(json.loads(engine.decode(seq.output_token_ids)), PERSON)
+    alone = Sequence(prompt, 40)
+    run_engine(HFEngine(Config(**cfg)), [alone])
+    assert free.output_token_ids == alone.output_token_ids
+
+
+# --- /v1 and /generate -----------------------------------------------------------------------------------
+def test_json_schema_20_sampled_answers_all_validate(client):
+    """Nested objects, arrays, enums, a pattern and required fields at temperature 1, 8 requests at a time."""
+
+    model = client.models.list().data[0].id
+
+    def ask(seed: int):
+        return client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Who are you? Answer in JSON."}],
+            response_format=person_format(),
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(20)))
+    texts = set()
+    for answer in answers:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        texts.add(choice.message.content)
+    assert len(texts) > 1  # sampled, not one forced answer
+
+
+def test_json_object_on_completions_and_streams(client, live):
+    model = client.models.list().data[0].id
+    out = client.completions.create(
+        model=model, prompt="JSON:", extra_body={"response_format": {"type": "json_object"}}, max_tokens=300, seed=3
+    )  # the client has no typed response_format for completions: it goes in the body as it is
+    assert isinstance(json.loads(out.choices[0].text), dict) and out.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, response_format=person_format(), max_tokens=300, stream=True, seed=5
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_generate_regex_choice_and_schema(live):
+    def gen(**fields):
+        r = httpx.post(f"{live.url}/generate", json={"prompt": "x", "max_new_tokens": 60, **fields}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    for seed in range(3):
+        out = gen(regex=r"[0-9]{3}-[a-z]{2}", temperature=1.0, seed=seed)
+        assert len(out["text"]) == 6 and out["text"][3] == "-" and out["text"][:3].isdigit(), out
+        assert out["finish_reason"] == "stop"
+        choices = ["yes", "no", 'maybe "so"']
+        assert gen(choice=choices, temperature=1.0, seed=seed)["text"] in choices
+    jsonschema.validate(json.loads(gen(json_schema=PERSON, max_new_tokens=300)["text"]), PERSON)
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}},
+            "response_format",
+            "not",
+        ),
+        (
+            "/v1/completions",
+            {
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"uniqueItems": True}}},
+            },
+            "response_format",
+            "uniqueItems",
+        ),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "json_schema"),
+        ("/generate", {"prompt": "x", "json_schema": {"type": "string", "if": {}, "then": {}}}, "json_schema", "if"),
+        ("/generate", {"prompt": "x", "regex": "[0-9"}, "regex", "unclosed"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": ASK,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+            "not",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "nope",
+        ),
+        ("/v1/chat/completions", {"messages": ASK, "tool_choice": "required"}, "tool_choice", "tools"),
+    ],
+)
+def test_unsupported_constructs_are_400_naming_them(live, path, body, param, words):
+    budget = {"max_new_tokens": 4} if path == "/generate" else {"max_tokens": 4}
+    r = httpx.post(f"{live.url}{path}", json={**budget, **body}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+# --- tools -----------------------------------------------------------------------------------------------
+def test_tool_call_round_trip(client):
+    """tool_choice names a function: the call parses and its arguments validate; the history with the call and
+    the tool's answer is accepted and answered with content."""
+    model = client.models.list().data[0].id
+    tools = [WEATHER, CLOCK]
+    first = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=tools,
+        temperature=1.0,
+        seed=1,
+        max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=history, tools=tools, tool_choice="none", max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    for seed in range(3):  # required: some tool, always a valid call
+        out = client.chat.completions.create(
+            model=model, messages=ASK, tools=tools, tool_choice="required", temperature=1.0, seed=seed, max_tokens=100
+        )
+        (call,) = out.choices[0].message.tool_calls
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+def test_streamed_tool_call_deltas_reassemble_into_the_same_call(client):
+    model = client.models.list().data[0].id
+    kwargs = dict(
+        model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0, max_tokens=100
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == whole.function.name and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == json.loads(whole.function.arguments)
+
+
+def test_auto_answers_parse_as_calls_or_content(client):
+    """auto: the model may answer anything; what starts as a tool call and parses is a call, anything else is
+    content, the same way streamed and not."""
+    model = client.models.list().data[0].id
+    for seed in range(2):
+        kwargs = dict(model=model, messages=ASK, tools=[WEATHER], temperature=1.0, seed=seed, max_tokens=12)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        text = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True) if c.choices
+        )
+        assert whole.message.tool_calls is None and whole.message.content == text
+
+
+def test_tools_need_a_template_that_renders_them(tiny_llama_dir):
+    """The checkpoint's own template (no ``tools``): tools and tool history are 400, plain chat works."""
+    config = Config(
+        model_id=tiny_llama_dir, max_batch_size=2, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    with ThreadServer(create_app(config)) as server:
+        url = f"{server.url}/v1/chat/completions"
+        r = httpx.post(url, json={"messages": ASK, "tools": [WEATHER], "max_tokens": 2}, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        history = [*ASK, {"role": "tool", "tool_call_id": "c", "content": "21"}]
+        r = httpx.post(url, json={"messages": history, "max_tokens": 2}, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role", r.text
+        assert httpx.post(url, json={"messages": ASK, "max_tokens": 2}, timeout=TIMEOUT).status_code == 200
+
+
+# --- SmolLM2 (real weights) ------------------------------------------------------------------------------
+@pytest.mark.model
+def test_smollm2_tool_call_round_trip(smollm2_gguf):  # noqa: F811 (the fixture imported from test_llama)
+    """SmolLM2-135M-Instruct with a tools template: it calls get_weather for Paris, gets the tool's answer, and
+    answers in words."""
+    gguf = smollm2_gguf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
+        config = Config(model_id=gguf, max_batch_size=2, max_model_len=1024, chat_template=CHATML_TOOLS_TEMPLATE)
+        server = ThreadServer(create_app(config))
+    with server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+        first = c.chat.completions.create(
+            model=gguf, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0, max_tokens=60
+        )
+        assert first.choices[0].finish_reason == "tool_calls", first
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] == "Paris"
+        history = [
+            *ASK,
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'},
+        ]
+        answer = c.chat.completions.create(
+            model=gguf, messages=history, tools=[WEATHER, CLOCK], tool_choice="none", temperature=0, max_tokens=40
+        )
+        text = answer.choices[0].message.content
+        assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "stop", answer
+        assert "sunny" in text.lower() or "21" in text, text  # it read the tool's answer
