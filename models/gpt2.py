@@ -130,7 +130,8 @@ class GPT2(MixedForward):
     def _lean_block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch) -> torch.Tensor:
         """``_block`` for a lean decode step (B rows, no prompts): the same math in a few compiled calls."""
         qkv = block.c_attn(self._ln(x, block.ln_1, lean=True))  # [B, 3C]: q, k, v heads back to back
-        att = lean_attention(qkv, self.n_head, None, self.kv, layer, batch, self.attn_scales[layer])  # [B, C]
+        pools, scale = self.layer_pools[layer], self.attn_scales[layer]
+        att = lean_attention(qkv, self.n_head, None, pools, batch, scale)  # [B, C]
         x = block.attn_proj.add(att, x)
         return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2, lean=True), self.gelu_approx), x)
 

@@ -277,14 +277,14 @@ def lean_attention(
     qkv: torch.Tensor,
     n_head: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
-    kv: PagedKVCache,
-    layer: int,
+    pools: tuple[torch.Tensor, torch.Tensor],
     batch: MixedBatch,
     scale: float,
 ) -> torch.Tensor:
     """A lean decode step's attention: qkv [B, (H + 2 KVH) D] -> [B, H D]; RoPE (the full cos, sin tables, or
-    None), this layer's K/V write and the paged attention in one kernel call."""
-    k_pool, v_pool = kv.pools(layer)
+    None), the K/V write into this layer's ``pools`` (``PagedKVCache.pools``) and the paged attention in one
+    kernel call."""
+    k_pool, v_pool = pools
     out = attention_kernel.rope_write_attend(
         qkv,
         n_head,
@@ -435,6 +435,7 @@ class MixedForward:
         """The KV block pool (K/V heads only); lean decode steps where their kernels run."""
         self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device)
         self.lean_decode = lean_decode_supported(device, head_dim, block_size)
+        self.layer_pools = [self.kv.pools(layer) for layer in range(n_layer)]  # views, made once, not per step
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, object]:
         raise NotImplementedError

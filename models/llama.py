@@ -197,7 +197,7 @@ class Llama(MixedForward):
         rope: the full cos, sin tables [max_len, 1, D]; ``lean_attention`` rotates at each row's position.
         """
         qkv = block.qkv(self._rms(x, block.ln_1, lean=True))  # [B, (H + 2 KVH) D]
-        att = lean_attention(qkv, self.n_head, rope, self.kv, layer, batch, self.scale)  # [B, H D]
+        att = lean_attention(qkv, self.n_head, rope, self.layer_pools[layer], batch, self.scale)  # [B, H D]
         x = block.o_proj.add(att, x)
         act = decode_ops.silu_mul(block.gate_up(self._rms(x, block.ln_2, lean=True)))  # [B, I]
         return block.down.add(act, x)

@@ -70,9 +70,10 @@ def count_dispatches(model, tokens, positions, tables) -> int:
     return Count.n
 
 
-def served(batch_sizes: list[int], new_tokens: int, root: str) -> None:
-    """``python server.py`` from ``root``; B streamed /v1/completions at once, ignore_eos: the gaps between
-    each stream's tokens (the first token's wait, the prefill, excluded)."""
+def served(batch_sizes: list[int], new_tokens: int, root: str, llamacpp: str = "") -> None:
+    """``python server.py`` from ``root`` (or ``llamacpp``: that llama-server binary on MODEL_ID, a GGUF, with
+    NUM_THREADS threads); B streamed /v1/completions at once, ignore_eos: the gaps between each stream's
+    tokens (the first token's wait, the prefill, excluded)."""
     import asyncio
 
     import httpx
@@ -82,13 +83,19 @@ def served(batch_sizes: list[int], new_tokens: int, root: str) -> None:
         port = s.getsockname()[1]
     env = dict(os.environ, PORT=str(port), HOST="127.0.0.1", LOG_LEVEL="warning")
     env.setdefault("MAX_BATCH_SIZE", str(max(batch_sizes)))
-    proc = subprocess.Popen([sys.executable, "server.py"], cwd=root, env=env)
+    if llamacpp:
+        slots, threads = env["MAX_BATCH_SIZE"], env.get("NUM_THREADS", "2")
+        cmd = [llamacpp, "-m", env["MODEL_ID"], "--host", "127.0.0.1", "--port", str(port), "-np", slots]
+        cmd += ["-t", threads, "-c", str(int(slots) * 256), "--no-webui"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:
+        proc = subprocess.Popen([sys.executable, "server.py"], cwd=root, env=env)
     try:
-        _wait_ready(port, proc)
+        _wait_ready(port, proc, "/health" if llamacpp else "/ready")
 
         async def one(client, b: int) -> list[float]:
             body = {
-                "prompt": [[(7 * b + i) % 1000 + 10 for i in range(PROMPT_LEN)]],
+                "prompt": [(7 * b + i) % 1000 + 10 for i in range(PROMPT_LEN)],
                 "max_tokens": new_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
@@ -119,7 +126,7 @@ def served(batch_sizes: list[int], new_tokens: int, root: str) -> None:
             proc.kill()
 
 
-def _wait_ready(port: int, proc: subprocess.Popen) -> None:
+def _wait_ready(port: int, proc: subprocess.Popen, path: str) -> None:
     import urllib.request
 
     deadline = time.time() + 300
@@ -127,7 +134,7 @@ def _wait_ready(port: int, proc: subprocess.Popen) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -145,6 +152,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps (bare) / new tokens (served)")
     ap.add_argument("--dispatches", action="store_true", help="count ATen ops of one decode step (bare)")
+    ap.add_argument("--llamacpp", default="", help="served: this llama-server binary instead of ours")
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
@@ -153,7 +161,7 @@ def main() -> None:
     if args.mode == "bare":
         bare(args.batch, args.steps, args.dispatches)
     else:
-        served(args.batch, args.steps, root)
+        served(args.batch, args.steps, root, args.llamacpp)
 
 
 if __name__ == "__main__":
