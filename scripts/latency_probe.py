@@ -25,8 +25,9 @@ import time
 PROMPT_LEN = 64
 
 
-def bare(batch_sizes: list[int], steps: int, dispatches: bool) -> None:
-    """HFEngine's model stepped directly: B sequences prefilled, then ``steps`` timed decode steps."""
+def bare(batch_sizes: list[int], steps: int, dispatches: bool, torch_path: bool = False) -> None:
+    """HFEngine's model stepped directly: B sequences prefilled, then ``steps`` timed decode steps
+    (``torch_path``: with the lean decode path off, where the tree has one)."""
     from config import Config
     from engine import HFEngine
 
@@ -34,6 +35,8 @@ def bare(batch_sizes: list[int], steps: int, dispatches: bool) -> None:
     import torch
 
     model = engine.model
+    if torch_path:
+        model.lean_decode = False
     per_seq = -(-(PROMPT_LEN + steps + 8) // model.kv.block_size)
     for B in batch_sizes:
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
@@ -152,6 +155,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps (bare) / new tokens (served)")
     ap.add_argument("--dispatches", action="store_true", help="count ATen ops of one decode step (bare)")
+    ap.add_argument("--torch-path", action="store_true", help="bare: lean decode steps off (attribution)")
     ap.add_argument("--llamacpp", default="", help="served: this llama-server binary instead of ours")
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args()
@@ -159,7 +163,7 @@ def main() -> None:
     sys.path.insert(0, root)
     os.chdir(root)
     if args.mode == "bare":
-        bare(args.batch, args.steps, args.dispatches)
+        bare(args.batch, args.steps, args.dispatches, args.torch_path)
     else:
         served(args.batch, args.steps, root, args.llamacpp)
 
