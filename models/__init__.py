@@ -4,12 +4,13 @@ Importing this package imports no torch (torch-free modules live here too: ``cac
 ``native_memory.py``); ``families()`` imports the torch modules when a model loads.
 
     layers.py      what every family shares: Linear (oneDNN / small-batch kernel), MixedBatch, the one
-                   mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop)
+                   mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop),
+                   the lean decode path (small decode-only steps as a few compiled calls per layer)
     gpt2.py        GPT-2 block math and weight mapping
     llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
     kv_cache.py    the preallocated KV block pool (the block manager, ``block_manager.py``, says who holds what)
-    kernels/       compiled kernels (small_gemm.c, paged_attention.c; quant_gemm.c with the int8/int4 packed
-                   layout) and the build-once-into-the-cache loader
+    kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
+                   decode_ops.c; quant_gemm.c with the int8/int4 packed layout) and the build-once loader
     quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights
     quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     cache_dir.py   where checkpoints and built kernels are cached

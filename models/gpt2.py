@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .kernels import decode_ops
 from .kernels.quant_gemm import QuantWeight
 from .layers import (
     Linear,
@@ -23,6 +24,7 @@ from .layers import (
     embed_rows,
     embedding_table,
     fp32_state_dict,
+    lean_attention,
     linear_factory,
     mixed_attention,
 )
@@ -102,7 +104,10 @@ class GPT2(MixedForward):
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
 
-    def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor], lean: bool = False) -> torch.Tensor:
+        """x: [N, C] -> LayerNorm(x): [N, C] (one compiled call on a lean step)."""
+        if lean:
+            return decode_ops.layer_norm(x, wb[0], wb[1], self.eps)
         return F.layer_norm(x, (self.n_embd,), wb[0], wb[1], self.eps)
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, None]:
@@ -114,12 +119,22 @@ class GPT2(MixedForward):
 
     def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, pos_state: None) -> torch.Tensor:
         """x: [N, C] -> x + attn(LN(x)), then + MLP(LN(.)): [N, C]."""
+        if batch.lean:
+            return self._lean_block(layer, block, x, batch)
         N, H, D = x.shape[0], self.n_head, self.head_dim
         q, k, v = block.c_attn(self._ln(x, block.ln_1)).view(N, 3, H, D).unbind(1)  # each [N, H, D]
         att = mixed_attention(q, k, v, self.kv, layer, batch, self.attn_scales[layer])  # [N, H, D]
         x = block.attn_proj.add(att.view(N, self.n_embd), x)
         return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2), self.gelu_approx), x)
 
-    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+    def _lean_block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch) -> torch.Tensor:
+        """``_block`` for a lean decode step (B rows, no prompts): the same math in a few compiled calls."""
+        qkv = block.c_attn(self._ln(x, block.ln_1, lean=True))  # [B, 3C]: q, k, v heads back to back
+        pools, scale = self.layer_pools[layer], self.attn_scales[layer]
+        att = lean_attention(qkv, self.n_head, None, pools, batch, scale)  # [B, C]
+        x = block.attn_proj.add(att, x)
+        return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2, lean=True), self.gelu_approx), x)
+
+    def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """x_last: [n, C] final hidden states -> [n, V] logits."""
-        return self.lm_head(self._ln(x_last, self.ln_f))
+        return self.lm_head(self._ln(x_last, self.ln_f, lean))

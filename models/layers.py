@@ -7,6 +7,12 @@ attention runs per part (``mixed_attention``): decode rows over their KV blocks 
 prompt chunk causally over itself (and its earlier blocks), every token's K/V landing in its slot of
 the block pool. Logits only for the decode rows and each chunk's last token.
 
+Lean decode: a step of decode rows only, at most ``LEAN_MAX_ROWS`` of them, runs each layer as a few
+compiled calls (``lean_decode_supported``): the norm, the fused QKV linear, one ``rope_write_attend``
+(RoPE + KV write + paged attention), the output linear with its residual add, the norm, the MLP linears
+and their activation. At those sizes a step is bound by per-op dispatch and weight bytes, not FLOPs;
+steps with prompt chunks, and larger batches, keep the torch path (compute-bound, oneDNN / SDPA).
+
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.
 """
@@ -20,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import quant_gemm, small_gemm
+from .kernels import decode_ops, quant_gemm, small_gemm
+from .kernels import paged_attention as attention_kernel
 from .kernels.paged_attention import paged_attention
 from .kernels.quant_gemm import QuantWeight
 from .kv_cache import PagedKVCache
@@ -172,6 +179,7 @@ class MixedBatch:
     context_lens: torch.Tensor | None  # [B] int32: decode row b attends positions [0, pos[b]]
     prompts: list[tuple[int, int, int, torch.Tensor]]  # per chunk: (first activation row, length, start, table)
     sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
+    lean: bool = False  # decode rows only, few enough for the lean path (MixedForward.forward sets it)
 
     @classmethod
     def build(
@@ -254,6 +262,45 @@ def mixed_attention(
     return out
 
 
+LEAN_MAX_ROWS = small_gemm.MAX_ROWS  # decode steps up to this batch take the lean path (dispatch-bound there)
+
+
+def lean_decode_supported(device: torch.device, head_dim: int, block_size: int) -> bool:
+    """Whether this model can run lean decode steps: CPU, and the compiled kernels it needs load here."""
+    if device.type != "cpu" or decode_ops.load() is None:
+        return False
+    probe_q, probe_pool = torch.empty(1, 1, head_dim), torch.empty(1, block_size, 1, head_dim)
+    return attention_kernel.kernel_supports(probe_q, probe_pool)
+
+
+def lean_attention(
+    qkv: torch.Tensor,
+    n_head: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    pools: tuple[torch.Tensor, torch.Tensor],
+    batch: MixedBatch,
+    scale: float,
+) -> torch.Tensor:
+    """A lean decode step's attention: qkv [B, (H + 2 KVH) D] -> [B, H D]; RoPE (the full cos, sin tables, or
+    None), the K/V write into this layer's ``pools`` (``PagedKVCache.pools``) and the paged attention in one
+    kernel call."""
+    k_pool, v_pool = pools
+    out = attention_kernel.rope_write_attend(
+        qkv,
+        n_head,
+        rope,
+        batch.pos,
+        k_pool,
+        v_pool,
+        batch.slot_blocks,
+        batch.slot_offsets,
+        batch.block_tables,
+        batch.context_lens,
+        scale,
+    )
+    return out.view(qkv.shape[0], -1)
+
+
 def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor | QuantWeight]:
     """The HF module's weights as contiguous fp32 tensors on ``device`` (the HF module can then go).
 
@@ -271,10 +318,10 @@ class MixedForward:
     """A model family's forward over a mixed batch: the loop every family shares.
 
     Subclasses set ``blocks``, ``lm_head``, ``n_layer``, ``n_head``, ``head_dim``, ``kv`` (a PagedKVCache,
-    ``_init_cache``), ``device``, ``onednn``/``small_gemm`` (which linear kernels are on) and supply the
-    family's math: ``_embed`` (token ids -> [N, C] plus whatever positional state the blocks need),
-    ``_block`` (one transformer layer) and ``_logits`` (final norm and lm_head). Shared here: the
-    forward loop, and what the model costs (``linears``, ``flops_per_token``, ``weight_bytes``,
+    ``_init_cache``, which also sets ``lean_decode``), ``device``, ``onednn``/``small_gemm`` (which linear
+    kernels are on) and supply the family's math: ``_embed`` (token ids -> [N, C] plus whatever positional
+    state the blocks need), ``_block`` (one transformer layer) and ``_logits`` (final norm and lm_head).
+    Shared here: the forward loop, and what the model costs (``linears``, ``flops_per_token``, ``weight_bytes``,
     ``resident_weights``), which the benchmark's roofline asks for.
     """
 
@@ -285,6 +332,7 @@ class MixedForward:
     n_layer: int
     n_head: int  # query heads
     head_dim: int
+    lean_decode: bool = False  # small decode-only steps through the compiled per-layer calls (set by families)
 
     @torch.inference_mode()
     def forward(
@@ -316,11 +364,12 @@ class MixedForward:
             self.device,
             every_position,
         )
+        batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)
         # Logits only where a token is sampled: the decode rows and each chunk's last position.
-        return self._logits(x if batch.sample_rows is None else x[batch.sample_rows])
+        return self._logits(x if batch.sample_rows is None else x[batch.sample_rows], batch.lean)
 
     def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
         """Run whole prompts into their blocks; return each prompt's last-position logits [len(prompts), V]."""
@@ -383,8 +432,10 @@ class MixedForward:
     def _init_cache(
         self, n_layer: int, n_kv_head: int, head_dim: int, device, num_blocks: int, block_size: int
     ) -> None:
-        """The KV block pool (K/V heads only)."""
+        """The KV block pool (K/V heads only); lean decode steps where their kernels run."""
         self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device)
+        self.lean_decode = lean_decode_supported(device, head_dim, block_size)
+        self.layer_pools = [self.kv.pools(layer) for layer in range(n_layer)]  # views, made once, not per step
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, object]:
         raise NotImplementedError
@@ -392,5 +443,6 @@ class MixedForward:
     def _block(self, layer: int, block, x: torch.Tensor, batch: MixedBatch, pos_state) -> torch.Tensor:
         raise NotImplementedError
 
-    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        """Final norm (compiled on a lean step) and lm_head: [n, C] -> [n, V]."""
         raise NotImplementedError

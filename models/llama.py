@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .kernels import decode_ops
 from .layers import (
     Linear,
     MixedBatch,
@@ -27,6 +28,7 @@ from .layers import (
     embed_rows,
     embedding_table,
     fp32_state_dict,
+    lean_attention,
     linear_factory,
     mixed_attention,
 )
@@ -161,19 +163,25 @@ class Llama(MixedForward):
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size)
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x: [N, C] -> weight * x / rms(x): [N, C]."""
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        """x: [N, C] -> weight * x / rms(x): [N, C] (one compiled call on a lean step)."""
+        if lean:
+            return decode_ops.rms_norm(x, weight, self.eps)
         return F.rms_norm(x, (self.n_embd,), weight, self.eps)
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Token embeddings [N, C], and the RoPE cos, sin of the tokens' positions (each [N, 1, D])."""
-        return embed_rows(self.embed, batch.ids), (self.cos[batch.pos], self.sin[batch.pos])
+        """Token embeddings [N, C], and the RoPE cos, sin of the tokens' positions (each [N, 1, D]); a lean
+        step's kernel reads the whole tables at the positions itself."""
+        rope = (self.cos, self.sin) if batch.lean else (self.cos[batch.pos], self.sin[batch.pos])
+        return embed_rows(self.embed, batch.ids), rope
 
     def embedding_tables(self) -> list:
         return [self.embed]
 
     def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, rope) -> torch.Tensor:
         """x: [N, C] -> x + attn(RMSNorm(x)), then + down(silu(gate) * up) of RMSNorm(.): [N, C]."""
+        if batch.lean:
+            return self._lean_block(layer, block, x, batch, rope)
         N, H, KVH, D = x.shape[0], self.n_head, self.n_kv_head, self.head_dim
         qkv = block.qkv(self._rms(x, block.ln_1))  # [N, (H + 2 KVH) D]
         qk = apply_rope(qkv[:, : (H + KVH) * D].view(N, H + KVH, D), *rope)  # [N, H + KVH, D]: q and k rotated at once
@@ -183,6 +191,17 @@ class Llama(MixedForward):
         gate, up = block.gate_up(self._rms(x, block.ln_2)).chunk(2, dim=-1)  # each [N, I]
         return block.down.add(F.silu(gate) * up, x)
 
-    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+    def _lean_block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, rope) -> torch.Tensor:
+        """``_block`` for a lean decode step (B rows, no prompts): eight compiled calls, the same math.
+
+        rope: the full cos, sin tables [max_len, 1, D]; ``lean_attention`` rotates at each row's position.
+        """
+        qkv = block.qkv(self._rms(x, block.ln_1, lean=True))  # [B, (H + 2 KVH) D]
+        att = lean_attention(qkv, self.n_head, rope, self.layer_pools[layer], batch, self.scale)  # [B, H D]
+        x = block.o_proj.add(att, x)
+        act = decode_ops.silu_mul(block.gate_up(self._rms(x, block.ln_2, lean=True)))  # [B, I]
+        return block.down.add(act, x)
+
+    def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """x_last: [n, C] final hidden states -> [n, V] logits."""
-        return self.lm_head(self._rms(x_last, self.norm))
+        return self.lm_head(self._rms(x_last, self.norm, lean))

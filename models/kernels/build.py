@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,10 +29,22 @@ def kernel_dir() -> str:
 
 def built_path(source: str, flags: list[str]) -> str:
     """Where ``source`` built with ``flags`` lives in the cache (it may not exist yet)."""
-    with open(source, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(_source_bytes(source) + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[
+        :16
+    ]
     stem = os.path.splitext(os.path.basename(source))[0]
     return os.path.join(kernel_dir(), f"{stem}-{key}.so")
+
+
+def _source_bytes(source: str) -> bytes:
+    """The source plus every local header it includes (``#include "x.h"`` beside it): an edited header rebuilds."""
+    with open(source, "rb") as f:
+        text = f.read()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
+    for name in headers:
+        with open(os.path.join(os.path.dirname(source), name.decode()), "rb") as f:
+            text += f.read()
+    return text
 
 
 def compile_to(compiler: str, source: str, flags: list[str], target: str) -> None:

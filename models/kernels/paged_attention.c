@@ -41,33 +41,7 @@
 #define SSTRIDE (BSMAX + 8)
 #define PART_TOKENS 512 /* tokens per partition of a long context (rounded to whole blocks) */
 
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float hsum256(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-}
-
-/* exp(x), Cephes' single-precision polynomial (relative error ~1e-7); inputs below -87.3 are clamped
- * (they give ~1e-38 instead of 0: softmax weights here are exp(s - max) <= 1, so that is harmless). */
-INLINE __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* x - n ln2, ln2 in two parts */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+#include "simd.h"
 
 /* s[g * SSTRIDE + j] = qs_g . k_j for GC query heads and TP tokens j0.. j0 + TP - 1 (each sum over d in
  * order, so a score does not depend on TP). qs: [GC, D] scaled queries; k_j at kb + j * ts. */
@@ -277,4 +251,50 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
     }
     free(ws);
     return 0;
+}
+
+/* One decode step's attention for one layer in one call: RoPE on the new q and k, k and v written into
+ * their KV slots, then paged_attention over every row's blocks (the new token included). Replaces the
+ * per-layer torch ops of the lean decode path (rotate, two index_put writes, slicing, the attention call).
+ *
+ *   qkv          [B, ldqkv] rows of the fused QKV linear: q [H, D] at 0, k [KVH, D] at H D, v at (H + KVH) D
+ *   cos, sin     [max_len, D] RoPE tables (row p for position p), or NULL for no rotation (GPT-2)
+ *   pos          [B] int64 positions; slot_blocks, slot_offsets [B] int64 KV slot of each row's token
+ *   q_buf        [B, H, D] scratch for the rotated queries; out [B, H, D]
+ * RoPE is HF's: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), two products then one add
+ * (the file is built with -ffp-contract=off, so these are torch's bits exactly). */
+static void rope_row(const float *x, float *y, const float *c, const float *s, int D) {
+    const int half = D / 2;
+    for (int d = 0; d < half; d++) {
+        float a = x[d] * c[d], b = -x[d + half] * s[d];
+        y[d] = a + b;
+    }
+    for (int d = half; d < D; d++) {
+        float a = x[d] * c[d], b = x[d - half] * s[d];
+        y[d] = a + b;
+    }
+}
+
+int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, const long *pos,
+                      float *k_pool, float *v_pool, long block_stride, long token_stride, long head_stride,
+                      const long *slot_blocks, const long *slot_offsets, const int *block_tables, int table_stride,
+                      const int *context_lens, float *q_buf, float *out, int B, int H, int KVH, int D,
+                      int block_size, float scale, int nthreads) {
+    for (int b = 0; b < B; b++) {
+        const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * D : 0, *s = sin ? sin + pos[b] * D : 0;
+        float *kslot = k_pool + slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
+        float *vslot = v_pool + slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
+        for (int h = 0; h < H; h++) {
+            if (c) rope_row(row + (long)h * D, q_buf + ((long)b * H + h) * D, c, s, D);
+            else for (int d = 0; d < D; d++) q_buf[((long)b * H + h) * D + d] = row[(long)h * D + d];
+        }
+        for (int h = 0; h < KVH; h++) {
+            const float *k = row + (long)(H + h) * D, *v = row + (long)(H + KVH + h) * D;
+            if (c) rope_row(k, kslot + h * head_stride, c, s, D);
+            else for (int d = 0; d < D; d++) kslot[h * head_stride + d] = k[d];
+            for (int d = 0; d < D; d++) vslot[h * head_stride + d] = v[d];
+        }
+    }
+    return paged_attention(q_buf, (long)H * D, k_pool, v_pool, block_stride, token_stride, head_stride, block_tables,
+                           table_stride, context_lens, out, B, H, KVH, D, block_size, scale, nthreads);
 }

@@ -27,7 +27,7 @@ from .build import KernelLoader, build_and_load, require_avx2
 log = logging.getLogger("minibatch.paged_attention")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]  # RoPE: torch's bits
 MAX_HEAD_DIM = 256  # DMAX in paged_attention.c
 MAX_BLOCK_SIZE = 256  # BSMAX in paged_attention.c
 
@@ -55,6 +55,15 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int,  # B, H, KVH, D, block_size
         ctypes.c_float,
         ctypes.c_int,  # scale, nthreads
+    ]
+    P, L, N = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.rope_write_attend.restype = ctypes.c_int
+    lib.rope_write_attend.argtypes = [
+        *(P, L, P, P, P),  # qkv, ldqkv, cos, sin, pos
+        *(P, P, L, L, L),  # k_pool, v_pool, block / token / head strides
+        *(P, P, P, N, P),  # slot_blocks, slot_offsets, block_tables, table_stride, context_lens
+        *(P, P, N, N, N, N, N),  # q_buf, out, B, H, KVH, D, block_size
+        *(ctypes.c_float, N),  # scale, nthreads
     ]
     return lib
 
@@ -134,6 +143,45 @@ def paged_attention(
         k_pool.shape[1],
         scale,
         torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("paged attention: cannot allocate the partition workspace")
+    return out
+
+
+def rope_write_attend(
+    qkv: torch.Tensor,
+    n_head: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    pos: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One layer of a decode step in one kernel call: rotate q and k (``rope``), write k and v into their
+    slots, attend every row over its blocks -> [B, H, D].
+
+    qkv: [B, (H + 2 KVH) D] rows of the fused QKV linear (q heads, then k, then v; unit stride along the
+    row). rope: the (cos, sin) tables [max_len, 1, D] contiguous, or None (no rotation); pos, slot_blocks,
+    slot_offsets: [B] int64; block_tables [B, max_blocks], context_lens [B] int32 (context_lens[b] counts
+    the new token). Pools as for ``paged_attention``. The caller checks ``kernel_supports``.
+    """
+    B, H = qkv.shape[0], n_head
+    KVH, D = k_pool.shape[2], k_pool.shape[3]
+    if qkv.stride(1) != 1 or qkv.shape[1] != (H + 2 * KVH) * D or k_pool.stride() != v_pool.stride():
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not match {H} query and {KVH} KV heads of size {D}")
+    cos, sin = (rope[0].data_ptr(), rope[1].data_ptr()) if rope is not None else (None, None)
+    q_buf, out = torch.empty(B, H, D), torch.empty(B, H, D)
+    rc = load().rope_write_attend(
+        *(qkv.data_ptr(), qkv.stride(0), cos, sin, pos.data_ptr()),
+        *(k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)),
+        *(slot_blocks.data_ptr(), slot_offsets.data_ptr(), block_tables.data_ptr(), block_tables.stride(0)),
+        *(context_lens.data_ptr(), q_buf.data_ptr(), out.data_ptr(), B, H, KVH, D, k_pool.shape[1]),
+        *(scale, torch.get_num_threads()),
     )
     if rc != 0:
         raise MemoryError("paged attention: cannot allocate the partition workspace")

@@ -1,0 +1,55 @@
+/* The small per-layer ops of a decode step, one C call each: RMSNorm, LayerNorm, SiLU(gate) * up.
+ *
+ * Why: at batch 1-16 these tensors are a few KB; torch spends more on dispatching them (F.rms_norm is
+ * several ATen ops, each with its own allocation and a parallel-region check) than on the arithmetic.
+ * One plain loop per row here costs microseconds, runs on the calling thread (no OpenMP region, so no
+ * barrier and no worker wake-up), and keeps a step's dispatch count down (decode_ops.py).
+ *
+ * Shapes: x [M, C] with row stride ldx (unit stride along C); y [M, C] contiguous. Sums of squares and
+ * means accumulate in double, so a row's result does not depend on how it was vectorized.
+ */
+#include <math.h>
+
+#include "simd.h"
+
+/* y = x * rsqrt(mean(x^2) + eps) * w (Llama's RMSNorm: normalize in fp32, then scale). */
+void rms_norm(const float *x, long ldx, const float *w, float *y, int M, int C, float eps) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *yr = y + (long)m * C;
+        double ss = 0.0;
+        for (int c = 0; c < C; c++) ss += (double)xr[c] * xr[c];
+        float inv = 1.0f / sqrtf((float)(ss / C) + eps);
+        for (int c = 0; c < C; c++) yr[c] = w[c] * (xr[c] * inv);
+    }
+}
+
+/* y = (x - mean) / sqrt(var + eps) * w + b, biased variance (torch's layer_norm). */
+void layer_norm(const float *x, long ldx, const float *w, const float *b, float *y, int M, int C, float eps) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *yr = y + (long)m * C;
+        double sum = 0.0, ss = 0.0;
+        for (int c = 0; c < C; c++) sum += xr[c];
+        double mean = sum / C;
+        for (int c = 0; c < C; c++) ss += (xr[c] - mean) * (xr[c] - mean);
+        float rstd = (float)(1.0 / sqrt(ss / C + eps)), mu = (float)mean;
+        for (int c = 0; c < C; c++) yr[c] = (xr[c] - mu) * rstd * w[c] + b[c];
+    }
+}
+
+/* gu [M, 2I] (gate then up, row stride ldg) -> y [M, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)). */
+void silu_mul(const float *gu, long ldg, float *y, int M, int I) {
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *yr = y + (long)m * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8) { /* exp256's input capped at 88 (exp(88) < FLT_MAX): silu(g < -88) ~ 0 */
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(88.0f)));
+            __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

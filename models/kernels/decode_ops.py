@@ -1,0 +1,79 @@
+"""The small per-layer ops of a lean decode step (``decode_ops.c``): RMSNorm, LayerNorm, SiLU(gate) * up.
+
+Each is one ctypes call on the calling thread (no OpenMP region) instead of several ATen ops: at batch
+1-16 a step's norms and activations are a few KB, and torch's per-op dispatch, allocation and
+parallel-region checks cost more than their arithmetic (``models/layers.py``, "lean decode"). Built
+once per machine by ``build.py`` (AVX2 + FMA); without a compiler or AVX2, ``load()`` returns None,
+logs why once, and the models keep their torch path.
+
+Shapes: x [M, C] fp32 CPU, unit stride along C (any row stride); outputs contiguous.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from .build import KernelLoader, build_and_load, require_avx2
+
+log = logging.getLogger("minibatch.decode_ops")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_ops.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-lm"]
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+def _load() -> ctypes.CDLL:
+    require_avx2()
+    lib = build_and_load(SOURCE, FLAGS)
+    lib.rms_norm.argtypes = [_P, _L, _P, _P, _I, _I, _F]  # x, ldx, w, y, M, C, eps
+    lib.layer_norm.argtypes = [_P, _L, _P, _P, _P, _I, _I, _F]  # x, ldx, w, b, y, M, C, eps
+    lib.silu_mul.argtypes = [_P, _L, _P, _I, _I]  # gu, ldg, y, M, I
+    for fn in (lib.rms_norm, lib.layer_norm, lib.silu_mul):
+        fn.restype = None
+    return lib
+
+
+KERNEL = KernelLoader("decode ops kernel", _load, "decode steps keep the torch ops", log)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (``KERNEL.unavailable_reason`` says why; logged once)."""
+    return KERNEL.load()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"expected a 2-D fp32 CPU tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [M, C] -> x * rsqrt(mean(x^2) + eps) * weight: [M, C]."""
+    x = _rows(x)
+    M, C = x.shape
+    y = torch.empty(M, C)
+    load().rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), M, C, eps)
+    return y
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [M, C] -> (x - mean) / sqrt(var + eps) * weight + bias: [M, C]."""
+    x = _rows(x)
+    M, C = x.shape
+    y = torch.empty(M, C)
+    load().layer_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), M, C, eps)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [M, 2I] (gate columns, then up) -> silu(gate) * up: [M, I]."""
+    gate_up = _rows(gate_up)
+    M, I2 = gate_up.shape
+    y = torch.empty(M, I2 // 2)
+    load().silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), M, I2 // 2)
+    return y

@@ -1,0 +1,190 @@
+"""The lean decode path (models/layers.py): its compiled kernels against float64 torch, and its gates.
+
+Kernels (``decode_ops.c``; ``rope_write_attend`` in ``paged_attention.c``) on ragged shapes at 1-3 threads.
+Model gates: lean decode steps give the torch path's logits (GPT-2 and Llama; fp32 through both linear
+kernels, int8, int4; batch 1 to 20, across ``LEAN_MAX_ROWS``), and greedy parity with HF ``generate``
+with joins while lean steps really run (the family-generic gates in test_parity.py run lean too).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROMPTS, Reference, drive, expected, seqs_for
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from config import Config  # noqa: E402
+from engine import HFEngine  # noqa: E402
+from models import layers  # noqa: E402
+from models.kernels import decode_ops  # noqa: E402
+from models.kernels import paged_attention as pa  # noqa: E402
+
+THREADS = [1, 2, 3]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def need_kernels() -> None:
+    if decode_ops.load() is None:
+        pytest.skip(f"decode ops kernel unavailable: {decode_ops.KERNEL.unavailable_reason}")
+    if pa.load() is None:
+        pytest.skip(f"paged attention kernel unavailable: {pa.KERNEL.unavailable_reason}")
+
+
+# --- kernels against float64 torch --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("M, C", [(1, 8), (3, 13), (7, 576), (16, 37)])
+def test_norms_and_silu_mul_match_float64(threads, M, C):
+    need_kernels()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(M * 100 + C)
+    x = torch.randn(M, C + 5, generator=gen)[:, 2 : 2 + C] * 3  # a row stride past C
+    w, b = torch.randn(C, generator=gen), torch.randn(C, generator=gen)
+    xd = x.double()
+    want_rms = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    torch.testing.assert_close(decode_ops.rms_norm(x, w, 1e-5).double(), want_rms, rtol=1e-5, atol=1e-5)
+    want_ln = torch.nn.functional.layer_norm(xd, (C,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(decode_ops.layer_norm(x, w, b, 1e-5).double(), want_ln, rtol=1e-5, atol=1e-5)
+    gu = torch.cat([x * 10, x.flip(-1)], dim=1)  # gates up to +-40: both tails of the exponential
+    gd = gu.double()
+    want = torch.nn.functional.silu(gd[:, :C]) * gd[:, C:]
+    torch.testing.assert_close(decode_ops.silu_mul(gu).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
+@pytest.mark.parametrize("H, KVH, D, bs, lens", [(4, 2, 8, 4, [1, 6, 13]), (3, 3, 16, 8, [9]), (6, 1, 32, 16, [40, 2])])
+def test_rope_write_attend_matches_float64(threads, rope, H, KVH, D, bs, lens):
+    """Ragged contexts over scattered blocks: the new token's k, v land in their slots (k rotated), and every
+    row attends over its whole context, the new token included."""
+    need_kernels()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(H * 7 + D + len(lens))
+    B, max_len, n_blocks = len(lens), 64, 24
+    pool_k = torch.randn(n_blocks, KVH, bs, D, generator=gen)  # head-major physically, like PagedKVCache
+    pool_v = torch.randn(n_blocks, KVH, bs, D, generator=gen)
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    tables, cursor = [], 0
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(perm[cursor : cursor + need])
+        cursor += need
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    pos = torch.tensor([n - 1 for n in lens])
+    slot_blocks = torch.tensor([t[p // bs] for t, p in zip(tables, pos.tolist())])
+    slot_offsets = pos % bs
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=gen)
+    freqs = torch.arange(max_len)[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2) / D))[None]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos()[:, None, :].contiguous(), emb.sin()[:, None, :].contiguous()
+    k_pool, v_pool = pool_k.transpose(1, 2), pool_v.transpose(1, 2)
+    out = pa.rope_write_attend(
+        qkv,
+        H,
+        (cos, sin) if rope else None,
+        pos,
+        k_pool,
+        v_pool,
+        slot_blocks,
+        slot_offsets,
+        block_tables,
+        torch.tensor(lens, dtype=torch.int32),
+        D**-0.5,
+    )
+    for b, n in enumerate(lens):
+        q = qkv[b, : H * D].view(H, D).double()
+        k_new = qkv[b, H * D : (H + KVH) * D].view(KVH, D).double()
+        v_new = qkv[b, (H + KVH) * D :].view(KVH, D).double()
+        if rope:
+            c, s = cos[pos[b]].double(), sin[pos[b]].double()
+            q, k_new = _rope64(q, c, s), _rope64(k_new, c, s)
+        blk, off = int(slot_blocks[b]), int(slot_offsets[b])
+        torch.testing.assert_close(k_pool[blk, off].double(), k_new, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v_pool[blk, off].double(), v_new, rtol=0, atol=0)
+        keys = k_pool[tables[b]].reshape(-1, KVH, D)[:n].double()  # [n, KVH, D]
+        values = v_pool[tables[b]].reshape(-1, KVH, D)[:n].double()
+        G = H // KVH
+        scores = torch.einsum("hd,nhd->hn", q, keys.repeat_interleave(G, dim=1)) * D**-0.5
+        want = torch.einsum("hn,nhd->hd", scores.softmax(-1), values.repeat_interleave(G, dim=1))
+        torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
+
+
+# --- the model gates ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def family_dir(request, tmp_path_factory) -> str:
+    from make_test_model import build_checkpoint
+
+    if request.param == "gpt2":
+        return request.getfixturevalue("tiny_model_dir")
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_lean")), arch="llama", seed=2, tied=False)
+
+
+def make_engine(model_dir: str, capacity: int, **config) -> HFEngine:
+    return HFEngine(Config(model_id=model_dir, max_batch_size=capacity, num_threads=2, **config))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "weights, small_gemm", [("fp32", True), ("fp32", False), ("int8", True), ("int4", True)], ids=str
+)
+def test_lean_steps_give_the_torch_paths_logits(family_dir, weights, small_gemm):
+    """Decode at batch 1..20 (lean up to LEAN_MAX_ROWS) with the lean path on, then the same step again with
+    it off: the same logits (the second step rewrites the same KV slots with the same values)."""
+    need_kernels()
+    engine = make_engine(family_dir, 20, weights=weights, small_gemm=small_gemm)
+    model = engine.model
+    assert model.lean_decode
+    per_seq = 4
+    for B in (1, 2, 5, layers.LEAN_MAX_ROWS, layers.LEAN_MAX_ROWS + 1, 20):
+        tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
+        prompts = [[(5 * b + i) % 50 + 3 for i in range(3 + b % 7)] for b in range(B)]
+        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        positions = [len(p) for p in prompts]
+        model.lean_decode = True
+        lean = model.decode(tokens, positions, tables)
+        model.lean_decode = False
+        plain = model.decode(tokens, positions, tables)
+        model.lean_decode = True
+        torch.testing.assert_close(lean, plain, rtol=1e-4, atol=1e-4)
+        assert lean.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights, small_gemm", [("fp32", True), ("fp32", False)], ids=str)
+def test_greedy_parity_with_joins_while_lean_steps_run(family_dir, weights, small_gemm, monkeypatch):
+    """20 ragged sequences, 4 joining mid-run: the batch crosses LEAN_MAX_ROWS both ways; every token is
+    HF's greedy token, and lean steps (counted) did run."""
+    need_kernels()
+    ref = Reference(family_dir)
+    engine = make_engine(family_dir, 20, weights=weights, small_gemm=small_gemm)
+    lean_steps = []
+    original = type(engine.model)._lean_block
+
+    def counting(self, layer, *args, **kw):
+        if layer == 0:
+            lean_steps.append(1)
+        return original(self, layer, *args, **kw)
+
+    monkeypatch.setattr(type(engine.model), "_lean_block", counting)
+    budgets = [1 + (i * 5) % 17 for i in range(24)]
+    seqs = seqs_for(ref, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(24)], budgets, ignore_eos=True)
+    drive(engine, [(0, seqs[:20]), (2, seqs[20:22]), (7, seqs[22:])])
+    assert len(lean_steps) >= 5
+    for seq in seqs:
+        assert seq.output_token_ids == expected(ref, seq, set())
