@@ -34,7 +34,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from .kernels.quant_gemm import GROUP, QuantWeight, dequantize, pack, unpack
+from .kernels.quant_gemm import GROUP, PANEL, QuantWeight, dequantize, pack, unpack
 
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")
 
@@ -292,6 +292,10 @@ def cat_rows(parts: list[torch.Tensor | QuantWeight]) -> tuple[torch.Tensor | Qu
     note = None if len(formats) == 1 else f"fused {'+'.join(sorted(formats))} weights served as {target}"
     if target == "fp32":
         return torch.cat([dequantize(p) if isinstance(p, QuantWeight) else p for p in parts]).contiguous(), note
+    if len(formats) == 1 and all(p.out_features % PANEL == 0 for p in parts[:-1]):
+        # Whole panels: the fused weight's panels are the parts' panels in order (no unpack / repack).
+        data = torch.cat([p.data for p in parts])  # [sum P_i, G, block bytes]
+        return QuantWeight(target, data, sum(p.out_features for p in parts), parts[0].in_features), note
     qs, ds, ms = [], [], []
     for p in parts:
         if p.fmt != target:  # only ever int4 -> int8 here

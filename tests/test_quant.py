@@ -307,3 +307,15 @@ def test_cat_rows_fuses_exactly_and_mixed_formats_go_to_the_finest():
     dense, note = cat_rows([qa, c])
     assert isinstance(dense, torch.Tensor) and torch.equal(dense, torch.cat([qg.dequantize(qa), c]))
     assert note == "fused fp32+int4 weights served as fp32"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cat_rows_of_whole_panels_concatenates_packed_bytes_exactly(fmt):
+    """Parts of 8k rows (QKV, gate+up) fuse by concatenating panels; a ragged last part is allowed."""
+    from models.quant import cat_rows
+
+    parts = [quantize(torch.randn(n, 70), fmt) for n in (16, 8, 11)]
+    fused, note = cat_rows(parts)
+    assert note is None and fused.shape == (35, 70) and fused.data.shape[0] == 2 + 1 + 2
+    repacked = qg.pack(fmt, *[torch.cat(p) for p in zip(*(qg.unpack(w)[: 2 if fmt == "int8" else 3] for w in parts))])
+    assert torch.equal(fused.data, repacked.data)

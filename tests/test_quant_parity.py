@@ -70,6 +70,21 @@ def test_int8_perplexity_within_one_percent_of_fp32(tiny_model_dir):
     assert abs(scores["int8"] / scores["fp32"] - 1) < 0.01, scores
 
 
+def test_quality_workload_scores_every_format_on_the_same_tokens(tiny_model_dir, capsys):
+    """scripts/bench/quality.py (``--workload quality``) on the tiny model: rows, ratios, the int8 check, a table."""
+    from bench.quality import QUICK_TOKENS, quality_workload
+
+    assert quality_workload(["seed"], tiny_model_dir, False, True) is None  # not asked for: nothing runs
+    result = quality_workload(["quality"], tiny_model_dir, False, True)
+    assert [r["weights"] for r in result["rows"]] == ["fp32", "int8", "int4"]
+    assert result["tokens"] == QUICK_TOKENS and all(r["tokens"] == QUICK_TOKENS for r in result["rows"])
+    fp32, int8, int4 = result["rows"]
+    assert fp32["vs_fp32_pct"] == 0 and fp32["resident_weight_mib"] > int8["resident_weight_mib"]
+    assert int8["resident_weight_mib"] > int4["resident_weight_mib"]
+    assert result["checks"]["int8_within_1pct_of_fp32"] is (abs(int8["vs_fp32_pct"]) <= 1)
+    assert "== workload quality ==" in capsys.readouterr().out
+
+
 def test_quantized_weights_refuse_a_gpu_device(tiny_model_dir):
     from models.layers import linear_factory
 
