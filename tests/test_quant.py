@@ -196,6 +196,18 @@ def test_unknown_type_fails_naming_it(tmp_path):
         GGUFWeights(path)
 
 
+def test_unknown_type_id_fails_naming_the_tensor_and_the_id(tmp_path):
+    w = np.zeros((4, 64), dtype=np.float32)
+    path = write_gguf(tmp_path / "odd.gguf", {"odd_tensor": (w, T.F32)})
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b"odd_tensor") + len("odd_tensor") + 4 + 2 * 8  # after the name: n_dims, two dims, then the type
+    assert int.from_bytes(data[at : at + 4], "little") == T.F32
+    data[at : at + 4] = (99).to_bytes(4, "little")
+    (tmp_path / "odd99.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tensor odd_tensor has an unknown GGUF type id 99"):
+        GGUFWeights(str(tmp_path / "odd99.gguf"))
+
+
 def test_corrupt_and_truncated_files_fail_clearly(tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     data = open(path, "rb").read()
