@@ -60,6 +60,20 @@ def test_one_packed_copy_per_weight_and_resident_bytes(tiny_llama_dir):
     assert sum(fp32.resident_weights().values()) >= 4 * n_weights
 
 
+def test_perplexity_equals_hf_and_does_not_depend_on_the_chunk(tiny_model_dir):
+    """fp32 perplexity through our forward (chunked prefill, logits at every position) = HF's full forward."""
+    text = PROMPTS[4] + " " + PROMPTS[5]
+    engine = make_engine(tiny_model_dir, capacity=1, weights="fp32")
+    ids = engine.encode(text)
+    ours = [perplexity(engine.model, ids, chunk) for chunk in (64, 7, 1)]
+    hf = Reference(tiny_model_dir).model
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    ref = math.exp(-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
+    for value in ours:
+        assert value == pytest.approx(ref, rel=1e-5), (ours, ref)
+
+
 def test_int8_perplexity_within_one_percent_of_fp32(tiny_model_dir):
     text = PROMPTS[4] + " " + PROMPTS[1] + " " + PROMPTS[3] + " " + PROMPTS[5]
     scores = {}
