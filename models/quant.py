@@ -1,8 +1,9 @@
 """Weight quantization: fp32 -> int8 / int4 (``models/kernels/quant_gemm.py`` formats), and GGUF tensors -> ours.
 
 ``quantize`` turns an fp32 weight into a packed ``QuantWeight``. ``GGUFWeights`` reads a GGUF
-file tensor by tensor (memory-mapped by the ``gguf`` package, so at most one tensor is ever
-held in fp32) and serves each tensor in the format a ``WEIGHTS`` setting asks for:
+file tensor by tensor (memory-mapped; ``open_gguf`` parses the header itself and skips the metadata,
+so at most one tensor is ever held in fp32 and no vocabulary is built) and serves each tensor in
+the format a ``WEIGHTS`` setting asks for:
 
     GGUF type   auto                     int8                  int4                  fp32
     F32, BF16   fp32 (exact)             quantized             quantized             exact
@@ -29,12 +30,14 @@ model the exact weights a quantized engine runs (the parity reference).
 from __future__ import annotations
 
 import os
+import struct
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .kernels.quant_gemm import GROUP, QuantWeight, dequantize, pack, unpack
+from .kernels.quant_gemm import GROUP, PANEL, QuantWeight, dequantize, pack, unpack
 
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")
 
@@ -148,27 +151,124 @@ NEAREST = {"Q4_K": "int4", "Q6_K": "int8"}  # requantized under WEIGHTS=auto
 SUPPORTED = (*EXACT, *NEAREST)
 
 
-def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped), or ValueError saying why the file is unreadable."""
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file: ``shape`` in GGUF order (ne0, the contiguous dimension, first); ``data`` a
+    read-only view of the memory-mapped file (F32 / F16: [..., ne0] floats; other types: [..., row bytes] uint8)."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data_offset: int
+    n_bytes: int
+    data: np.ndarray
+
+
+# GGUF metadata value types -> their size in bytes (8: string, 9: array are variable-sized)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Cursor:
+    """Little-endian reads from the start of a GGUF file (IndexError / struct.error past its end)."""
+
+    def __init__(self, buf) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return value[0] if len(value) == 1 else value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        out = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        self.pos += n
+        return out
+
+    def skip_value(self, vtype: int) -> None:
+        """Step over one metadata value (a 49,152-string vocabulary array too) without building it."""
+        if vtype in _SCALAR_BYTES:
+            self.pos += _SCALAR_BYTES[vtype]
+        elif vtype == 8:
+            self.pos += 8 + self.take("Q")
+        elif vtype == 9:
+            etype, count = self.take("I"), self.take("Q")
+            if etype in _SCALAR_BYTES:
+                self.pos += _SCALAR_BYTES[etype] * count
+            else:
+                for _ in range(count):
+                    self.skip_value(etype)
+        else:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        if self.pos > len(self.buf):
+            raise ValueError("metadata runs past the end of the file")
+
+
+def _read_tensor_infos(path: str, buf) -> list[GGUFTensor]:
+    """Parse a GGUF (v2/v3) header: skip the metadata (keeping only ``general.alignment``), read the tensor infos.
+
+    Unlike ``gguf.GGUFReader`` nothing of the metadata is materialized: its reader builds numpy objects
+    for every vocabulary entry (about 160 MB resident for SmolLM2 while it lives).
+    """
     import gguf
 
+    cur = _Cursor(buf)
+    cur.pos = 4  # the magic, checked by open_gguf
+    version = cur.take("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = cur.string(), cur.take("I")
+        if key == "general.alignment" and vtype == 4:
+            alignment = cur.take("I")
+        else:
+            cur.skip_value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = cur.string(), cur.take("I")
+        dims = tuple(int(cur.take("Q")) for _ in range(n_dims))
+        infos.append((name, dims, cur.take("I"), cur.take("Q")))
+    start = -(-cur.pos // alignment) * alignment
+    if len({info[0] for info in infos}) != len(infos):
+        raise ValueError("two tensors have the same name")
+    tensors = []
+    for name, dims, type_id, offset in infos:
+        try:
+            kind = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(f"tensor {name} has an unknown GGUF type id {type_id}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        n_elems = int(np.prod(dims)) if dims else 1
+        n_bytes = n_elems // block * type_size
+        at = start + offset
+        if at + n_bytes > len(buf):
+            raise ValueError(f"truncated: tensor {name} needs bytes up to {at + n_bytes}, the file has {len(buf)}")
+        rows = tuple(reversed(dims[1:]))
+        if kind.name in ("F32", "F16"):
+            data = np.frombuffer(buf, np.float32 if kind.name == "F32" else np.float16, n_elems, at)
+            data = data.reshape(*rows, dims[0])
+        else:
+            data = np.frombuffer(buf, np.uint8, n_bytes, at).reshape(*rows, dims[0] // block * type_size)
+        tensors.append(GGUFTensor(name, kind, dims, at, n_bytes, data))
+    return tensors
+
+
+def open_gguf(path: str) -> list[GGUFTensor]:
+    """The tensors of the GGUF file ``path`` (memory-mapped), or ValueError saying why the file is unreadable."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # truncated header, bad counts, bad lengths: the reader raises all sorts
-        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {type(exc).__name__}: {exc}") from exc
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ValueError(
-                f"{path} is truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes}, "
-                f"the file has {size}"
-            )
-    return reader
+        return _read_tensor_infos(path, buf)
+    except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError) as exc:
+        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
 
 
 class GGUFWeights:
@@ -183,11 +283,10 @@ class GGUFWeights:
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"WEIGHTS must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         self.path, self.weights = path, weights
-        self.reader = open_gguf(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in open_gguf(path)}
         self.conversions: Counter[str] = Counter()
         self.resident: Counter[str] = Counter()
-        for t in self.reader.tensors:
+        for t in self.tensors.values():
             if t.tensor_type.name not in SUPPORTED:
                 raise ValueError(
                     f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
@@ -270,7 +369,6 @@ class GGUFWeights:
     def close(self) -> None:
         """Drop the memory map (the served tensors are copies)."""
         self.tensors.clear()
-        self.reader = None
 
 
 # ---------------------------------------------------------------- fused linears
@@ -292,6 +390,10 @@ def cat_rows(parts: list[torch.Tensor | QuantWeight]) -> tuple[torch.Tensor | Qu
     note = None if len(formats) == 1 else f"fused {'+'.join(sorted(formats))} weights served as {target}"
     if target == "fp32":
         return torch.cat([dequantize(p) if isinstance(p, QuantWeight) else p for p in parts]).contiguous(), note
+    if len(formats) == 1 and all(p.out_features % PANEL == 0 for p in parts[:-1]):
+        # Whole panels: the fused weight's panels are the parts' panels in order (no unpack / repack).
+        data = torch.cat([p.data for p in parts])  # [sum P_i, G, block bytes]
+        return QuantWeight(target, data, sum(p.out_features for p in parts), parts[0].in_features), note
     qs, ds, ms = [], [], []
     for p in parts:
         if p.fmt != target:  # only ever int4 -> int8 here

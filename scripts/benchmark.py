@@ -42,6 +42,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
+from bench.quality import quality_workload  # noqa: E402
 from bench.report import plot, report, summarize, write_json  # noqa: E402
 from bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline  # noqa: E402
 from bench.systems import RAY_SYSTEM, SYSTEM_FNS, parse_system, ray_missing, run_ours_ray  # noqa: E402
@@ -186,7 +187,7 @@ def machine_line(threads: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="distilgpt2", help="hub id or local checkpoint directory (or .gguf)")
-    p.add_argument("--workload", default="seed", help="comma-separated: seed, scale, sweep")
+    p.add_argument("--workload", default="seed", help="comma-separated: seed, scale, sweep, quality")
     p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print(note)
     print("machine:", machine)
     workloads = [w for w in args.workload.split(",") if w]
+    quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
+    workloads = [w for w in workloads if w != "quality"]
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         parse_system(s)
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     report(results)
     if args.json:
         header = {"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats, "quick": args.quick}
+        header.update({"quality": quality} if quality else {})
         write_json(args.json, results, **header)
         print(f"\nwrote {args.json}")
     if args.plot:

@@ -196,6 +196,18 @@ def test_unknown_type_fails_naming_it(tmp_path):
         GGUFWeights(path)
 
 
+def test_unknown_type_id_fails_naming_the_tensor_and_the_id(tmp_path):
+    w = np.zeros((4, 64), dtype=np.float32)
+    path = write_gguf(tmp_path / "odd.gguf", {"odd_tensor": (w, T.F32)})
+    data = bytearray(open(path, "rb").read())
+    at = data.index(b"odd_tensor") + len("odd_tensor") + 4 + 2 * 8  # after the name: n_dims, two dims, then the type
+    assert int.from_bytes(data[at : at + 4], "little") == T.F32
+    data[at : at + 4] = (99).to_bytes(4, "little")
+    (tmp_path / "odd99.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="tensor odd_tensor has an unknown GGUF type id 99"):
+        GGUFWeights(str(tmp_path / "odd99.gguf"))
+
+
 def test_corrupt_and_truncated_files_fail_clearly(tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     data = open(path, "rb").read()
@@ -307,3 +319,15 @@ def test_cat_rows_fuses_exactly_and_mixed_formats_go_to_the_finest():
     dense, note = cat_rows([qa, c])
     assert isinstance(dense, torch.Tensor) and torch.equal(dense, torch.cat([qg.dequantize(qa), c]))
     assert note == "fused fp32+int4 weights served as fp32"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cat_rows_of_whole_panels_concatenates_packed_bytes_exactly(fmt):
+    """Parts of 8k rows (QKV, gate+up) fuse by concatenating panels; a ragged last part is allowed."""
+    from models.quant import cat_rows
+
+    parts = [quantize(torch.randn(n, 70), fmt) for n in (16, 8, 11)]
+    fused, note = cat_rows(parts)
+    assert note is None and fused.shape == (35, 70) and fused.data.shape[0] == 2 + 1 + 2
+    repacked = qg.pack(fmt, *[torch.cat(p) for p in zip(*(qg.unpack(w)[: 2 if fmt == "int8" else 3] for w in parts))])
+    assert torch.equal(fused.data, repacked.data)

@@ -60,6 +60,20 @@ def test_one_packed_copy_per_weight_and_resident_bytes(tiny_llama_dir):
     assert sum(fp32.resident_weights().values()) >= 4 * n_weights
 
 
+def test_perplexity_equals_hf_and_does_not_depend_on_the_chunk(tiny_model_dir):
+    """fp32 perplexity through our forward (chunked prefill, logits at every position) = HF's full forward."""
+    text = PROMPTS[4] + " " + PROMPTS[5]
+    engine = make_engine(tiny_model_dir, capacity=1, weights="fp32")
+    ids = engine.encode(text)
+    ours = [perplexity(engine.model, ids, chunk) for chunk in (64, 7, 1)]
+    hf = Reference(tiny_model_dir).model
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), dim=-1)
+    ref = math.exp(-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
+    for value in ours:
+        assert value == pytest.approx(ref, rel=1e-5), (ours, ref)
+
+
 def test_int8_perplexity_within_one_percent_of_fp32(tiny_model_dir):
     text = PROMPTS[4] + " " + PROMPTS[1] + " " + PROMPTS[3] + " " + PROMPTS[5]
     scores = {}
@@ -68,6 +82,21 @@ def test_int8_perplexity_within_one_percent_of_fp32(tiny_model_dir):
         scores[fmt] = perplexity(engine.model, engine.encode(text))
     assert math.isfinite(scores["fp32"]) and scores["fp32"] > 1
     assert abs(scores["int8"] / scores["fp32"] - 1) < 0.01, scores
+
+
+def test_quality_workload_scores_every_format_on_the_same_tokens(tiny_model_dir, capsys):
+    """scripts/bench/quality.py (``--workload quality``) on the tiny model: rows, ratios, the int8 check, a table."""
+    from bench.quality import QUICK_TOKENS, quality_workload
+
+    assert quality_workload(["seed"], tiny_model_dir, False, True) is None  # not asked for: nothing runs
+    result = quality_workload(["quality"], tiny_model_dir, False, True)
+    assert [r["weights"] for r in result["rows"]] == ["fp32", "int8", "int4"]
+    assert result["tokens"] == QUICK_TOKENS and all(r["tokens"] == QUICK_TOKENS for r in result["rows"])
+    fp32, int8, int4 = result["rows"]
+    assert fp32["vs_fp32_pct"] == 0 and fp32["resident_weight_mib"] > int8["resident_weight_mib"]
+    assert int8["resident_weight_mib"] > int4["resident_weight_mib"]
+    assert result["checks"]["int8_within_1pct_of_fp32"] is (abs(int8["vs_fp32_pct"]) <= 1)
+    assert "== workload quality ==" in capsys.readouterr().out
 
 
 def test_quantized_weights_refuse_a_gpu_device(tiny_model_dir):

@@ -1,6 +1,7 @@
 """Inside the ``ours`` worker: the engine's decode step against the bare forward, and the bare forward
 against this machine's roofline (measured fp32 matmul peak and copy bandwidth); the cost of a step is
-the model's own (``MixedForward.flops_per_token`` / ``weight_bytes``)."""
+the model's own (``MixedForward.flops_per_token`` / ``weight_bytes``), so per WEIGHTS setting: a step
+streams each linear's one copy in its own format (fp32 4 bytes per weight, int8 1.06, int4 0.625)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ def overhead_and_roofline(
                 "overhead_pct_per_round": [(r - 1) * 100 for r in ratios],
                 "bare_gflops": flops / (bare_ms / 1e3) / 1e9,
                 "bare_weight_gb_s": weight_bytes / (bare_ms / 1e3) / 1e9,
+                "weight_mb_per_step": weight_bytes / 1e6,  # the bound's bytes, per format below
+                "weight_mb_by_format": {fmt: n / 1e6 for fmt, n in sorted(model.weight_bytes().items())},
+                "bound": "memory" if memory_s >= compute_s else "compute",
                 "roofline_step_ms": max(compute_s, memory_s) * 1e3,
                 "roofline_fraction": max(compute_s, memory_s) / (bare_ms / 1e3),
                 "bare_tokens_per_s": batch / (bare_ms / 1e3),
