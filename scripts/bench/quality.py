@@ -76,7 +76,8 @@ def checks(rows: list[dict], gguf: bool) -> dict:
     if "int8" in by and "fp32" in by:
         out["int8_within_1pct_of_fp32"] = abs(by["int8"]["vs_fp32_pct"]) <= INT8_TARGET * 100
     if gguf and "auto" in by and "fp32" in by:
-        out["auto_equals_the_files_values"] = by["auto"]["perplexity"] == by["fp32"]["perplexity"]
+        # the same weight values; only the kernels' summation order differs
+        out["auto_matches_fp32_within_0.01pct"] = abs(by["auto"]["vs_fp32_pct"]) <= 0.01
         out["gguf_own_loss_vs_fp16"] = "not measurable: needs the fp16 original (a safetensors checkpoint)"
     return out
 
