@@ -4,16 +4,22 @@
     python scripts/benchmark.py                                  # seed workload, all systems
     python scripts/benchmark.py --workload seed,scale,sweep --json bench.json --plot bench_plots
     python scripts/benchmark.py --quick --json out.json          # small and fast (used by the tests)
+    python scripts/benchmark.py --model X.gguf --workload long-prompt --systems ours:budget=0,ours
+    python scripts/benchmark.py --workload decode-step           # paged vs the contiguous engine of 380e2e9
+
+Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
+(one user, requests in turn); shared-prefix, multi-turn (prefix reuse). See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
 asyncio scheduler; ``ours:int8`` etc. at another WEIGHTS setting), ``llamacpp`` (llama.cpp's
 llama-server on the same .gguf, built once by scripts/build_llamacpp.py; not in the default set).
 Each runs in its own subprocess (peak RSS is its own; llama.cpp's is its server's) on the same
-seeded token-id requests, all queued at t0, EOS ignored so each request delivers exactly its
-budget: an untimed warm-up, then ``--repeats`` timed runs, reporting the median run. A
-system that fails is reported as failed with its error. Figures are comparable within one
-run only (this machine is shared and noisy): read the ratios.
+seeded token-id requests (queued at t0 unless a workload gives arrival times or dependencies), EOS
+ignored so each request delivers exactly its budget: an untimed warm-up, then ``--repeats`` timed
+runs, reporting the median run. A system that fails is reported as failed with its error; one that
+cannot express a workload, as skipped with the reason. Figures are comparable within one run only
+(this machine is shared and noisy): read the ratios.
 
 ``ours_ray`` (not in the default set; needs ``ray[serve]``, skipped saying so without it): our HTTP
 server against Ray Serve with 1 and 2 replicas on the workload's prompts as text, measured side by
@@ -38,6 +44,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,29 +203,56 @@ PREV_COMMIT = "380e2e9"  # the last engine with contiguous per-slot KV (issue 12
 
 def decode_step(args, model_dir: str) -> dict:
     """Our decode step at batch 8 against the contiguous engine of ``--prev``, checked out into a temporary
-    git worktree, measured by scripts/bench/decode_step.py in one subprocess per checkout, one after the other.
-    The model must hold the longest context: a checkpoint whose window is too short is replaced by a
-    distilgpt2-shaped random one with 2176 positions. Quick: contexts 16 and 48, 4 steps."""
+    git worktree, measured by scripts/bench/decode_step.py in one subprocess per checkout and round, in ABBA
+    order (ours, prev, prev, ours: a load that drifts during the run hits both alike). Each row pools its
+    rounds' steps: the median and the best step. The model must hold the longest context: a checkpoint whose
+    window is too short is replaced by a distilgpt2-shaped random one with 2176 positions. Quick: contexts
+    16 and 48, 4 steps, one round each."""
     contexts = [int(c) for c in (args.contexts or ("16,48" if args.quick else "100,2048")).split(",")]
-    steps = 4 if args.quick else 16
+    steps, rounds = (4, 1) if args.quick else (24, 2)
     model = os.path.abspath(model_dir)  # the subprocesses run in the other checkout
-    if context_window(model) < max(contexts) + steps + 8:
+    if context_window(model) < max(contexts) + steps + 16:
         from make_test_model import build_checkpoint
 
         model = os.path.join(ROOT, "weights", "bench-distilgpt2-2k")
         if not os.path.exists(os.path.join(model, "config.json")):
             build_checkpoint(model, shape="distilgpt2", initializer_range=0.02, n_positions=2176)
-    rows = step_rows("ours", ROOT, args, model, contexts, steps)
-    if args.prev:
-        try:
-            with git_worktree(args.prev) as tree:
-                rows += step_rows("prev", tree, args, model, contexts, steps)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            why = (getattr(exc, "stderr", "") or str(exc)).strip()
-            rows.append(
-                {"tree": "prev", "failed": True, "skipped": True, "error": f"no checkout of {args.prev}: {why}"[:300]}
-            )
-    return {"model": model, "prev_commit": args.prev, "rows": rows}
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        trees = {"ours": ROOT}
+        if args.prev:
+            try:
+                trees["prev"] = stack.enter_context(git_worktree(args.prev))
+            except (OSError, subprocess.CalledProcessError) as exc:
+                why = (getattr(exc, "stderr", "") or str(exc)).strip()
+                runs.append({"tree": "prev", "failed": True, "skipped": True, "error": f"{args.prev}: {why}"[:300]})
+        order = list(trees)
+        for r in range(rounds):
+            for name in order if r % 2 == 0 else order[::-1]:
+                runs += step_rows(name, trees[name], args, model, contexts, steps)
+    return {"model": model, "prev_commit": args.prev, "rounds": rounds, "rows": pool_rounds(runs)}
+
+
+def pool_rounds(runs: list[dict]) -> list[dict]:
+    """One row per (tree, context): every round's steps together (median, best); failures as they came."""
+    rows = [r for r in runs if r.get("failed")]
+    failed = {r["tree"] for r in rows}
+    keys = dict.fromkeys((r["tree"], r["context"]) for r in runs if not r.get("failed") and r["tree"] not in failed)
+    for tree, ctx in keys:
+        steps = [t for r in runs if r.get("tree") == tree and r.get("context") == ctx for t in r["steps_ms"]]
+        first = next(r for r in runs if r.get("tree") == tree and r.get("context") == ctx)
+        rows.append(
+            {
+                "tree": tree,
+                "batch": first["batch"],
+                "context": ctx,
+                "steps": len(steps),
+                "step_ms": statistics.median(steps),
+                "step_ms_min": min(steps),
+                "steps_ms": steps,
+            }
+        )
+    return rows
 
 
 def context_window(model_dir: str) -> int:
