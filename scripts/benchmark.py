@@ -16,7 +16,7 @@ asyncio scheduler; ``ours:int8`` etc. at another WEIGHTS setting), ``llamacpp`` 
 llama-server on the same .gguf, built once by scripts/build_llamacpp.py; not in the default set).
 Each runs in its own subprocess (peak RSS is its own; llama.cpp's is its server's) on the same
 seeded token-id requests (queued at t0 unless a workload gives arrival times or dependencies), EOS
-ignored so each request delivers exactly its budget: an untimed warm-up, then ``--repeats`` timed
+ignored so each request delivers exactly its budget: ``--warmup`` untimed runs (1), then ``--repeats`` timed
 runs, reporting the median run. A system that fails is reported as failed with its error; one that
 cannot express a workload, as skipped with the reason. Figures are comparable within one run only
 (this machine is shared and noisy): read the ratios.
@@ -103,7 +103,8 @@ def measure(args, base: str, kwargs: dict, workload) -> dict:
     once, config = SYSTEM_FNS[base](args.model_dir, workload, **kwargs)
     capacity = workload.capacity
     try:
-        once()  # untimed warm-up
+        for _ in range(args.warmup):  # untimed
+            once()
         runs = [summarize(once()) for _ in range(args.repeats)]
         server_rss = once.peak_rss_mb() if hasattr(once, "peak_rss_mb") else None
     finally:
@@ -142,6 +143,8 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
             workload,
             "--repeats",
             str(args.repeats),
+            "--warmup",
+            str(args.warmup),
             "--seed",
             str(args.seed),
             "--threads",
@@ -209,7 +212,7 @@ def decode_step(args, model_dir: str) -> dict:
     window is too short is replaced by a distilgpt2-shaped random one with 2176 positions. Quick: contexts
     16 and 48, 4 steps, one round each."""
     contexts = [int(c) for c in (args.contexts or ("16,48" if args.quick else "100,2048")).split(",")]
-    steps, rounds = (4, 1) if args.quick else (24, 2)
+    steps, rounds = (4, 1) if args.quick else (24, args.rounds)
     model = os.path.abspath(model_dir)  # the subprocesses run in the other checkout
     if context_window(model) < max(contexts) + steps + 16:
         from make_test_model import build_checkpoint
@@ -320,12 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: " + ", ".join([*SYSTEMS, "ours:int8|int4|fp32", "llamacpp", RAY_SYSTEM]),
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per system before the timed ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = physical cores)")
     p.add_argument("--quick", action="store_true", help="a few requests, 1 timed run")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per system run before it counts as failed")
     p.add_argument("--prev", default=PREV_COMMIT, help="decode-step: the contiguous-KV commit to compare ('' = none)")
     p.add_argument("--contexts", default="", help="decode-step: comma-separated contexts (default 100,2048)")
+    p.add_argument("--rounds", type=int, default=2, help="decode-step: rounds per checkout, in ABBA order")
     p.add_argument("--no-overhead", action="store_true", help="skip ours' engine overhead and roofline section")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="write PNG plots into this directory")
