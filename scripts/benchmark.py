@@ -4,16 +4,22 @@
     python scripts/benchmark.py                                  # seed workload, all systems
     python scripts/benchmark.py --workload seed,scale,sweep --json bench.json --plot bench_plots
     python scripts/benchmark.py --quick --json out.json          # small and fast (used by the tests)
+    python scripts/benchmark.py --model X.gguf --workload long-prompt --systems ours:budget=0,ours
+    python scripts/benchmark.py --workload decode-step           # paged vs the contiguous engine of 380e2e9
+
+Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
+(one user, requests in turn); shared-prefix, multi-turn (prefix reuse). See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
 asyncio scheduler; ``ours:int8`` etc. at another WEIGHTS setting), ``llamacpp`` (llama.cpp's
 llama-server on the same .gguf, built once by scripts/build_llamacpp.py; not in the default set).
 Each runs in its own subprocess (peak RSS is its own; llama.cpp's is its server's) on the same
-seeded token-id requests, all queued at t0, EOS ignored so each request delivers exactly its
-budget: an untimed warm-up, then ``--repeats`` timed runs, reporting the median run. A
-system that fails is reported as failed with its error. Figures are comparable within one
-run only (this machine is shared and noisy): read the ratios.
+seeded token-id requests (queued at t0 unless a workload gives arrival times or dependencies), EOS
+ignored so each request delivers exactly its budget: ``--warmup`` untimed runs (1), then ``--repeats`` timed
+runs, reporting the median run. A system that fails is reported as failed with its error; one that
+cannot express a workload, as skipped with the reason. Figures are comparable within one run only
+(this machine is shared and noisy): read the ratios.
 
 ``ours_ray`` (not in the default set; needs ``ray[serve]``, skipped saying so without it): our HTTP
 server against Ray Serve with 1 and 2 replicas on the workload's prompts as text, measured side by
@@ -32,12 +38,16 @@ them: ``flops_per_token``, ``weight_bytes``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -45,10 +55,19 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 from bench.quality import quality_workload  # noqa: E402
 from bench.report import plot, report, summarize, write_json  # noqa: E402
 from bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline  # noqa: E402
-from bench.systems import RAY_SYSTEM, SYSTEM_FNS, parse_system, ray_missing, run_ours_ray  # noqa: E402
-from bench.workloads import SWEEP_CAPACITIES, build_workload  # noqa: E402
+from bench.systems import (  # noqa: E402
+    RAY_SYSTEM,
+    SYSTEM_FNS,
+    Unsupported,
+    parse_system,
+    ray_missing,
+    run_ours_ray,
+    unsupported,
+)
+from bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workload  # noqa: E402
 
 SYSTEMS = ("static_hf", "hf_cb", "ours")  # the default set
+QUICK_CAPACITIES = {"sweep": 2, "memory": 1}  # how many of a capacity workload's capacities --quick runs
 
 
 # --- worker and driver ---------------------------------------------------------------------------
@@ -61,24 +80,32 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads or physical_cores())
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    requests, capacity = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
+    workload = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
     base, kwargs = parse_system(args.system)
-    if base == RAY_SYSTEM:
-        result = run_ours_ray(args.gguf or args.model_dir, tok, requests, capacity, args.repeats, args.threads)
-    else:
-        result = measure(args, base, kwargs, requests, capacity)
+    reason = unsupported(base, workload)
+    try:
+        if reason:
+            raise Unsupported(reason)
+        if base == RAY_SYSTEM:
+            result = run_ours_ray(args.gguf or args.model_dir, tok, workload, args.repeats, args.threads)
+        else:
+            result = measure(args, base, kwargs, workload)
+    except Unsupported as exc:
+        result = {"failed": True, "skipped": True, "error": str(exc)}
     print("RESULT " + json.dumps(result))
 
 
-def measure(args, base: str, kwargs: dict, requests: list, capacity: int) -> dict:
+def measure(args, base: str, kwargs: dict, workload) -> dict:
     """A warm-up and ``--repeats`` timed runs of one system; the median run's summary, plus (ours, with
     ``--overhead``) the engine overhead, roofline and kernel rates."""
     peaks = machine_peaks() if args.overhead else None  # first, before any other thread has run torch
     if base in ("ours", "llamacpp"):
         kwargs["gguf"] = args.gguf
-    once, config = SYSTEM_FNS[base](args.model_dir, requests, capacity, **kwargs)
+    once, config = SYSTEM_FNS[base](args.model_dir, workload, **kwargs)
+    capacity = workload.capacity
     try:
-        once()  # untimed warm-up
+        for _ in range(args.warmup):  # untimed
+            once()
         runs = [summarize(once()) for _ in range(args.repeats)]
         server_rss = once.peak_rss_mb() if hasattr(once, "peak_rss_mb") else None
     finally:
@@ -87,8 +114,10 @@ def measure(args, base: str, kwargs: dict, requests: list, capacity: int) -> dic
     result = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]  # the median run
     result["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     result["capacity"] = capacity
-    result["requests"] = len(requests)
+    result["requests"] = len(workload.requests)
     result["config"] = config
+    if hasattr(once, "run_stats"):
+        result["run_stats"] = dict(once.run_stats)
     if base == "ours" and args.overhead:
         sizes = [b for b in (1, 8, 32) if b <= capacity] if not args.quick else [min(2, capacity)]
         result["machine_peaks"] = peaks
@@ -115,6 +144,8 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
             workload,
             "--repeats",
             str(args.repeats),
+            "--warmup",
+            str(args.warmup),
             "--seed",
             str(args.seed),
             "--threads",
@@ -169,6 +200,101 @@ def resolve_model(name: str) -> tuple[str, str]:
     )
 
 
+# --- decode step, paged vs the pre-pool contiguous engine ------------------------------------------
+DECODE_STEP = "decode-step"
+PREV_COMMIT = "380e2e9"  # the last engine with contiguous per-slot KV (issue 12's "today")
+
+
+def decode_step(args, model_dir: str) -> dict:
+    """Our decode step at batch 8 against the contiguous engine of ``--prev``, checked out into a temporary
+    git worktree, measured by scripts/bench/decode_step.py in one subprocess per checkout and round, in ABBA
+    order (ours, prev, prev, ours: a load that drifts during the run hits both alike). Each row pools its
+    rounds' steps: the median and the best step. The model must hold the longest context: a checkpoint whose
+    window is too short is replaced by a distilgpt2-shaped random one with 2176 positions. Quick: contexts
+    16 and 48, 4 steps, one round each."""
+    contexts = [int(c) for c in (args.contexts or ("16,48" if args.quick else "100,2048")).split(",")]
+    steps, rounds = (4, 1) if args.quick else (24, args.rounds)
+    model = os.path.abspath(model_dir)  # the subprocesses run in the other checkout
+    if context_window(model) < max(contexts) + steps + 16:
+        from make_test_model import build_checkpoint
+
+        model = os.path.join(ROOT, "weights", "bench-distilgpt2-2k")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            build_checkpoint(model, shape="distilgpt2", initializer_range=0.02, n_positions=2176)
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        trees = {"ours": ROOT}
+        if args.prev:
+            try:
+                trees["prev"] = stack.enter_context(git_worktree(args.prev))
+            except (OSError, subprocess.CalledProcessError) as exc:
+                why = (getattr(exc, "stderr", "") or str(exc)).strip()
+                runs.append({"tree": "prev", "failed": True, "skipped": True, "error": f"{args.prev}: {why}"[:300]})
+        order = list(trees)
+        for r in range(rounds):
+            for name in order if r % 2 == 0 else order[::-1]:
+                runs += step_rows(name, trees[name], args, model, contexts, steps)
+    return {"model": model, "prev_commit": args.prev, "rounds": rounds, "rows": pool_rounds(runs)}
+
+
+def pool_rounds(runs: list[dict]) -> list[dict]:
+    """One row per (tree, context): every round's steps together (median, best); failures as they came."""
+    rows = [r for r in runs if r.get("failed")]
+    failed = {r["tree"] for r in rows}
+    keys = dict.fromkeys((r["tree"], r["context"]) for r in runs if not r.get("failed") and r["tree"] not in failed)
+    for tree, ctx in keys:
+        steps = [t for r in runs if r.get("tree") == tree and r.get("context") == ctx for t in r["steps_ms"]]
+        first = next(r for r in runs if r.get("tree") == tree and r.get("context") == ctx)
+        rows.append(
+            {
+                "tree": tree,
+                "batch": first["batch"],
+                "context": ctx,
+                "steps": len(steps),
+                "step_ms": statistics.median(steps),
+                "step_ms_min": min(steps),
+                "steps_ms": steps,
+            }
+        )
+    return rows
+
+
+def context_window(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("n_positions") or cfg.get("max_position_embeddings") or 0
+
+
+def step_rows(name: str, tree: str, args, model: str, contexts: list[int], steps: int) -> list[dict]:
+    """One decode_step.py subprocess on ``tree`` -> its rows, each marked with ``tree`` = name."""
+    script = os.path.join(ROOT, "scripts", "bench", "decode_step.py")
+    cmd = [sys.executable, script, "--tree", tree, "--model", model, "--contexts", ",".join(map(str, contexts))]
+    cmd += ["--steps", str(steps), "--threads", str(args.threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return [{"tree": name, "failed": True, "error": f"timed out after {args.timeout}s"}]
+    line = next((out for out in proc.stdout.splitlines() if out.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = [e for e in proc.stderr.strip().splitlines() if e.strip()][-1:] or ["no output"]
+        return [{"tree": name, "failed": True, "error": tail[0][:300]}]
+    return [{"tree": name, **row} for row in json.loads(line[len("RESULT ") :])["rows"]]
+
+
+@contextlib.contextmanager
+def git_worktree(commit: str):
+    """A detached ``git worktree`` of ``commit`` in a temporary directory, removed afterwards."""
+    tmp = tempfile.mkdtemp(prefix="minibatch-prev-")
+    path = os.path.join(tmp, commit)
+    git = ["git", "-C", ROOT, "worktree"]
+    subprocess.run([*git, "add", "--detach", path, commit], check=True, capture_output=True, text=True)
+    try:
+        yield path
+    finally:
+        subprocess.run([*git, "remove", "--force", path], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def machine_line(threads: int) -> str:
     import torch
 
@@ -187,17 +313,26 @@ def machine_line(threads: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="distilgpt2", help="hub id or local checkpoint directory (or .gguf)")
-    p.add_argument("--workload", default="seed", help="comma-separated: seed, scale, sweep, quality")
+    p.add_argument(
+        "--workload",
+        default="seed",
+        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, "quality"]),
+    )
     p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
         help="comma-separated: " + ", ".join([*SYSTEMS, "ours:int8|int4|fp32", "llamacpp", RAY_SYSTEM]),
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per system before the timed ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = physical cores)")
     p.add_argument("--quick", action="store_true", help="a few requests, 1 timed run")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per system run before it counts as failed")
+    p.add_argument("--prev", default=PREV_COMMIT, help="decode-step: the contiguous-KV commit to compare ('' = none)")
+    p.add_argument("--contexts", default="", help="decode-step: comma-separated contexts (default 100,2048)")
+    p.add_argument("--rounds", type=int, default=2, help="decode-step: rounds per checkout, in ABBA order")
+    p.add_argument("--no-overhead", action="store_true", help="skip ours' engine overhead and roofline section")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="write PNG plots into this directory")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -226,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     print(note)
     print("machine:", machine)
     workloads = [w for w in args.workload.split(",") if w]
+    for w in workloads:
+        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, "quality"):
+            raise SystemExit(f"unknown workload {w!r}")
     quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
     workloads = [w for w in workloads if w != "quality"]
     systems = [s for s in args.systems.split(",") if s]
@@ -233,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         parse_system(s)
     jobs = []
     for w in workloads:
-        caps = (SWEEP_CAPACITIES[:2] if args.quick else SWEEP_CAPACITIES) if w == "sweep" else (0,)
-        jobs += [(w, c, s) for c in caps for s in systems if not (w == "sweep" and s == RAY_SYSTEM)]
-    if RAY_SYSTEM in systems and "sweep" in workloads:
-        print("ours_ray does not run the sweep (one capacity per replica)")
+        if w == DECODE_STEP:
+            continue
+        caps = CAPACITY_WORKLOADS.get(w, (0,))
+        caps = caps[: QUICK_CAPACITIES.get(w, 1)] if args.quick else caps
+        jobs += [(w, c, s) for c in caps for s in systems if not (w in CAPACITY_WORKLOADS and s == RAY_SYSTEM)]
+    if RAY_SYSTEM in systems and set(workloads) & set(CAPACITY_WORKLOADS):
+        print("ours_ray does not run the sweep or memory workloads (one capacity per replica)")
     skip_ray = ray_missing() if RAY_SYSTEM in systems else None
     if skip_ray:
         print(skip_ray)
@@ -245,12 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         if system == RAY_SYSTEM and skip_ray:
             results[w][system] = {"failed": True, "skipped": True, "error": skip_ray}
             continue
-        overhead = system.startswith("ours") and system != RAY_SYSTEM and w != "sweep"
+        overhead = (
+            system.startswith("ours") and system != RAY_SYSTEM and w in ("seed", "scale") and not args.no_overhead
+        )
         r = run_worker(args, system, model_dir, w, cap, overhead)
-        if w == "sweep":
+        if w in CAPACITY_WORKLOADS:
             results[w].setdefault(system, {})[str(cap)] = r
         else:
             results[w][system] = r
+    if DECODE_STEP in workloads:
+        results[DECODE_STEP] = decode_step(args, model_dir)
     report(results)
     if args.json:
         header = {"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats, "quick": args.quick}
@@ -260,8 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         for path in plot(results, args.plot, note):
             print("wrote", path)
-    failed = [(w, s) for w in results for s, r in results[w].items() if r.get("failed")]
-    return 1 if "ours" in {s for _, s in failed} else 0
+    failed = [
+        (w, s)
+        for w in results
+        if w != DECODE_STEP
+        for s, r in results[w].items()
+        if r.get("failed") and not r.get("skipped")
+    ]
+    failed += [(DECODE_STEP, r["tree"]) for r in results.get(DECODE_STEP, {}).get("rows", []) if r.get("failed")]
+    return 1 if {s for _, s in failed} & {"ours", *(s for s in systems if s.startswith("ours"))} else 0
 
 
 if __name__ == "__main__":

@@ -67,6 +67,20 @@ async def serving(engine=None, **config):
             yield client
 
 
+def assert_pool_full(engine) -> None:
+    """The KV pool is full again (after load, faults, aborts, drain): every block free, no sequence holding a
+    block table, nothing active. ``engine``: a BatchEngine, or the ``engine`` stats of a server's ``/health``
+    (a server in another process). The one definition of "full": a prefix cache may count cached blocks as free.
+    """
+    if isinstance(engine, dict):
+        assert engine["kv_free_blocks"] == engine["kv_blocks"] and engine["num_prefilling"] == 0, engine
+        return
+    bm = engine.blocks
+    bm.check()  # every block free xor held by a table, counts consistent
+    assert engine.active_sequences() == [], [s.seq_id for s in engine.active_sequences()]
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} of {bm.num_blocks} KV blocks still held"
+
+
 def bounded(coro_fn, timeout: float = TIMEOUT):
     return run(asyncio.wait_for(coro_fn(), timeout))
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -62,6 +63,113 @@ def test_quick_sweep_plots_throughput_vs_capacity(tiny_model_dir, tmp_path):
     assert set(sweep) == {"1", "2"} and all(v["tokens_per_s"] > 0 for v in sweep.values())
     assert sweep["1"]["capacity"] == 1 and sweep["2"]["capacity"] == 2
     assert (plots / "throughput_vs_capacity.png").stat().st_size > 1000
+
+
+def test_quick_timed_workloads_memory_and_decode_step(tiny_model_dir, tmp_path):
+    """The workloads with arrival times and dependencies, the memory rows and the decode-step comparison, in
+    their quick forms on ours: ITL and per-group fields present, the single user's requests never overlap,
+    every later turn starts after its conversation's previous one ended."""
+    out = tmp_path / "timed.json"
+    workloads = "single,multi-turn,long-prompt,memory,decode-step"
+    proc = bench("--model", tiny_model_dir, "--workload", workloads, "--systems", "ours", "--json", str(out))
+    res = json.loads(out.read_text())["results"]
+    for w in ("single", "multi-turn", "long-prompt"):
+        r = res[w]["ours"]
+        assert not r.get("failed"), r
+        assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p95"] <= r["itl_ms"]["max"], r["itl_ms"]
+    single = res["single"]["ours"]["timeline"]
+    assert len(single) == 4 and all(a[2] <= b[0] for a, b in zip(single, single[1:])), single
+    turns = res["multi-turn"]["ours"]
+    line, by_tag = turns["timeline"], turns["by_tag"]
+    assert all(line[c][2] <= line[c + 4][0] for c in range(4)), line  # quick: 4 conversations x 2 turns
+    assert by_tag["turn2"]["prompt_tokens_mean"] > by_tag["turn1"]["prompt_tokens_mean"] + 8  # history resent
+    longp = res["long-prompt"]["ours"]
+    assert len(longp["by_tag"]["stream"]["max_itl_ms"]) == 8 and longp["by_tag"]["long"]["requests"] == 4
+    assert all(start >= 0.2 for start, _, _ in longp["timeline"][8:])  # the long prompts' arrival times
+    assert "streams' max inter-token latency" in proc.stdout
+    (mem,) = res["memory"]["ours"].values()  # quick: 8 sequences only
+    assert mem["capacity"] == 8 and mem["peak_rss_mb"] > 0 and mem["config"]["kv_pool_mib"] == 512
+    assert mem["config"]["per_slot_reservation_mib"] > 0 and mem["run_stats"]["kv_peak_used_mib"] > 0
+    rows = res["decode-step"]["rows"]
+    ours = [r for r in rows if r["tree"] == "ours"]
+    assert [r["context"] for r in ours] == [16, 48] and all(r["step_ms"] > 0 and r["batch"] == 8 for r in ours)
+    prev = [r for r in rows if r["tree"] == "prev"]
+    assert prev and all(r.get("skipped") or r["step_ms"] > 0 for r in prev), prev  # skipped without git history
+
+
+class ByteTokenizer:
+    """Bytes as token ids; no chat template (workloads render system + user as plain text)."""
+
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+def test_drive_honors_arrival_times_dependencies_and_continued_turns():
+    """The one request driver every system shares, on a fake system that answers after a fixed delay."""
+    import asyncio
+
+    from bench.systems import drive, parse_system, unsupported
+    from bench.workloads import build_workload, slot_context
+
+    def fake_send(delay: float):
+        async def send(r, prompt):
+            times = []
+            for _ in range(r.max_new_tokens):
+                await asyncio.sleep(delay)
+                times.append(time.perf_counter())
+            return [i % 200 + 1 for i in range(r.max_new_tokens)], times
+
+        return send
+
+    tok = ByteTokenizer()
+    single = build_workload("single", tok, 0, True)
+    out = asyncio.run(drive(single.requests, fake_send(0.002)))
+    assert all(a["end"] <= b["start"] for a, b in zip(out, out[1:])) and all(r["tokens"] == 8 for r in out)
+    assert all(len(r["token_times"]) == 8 and r["first"] == r["token_times"][0] for r in out)
+
+    longp = build_workload("long-prompt", tok, 0, True)
+    out = asyncio.run(drive(longp.requests, fake_send(0.001)))
+    for req, r in zip(longp.requests, out):
+        assert r["start"] >= req.arrival and r["tag"] == req.tag
+
+    turns = build_workload("multi-turn", tok, 0, True)
+    out = asyncio.run(drive(turns.requests, fake_send(0.001)))
+    for i, req in enumerate(turns.requests):
+        if req.continues:  # the previous turn's prompt and its 8 output tokens, then its own
+            prev = out[req.after]
+            assert out[i]["prompt_tokens"] == prev["prompt_tokens"] + 8 + len(req.prompt_ids)
+            assert out[i]["start"] >= prev["end"]
+    assert slot_context(turns.requests) >= max(r["prompt_tokens"] + 8 for r in out)
+
+    # Who can express what: timed workloads skip static batches and hf_cb, with a reason.
+    assert unsupported("ours", longp) is None and unsupported("llamacpp", turns) is None
+    assert unsupported("static_hf", single) is None  # one at a time, in turn: batches of 1 do that
+    assert "n/a" in unsupported("static_hf", longp) and "n/a" in unsupported("hf_cb", single)
+    assert "n/a" in unsupported("static_hf", build_workload("memory", tok, 0, True, 8))
+    assert parse_system("ours:budget=0:prefix=off") == ("ours", {"budget": "0", "prefix": "off"})
+    assert parse_system("ours:int8") == ("ours", {"weights": "int8"})
+    assert parse_system("llamacpp:cache=on") == ("llamacpp", {"cache": "on"})
+    with pytest.raises(SystemExit):
+        parse_system("hf_cb:budget=0")
+
+
+def test_ours_env_sets_knobs_through_config_from_env():
+    """ours' options reach Config the way the server's do (PREFIX_CACHING included, once config.py has it)."""
+    from bench.systems import ours_env
+    from bench.workloads import build_workload
+
+    from config import Config
+
+    tok = ByteTokenizer()
+    env = ours_env(build_workload("long-prompt", tok, 0, True), "", "auto", {"budget": "128", "prefix": "off"})
+    assert env["MAX_NUM_BATCHED_TOKENS"] == "128" and env["PREFIX_CACHING"] == "false"
+    cfg = Config.from_env({**env, "MODEL_ID": "fake"})
+    assert cfg.max_num_batched_tokens == 128 and cfg.max_batch_size == 12 and cfg.max_model_len == 264
 
 
 def small_gemm_builds() -> bool:

@@ -21,7 +21,7 @@ import threading
 import time
 
 import httpx
-from conftest import TIMEOUT, run
+from conftest import TIMEOUT, assert_pool_full, run
 from live import ThreadServer, fake_text, metric
 
 from config import Config
@@ -67,6 +67,7 @@ def assert_idle(srv: ThreadServer) -> None:
         )
 
     wait_for(idle, what="the server to be idle")
+    assert_pool_full(srv.state.engine)
     assert httpx.get(f"{srv.url}/ready", timeout=10).status_code == 200
 
 

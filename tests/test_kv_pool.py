@@ -12,7 +12,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import assert_error, bounded, fake_ids, pool_mb, run, serving
+from conftest import assert_error, assert_pool_full, bounded, fake_ids, pool_mb, run, serving
 
 from engine import AdmissionError, FakeEngine
 from scheduler import Scheduler
@@ -30,11 +30,6 @@ def letters(prompt, n):
 
 def seq(prompt=(5, 6, 7, 8), max_new=10) -> Sequence:
     return Sequence(prompt_token_ids=list(prompt), max_new_tokens=max_new)
-
-
-def pool_is_full(eng: FakeEngine) -> bool:
-    eng.blocks.check()
-    return eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
 # --- engine: admission by memory and preemption -----------------------------------------------------
@@ -68,7 +63,7 @@ def test_preemption_frees_the_newest_and_recompute_continues_exactly():
     assert eng.num_preemptions >= 1 and not preempted
     for s in (old, new):
         assert s.output_token_ids == letters(s.prompt_token_ids, 9) and s.finish_reason == "length"
-    assert pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 def test_preempted_sequence_is_waiting_with_its_tokens_and_holds_nothing():
@@ -91,7 +86,8 @@ def test_a_lone_sequence_that_cannot_grow_preempts_itself_only_if_something_else
     eng.admit([s])
     while eng.num_active():
         eng.step()
-    assert eng.num_preemptions == 0 and s.output_token_ids == letters((1, 2, 3), 9) and pool_is_full(eng)
+    assert eng.num_preemptions == 0 and s.output_token_ids == letters((1, 2, 3), 9)
+    assert_pool_full(eng)
 
 
 def test_never_fit_is_refused_naming_the_numbers():
@@ -110,7 +106,7 @@ def test_reset_and_abort_return_every_block():
     assert eng.abort(seqs[1].seq_id)
     eng.blocks.check()
     eng.reset()
-    assert pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 # --- scheduler: queue order, streams, aborts ---------------------------------------------------------
@@ -152,7 +148,7 @@ def test_scheduler_requeues_preempted_first_and_every_stream_is_gapless():
         assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
         assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))  # one token per call: no gap, no repeat
     assert sched.num_preemptions > 0 and sched.num_preemptions == eng.num_preemptions
-    assert pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 def test_abort_of_a_preempted_sequence_resolves_it():
@@ -162,7 +158,7 @@ def test_abort_of_a_preempted_sequence_resolves_it():
     assert all(d.is_finished for d in done)
     assert all(s.finish_reason == "length" for s in seqs[:2])
     assert all(s.finish_reason in ("abort", "length") for s in seqs[2:])
-    assert pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 def test_a_sequence_the_idle_engine_cannot_take_fails_instead_of_blocking_the_queue():
@@ -172,7 +168,7 @@ def test_a_sequence_the_idle_engine_cannot_take_fails_instead_of_blocking_the_qu
     _, done, _ = drive_scheduler(eng, [big, small])
     assert big.status is SequenceStatus.FINISHED_ERROR and "KV blocks" in big.error
     assert small.output_token_ids == letters((2,), 2)
-    assert pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 # --- chunked prefill ---------------------------------------------------------------------------------
@@ -189,7 +185,8 @@ def test_chunked_prefill_streams_keep_decoding_and_outputs_are_exact(budget):
     for s in short + long_:
         assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
         assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))
-    assert pool_is_full(eng) and eng.stats()["num_prefilling"] == 0
+    assert_pool_full(eng)
+    assert eng.stats()["num_prefilling"] == 0
 
 
 def test_chunked_prefill_gives_the_first_token_only_after_the_last_chunk():
@@ -203,7 +200,8 @@ def test_chunked_prefill_gives_the_first_token_only_after_the_last_chunk():
     assert s.output_token_ids == letters(range(1, 11), 1) and eng.stats()["num_prefilling"] == 0
     while eng.num_active():
         eng.step()
-    assert s.output_token_ids == letters(range(1, 11), 3) and pool_is_full(eng)
+    assert s.output_token_ids == letters(range(1, 11), 3)
+    assert_pool_full(eng)
 
 
 def test_chunked_prefill_with_preemption_and_aborts_returns_every_block():
@@ -223,7 +221,7 @@ def test_chunked_prefill_with_preemption_and_aborts_returns_every_block():
             assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
             assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))
     assert eng.num_preemptions > 0
-    assert pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 def test_a_failed_chunked_admission_leaves_nothing_behind():
@@ -235,7 +233,7 @@ def test_a_failed_chunked_admission_leaves_nothing_behind():
     )
     with pytest.raises(RuntimeError):
         eng.admit([seq(prompt=range(1, 6), max_new=2)])
-    assert eng.num_active() == 0 and pool_is_full(eng)
+    assert_pool_full(eng)
 
 
 # --- HTTP ---------------------------------------------------------------------------------------------
@@ -268,7 +266,7 @@ def test_http_many_concurrent_requests_under_preemption_each_answered_once_and_e
             text = (await c.get("/metrics")).text
             assert "minibatch:num_preemptions_total" in text
         assert eng.num_preemptions > 0
-        assert pool_is_full(eng)
+        assert_pool_full(eng)
 
     bounded(body, timeout=120)
 
@@ -319,8 +317,7 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     for s in seqs:
         assert s.output_token_ids == expected(reference, s, stops), s.seq_id
     assert engine.num_preemptions >= 3, engine.num_preemptions
-    engine.blocks.check()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and engine.num_active() == 0
+    assert_pool_full(engine)
 
 
 @pytest.mark.model
@@ -368,5 +365,4 @@ def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm):
     stops = set(engine.stop_token_ids)
     for s in seqs:
         assert s.output_token_ids == expected(reference, s, stops), s.seq_id
-    engine.blocks.check()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and engine.num_active() == 0
+    assert_pool_full(engine)

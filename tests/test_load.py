@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from conftest import run
+from conftest import assert_pool_full, run
 from live import ThreadServer, metric
 
 from config import Config
@@ -118,6 +118,7 @@ def test_300_concurrent_requests_far_above_capacity(tiny_model_dir):
         assert set(resolved.values()) == {1}
         # Nothing left behind: no active sequence, no KV row held, nothing queued or in flight.
         assert engine.num_active() == 0 and engine.active_sequences() == []
+        assert_pool_full(engine)
         assert sched.num_unfinished == 0 and not sched.running and not sched.waiting
         assert engine.stats()["peak_batch"] == CAPACITY
         text = httpx.get(f"{srv.url}/metrics").text

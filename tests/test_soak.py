@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from conftest import fake_text, run
+from conftest import assert_pool_full, fake_text, run
 from live import ProcessServer, metric
 
 pytestmark = pytest.mark.soak
@@ -196,6 +196,7 @@ def test_soak_mixed_traffic_keeps_memory_flat_and_ends_idle():
         for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_requests_in_flight"):
             assert metric(text, f"minibatch:{gauge}") == 0, gauge
         assert metric(text, "minibatch:ready") == 1
+        assert_pool_full(httpx.get(f"{srv.url}/health", headers=AUTH).json()["engine"])
         # The mix really happened.
         assert outcomes[("plain", 200)] > 50 and outcomes[("stream", 200)] > 20 and outcomes[("hangup", 0)] > 5
         assert metric(text, "minibatch:request_success_total", 'finished_reason="abort"') > 0  # the hang-ups

@@ -12,7 +12,7 @@ import json
 
 import httpx
 import pytest
-from conftest import bounded, serving, wait_until
+from conftest import assert_pool_full, bounded, serving, wait_until
 from live import ThreadServer, poll_until
 
 from config import Config
@@ -256,6 +256,7 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
             assert seqs[rid].output_token_ids == ref["token_ids"], rid
             assert text == ref["text"], rid
         assert eng.num_active() == 0
+        assert_pool_full(eng)
 
 
 def test_non_streaming_client_that_leaves_is_aborted():
@@ -269,6 +270,7 @@ def test_non_streaming_client_that_leaves_is_aborted():
             )
         (seq,) = eng.admitted
         poll_until(lambda: seq.is_finished and eng.num_active() == 0, 5, "the abandoned request to be aborted")
+        assert_pool_full(eng)
         assert seq.finish_reason == "abort"
         assert len(seq.output_token_ids) < HUGE
         health = httpx.get(f"{live.url}/health", timeout=TIMEOUT).json()
@@ -302,6 +304,7 @@ def test_queued_request_whose_client_leaves_never_runs():
         finally:
             long.close()
         poll_until(lambda: eng.num_active() == 0 and not sched.running, 5, "the long request to be aborted")
+        assert_pool_full(eng)
         r = httpx.post(
             f"{live.url}/generate",
             json={"prompt": "after", "max_new_tokens": 2, "request_id": "after"},
@@ -336,6 +339,7 @@ def test_queue_time_limit_is_504_and_the_request_never_runs():
             with pytest.raises(asyncio.CancelledError):
                 await long
             await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+            assert_pool_full(eng)
             ok = await c.post("/generate", json={"prompt": "fresh", "max_new_tokens": 2})
             assert ok.status_code == 200
 
@@ -366,6 +370,7 @@ def test_request_time_limit_is_504_and_releases_the_slot():
             assert events[-1] == "[DONE]"  # after an error too, as on /v1
             assert_error_shape(events[-2], 504, "request time limit")
             await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
+            assert_pool_full(eng)
             ok = await c.post("/generate", json={"prompt": "quick", "max_new_tokens": 2})
             assert ok.status_code == 200
 

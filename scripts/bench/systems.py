@@ -1,50 +1,119 @@
-"""Systems: (model_dir, requests, capacity) -> (once() -> per-request dicts, config dict).
+"""Systems: (model_dir, workload) -> (once() -> per-request dicts, config dict).
 
-Each ``once()`` runs every request, all queued at t0, and returns per request its delivered
-``tokens``, ``ttft`` and ``e2e`` (seconds from t0). ``once.stop`` / ``once.peak_rss_mb``, when set,
-stop a server and read its peak RSS. ``ours_ray`` is the exception: Ray Serve against our own HTTP
-server, measured side by side by ``deploy/bench_ray.py`` (``run_ours_ray``).
+Each ``once()`` runs every request of the workload, each at its arrival time and after the request it
+waits for (``drive``), and returns per request, in seconds from t0: ``start`` (sent), ``first`` (first
+token), ``end`` (finished) and ``token_times`` (every delivered token, where the system shows them), plus
+``tokens`` (delivered) and ``tag``. ``once.stop`` / ``once.peak_rss_mb``, when set, stop a server and read
+its peak RSS; ``once.run_stats``, when set, holds figures of the last run (ours: prefill tokens computed,
+KV blocks in use). ``ours_ray`` is the exception: Ray Serve against our own HTTP server, measured side by
+side by ``deploy/bench_ray.py`` (``run_ours_ray``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import time
 
 from . import ROOT
-from .workloads import Request, slot_context
+from .workloads import Request, Workload, slot_context
 
 
-def system_static_hf(model_dir: str, requests: list[Request], capacity: int):
-    """FCFS batches of `capacity` through HF generate; a request finishes when its batch does."""
+class Unsupported(Exception):
+    """This system cannot express this workload (its timing, its settings): reported as skipped, not failed."""
+
+
+def unsupported(base: str, workload: Workload) -> str | None:
+    """Why ``base`` cannot run ``workload``, or None."""
+    if workload.only and base not in workload.only:
+        return f"n/a: this workload is for {', '.join(workload.only)} only"
+    if base == "static_hf" and workload.timed and not _in_turn(workload):
+        return "n/a: static batches cannot send requests at arrival times or after other requests"
+    if base == RAY_SYSTEM and workload.timed:
+        return "n/a: ours_ray sends every request at t0 (deploy/bench_ray.py)"
+    if base == "hf_cb" and workload.timed:
+        return "n/a: this harness queues every hf_cb request at t0 (no arrival times or dependencies)"
+    return None
+
+
+def _in_turn(workload: Workload) -> bool:
+    """One request at a time, each after the previous: what static batches of 1 do anyway."""
+    reqs = workload.requests
+    return workload.capacity == 1 and all(
+        r.arrival == 0 and not r.continues and r.after == (i - 1 if i else None) for i, r in enumerate(reqs)
+    )
+
+
+async def drive(requests: list[Request], send) -> list[dict]:
+    """Send every request at its arrival time, once the request it waits for has finished.
+
+    ``await send(request, prompt_ids)`` -> (output token ids, perf_counter() time of each). Returns the
+    per-request dicts (times from t0); a continued request's prompt is its predecessor's prompt and output
+    followed by its own tokens.
+    """
+    t0 = time.perf_counter()
+    done = [asyncio.Event() for _ in requests]
+    convo: list[list[int]] = [[] for _ in requests]  # each request's prompt + output (for continued turns)
+    out: list[dict] = [{} for _ in requests]
+
+    async def one(i: int, r: Request) -> None:
+        if r.after is not None:
+            await done[r.after].wait()
+        delay = t0 + r.arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt = (convo[r.after] if r.continues else []) + r.prompt_ids
+        start = time.perf_counter()
+        ids, times = await send(r, prompt)
+        end = time.perf_counter()
+        convo[i] = prompt + list(ids)
+        out[i] = {
+            "tag": r.tag,
+            "prompt_tokens": len(prompt),
+            "tokens": len(ids),
+            "start": start - t0,
+            "first": (times[0] if times else end) - t0,
+            "end": end - t0,
+            "token_times": [t - t0 for t in times],
+        }
+        done[i].set()
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return out
+
+
+def system_static_hf(model_dir: str, workload: Workload):
+    """FCFS batches of the capacity through HF generate; a request finishes when its batch does. Every row of
+    a batch gets its tokens at the batch's steps (the time each step's logits reach the sampler)."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from model_runner import HFModelRunner, left_pad
 
     runner = HFModelRunner(model_dir)
+    requests, capacity = workload.requests, workload.capacity
 
-    class FirstStep(LogitsProcessor):
-        """Records when the batch's first token is chosen (that is every row's TTFT)."""
+    class Steps(LogitsProcessor):
+        """Records when each step's tokens are chosen."""
 
         def __init__(self):
-            self.time = None
+            self.times: list[float] = []
 
         def __call__(self, input_ids, scores):
-            if self.time is None:
-                self.time = time.perf_counter()
+            self.times.append(time.perf_counter())
             return scores
 
     def once() -> list[dict]:
         out = []
         t0 = time.perf_counter()
-        for start in range(0, len(requests), capacity):
-            batch = requests[start : start + capacity]
+        for first in range(0, len(requests), capacity):
+            batch = requests[first : first + capacity]
+            start = time.perf_counter()
             ids, mask = left_pad([r.prompt_ids for r in batch], runner.pad_id)  # each [B, W]
             width = ids.shape[1]
-            first = FirstStep()
+            steps = Steps()
             with torch.inference_mode():
                 gen = runner.model.generate(
                     input_ids=ids,
@@ -53,23 +122,35 @@ def system_static_hf(model_dir: str, requests: list[Request], capacity: int):
                     eos_token_id=None,
                     max_new_tokens=max(r.max_new_tokens for r in batch),
                     pad_token_id=runner.pad_id,
-                    logits_processor=LogitsProcessorList([first]),
+                    logits_processor=LogitsProcessorList([steps]),
                 )
             end = time.perf_counter()
             for r in batch:
+                n = min(r.max_new_tokens, gen.shape[1] - width)
+                times = [t - t0 for t in steps.times[:n]]
                 out.append(
-                    {"tokens": min(r.max_new_tokens, gen.shape[1] - width), "ttft": first.time - t0, "e2e": end - t0}
+                    {
+                        "tag": r.tag,
+                        "prompt_tokens": len(r.prompt_ids),
+                        "tokens": n,
+                        "start": start - t0,
+                        "first": times[0] if times else end - t0,
+                        "end": end - t0,
+                        "token_times": times,
+                    }
                 )
         return out
 
     return once, {"batching": "static FCFS batches, left-padded, HF generate(do_sample=False)", "batch_size": capacity}
 
 
-def system_hf_cb(model_dir: str, requests: list[Request], capacity: int):
-    """transformers' continuous batching (ContinuousBatchingManager), same request cap, all queued at t0."""
+def system_hf_cb(model_dir: str, workload: Workload):
+    """transformers' continuous batching (ContinuousBatchingManager), same request cap, all queued at t0;
+    token times are its own per-token timestamps (``record_timestamps``)."""
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
+    requests, capacity = workload.requests, workload.capacity
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     page = 32
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
@@ -121,72 +202,122 @@ def system_hf_cb(model_dir: str, requests: list[Request], capacity: int):
         finally:
             manager.stop(block=True, timeout=10)
             manager.destroy()
+        outs = [done[f"r{i}"] for i in range(len(requests))]
         return [
-            {"tokens": len(o.generated_tokens), "ttft": o.timestamps[0] - t0, "e2e": o.lifespan[1] - t0}
-            for o in done.values()
+            {
+                "tag": r.tag,
+                "prompt_tokens": len(r.prompt_ids),
+                "tokens": len(o.generated_tokens),
+                "start": 0.0,
+                "first": o.timestamps[0] - t0,
+                "end": o.lifespan[1] - t0,
+                "token_times": [t - t0 for t in o.timestamps],
+            }
+            for r, o in zip(requests, outs)
         ]
 
     return once, config
 
 
-def system_ours(model_dir: str, requests: list[Request], capacity: int, weights: str = "auto", gguf: str = ""):
-    """Our server's engine; ``weights`` is its WEIGHTS setting, ``gguf`` the file a .gguf model is served from
-    (at its own precision under "auto")."""
-    import asyncio
+# ours' options in a system name ("ours:int8", "ours:budget=0:prefix=off") -> environment variables
+OURS_OPTIONS = {"budget": "MAX_NUM_BATCHED_TOKENS", "prefix": "PREFIX_CACHING", "kv": "KV_CACHE_MB"}
+
+
+def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict[str, str]:
+    """The environment ours' Config is read from: the workload's settings, then the system's options. A GGUF's
+    peer is llama.cpp, given the workload's longest request as its context per slot: ours gets the same (unless
+    the workload sets MAX_MODEL_LEN), so peak RSS compares weights and runtime rather than KV caches of
+    different sizes."""
+    env = {"MAX_BATCH_SIZE": str(workload.capacity), "NUM_THREADS": "0", "WEIGHTS": weights}
+    if gguf:
+        env["MAX_MODEL_LEN"] = str(slot_context(workload.requests))
+    env.update(workload.ours_env)
+    for key, value in options.items():
+        env[OURS_OPTIONS[key]] = {"on": "true", "off": "false"}.get(value, value)
+    return env
+
+
+def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", **options):
+    """Our server's engine behind the scheduler; ``weights`` is its WEIGHTS setting, ``gguf`` the file a .gguf
+    model is served from (at its own precision under "auto"); ``options`` (budget, prefix, kv) set
+    MAX_NUM_BATCHED_TOKENS, PREFIX_CACHING and KV_CACHE_MB. The settings go through the environment into
+    ``Config.from_env``, as for the server, so a knob this checkout does not know yet is simply not applied
+    (the config reported says which were)."""
+    import dataclasses
 
     from config import Config
     from engine import HFEngine
     from scheduler import Scheduler
     from sequence import Sequence
 
-    # A GGUF's peer is llama.cpp, given the workload's longest request as its context per slot: ours gets
-    # the same, so that peak RSS compares weights and runtime rather than KV caches of different sizes.
-    context = slot_context(requests) if gguf else 0
-    engine = HFEngine(
-        Config(
-            model_id=gguf or model_dir,
-            max_batch_size=capacity,
-            num_threads=0,
-            weights=weights,
-            max_model_len=context,
-        )
-    )
+    env = ours_env(workload, gguf, weights, options)
+    os.environ.update(env)  # before Config is built: knobs added to config.py later are read from here too
+    config = Config.from_env({**os.environ, "MODEL_ID": gguf or model_dir})
+    engine = HFEngine(config)
+    kv_bytes_per_token = engine.model.kv.nbytes / (engine.blocks.num_blocks * engine.blocks.block_size)
+    stats: dict = {}
 
     def once() -> list[dict]:
-        async def main():
-            sched = Scheduler(engine, max_queue_depth=len(requests) + 1)
-            sched.start()
-            t0 = time.perf_counter()
-            seqs = [
-                Sequence(
-                    prompt_token_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True, arrival_time=t0
-                )
-                for r in requests
-            ]
-            done = await asyncio.gather(*(sched.submit(s) for s in seqs))
-            await sched.stop()
-            return t0, done
+        before = getattr(engine, "prefill_tokens_computed", None)
+        peak_used = 0
 
-        t0, done = asyncio.run(main())
-        return [
-            {"tokens": len(s.output_token_ids), "ttft": s.first_token_time - t0, "e2e": s.finish_time - t0}
-            for s in done
-        ]
+        async def main():
+            sched = Scheduler(engine, max_queue_depth=len(workload.requests) + 1)
+            sched.start()
+
+            async def send(r: Request, prompt: list[int]):
+                nonlocal peak_used
+                seq = Sequence(prompt_token_ids=prompt, max_new_tokens=r.max_new_tokens, ignore_eos=True)
+                times: list[float] = []
+
+                def listener(s: Sequence) -> None:  # on the event loop, after each step that gave s tokens
+                    nonlocal peak_used
+                    times.extend([time.perf_counter()] * (len(s.output_token_ids) - len(times)))
+                    peak_used = max(peak_used, engine.blocks.num_used_blocks)
+
+                await sched.submit(seq, listener)
+                times.extend([seq.finish_time] * (len(seq.output_token_ids) - len(times)))
+                return seq.output_token_ids, times
+
+            try:
+                return await drive(workload.requests, send)
+            finally:
+                await sched.stop()
+
+        out = asyncio.run(main())
+        stats["kv_peak_used_mib"] = peak_used * engine.blocks.block_size * kv_bytes_per_token / 2**20
+        stats["num_preemptions"] = engine.num_preemptions
+        after = getattr(engine, "prefill_tokens_computed", None)
+        if before is not None and after is not None:  # the engine's counter, where it has one
+            stats["prefill_tokens_computed"] = after - before
+        return out
 
     once.engine = engine
+    once.run_stats = stats
     resident = engine.model.resident_weights()
+    known = {f.name.upper() for f in dataclasses.fields(Config)}
     return once, {
-        "engine": "HFEngine (hand-written forward, preallocated KV, oneDNN / quantized linears)",
-        "capacity": capacity,
+        "engine": "HFEngine (hand-written forward, KV block pool, oneDNN / quantized linears)",
+        "capacity": workload.capacity,
         "weights": weights,
+        "env": env,
+        "env_not_in_config": sorted(k for k in env if k not in known),
+        "max_model_len": engine.max_context,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "kv_pool_mib": round(engine.model.kv.nbytes / 2**20, 1),
+        "kv_blocks": engine.blocks.num_blocks,
+        "kv_block_size": engine.blocks.block_size,
+        # the pre-pool design: every slot reserved MAX_MODEL_LEN tokens up front
+        "per_slot_reservation_mib": round(workload.capacity * engine.max_context * kv_bytes_per_token / 2**20, 1),
         "resident_weight_mb": {fmt: round(n / 2**20, 1) for fmt, n in resident.items()},
     }
 
 
-def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weights: str = "", gguf: str = ""):
+def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: str = "off"):
     """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
-    same threads, every request's token ids to /v1/completions with ignore_eos, streamed (for TTFT)."""
-    import asyncio
+    same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
+    ids of each chunk (``return_tokens``: token times, and the output a continued turn resends).
+    ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default)."""
     import socket
     import urllib.request
 
@@ -199,7 +330,8 @@ def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weig
         raise RuntimeError("llama-server is not built: run python scripts/build_llamacpp.py (10-30 min, once)")
     if not gguf:
         raise RuntimeError("llamacpp needs --model to be a .gguf file")
-    context = slot_context(requests)
+    requests, capacity = workload.requests, workload.capacity
+    context = workload.slot_context or slot_context(requests)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -234,36 +366,37 @@ def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weig
             raise RuntimeError(f"llama-server did not become healthy (see weights/llamacpp-{port}.log)")
         time.sleep(0.5)
 
-    async def one(client, r: Request, t0: float) -> dict:
+    async def send(client, r: Request, prompt: list[int]):
         body = {
-            "prompt": r.prompt_ids,
-            "max_tokens": r.max_new_tokens,
+            "prompt": prompt,
+            "n_predict": r.max_new_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
-            "cache_prompt": False,
+            "cache_prompt": cache == "on",
+            "return_tokens": True,
         }
-        first, tokens = None, 0
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+        ids: list[int] = []
+        times: list[float] = []
+        async with client.stream("POST", f"http://127.0.0.1:{port}/completion", json=body) as resp:
             resp.raise_for_status()
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    tokens += 1
-                    first = first or time.perf_counter()
-        end = time.perf_counter()
-        return {"tokens": tokens, "ttft": (first or end) - t0, "e2e": end - t0}
+                new = chunk.get("tokens") or []
+                ids += new
+                times += [time.perf_counter()] * len(new)
+        return ids, times
 
     def once() -> list[dict]:
         async def main():
-            limits = httpx.Limits(max_connections=len(requests) + 1)
+            # No keep-alive: a request sent in turn after an idle gap must not meet a connection the server closed.
+            limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=0)
             async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-                t0 = time.perf_counter()
-                return await asyncio.gather(*(one(client, r, t0) for r in requests))
+                return await drive(requests, lambda r, prompt: send(client, r, prompt))
 
-        return list(asyncio.run(main()))
+        return asyncio.run(main())
 
     def peak_rss_mb() -> float:
         with open(f"/proc/{proc.pid}/status") as f:
@@ -278,7 +411,11 @@ def system_llamacpp(model_dir: str, requests: list[Request], capacity: int, weig
         log_file.close()
 
     once.peak_rss_mb, once.stop = peak_rss_mb, stop
-    return once, {"engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}", "capacity": capacity}
+    return once, {
+        "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}",
+        "capacity": capacity,
+        "cache_prompt": cache == "on",
+    }
 
 
 SYSTEM_FNS = {"static_hf": system_static_hf, "hf_cb": system_hf_cb, "ours": system_ours, "llamacpp": system_llamacpp}
@@ -286,12 +423,22 @@ RAY_SYSTEM = "ours_ray"  # not a SYSTEM_FNS entry: three HTTP servers measured s
 
 
 def parse_system(name: str) -> tuple[str, dict]:
-    """ "ours:int8" -> ("ours", {"weights": "int8"}); plain names -> (name, {})."""
-    base, _, weights = name.partition(":")
-    if (base not in SYSTEM_FNS and base != RAY_SYSTEM) or (weights and base != "ours"):
+    """ "ours:int8" -> ("ours", {"weights": "int8"}); "ours:budget=0:prefix=off" -> ("ours", {"budget": "0",
+    "prefix": "off"}); "llamacpp:cache=on" -> ("llamacpp", {"cache": "on"}); plain names -> (name, {})."""
+    base, *parts = name.split(":")
+    allowed = {"ours": {"weights", *OURS_OPTIONS}, "llamacpp": {"cache"}}.get(base, set())
+    kwargs = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        key, value = (key, value) if eq else ("weights", key)
+        kwargs[key] = value
+    if (base not in SYSTEM_FNS and base != RAY_SYSTEM) or not set(kwargs) <= allowed or "" in kwargs.values():
         known = ", ".join([*SYSTEM_FNS, RAY_SYSTEM])
-        raise SystemExit(f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4)")
-    return base, ({"weights": weights} if weights else {})
+        raise SystemExit(
+            f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
+            f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, llamacpp:cache=on)"
+        )
+    return base, kwargs
 
 
 def ray_missing() -> str | None:
@@ -303,7 +450,7 @@ def ray_missing() -> str | None:
     return None
 
 
-def run_ours_ray(model_id: str, tok, requests: list[Request], capacity: int, repeats: int, cpus: int) -> dict:
+def run_ours_ray(model_id: str, tok, workload: Workload, repeats: int, cpus: int) -> dict:
     """``python server.py`` (``ours``) against Ray Serve with 1 and 2 replicas (``ours_ray1``, ``ours_ray2``),
     all over HTTP on 127.0.0.1, by ``deploy/bench_ray.py``: ``repeats`` interleaved rounds of the workload
     (its prompts as text to /generate, same budgets, EOS ignored), then the proxy's added idle TTFT.
@@ -312,6 +459,7 @@ def run_ours_ray(model_id: str, tok, requests: list[Request], capacity: int, rep
     """
     from deploy import bench_ray
 
+    requests, capacity = workload.requests, workload.capacity
     reqs = [(tok.decode(r.prompt_ids), r.max_new_tokens) for r in requests]
     env = {"MODEL_ID": model_id, "MAX_BATCH_SIZE": str(capacity), "LOG_LEVEL": "WARNING"}
     probes = 6 if repeats <= 1 else 30

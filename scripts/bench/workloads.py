@@ -1,9 +1,15 @@
-"""Workloads: (tokenizer, seed, quick) -> (requests, capacity); the same seeded requests for every system."""
+"""Workloads: (name, tokenizer, seed, quick, capacity) -> a ``Workload``: the same seeded requests for every system.
+
+A request is queued at t0 unless it says otherwise: ``arrival`` delays it (seconds after t0), ``after``
+holds it until an earlier request has finished, and ``continues`` makes its prompt that earlier request's
+prompt and output followed by its own tokens (a conversation's next turn). Systems that cannot express a
+workload's timing say so (``systems.unsupported``) and are reported as skipped.
+"""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PROMPT_TEXTS = [
     "Hello!",
@@ -19,19 +25,61 @@ PROMPT_TEXTS = [
     "Translate to French: I would like a cup of coffee and a croissant, please.",
 ]
 SWEEP_CAPACITIES = (1, 2, 4, 8, 16, 32)
+MEMORY_CAPACITIES = (8, 32)
+# Workloads run once per capacity (results keyed by capacity); the quick form runs the first two.
+CAPACITY_WORKLOADS = {"sweep": SWEEP_CAPACITIES, "memory": MEMORY_CAPACITIES}
+SYSTEM_PROMPT = (
+    "You are a careful, friendly assistant for a small bookshop. Answer in plain English, in at most three "
+    "sentences, and never invent a title, an author or a price. When a customer asks for a recommendation, "
+    "ask one question about what they enjoyed last, then suggest two books from the shelves listed below and "
+    "say in one line why each fits. Opening hours: Monday to Friday 9 to 18, Saturday 10 to 16, closed on "
+    "Sunday. Orders arrive within three working days; a customer who orders before noon on Thursday gets "
+    "the book on Saturday. Returns are accepted within 30 days with the receipt. "
+)
+SHELVES = [
+    "mystery",
+    "science fiction",
+    "poetry",
+    "cooking",
+    "history",
+    "travel",
+    "children's books",
+    "philosophy",
+    "gardening",
+    "graphic novels",
+]
 
 
 @dataclass
 class Request:
     prompt_ids: list[int]
     max_new_tokens: int
+    arrival: float = 0.0  # seconds after t0 before it is sent
+    after: int | None = None  # index of an earlier request that must have finished first
+    continues: bool = False  # prompt = the `after` request's prompt + output, then prompt_ids
+    tag: str = ""  # a group the report breaks figures down by ("stream", "long", "turn2" ...)
 
 
-def seed_workload(tok, seed: int, quick: bool) -> tuple[list[Request], int]:
+@dataclass
+class Workload:
+    requests: list[Request]
+    capacity: int
+    # ours' settings for this workload, as environment variables (MAX_MODEL_LEN, KV_CACHE_MB ...)
+    ours_env: dict[str, str] = field(default_factory=dict)
+    slot_context: int = 0  # llama.cpp's context per slot; 0 = what the longest request needs
+    only: tuple[str, ...] = ()  # when set, the only systems this workload means something for
+
+    @property
+    def timed(self) -> bool:
+        """Whether any request waits for an arrival time or another request."""
+        return any(r.arrival or r.after is not None for r in self.requests)
+
+
+def seed_workload(tok, seed: int, quick: bool) -> Workload:
     """32 requests at t0, capacity 8, prompts from a one-liner to a paragraph and code, budgets 8-48."""
     rng = random.Random(seed)
     reqs = [Request(tok.encode(rng.choice(PROMPT_TEXTS)), rng.choice([8, 16, 32, 48])) for _ in range(32)]
-    return (reqs[:8] if quick else reqs), 8
+    return Workload(reqs[:8] if quick else reqs, 8)
 
 
 def _window(tok, rng: random.Random, length: int) -> list[int]:
@@ -43,30 +91,138 @@ def _window(tok, rng: random.Random, length: int) -> list[int]:
     return ids[start : start + length]
 
 
-def scale_workload(tok, seed: int, quick: bool) -> tuple[list[Request], int]:
+def scale_workload(tok, seed: int, quick: bool) -> Workload:
     """128 requests at t0, capacity 32, prompts 16-256 tokens, budgets 16-128."""
     rng = random.Random(seed)
     n = 32 if quick else 128
-    return [Request(_window(tok, rng, rng.randint(16, 256)), rng.randint(16, 128)) for _ in range(n)], 32
+    return Workload([Request(_window(tok, rng, rng.randint(16, 256)), rng.randint(16, 128)) for _ in range(n)], 32)
 
 
-def sweep_workload(tok, seed: int, quick: bool, capacity: int) -> tuple[list[Request], int]:
+def sweep_workload(tok, seed: int, quick: bool, capacity: int) -> Workload:
     """The same 32 requests (prompts 32-64 tokens, 32 new tokens each) at a given capacity."""
     rng = random.Random(seed)
     n = 8 if quick else 32
-    return [Request(_window(tok, rng, rng.randint(32, 64)), 16 if quick else 32) for _ in range(n)], capacity
+    return Workload([Request(_window(tok, rng, rng.randint(32, 64)), 16 if quick else 32) for _ in range(n)], capacity)
 
 
-def build_workload(name: str, tok, seed: int, quick: bool, capacity: int = 0):
-    if name == "seed":
-        return seed_workload(tok, seed, quick)
-    if name == "scale":
-        return scale_workload(tok, seed, quick)
+def long_prompt_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 12: 8 streams (32-token prompts, 128 new tokens) decode from t0 while 4 prompts of 1500-2000
+    tokens arrive 1.0-2.5 s later (8 new tokens each). A stream's worst inter-token gap is the stall a long
+    prefill costs it: whole prompts in one step with chunked prefill off, a chunk per step with it on.
+    Quick: 24 new tokens, prompts of 150-200 tokens arriving 0.2-0.5 s in."""
+    rng = random.Random(seed)
+    streams = [Request(_window(tok, rng, 32), 24 if quick else 128, tag="stream") for _ in range(8)]
+    lo, hi, first, gap = (150, 200, 0.2, 0.1) if quick else (1500, 2000, 1.0, 0.5)
+    longs = [Request(_window(tok, rng, rng.randint(lo, hi)), 8, arrival=first + gap * i, tag="long") for i in range(4)]
+    # 12 running at once; a context that holds the longest prompt (not the model's whole window: SmolLM2's
+    # 8192 would size the default pool for 12 x 8192 tokens).
+    return Workload(streams + longs, 12, ours_env={"MAX_MODEL_LEN": str(hi + 64)})
+
+
+def memory_workload(tok, seed: int, quick: bool, capacity: int) -> Workload:
+    """Issue 12: `capacity` sequences (8 or 32) running at once with MAX_MODEL_LEN=8192 under a 512 MiB pool:
+    prompts of 128 tokens, 64 new tokens each (quick: 32 + 8). Peak RSS and KV MiB against the old
+    per-slot reservation (capacity x MAX_MODEL_LEN tokens). ours only: llama.cpp reserves per slot too
+    (-c capacity x 8192), so it runs here as that design's peer."""
+    rng = random.Random(seed)
+    prompt, new = (32, 8) if quick else (128, 64)
+    reqs = [Request(_window(tok, rng, prompt), new) for _ in range(capacity)]
+    env = {"MAX_MODEL_LEN": "8192", "KV_CACHE_MB": "512"}
+    return Workload(reqs, capacity, ours_env=env, slot_context=8192, only=("ours", "llamacpp"))
+
+
+def single_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 14: one user, requests in turn (each sent when the previous finished): 64-token prompts, 64 new
+    tokens, EOS ignored; 16 requests (quick: 4 of 8 new tokens). Single-stream latency: TTFT and ITL."""
+    rng = random.Random(seed)
+    n, new = (4, 8) if quick else (16, 64)
+    return Workload([Request(_window(tok, rng, 64), new, after=i - 1 if i else None) for i in range(n)], 1)
+
+
+def chat_prompt(tok, system: str, user: str) -> list[int]:
+    """The chat template's rendering of a system and a user message, as ids (plain text where there is none)."""
+    if getattr(tok, "chat_template", None):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tok.encode(system + "\n\nUser: " + user + "\nAssistant:")
+
+
+def _system_prompt(tok, tokens: int) -> str:
+    """SYSTEM_PROMPT and shelf lines until it is at least ``tokens`` tokens long."""
+    text, i = SYSTEM_PROMPT, 0
+    while len(tok.encode(text)) < tokens:
+        text += f"Shelf {i + 1}: {SHELVES[i % len(SHELVES)]}, row {i // len(SHELVES) + 1}. "
+        i += 1
+    return text
+
+
+def _user_text(tok, rng: random.Random, lo: int, hi: int) -> str:
+    """A user message of about lo-hi tokens, cut from the prompt texts at word boundaries."""
+    words = " ".join(PROMPT_TEXTS).split()
+    want = rng.randint(lo, hi)
+    start = rng.randrange(0, len(words) - 64)
+    n = 1
+    while n < 64 and len(tok.encode(" ".join(words[start : start + n + 1]))) <= want:
+        n += 1
+    return " ".join(words[start : start + n])
+
+
+def shared_prefix_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 13: 32 requests at t0 sharing a ~400-token system prompt (through the chat template), each with
+    8-32 tokens of its own and 16 new tokens (quick: 8 requests). What a prefix cache saves: prefill."""
+    rng = random.Random(seed)
+    system = _system_prompt(tok, 400)
+    n = 8 if quick else 32
+    return Workload([Request(chat_prompt(tok, system, _user_text(tok, rng, 8, 32)), 16) for _ in range(n)], 8)
+
+
+def multi_turn_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 13: 8 conversations x 4 turns (quick: 4 x 2). Turn 1 is the shared system prompt's chat rendering
+    with a user message; each later turn resends the conversation so far (the previous turn's prompt and
+    output, as token ids) plus 16-32 new user tokens, and is sent when that previous turn finished. 32 new
+    tokens per turn. TTFT per turn shows what resending the history costs."""
+    rng = random.Random(seed)
+    convs, turns, new = (4, 2, 8) if quick else (8, 4, 32)
+    system = _system_prompt(tok, 100)
+    reqs: list[Request] = []
+    last: list[int] = []
+    for _ in range(convs):
+        reqs.append(Request(chat_prompt(tok, system, _user_text(tok, rng, 16, 32)), new, tag="turn1"))
+        last.append(len(reqs) - 1)
+    for t in range(2, turns + 1):
+        for c in range(convs):
+            follow = tok.encode("\nUser: " + _user_text(tok, rng, 16, 32) + "\nAssistant:")
+            reqs.append(Request(follow, new, after=last[c], continues=True, tag=f"turn{t}"))
+            last[c] = len(reqs) - 1
+    return Workload(reqs, 8)
+
+
+WORKLOADS = {
+    "seed": seed_workload,
+    "scale": scale_workload,
+    "long-prompt": long_prompt_workload,
+    "single": single_workload,
+    "shared-prefix": shared_prefix_workload,
+    "multi-turn": multi_turn_workload,
+}
+
+
+def build_workload(name: str, tok, seed: int, quick: bool, capacity: int = 0) -> Workload:
     if name == "sweep":
         return sweep_workload(tok, seed, quick, capacity)
-    raise ValueError(name)
+    if name == "memory":
+        return memory_workload(tok, seed, quick, capacity)
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}")
+    return WORKLOADS[name](tok, seed, quick)
 
 
 def slot_context(requests: list[Request]) -> int:
-    """Tokens of KV cache per slot that every request fits in (llama.cpp gets -c slots x this)."""
-    return max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + 8
+    """Tokens of KV cache per slot that every request fits in (llama.cpp gets -c slots x this). A continued
+    turn holds its whole conversation: the turns before it, their outputs, and its own tokens."""
+    need: list[int] = []
+    for r in requests:
+        before = need[r.after] if r.continues and r.after is not None else 0
+        need.append(before + len(r.prompt_ids) + r.max_new_tokens)
+    return max(need) + 8
