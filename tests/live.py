@@ -36,6 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def openai_client(server, timeout: float = 60.0):
+    """The `openai` package's client for a live server's ``/v1``; no retries, so a test sees every failure."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def wait_ready(url: str, timeout: float, alive=lambda: True) -> None:
     deadline = time.monotonic() + timeout
     last = "no answer"

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
-from live import ThreadServer
+from live import ThreadServer, openai_client
 
 from config import Config
 from sampling import SamplingParams, apply_logit_bias, sample
@@ -145,7 +145,7 @@ def live(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(live):
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+    with openai_client(live, TIMEOUT) as c:
         yield c
 
 

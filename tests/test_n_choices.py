@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_error, bounded, fake_text, serving
+from live import openai_client
 from test_streaming_cancel import parse_sse
 
 from engine import FakeEngine
@@ -127,9 +128,7 @@ def live(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(live):
-    import openai
-
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai_client(live) as c:
         yield c
 
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from live import ThreadServer, poll_until
+from live import ThreadServer, openai_client, poll_until
 
 from config import Config
 from server import create_app
@@ -64,7 +64,7 @@ def live(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(live):
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+    with openai_client(live, TIMEOUT) as c:
         yield c
 
 

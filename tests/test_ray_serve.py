@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from conftest import ROOT, run
+from live import free_port
 
 from config import Config, ConfigError
 from engine import FakeEngine
@@ -132,12 +133,6 @@ class Fleet:
     url: str  # the Serve proxy
     metrics_ports: list[int]  # each node's Ray metrics export port
     test_pid: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

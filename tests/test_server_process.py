@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import pytest
+from live import free_port
 
 from config import Config
 
@@ -28,12 +29,6 @@ BAD_VALUES = [
     ("LOG_LEVEL", "LOUD", "LOG_LEVEL must be one of"),
     ("MAX_QUEUE_TIME_S", "soon", "MAX_QUEUE_TIME_S must be a number (got 'soon')"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(**values: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from live import ThreadServer
+from live import ThreadServer, openai_client
 from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-once fixture)
 
 from config import Config
@@ -119,7 +119,7 @@ def live(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def client(live):
-    with openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
+    with openai_client(live, TIMEOUT) as c:
         yield c
 
 
