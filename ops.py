@@ -191,7 +191,7 @@ class OperationsMiddleware:
             body = await self._body(headers, receive, send, cfg)
             if body is None:  # answered (or the client left)
                 return
-            receive = _replay(body, receive)
+            receive = replay_body(body, receive)
         limit = cfg.max_concurrent_requests if cfg is not None else 0
         if limit and not open_path and ops.in_flight >= limit:
             await self._reject(
@@ -336,7 +336,8 @@ async def _read_body(receive: Receive, limit: int):
             return b"".join(chunks)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for an app, given a body already read whole: the body first, then ``receive``'s messages."""
     sent = False
 
     async def replay() -> dict:

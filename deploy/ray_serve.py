@@ -46,6 +46,7 @@ if ROOT not in sys.path:
 from config import Config  # noqa: E402
 from deploy.gateway import GatewayApp, GatewaySettings  # noqa: E402
 from deploy.routing import PrefixAffinityRouter  # noqa: E402
+from ops import replay_body  # noqa: E402
 from server import create_app  # noqa: E402
 
 log = logging.getLogger("minibatch.ray_serve")
@@ -258,15 +259,12 @@ async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[list[dict]]:
     sequences, as a client disconnect does on one server."""
     out: asyncio.Queue[dict | None] = asyncio.Queue()
     gone = asyncio.Event()
-    delivered = False
 
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def disconnect() -> dict:
         await gone.wait()
         return {"type": "http.disconnect"}
+
+    receive = replay_body(body, disconnect)
 
     async def send(message: dict) -> None:
         out.put_nowait(message)
