@@ -974,24 +974,30 @@ def resolve_device(name: str):
 
 
 # What OpenMP and the tokenizer get unless the environment says otherwise (measured: README "Threads").
-# libgomp's default keeps each worker spinning ~300k iterations (~3 ms) after every parallel region; the
-# engine runs ~150 regions per decode step, and between steps the event loop, the HTTP handlers and the
-# tokenizer threads need the same cores, which the spinning workers take. PASSIVE: a worker sleeps at
-# once (a futex wake-up per region costs less than that contention; measured served step 1.6-2.9x faster).
+# A decode step runs ~120 OpenMP regions back to back, microseconds apart. A worker that sleeps at once
+# (OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region: SmolLM2's batch-1 step took 18 ms instead of
+# 9.5. libgomp's default spin (300k iterations, ~3 ms) keeps the worker on a core long after a step, while
+# the event loop needs it. GOMP_SPINCOUNT=100000 (~1 ms) spans the gaps inside a step and the short hop
+# between two steps, then sleeps: served batch-1 steps within 1.05x of the bare step. (It spins only while
+# libgomp's pooled threads fit the cores: ``scheduler.engine_thread`` keeps every torch call on one thread.)
 # The Rust tokenizer starts its own pool of one thread per core for batch encodes: never beside torch's.
-THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+THREAD_ENV = {"GOMP_SPINCOUNT": "100000", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def thread_environment() -> dict[str, str]:
-    """Set ``THREAD_ENV`` where the environment does not (an explicit setting wins); returns what is in
-    effect. Must run before torch is imported: libgomp reads OMP_WAIT_POLICY when it is loaded."""
+    """Set ``THREAD_ENV`` where the environment does not (an explicit setting wins, and an explicit
+    OMP_WAIT_POLICY keeps its own spin); returns what is in effect. Must run before torch is imported:
+    libgomp reads its settings once, when it is loaded."""
     import sys
 
-    if "torch" in sys.modules and any(k not in os.environ for k in THREAD_ENV):
+    wanted = dict(THREAD_ENV)
+    if "OMP_WAIT_POLICY" in os.environ:
+        wanted.pop("GOMP_SPINCOUNT")  # GOMP_SPINCOUNT would override the policy the user chose
+    if "torch" in sys.modules and any(k not in os.environ for k in wanted):
         log.warning("torch was imported before the thread settings: OpenMP keeps its own wait policy")
-    for key, value in THREAD_ENV.items():
+    for key, value in wanted.items():
         os.environ.setdefault(key, value)
-    return {key: os.environ[key] for key in THREAD_ENV}
+    return {key: os.environ[key] for key in [*wanted, "OMP_WAIT_POLICY"] if key in os.environ}
 
 
 def engine_threads(config: Config) -> int:

@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -35,7 +36,7 @@ from api_errors import APIError, describe_unparsable_body, describe_validation
 from config import Config
 from engine import FakeEngine, InferenceEngine, build_engine
 from ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
-from scheduler import Scheduler
+from scheduler import Scheduler, engine_thread
 from schemas import ErrorResponse
 from serving import Runtime
 from transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
@@ -44,8 +45,11 @@ log = logging.getLogger("minibatch.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def create_app(config: Config | None = None, engine: InferenceEngine | None = None) -> FastAPI:
-    """The ASGI app. ``config`` defaults to the environment; ``engine`` to ``load_engine(config)``."""
+def create_app(
+    config: Config | None = None, engine: InferenceEngine | None = None, thread: ThreadPoolExecutor | None = None
+) -> FastAPI:
+    """The ASGI app. ``config`` defaults to the environment; ``engine`` to ``load_engine(config)``, built on
+    a new ``engine_thread()``; ``thread``: the engine thread that built ``engine``, which steps it from here."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -56,8 +60,9 @@ def create_app(config: Config | None = None, engine: InferenceEngine | None = No
         logging.getLogger("minibatch").setLevel(cfg.log_level.upper())
         if not logging.getLogger().handlers:  # e.g. under `uvicorn server:app`: our lines need a handler
             logging.basicConfig(format=LOG_FORMAT)
-        eng = engine or await asyncio.to_thread(load_engine, cfg)
-        scheduler = Scheduler(eng, cfg.max_queue_depth)
+        executor = thread or engine_thread()
+        eng = engine or await asyncio.wrap_future(executor.submit(load_engine, cfg))
+        scheduler = Scheduler(eng, cfg.max_queue_depth, executor=executor)
         scheduler.on_engine_call = operations.metrics.on_engine_call
         scheduler.on_resolved = operations.metrics.on_resolved
         scheduler.start()
@@ -184,13 +189,14 @@ def main() -> int:
     try:
         config = Config.from_env()
         logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-        engine = load_engine(config)
+        thread = engine_thread()
+        engine = thread.submit(load_engine, config).result()
     except Exception as exc:  # ConfigError, a model that cannot load: the message says which
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
     soft, hard = raise_file_limit()
     log.info("open-file limit %d (hard %d)", soft, hard)
-    app = create_app(config, engine)
+    app = create_app(config, engine, thread)
     server = DrainingServer(uvicorn_config(app, config), app.state.ops)
     # uvicorn restores the previous SIGTERM handler after its graceful shutdown and re-raises the signal:
     # the shutdown is done by then, so the previous handler is a no-op and the process exits 0.

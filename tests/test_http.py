@@ -95,6 +95,38 @@ def test_config_stop_token_ids_reach_the_built_engine():
     bounded(body)
 
 
+def test_the_engine_is_built_and_stepped_on_one_thread(monkeypatch):
+    """scheduler.engine_thread: libgomp spins its workers only while its pools fit the cores, so the thread
+    that builds the engine (OpenMP pool made while packing weights) must be the one that steps it."""
+    import threading
+
+    import server
+
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    class Recording(FakeEngine):
+        def step(self):
+            threads["step"].add(threading.get_ident())
+            return super().step()
+
+    def load(config):
+        threads["build"].add(threading.get_ident())
+        return Recording(capacity=2)
+
+    monkeypatch.setattr(server, "load_engine", load)
+
+    async def body():
+        app = create_app(config=Config(model_id="fake", max_batch_size=2))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                for prompt in ("ab", "cd"):
+                    assert (await c.post("/generate", json={"prompt": prompt, "max_new_tokens": 4})).status_code == 200
+
+    bounded(body)
+    assert len(threads["build"]) == 1 and threads["step"] == threads["build"]
+    assert threading.get_ident() not in threads["build"]  # not the event loop's thread
+
+
 @pytest.mark.parametrize("temperature", [0, 0.0, -0.0])
 def test_temperature_zero_accepted(temperature):
     async def body():

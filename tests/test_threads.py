@@ -32,11 +32,13 @@ print(json.dumps({"threads": torch.get_num_threads(), "cores": physical_cores(),
 
 
 def start_engine(model_dir: str, num_threads: int, **env) -> tuple[dict, str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "TOKENIZERS_PARALLELISM")}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM")
+    }
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, model_dir, str(num_threads)],
         cwd=ROOT,
-        env={**clean, "OMP_DISPLAY_ENV": "TRUE", **env},
+        env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
         capture_output=True,
         text=True,
         timeout=300,
@@ -47,7 +49,7 @@ def start_engine(model_dir: str, num_threads: int, **env) -> tuple[dict, str]:
 
 def test_default_thread_settings_are_applied_before_openmp_starts(tiny_model_dir):
     got, omp_env = start_engine(tiny_model_dir, 0)
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in omp_env, omp_env[-2000:]
+    assert "GOMP_SPINCOUNT = '100000'" in omp_env, omp_env[-2000:]
     assert got["threads"] == got["cores"]  # NUM_THREADS=0: every physical core
     assert got["tokenizers"] == "false"
 
@@ -55,4 +57,5 @@ def test_default_thread_settings_are_applied_before_openmp_starts(tiny_model_dir
 def test_explicit_settings_win(tiny_model_dir):
     got, omp_env = start_engine(tiny_model_dir, 1, OMP_WAIT_POLICY="ACTIVE", TOKENIZERS_PARALLELISM="true")
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in omp_env, omp_env[-2000:]
+    assert "GOMP_SPINCOUNT = '30000000000'" in omp_env, omp_env[-2000:]  # ACTIVE's own spin, not ours
     assert got == {**got, "threads": 1, "tokenizers": "true"}
