@@ -116,7 +116,8 @@ class Scheduler:
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
         """``stop_wait_s``: how long ``stop()`` waits for an engine call in flight. ``executor``: the
-        ``engine_thread()`` that built ``engine`` (a new one by default); the scheduler owns it from here."""
+        ``engine_thread()`` that built ``engine``, which stays its caller's to shut down (by default the
+        scheduler makes one of its own, and shuts it down in ``stop``)."""
         self.engine = engine
         self.max_queue_depth = max_queue_depth
         self.stop_wait_s = stop_wait_s
@@ -137,6 +138,7 @@ class Scheduler:
         # Running sequences to end at the next step boundary: seq_id -> (status, error).
         self._aborts: dict[int, tuple[SequenceStatus, str | None]] = {}
         self._executor = executor or engine_thread()
+        self._owns_executor = executor is None
         self._engine_call: Future | None = None  # the call in the worker thread now, if any
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -214,7 +216,8 @@ class Scheduler:
             self._resolve(seq)
         self.waiting.clear()
         self.running.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     # --- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:

@@ -74,6 +74,7 @@ def create_app(
         finally:
             await operations.finish_drain()
             await scheduler.stop()  # anything still unfinished ends as aborted: "server is shutting down"
+            executor.shutdown(wait=False, cancel_futures=True)
             runtime.close()
             app.state.server = None
 

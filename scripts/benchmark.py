@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
@@ -98,7 +99,10 @@ def worker(args) -> None:
 def measure(args, base: str, kwargs: dict, workload) -> dict:
     """A warm-up and ``--repeats`` timed runs of one system; the median run's summary, plus (ours, with
     ``--overhead``) the engine overhead, roofline and kernel rates."""
-    peaks = machine_peaks() if args.overhead else None  # first, before any other thread has run torch
+    # On a thread that ends before the engine's starts: libgomp keeps a pool of workers per thread that ran
+    # OpenMP work, and a second live pool on these cores would stop the engine thread's workers spinning.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        peaks = pool.submit(machine_peaks).result() if args.overhead else None
     if base in ("ours", "llamacpp"):
         kwargs["gguf"] = args.gguf
     once, config = SYSTEM_FNS[base](args.model_dir, workload, **kwargs)
@@ -122,9 +126,10 @@ def measure(args, base: str, kwargs: dict, workload) -> dict:
         sizes = [b for b in (1, 8, 32) if b <= capacity] if not args.quick else [min(2, capacity)]
         result["machine_peaks"] = peaks
         result["overhead"] = overhead_and_roofline(
-            once.engine, sizes, 64, 8 if args.quick else 16, peaks, 2 if args.quick else 6
+            once.engine, once.thread, sizes, 64, 8 if args.quick else 16, peaks, 2 if args.quick else 6
         )
-        result["linear_kernels"] = linear_kernel_rates(once.engine.model, (1, 8) if args.quick else (1, 4, 8, 16, 32))
+        rows = (1, 8) if args.quick else (1, 4, 8, 16, 32)
+        result["linear_kernels"] = once.thread.submit(linear_kernel_rates, once.engine.model, rows).result()
     result["peak_rss_mb"] = server_rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 

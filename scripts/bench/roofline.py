@@ -9,7 +9,6 @@ import asyncio
 import functools
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 
 def machine_peaks() -> dict:
@@ -35,14 +34,14 @@ def decode_cost(model, batch: int, context: int) -> tuple[int, int]:
     return batch * model.flops_per_token(context), sum(model.weight_bytes().values())
 
 
-async def _scheduled_steps(engine, batch: int, prompt: list[int], steps: int) -> list[float]:
-    """Seconds between decode steps as the scheduler delivers them: ``batch`` copies of ``prompt``,
-    ``steps`` + 1 tokens each."""
+async def _scheduled_steps(engine, thread, batch: int, prompt: list[int], steps: int) -> list[float]:
+    """Seconds between decode steps as the scheduler delivers them (its engine calls on ``thread``):
+    ``batch`` copies of ``prompt``, ``steps`` + 1 tokens each."""
     from scheduler import Scheduler
     from sequence import Sequence
 
     stamps: list[float] = []
-    sched = Scheduler(engine, max_queue_depth=batch + 1)
+    sched = Scheduler(engine, max_queue_depth=batch + 1, executor=thread)
     sched.on_tokens = lambda seqs: stamps.append(time.perf_counter())
     sched.start()
     seqs = [Sequence(prompt_token_ids=prompt, max_new_tokens=steps + 1, ignore_eos=True) for _ in range(batch)]
@@ -61,9 +60,11 @@ def _bare_steps(model, batch: int, prompt: list[int], steps: int) -> list[float]
 
 
 def overhead_and_roofline(
-    engine, batch_sizes: list[int], prompt_len: int, steps: int, peaks: dict, rounds: int = 6
+    engine, thread, batch_sizes: list[int], prompt_len: int, steps: int, peaks: dict, rounds: int = 6
 ) -> list[dict]:
-    """Per batch size: our decode step inside the scheduler loop vs the bare forward alone."""
+    """Per batch size: our decode step inside the scheduler loop vs the bare forward alone, both on
+    ``thread``, the engine thread that built ``engine`` (``scheduler.engine_thread``: OpenMP's workers
+    spin only while one thread's pool runs the model)."""
     model = engine.model
     rows = []
     for batch in batch_sizes:
@@ -72,14 +73,11 @@ def overhead_and_roofline(
         prompt = [(i * 7919) % 200 + 10 for i in range(prompt_len)]
 
         # Pair the two, round by round, so that a noisy minute hits both alike; the overhead is the
-        # median of the per-round ratios. The bare forward runs in a worker thread of its own, as
-        # the engine does: an OpenMP team left spinning by one thread slows another thread's team
-        # badly on a 2-core box.
+        # median of the per-round ratios.
         engine_steps, bare, ratios = [], [], []
         for _ in range(rounds):
-            engine_round = asyncio.run(_scheduled_steps(engine, batch, prompt, steps))
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                bare_round_ms = pool.submit(_bare_steps, model, batch, prompt, steps).result()
+            engine_round = asyncio.run(_scheduled_steps(engine, thread, batch, prompt, steps))
+            bare_round_ms = thread.submit(_bare_steps, model, batch, prompt, steps).result()
             ratios.append(statistics.median(engine_round) / statistics.median(bare_round_ms))
             engine_steps += engine_round
             bare += bare_round_ms
@@ -112,7 +110,7 @@ def overhead_and_roofline(
 def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[dict]:
     """Per row count M: GB/s of weights streamed through every linear of the model in turn, by
     oneDNN and by the small-batch kernel (small_gemm.c), on the model's own packed weights.
-    Runs in a worker thread of its own, as the engine does."""
+    Call it on the engine thread that built the model (``scheduler.engine_thread``), as the engine runs."""
     import torch
 
     from models.kernels import small_gemm
@@ -146,8 +144,7 @@ def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[
             out.append(entry)
         return out
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(measure).result()
+    return measure()
 
 
 def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> list[dict]:
@@ -167,8 +164,7 @@ def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> li
             out.append({"rows": m, "quant_gemm_gb_s": weight_bytes / min(runs[1:]) / 1e9, "fmt": linears[0].fmt})
         return out
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(measure).result()
+    return measure()
 
 
 def _quant_pass(quant_gemm, xs: dict, linears: list) -> None:

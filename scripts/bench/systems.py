@@ -247,13 +247,14 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
 
     from config import Config
     from engine import HFEngine
-    from scheduler import Scheduler
+    from scheduler import Scheduler, engine_thread
     from sequence import Sequence
 
     env = ours_env(workload, gguf, weights, options)
     os.environ.update(env)  # before Config is built: knobs added to config.py later are read from here too
     config = Config.from_env({**os.environ, "MODEL_ID": gguf or model_dir})
-    engine = HFEngine(config)
+    thread = engine_thread()  # builds the engine and makes every call into it, as the server does
+    engine = thread.submit(HFEngine, config).result()
     kv_bytes_per_token = engine.model.kv.nbytes / (engine.blocks.num_blocks * engine.blocks.block_size)
     stats: dict = {}
 
@@ -262,7 +263,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         peak_used = 0
 
         async def main():
-            sched = Scheduler(engine, max_queue_depth=len(workload.requests) + 1)
+            sched = Scheduler(engine, max_queue_depth=len(workload.requests) + 1, executor=thread)
             sched.start()
 
             async def send(r: Request, prompt: list[int]):
@@ -293,6 +294,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         return out
 
     once.engine = engine
+    once.thread = thread
     once.run_stats = stats
     resident = engine.model.resident_weights()
     known = {f.name.upper() for f in dataclasses.fields(Config)}
