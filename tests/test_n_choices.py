@@ -114,6 +114,8 @@ def test_the_prompt_is_computed_once_for_n_choices(prompt, budget):
             assert r.json()["usage"]["prompt_tokens"] == len(prompt)
             assert engine.prefill_tokens_computed == len(prompt)
             assert engine.num_forks == 3 and engine.num_block_copies == (3 if len(prompt) % 4 else 0)
+            text = (await c.get("/metrics")).text
+            assert f"minibatch:prefill_tokens_computed_total {float(len(prompt))}" in text.splitlines()
             assert_pool_full(engine)
 
     bounded(body)
