@@ -375,15 +375,18 @@ class BatchEngine(InferenceEngine):
 
     def _hand_over(self, parent: Sequence) -> None:
         """A prefilling parent leaves (aborted, preempted, failed) while choices wait on it: the first of them
-        takes its place in the prefill queue, from the last full block the parent computed (it shares those
-        blocks; its own partial block is not computed), and the others wait on it instead."""
+        takes its place in the prefill queue and the others wait on it instead. It goes on from where the parent
+        got, since it shares the prompt's full blocks, but from no further than the start of the partial last
+        block: its own copy of that one holds nothing yet. It keeps the prompt logprobs scored so far."""
         children = self._forks.pop(parent.seq_id, None)
         if not children:
             return
         heir, rest = children[0], children[1:]
         del self._parent_of[heir.seq_id]
         bs = self.blocks.block_size
-        self._computed[heir.seq_id] = min(self._computed[parent.seq_id], parent.prompt_len // bs * bs)
+        start = self._computed[heir.seq_id] = min(self._computed[parent.seq_id], parent.prompt_len // bs * bs)
+        if heir.prompt_logprobs_k is not None:  # the parent scored positions [0, start) already (_scores_prompt)
+            heir.prompt_logprobs = list(parent.prompt_logprobs[: start + 1]) if start else []
         self._prefilling.insert(self._prefilling.index(parent), heir)
         if rest:
             self._forks[heir.seq_id] = rest

@@ -1,9 +1,13 @@
-"""``n`` > 1 on /v1: n choices per prompt, sharing the prompt's prefill through the prefix cache.
+"""``n`` > 1 on /v1: n choices per prompt, forked from one prefill of the prompt.
 
 Model-free tests (FakeEngine, greedy-like: its choices are equal) check the shape: indices, usage counted
-once per prompt, streamed frames, MAX_N, and that the prompt is computed once. The model tests sample on the
-tiny GPT-2 through the official ``openai`` client against a real uvicorn: seeded choices distinct and
-reproducible one by one, greedy choices equal.
+once per prompt, streamed frames, MAX_N, and that the prompt is computed once. The fork at engine level runs on
+the FakeEngine with ``check_kv`` (every slot a sequence reads holds its own token; nobody writes a block another
+reads): shared and copied blocks, chunked parents, aborts and hand-over, preemption, pool accounting. The model
+tests run the tiny GPT-2 and Llama: through the official ``openai`` client against a real uvicorn (seeded
+choices distinct and reproducible one by one, greedy choices equal), and through the scheduler (greedy choices
+equal HF ``generate``, seeded choices equal each seed alone, memory pressure, a grammar per choice, prompt
+logprobs across a hand-over).
 """
 
 from __future__ import annotations
@@ -444,4 +448,31 @@ def test_each_forked_choice_keeps_its_own_grammar(tiny_model_dir):
         assert s.finish_reason == "stop", (s.finish_reason, text)
         jsonschema.validate(json.loads(text), schema)
     assert len(set(answers)) > 1, answers
+    assert full_again(engine)
+
+
+@pytest.mark.model
+def test_prompt_logprobs_survive_the_parent_leaving_mid_prefill(tiny_model_dir):
+    """echo + logprobs with n = 3, chunks of 7: the parent is aborted after 14 of its 15 prompt tokens; its first
+    child goes on from the prompt's last full block (12: it shares those, its partial block is its own, not
+    computed), keeping the prompt logprobs scored so far. Both remaining choices end with the prompt
+    logprobs of a choice run alone, and its greedy tokens."""
+    from test_prefix_cache import full_again, hf_engine
+
+    engine = hf_engine(tiny_model_dir, max_num_batched_tokens=7)
+    prompt = engine.encode("Once upon a time, in a small village by the sea, there lived")
+    alone = seq(prompt, 6, prompt_logprobs_k=2)
+    submit_all(engine, [[alone]])
+    engine.reset_prefix_cache()
+    parent, heir, other = choices(prompt, 3, max_new=6, prompt_logprobs_k=2)
+    engine.admit([parent, heir, other])
+    engine.step()  # 14 prompt tokens computed: 3 full blocks of 4 and 2 of the partial one
+    assert engine.abort(parent.seq_id)
+    finish(engine)
+    for s in (heir, other):
+        assert s.output_token_ids == alone.output_token_ids
+        assert [lp and lp.token_id for lp in s.prompt_logprobs] == [lp and lp.token_id for lp in alone.prompt_logprobs]
+        got = [lp.logprob for lp in s.prompt_logprobs[1:]]
+        assert got == pytest.approx([lp.logprob for lp in alone.prompt_logprobs[1:]], abs=1e-4)
+    assert len(prompt) == 15 and engine.prefill_tokens_computed == 15 + 14 + 3  # alone, then 14, then 12..15
     assert full_again(engine)
