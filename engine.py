@@ -794,7 +794,7 @@ class FakeEngine(BatchEngine):
         super().__init__(
             capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens, prefix_caching
         )
-        self.kv: dict[int, list[int | None]] | None = {} if check_kv else None  # block -> token per slot
+        self.kv_slots: dict[int, list[int | None]] | None = {} if check_kv else None  # block -> token per slot
         self.model_name = "fake"
         self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
@@ -826,7 +826,7 @@ class FakeEngine(BatchEngine):
     ) -> list[int | RowFailure]:
         """Decode the running rows; a chunk that ends its sequence gets its first token, and its forked choices
         theirs (``_prefill``)."""
-        if self.kv is not None:
+        if self.kv_slots is not None:
             for seq in running:
                 self._feed(seq, seq.num_tokens - 1, seq.num_tokens)
             for seq, start, end in chunks:
@@ -841,7 +841,7 @@ class FakeEngine(BatchEngine):
         waiting = {c.seq_id for c in self._forks.get(seq.seq_id, ())}
         for pos in range(end):
             block, offset = bm.slot(seq.seq_id, pos)
-            slots = self.kv.setdefault(block, [None] * bm.block_size)
+            slots = self.kv_slots.setdefault(block, [None] * bm.block_size)
             if pos < start:
                 assert slots[offset] == tokens[pos], f"seq {seq.seq_id} position {pos}: block {block} holds {slots}"
                 continue
@@ -850,8 +850,8 @@ class FakeEngine(BatchEngine):
             slots[offset] = tokens[pos]
 
     def _copy_block(self, src: int, dst: int) -> None:
-        if self.kv is not None:
-            self.kv[dst] = list(self.kv[src])
+        if self.kv_slots is not None:
+            self.kv_slots[dst] = list(self.kv_slots[src])
 
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
         """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
@@ -883,8 +883,8 @@ class FakeEngine(BatchEngine):
 
     def _reset_state(self) -> None:
         self.resets += 1
-        if self.kv is not None:
-            self.kv.clear()
+        if self.kv_slots is not None:
+            self.kv_slots.clear()
 
 
 class HFEngine(BatchEngine):
