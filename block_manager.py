@@ -147,6 +147,10 @@ class BlockManager:
         """Tokens whose K/V the sequence got from the prefix cache at allocation (need not be computed)."""
         return self._hit_blocks[seq_id] * self.block_size
 
+    def holders(self, block: int) -> list[Hashable]:
+        """The sequences whose tables hold ``block`` (a scan of every table: for checks in tests)."""
+        return [seq_id for seq_id, table in self._tables.items() if block in table]
+
     def slot(self, seq_id: Hashable, position: int) -> tuple[int, int]:
         """(block id, offset in the block) of the sequence's token ``position``."""
         if not 0 <= position < self._num_tokens[seq_id]:
@@ -282,12 +286,20 @@ class BlockManager:
         for block in reversed(table):
             self._release(block)
 
+    def fork_cost(self, num_tokens: int) -> int:
+        """Free-pool blocks ``fork`` takes from a parent holding ``num_tokens`` tokens: a copy of its partial
+        last block, or nothing when they end on a block boundary."""
+        return 1 if num_tokens % self.block_size else 0
+
     def fork(self, parent: Hashable, child: Hashable) -> tuple[int, int] | None:
         """Give ``child`` the parent's tokens: full blocks are shared (refcount + 1), a partial last
         block is replaced by a fresh one for the child.
 
         Returns ``(parent_block, child_block)`` when the engine must copy the partial block's
         contents, else None. Raises ``NoFreeBlocksError`` (and changes nothing) when no block is free.
+        The parent's blocks need not be computed yet: the engine forks the choices of an ``n`` > 1 request at
+        admission and copies the partial block once the parent has computed the prompt; until then the
+        child reads nothing, and only the parent writes the shared blocks.
         """
         if child in self._tables:
             raise ValueError(f"sequence {child!r} already holds blocks")

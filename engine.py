@@ -183,6 +183,17 @@ class BatchEngine(InferenceEngine):
     computing it again (``_waits_for_prefix``): identical prompts, the choices of an ``n`` > 1 request and
     a burst of requests with one system prompt prefill their common part once. A sequence that still
     needs its prompt logprobs skips the lookup: cached blocks have no logits.
+
+    Parallel sampling (the choices of an ``n`` > 1 request, ``Sequence.group``) forks instead: a choice admitted
+    while another choice of its group computes the same prompt (admitted earlier in the same call, or still
+    prefilling in chunks) takes no prompt of its own (``_fork_sources``). It shares every block of that parent
+    (``BlockManager.fork``: full blocks by refcount, a fresh block for the partial last one), waits while the
+    parent prefills, and when the parent's last chunk is computed it gets a copy of the parent's partial block
+    (``_copy_block``), the parent's prompt logprobs, and its first token sampled from the parent's logits row
+    under its own sampling parameters (``_with_forks``): the prompt is computed once for all n choices and no
+    choice writes into a block another holds. A parent that leaves before its prompt is complete (aborted,
+    preempted) hands its place to its first child (``_hand_over``). A choice that can no longer fork (its
+    parent already decodes, or it was preempted after its first token) is admitted like any sequence.
     """
 
     def __init__(
@@ -213,6 +224,11 @@ class BatchEngine(InferenceEngine):
         # and how many of each one's tokens are.
         self._prefilling: list[Sequence] = []
         self._computed: dict[int, int] = {}
+        # Forked choices waiting for their parent's prompt: parent seq_id -> children (in order), and back.
+        self._forks: dict[int, list[Sequence]] = {}
+        self._parent_of: dict[int, Sequence] = {}
+        self.num_forks = 0  # choices that took their prompt from a parent's prefill
+        self.num_block_copies = 0  # partial blocks copied for them
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
@@ -227,9 +243,9 @@ class BatchEngine(InferenceEngine):
         sequences, whether or not they decode in this call. A running sequence feeds its last token
         (position ``num_tokens - 1``); a newcomer feeds all its tokens (prompt, plus output when it
         is recomputed after a preemption). ``self.blocks.block_table(seq_id)`` already covers every
-        position fed. Returns one token id per sequence of ``running + newcomers``, in that order, or a
-        ``RowFailure`` for a row that failed alone. Commits nothing but cache contents at those slots: on
-        an exception the caller commits no token.
+        position fed. Returns one token id per sequence of ``running + _with_forks(newcomers)`` (a newcomer's
+        forked choices sample from its logits row), in that order, or a ``RowFailure`` for a row that failed
+        alone. Commits nothing but cache contents at those slots: on an exception the caller commits no token.
         """
 
     def _forward_chunks(
@@ -237,38 +253,165 @@ class BatchEngine(InferenceEngine):
     ) -> list[int | RowFailure]:
         """One forward: the next token of each of ``running`` (as in ``_forward``) and, for each chunk
         ``(seq, start, end)``, the sequence's tokens [start, end) fed at those positions (its earlier
-        ones are in its blocks). Returns tokens for ``running``, then one for each chunk that ends the
-        sequence (``end == seq.num_tokens``): its first token. Commits nothing but cache contents.
+        ones are in its blocks). Returns tokens for ``running``, then for each chunk that ends the sequence
+        (``end == seq.num_tokens``) its first token followed by those of the choices forked from it
+        (``_with_forks``: from its logits row, each under its own sampling). Commits nothing but cache contents.
         Engines that cannot prefill in chunks leave this unimplemented (then set no token budget)."""
         raise NotImplementedError
 
     def _move_row(self, src: int, dst: int, length: int) -> None:
         """Move row src's cached positions [0, length) to row dst."""
 
+    def _copy_block(self, src: int, dst: int) -> None:
+        """KV block ``dst`` becomes a copy of block ``src`` (every layer): a forked choice's own partial block."""
+
     def _reset_state(self) -> None:
         """Forget all cached state."""
 
     # --- the seam ----------------------------------------------------------------------------
     def num_active(self) -> int:
-        return len(self._rows) + len(self._prefilling)
+        return len(self._rows) + len(self._prefilling) + len(self._parent_of)
 
     def active_sequences(self) -> list[Sequence]:
-        return list(self._rows) + list(self._prefilling)
+        return list(self._rows) + list(self._prefilling) + [c for cs in self._forks.values() for c in cs]
 
     def can_admit(self, seqs: list[Sequence]) -> bool:
-        """``seqs`` fit now (``_fits``), and none of them had better wait for a prefix being computed."""
-        return self._fits(seqs) and not any(self._waits_for_prefix(s, seqs[:i]) for i, s in enumerate(seqs))
+        """``seqs`` fit now (``_fits``), and none that computes its prompt had better wait for a prefix being
+        computed."""
+        sources = self._fork_sources(seqs)
+        if not self._fits(seqs, sources):
+            return False
+        return not any(
+            src is None and self._waits_for_prefix(s, seqs[:i]) for i, (s, src) in enumerate(zip(seqs, sources))
+        )
 
-    def _fits(self, seqs: list[Sequence]) -> bool:
-        """Free rows for ``seqs``, and free blocks for the tokens they do not find in the prefix cache plus the
-        watermark, after the running sequences took the blocks their next token needs (never for one that can
-        never fit)."""
+    def _fits(self, seqs: list[Sequence], sources: list[Sequence | None]) -> bool:
+        """Free rows for ``seqs``, and free blocks for the tokens they do not find in the prefix cache (a forked
+        choice: its partial block's copy only) plus the watermark, after the running sequences took the blocks
+        their next token needs (never for one that can never fit)."""
         if self.num_active() + len(seqs) > self.capacity or any(self.check_admissible(s) for s in seqs):
             return False
         bm = self.blocks
         growth = sum(bm.blocks_to_append(s.seq_id, max(0, s.num_tokens - bm.num_tokens(s.seq_id))) for s in self._rows)
-        need = sum(bm.admission_cost(s.num_tokens, self._lookup_hashes(s)) for s in seqs)
+        need = sum(
+            bm.fork_cost(s.num_tokens) if src else bm.admission_cost(s.num_tokens, self._lookup_hashes(s))
+            for s, src in zip(seqs, sources)
+        )
         return need + growth + bm.watermark_blocks <= bm.num_free_blocks
+
+    # --- parallel sampling: forks -------------------------------------------------------------
+    def _fork_sources(self, seqs: list[Sequence]) -> list[Sequence | None]:
+        """For each newcomer, in admission order, the sequence it forks from (``_fork_source``), or None when it
+        computes its own tokens. Pure: admission and ``can_admit`` plan alike."""
+        computing = {s.seq_id for s in self._prefilling}
+        sources = []
+        for seq in seqs:
+            source = self._fork_source(seq, computing)
+            sources.append(source)
+            if source is None:
+                computing.add(seq.seq_id)
+        return sources
+
+    @staticmethod
+    def _fork_source(seq: Sequence, computing: set[int]) -> Sequence | None:
+        """A choice of ``seq``'s group that computes the same prompt (its seq_id in ``computing``: prefilling, or
+        admitted before ``seq`` in this call), neither of them with output yet (a recomputed sequence never
+        forks) and with the prompt logprobs ``seq`` wants; None if there is none."""
+        if seq.group is None or seq.output_token_ids:
+            return None
+        for other in seq.group:
+            if (
+                other is not seq
+                and other.seq_id in computing
+                and not other.output_token_ids
+                and seq.prompt_logprobs_k in (None, other.prompt_logprobs_k)
+                and other.prompt_token_ids == seq.prompt_token_ids
+            ):
+                return other
+        return None
+
+    def _place(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """KV blocks for each newcomer: a choice whose prompt another computes forks it (``_fork``), any other
+        allocates all its tokens, its cached prefix shared. Returns the ones that compute, with how many of
+        their tokens were cached. On failure the caller ``_unplace``s every newcomer."""
+        computing = []
+        for seq, source in zip(seqs, self._fork_sources(seqs)):
+            if source is None:
+                computing.append((seq, self._allocate(seq)))
+            else:
+                self._fork(seq, source)
+        return computing
+
+    def _fork(self, child: Sequence, parent: Sequence) -> None:
+        """The child shares the parent's blocks (its own fresh partial block) and waits for its prompt."""
+        self.blocks.fork(parent.seq_id, child.seq_id)
+        self._forks.setdefault(parent.seq_id, []).append(child)
+        self._parent_of[child.seq_id] = parent
+        if child.num_cached_tokens is None:  # the prompt's cache hit is the parent's (usage reports it once)
+            child.num_cached_tokens = parent.num_cached_tokens
+
+    def _with_forks(self, seqs: list[Sequence]) -> list[Sequence]:
+        """``seqs`` (sequences whose prompt a forward completes), each followed by the choices forked from it:
+        the rows the forward samples a first token for, the parent's logits row repeated for its children."""
+        return [x for seq in seqs for x in (seq, *self._forks.get(seq.seq_id, ()))]
+
+    def _complete_forks(self, parents: list[Sequence]) -> list[Sequence]:
+        """After a forward computed the prompts of ``parents``: each forked child gets its copy of the parent's
+        partial last block and its prompt logprobs, and stops waiting. Returns ``_with_forks(parents)``."""
+        order = self._with_forks(parents)
+        bs, table = self.blocks.block_size, self.blocks.block_table
+        for parent in parents:
+            last = parent.prompt_len // bs  # the index of its partial last block, if it has one
+            for child in self._forks.pop(parent.seq_id, ()):
+                del self._parent_of[child.seq_id]
+                if parent.prompt_len % bs:
+                    self._copy_block(table(parent.seq_id)[last], table(child.seq_id)[last])
+                    self.num_block_copies += 1
+                if child.prompt_logprobs_k is not None:
+                    child.prompt_logprobs = list(parent.prompt_logprobs)
+                child.block_hashes = list(parent.block_hashes)  # same prompt, same chain (spares the hashing)
+                self.num_forks += 1
+        return order
+
+    def _hand_over(self, parent: Sequence) -> None:
+        """A prefilling parent leaves (aborted, preempted, failed) while choices wait on it: the first of them
+        takes its place in the prefill queue and the others wait on it instead. It goes on from where the parent
+        got, since it shares the prompt's full blocks, but from no further than the start of the partial last
+        block: its own copy of that one holds nothing yet. It keeps the prompt logprobs scored so far."""
+        children = self._forks.pop(parent.seq_id, None)
+        if not children:
+            return
+        heir, rest = children[0], children[1:]
+        del self._parent_of[heir.seq_id]
+        bs = self.blocks.block_size
+        start = self._computed[heir.seq_id] = min(self._computed[parent.seq_id], parent.prompt_len // bs * bs)
+        if heir.prompt_logprobs_k is not None:  # the parent scored positions [0, start) already (_scores_prompt)
+            heir.prompt_logprobs = list(parent.prompt_logprobs[: start + 1]) if start else []
+        self._prefilling.insert(self._prefilling.index(parent), heir)
+        if rest:
+            self._forks[heir.seq_id] = rest
+            for child in rest:
+                self._parent_of[child.seq_id] = heir
+
+    def _drop_fork(self, child: Sequence) -> None:
+        """A forked choice leaves before its parent's prompt is complete: its blocks go back (the shared ones
+        stay with the parent)."""
+        parent = self._parent_of.pop(child.seq_id)
+        siblings = self._forks[parent.seq_id]
+        siblings.remove(child)
+        if not siblings:
+            del self._forks[parent.seq_id]
+        self._admitted.pop(child.seq_id, None)
+        self.blocks.free(child.seq_id)
+
+    def _unplace(self, seq: Sequence) -> None:
+        """Undo a newcomer's ``_place`` (a failed admission; forked children before their parents)."""
+        if seq.seq_id in self._parent_of:
+            self._drop_fork(seq)
+        elif seq in self._prefilling:
+            self._drop_prefilling(seq)
+        elif seq.seq_id in self.blocks:
+            self.blocks.free(seq.seq_id)
 
     # --- prefix cache ------------------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
@@ -334,8 +477,8 @@ class BatchEngine(InferenceEngine):
             self._chunked_call(seqs, decode=False)
             return [s.seq_id for s in seqs]
         start = time.perf_counter()
-        first_tokens = self._forward_newcomers([], seqs)  # may raise: nothing is committed yet
-        self._commit_newcomers(seqs, first_tokens, start, time.perf_counter())
+        order, first_tokens = self._forward_newcomers([], seqs)  # may raise: nothing is committed yet
+        self._commit_newcomers(order, first_tokens, start, time.perf_counter())
         self._evict([s for s in seqs if s.is_finished])
         return [s.seq_id for s in seqs]
 
@@ -364,10 +507,10 @@ class BatchEngine(InferenceEngine):
         self._check_newcomers(seqs)
         start = time.perf_counter()
         n = len(self._rows)
-        tokens = self._forward_newcomers(self._rows, seqs)  # may raise: nothing committed
+        order, tokens = self._forward_newcomers(self._rows, seqs)  # may raise: nothing committed
         now = time.perf_counter()
         self._commit_step(tokens[:n], now)
-        self._commit_newcomers(seqs, tokens[n:], start, now)
+        self._commit_newcomers(order, tokens[n:], start, now)
         finished = [s for s in self._rows if s.is_finished]
         self._evict(finished)
         return finished
@@ -375,19 +518,21 @@ class BatchEngine(InferenceEngine):
     def _chunked_call(self, newcomers: list[Sequence], decode: bool) -> list[Sequence]:
         """Newcomers join the prefilling queue (blocks for all their tokens); one forward runs the decode
         rows (when ``decode``) and the next prompt chunks within the token budget. Returns what finished.
-        Atomic like ``admit_and_step``: on failure the newcomers hold nothing and no progress is kept."""
+        Atomic like ``admit_and_step``: on failure the newcomers hold nothing and no progress is kept.
+        A forked newcomer joins its parent's children instead of the queue (``_place``)."""
         start = time.perf_counter()
-        for seq in newcomers:
-            self._computed[seq.seq_id] = self._allocate(seq)
-            self._admitted[seq.seq_id] = next(self._serial)
-        self._prefilling.extend(newcomers)
         running = list(self._rows) if decode else []
-        chunks = self._plan_chunks(len(running))
         try:
+            for seq, cached in self._place(newcomers):
+                self._computed[seq.seq_id] = cached
+                self._prefilling.append(seq)
+            for seq in newcomers:
+                self._admitted[seq.seq_id] = next(self._serial)
+            chunks = self._plan_chunks(len(running))
             tokens = self._forward_chunks(running, chunks)
         except BaseException:
-            for seq in newcomers:
-                self._drop_prefilling(seq)
+            for seq in reversed(newcomers):  # children before the parents they forked
+                self._unplace(seq)
             raise
         now = time.perf_counter()
         for seq in newcomers:
@@ -397,9 +542,9 @@ class BatchEngine(InferenceEngine):
         if running:
             self._commit_step(tokens[: len(running)], now)
         done = []
-        for seq, start, end in chunks:
+        for seq, begin, end in chunks:
             self._computed[seq.seq_id] = end
-            self.prefill_tokens_computed += end - start
+            self.prefill_tokens_computed += end - begin
             if end == seq.num_tokens:
                 done.append(seq)
             else:
@@ -407,7 +552,7 @@ class BatchEngine(InferenceEngine):
         for seq in done:
             self._prefilling.remove(seq)
             del self._computed[seq.seq_id]
-        self._commit_newcomers(done, tokens[len(running) :], start, now)
+        self._commit_newcomers(self._complete_forks(done), tokens[len(running) :], start, now)
         finished = [s for s in self._rows if s.is_finished]
         self._evict(finished)
         return finished
@@ -426,28 +571,32 @@ class BatchEngine(InferenceEngine):
         return chunks
 
     def _drop_prefilling(self, seq: Sequence) -> None:
+        self._hand_over(seq)
         self._prefilling.remove(seq)
         self._computed.pop(seq.seq_id, None)
         self._admitted.pop(seq.seq_id, None)
         if seq.seq_id in self.blocks:
             self.blocks.free(seq.seq_id)
 
-    def _forward_newcomers(self, running: list[Sequence], seqs: list[Sequence]) -> list[int]:
-        """Give the newcomers blocks for all their tokens, then one forward over the tokens not cached (the
-        whole prompts, ``_forward``, when nothing is); on failure they hold none."""
+    def _forward_newcomers(
+        self, running: list[Sequence], seqs: list[Sequence]
+    ) -> tuple[list[Sequence], list[int | RowFailure]]:
+        """Give the newcomers their blocks (``_place``: forked choices share their parent's), then one forward
+        over the tokens not cached (the whole prompts, ``_forward``, when nothing is); on failure they hold
+        none. Returns the newcomers in the order their first tokens follow the running ones'
+        (``_with_forks``), and the tokens."""
         try:
-            cached = [self._allocate(seq) for seq in seqs]
-            if any(cached):
-                tokens = self._forward_chunks(running, [(s, c, s.num_tokens) for s, c in zip(seqs, cached)])
+            computing = self._place(seqs)
+            if any(cached for _, cached in computing):
+                tokens = self._forward_chunks(running, [(s, c, s.num_tokens) for s, c in computing])
             else:
-                tokens = self._forward(running, seqs)
+                tokens = self._forward(running, [s for s, _ in computing])
         except BaseException:
-            for seq in seqs:
-                if seq.seq_id in self.blocks:
-                    self.blocks.free(seq.seq_id)
+            for seq in reversed(seqs):  # children before the parents they forked
+                self._unplace(seq)
             raise
-        self.prefill_tokens_computed += sum(s.num_tokens - c for s, c in zip(seqs, cached))
-        return tokens
+        self.prefill_tokens_computed += sum(s.num_tokens - c for s, c in computing)
+        return self._complete_forks([s for s, _ in computing]), tokens
 
     def _reserve_running(self) -> None:
         """A slot for every running sequence's next token, oldest admission first; while a block is
@@ -459,7 +608,7 @@ class BatchEngine(InferenceEngine):
             if need <= 0:
                 continue
             while not self.blocks.can_append(seq.seq_id, need):
-                victim = max(self._rows + self._prefilling, key=lambda s: self._admitted[s.seq_id])
+                victim = max(self.active_sequences(), key=lambda s: self._admitted[s.seq_id])
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -468,7 +617,9 @@ class BatchEngine(InferenceEngine):
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and row; it waits again with its tokens (recomputed on readmission)."""
-        if seq in self._prefilling:
+        if seq.seq_id in self._parent_of:
+            self._drop_fork(seq)
+        elif seq in self._prefilling:
             self._drop_prefilling(seq)
         else:
             self._evict([seq])
@@ -484,7 +635,7 @@ class BatchEngine(InferenceEngine):
             reason = self.check_admissible(seq)
             if reason:
                 raise AdmissionError(f"sequence {seq.seq_id}: {reason}")
-        if not self._fits(seqs):
+        if not self._fits(seqs, self._fork_sources(seqs)):
             raise AdmissionError(
                 f"{len(seqs)} newcomers need {sum(self.blocks.blocks_for(s.num_tokens) for s in seqs)} KV blocks; "
                 f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} are free"
@@ -553,12 +704,20 @@ class BatchEngine(InferenceEngine):
                 seq.finish(SequenceStatus.FINISHED_ABORTED)
                 self._drop_prefilling(seq)
                 return True
+        parent = self._parent_of.get(seq_id)
+        if parent is not None:
+            child = next(c for c in self._forks[parent.seq_id] if c.seq_id == seq_id)
+            child.finish(SequenceStatus.FINISHED_ABORTED)
+            self._drop_fork(child)
+            return True
         return False
 
     def reset(self) -> None:
         self._rows.clear()
         self._prefilling.clear()
         self._computed.clear()
+        self._forks.clear()
+        self._parent_of.clear()
         self._admitted.clear()
         bm = self.blocks  # the cache goes too: a failed call may have left blocks half written
         self.blocks = BlockManager(bm.num_blocks, bm.block_size, bm.watermark_blocks, bm.enable_caching)
@@ -574,7 +733,7 @@ class BatchEngine(InferenceEngine):
             "kv_free_blocks": self.blocks.num_free_blocks,
             "kv_block_size": self.blocks.block_size,
             "num_preemptions": self.num_preemptions,
-            "num_prefilling": len(self._prefilling),
+            "num_prefilling": len(self._prefilling) + len(self._parent_of),  # forked choices wait for a prefill
             "kv_cached_blocks": self.blocks.num_cached_blocks,
             "prefix_cache_queries": self.blocks.queried_tokens,
             "prefix_cache_hits": self.blocks.hit_tokens,
@@ -609,6 +768,10 @@ class FakeEngine(BatchEngine):
     ``admit_fault(seqs)`` (called when newcomers are prefilled, ``_prefill``) and
     ``step_fault(step_no)`` (when running rows decode, ``_decode``) may raise to inject failures;
     ``step_delay`` sleeps per decode to mimic compute. A mixed call decodes first, then prefills.
+    ``check_kv`` keeps a fake KV pool (each slot holds the token fed there) and asserts, at every forward,
+    that each sequence's block table holds its own tokens before the positions it feeds, and that it
+    writes only into blocks no other sequence reads (a forked choice's parent may write the blocks its
+    waiting children share): a missing block copy, a write into a shared block or a wrong cache hit fails.
     """
 
     EOS = 0
@@ -626,10 +789,12 @@ class FakeEngine(BatchEngine):
         block_size: int = 32,
         max_num_batched_tokens: int = 0,
         prefix_caching: bool = True,
+        check_kv: bool = False,
     ) -> None:
         super().__init__(
             capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens, prefix_caching
         )
+        self.kv_slots: dict[int, list[int | None]] | None = {} if check_kv else None  # block -> token per slot
         self.model_name = "fake"
         self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
@@ -654,16 +819,39 @@ class FakeEngine(BatchEngine):
         return bytes(t - 1 for t in token_ids if 1 <= t <= 256).decode("utf-8", errors="replace")
 
     def _forward(self, running: list[Sequence], newcomers: list[Sequence]) -> list[int | RowFailure]:
-        step = self._decode(running) if running else []
-        return step + (self._prefill(newcomers, len(self._rows)) if newcomers else [])
+        return self._forward_chunks(running, [(s, 0, s.num_tokens) for s in newcomers])
 
     def _forward_chunks(
         self, running: list[Sequence], chunks: list[tuple[Sequence, int, int]]
     ) -> list[int | RowFailure]:
-        """Decode as ``_forward``; a chunk that ends its sequence gets its first token (``_prefill``)."""
+        """Decode the running rows; a chunk that ends its sequence gets its first token, and its forked choices
+        theirs (``_prefill``)."""
+        if self.kv_slots is not None:
+            for seq in running:
+                self._feed(seq, seq.num_tokens - 1, seq.num_tokens)
+            for seq, start, end in chunks:
+                self._feed(seq, start, end)
         step = self._decode(running) if running else []
-        done = [seq for seq, _, end in chunks if end == seq.num_tokens]
+        done = self._with_forks([seq for seq, _, end in chunks if end == seq.num_tokens])
         return step + (self._prefill(done, len(self._rows)) if chunks else [])
+
+    def _feed(self, seq: Sequence, start: int, end: int) -> None:
+        """``check_kv``: the sequence's slots [0, start) must hold its tokens; it writes tokens [start, end)."""
+        tokens, bm = seq.prompt_token_ids + seq.output_token_ids, self.blocks
+        waiting = {c.seq_id for c in self._forks.get(seq.seq_id, ())}
+        for pos in range(end):
+            block, offset = bm.slot(seq.seq_id, pos)
+            slots = self.kv_slots.setdefault(block, [None] * bm.block_size)
+            if pos < start:
+                assert slots[offset] == tokens[pos], f"seq {seq.seq_id} position {pos}: block {block} holds {slots}"
+                continue
+            others = set(bm.holders(block)) - {seq.seq_id}
+            assert others <= waiting, f"seq {seq.seq_id} writes block {block}, which {others} hold too"
+            slots[offset] = tokens[pos]
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        if self.kv_slots is not None:
+            self.kv_slots[dst] = list(self.kv_slots[src])
 
     def _prefill(self, seqs: list[Sequence], first_row: int) -> list[int]:
         """First tokens for newcomers headed to rows [first_row, ...) (a spy or fault point for tests)."""
@@ -695,6 +883,8 @@ class FakeEngine(BatchEngine):
 
     def _reset_state(self) -> None:
         self.resets += 1
+        if self.kv_slots is not None:
+            self.kv_slots.clear()
 
 
 class HFEngine(BatchEngine):
@@ -840,12 +1030,16 @@ class HFEngine(BatchEngine):
             if full:
                 _score_prompt(seq, logits[row : row + n], start, end)
             if end == seq.num_tokens:
-                keep.append(row + n - 1)
-                ending.append(seq)
+                sampled = self._with_forks([seq])  # its forked choices sample from its last row too
+                keep += [row + n - 1] * len(sampled)
+                ending += sampled
             row += n
-        if len(keep) < logits.shape[0]:
+        if keep != list(range(logits.shape[0])):
             logits = logits[keep]
         return self._next_tokens(logits, running + ending)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.model.kv.copy_block(src, dst)
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.

@@ -260,6 +260,12 @@ class _LiveCollector:
             "Of those, tokens found in the cache (their K/V shared, not computed).",
             value=float(values.get("prefix_cache_hits", 0)),
         )
+        yield CounterMetricFamily(
+            "minibatch:prefill_tokens_computed",
+            "Tokens the engine's prefill really computed: prompts (and recomputed preempted sequences), without "
+            "prefix-cache hits or the prompt's copies for the forked choices of an n > 1 request.",
+            value=float(values.get("prefill_tokens_computed", 0)),
+        )
 
 
 _BARE = re.compile(r"[A-Za-z0-9_.:/@+-]+")

@@ -81,7 +81,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
                 seqs.append(make_sequence(runtime, ids, max_tokens, fields, seq_id, req.logprobs, prompt_k))
     if not score_only:
         await attach_grammar(runtime, seqs, response_format_grammar(req.response_format), "response_format")
-    gens = start_generations(runtime, seqs, req.stop)
+    gens = start_generations(runtime, seqs, req.stop, n)
     echoes = [text for _, text in prompts for _ in range(n)]
     if req.stream:
         frames = CompletionFrames(
@@ -179,7 +179,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         for j in range(n)
     ]
     await attach_grammar(runtime, seqs, grammar, grammar_param)
-    gens = start_generations(runtime, seqs, req.stop)
+    gens = start_generations(runtime, seqs, req.stop, n)
     names = [t["function"]["name"] for t in tools or []] if mode not in (None, "none") else []
     if req.stream:
         frames = ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n, tool_names=names)
@@ -259,8 +259,9 @@ def check_model(runtime: Runtime, model: str | None) -> str:
 
 
 def check_n(runtime: Runtime, req: OpenAIFields) -> int:
-    """The choices per prompt (``n``; 422 beyond MAX_N). They share the prompt: queued together, the first
-    prefills it and the others find its blocks in the prefix cache. With greedy sampling they are equal."""
+    """The choices per prompt (``n``; 422 beyond MAX_N). They share the prompt: queued together as a group, the
+    first prefills it and the others fork its KV blocks (``serving.start_generations``). With greedy sampling
+    they are equal."""
     n = req.n or 1
     limit = runtime.config.max_n
     if n > limit:

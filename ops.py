@@ -92,6 +92,7 @@ class Operations:
                 kv_cache_cached_blocks=stats.get("kv_cached_blocks", 0),
                 prefix_cache_queries=stats.get("prefix_cache_queries", 0),
                 prefix_cache_hits=stats.get("prefix_cache_hits", 0),
+                prefill_tokens_computed=stats.get("prefill_tokens_computed", 0),
             )
         return values
 

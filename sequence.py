@@ -72,6 +72,9 @@ class Sequence:
     # block_manager.extend_block_hashes), and how many prompt tokens its first admission found cached.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # Parallel sampling (``n`` > 1): the choices of one prompt, choice 0 first, one list shared by all of them
+    # (``group_choices``); the engine prefills the prompt once and forks it to the others. None: alone.
+    group: list[Sequence] | None = field(default=None, repr=False)
     # perf_counter() timestamps; None until the event happens.
     arrival_time: float = field(default_factory=time.perf_counter)
     admit_time: float | None = None
@@ -130,3 +133,11 @@ class Sequence:
             "generate_ms": (end - admit) * 1e3,
             "e2e_ms": (end - self.arrival_time) * 1e3,
         }
+
+
+def group_choices(seqs: list[Sequence]) -> None:
+    """Mark ``seqs``, the choices of one prompt (choice 0 first), as one group: admitted together, the first
+    prefills the prompt and the others fork its KV blocks instead of computing them again."""
+    group = list(seqs)
+    for seq in group:
+        seq.group = group

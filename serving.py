@@ -23,7 +23,7 @@ from generation import Generation
 from sampling import SamplingParams
 from scheduler import QueueFullError, Scheduler
 from schemas import SamplingFields
-from sequence import Sequence
+from sequence import Sequence, group_choices
 
 
 class Runtime:
@@ -177,9 +177,14 @@ def start_generation(runtime: Runtime, seq: Sequence, stop: list[str] | None) ->
     return gen
 
 
-def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | None) -> list[Generation]:
+def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | None, n: int = 1) -> list[Generation]:
     """Queue all of ``seqs`` at once (no await between them: the scheduler sees them together), or
-    none: if the queue fills part way, the ones already queued are cancelled and the answer is 503."""
+    none: if the queue fills part way, the ones already queued are cancelled and the answer is 503.
+    ``n`` > 1: each run of ``n`` consecutive sequences holds the choices of one prompt (``group_choices``),
+    so the engine prefills that prompt once and forks it to the other choices."""
+    if n > 1:
+        for i in range(0, len(seqs), n):
+            group_choices(seqs[i : i + n])
     gens: list[Generation] = []
     try:
         for seq in seqs:

@@ -43,6 +43,12 @@ class PagedKVCache:
         self.k[layer][blocks, :, offsets] = k  # advanced indices around a slice: the selection is [N, KVH, D]
         self.v[layer][blocks, :, offsets] = v
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` becomes a copy of block ``src``, K and V, every layer (a forked sequence's own copy of
+        its parent's partial last block, which it then writes past)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's pools in the attention kernel's logical shape [num_blocks, block_size, KVH, D] (views)."""
         return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)

@@ -8,7 +8,8 @@
     python scripts/benchmark.py --workload decode-step           # paged vs the contiguous engine of 380e2e9
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
-(one user, requests in turn); shared-prefix, multi-turn (prefix reuse). See scripts/bench/workloads.py.
+(one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
+prefill, against ours:fork=off). See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the

@@ -145,6 +145,23 @@ def test_a_shared_block_is_never_written():
         bm.append_slots("x")
 
 
+def test_fork_cost_is_the_partial_block_and_holders_name_every_table():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert [bm.fork_cost(n) for n in (1, 4, 8, 10)] == [1, 0, 0, 1]
+    free = bm.num_free_blocks
+    parent = list(bm.allocate("p", 10))
+    bm.fork("p", "c1")
+    bm.fork("p", "c2")
+    assert free - bm.num_free_blocks == bm.blocks_for(10) + 2 * bm.fork_cost(10)
+    assert bm.holders(parent[0]) == ["p", "c1", "c2"] and bm.holders(parent[2]) == ["p"]
+    bm.free("p")  # the parent leaves first: its children keep the shared blocks, its partial block goes
+    assert bm.holders(parent[0]) == ["c1", "c2"] and bm.num_used_blocks == 4
+    bm.free("c1")
+    bm.free("c2")
+    assert bm.is_all_free()
+    bm.check()
+
+
 def test_fork_without_a_free_block_changes_nothing():
     bm = BlockManager(num_blocks=2, block_size=4)
     bm.allocate("p", 6)

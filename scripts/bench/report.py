@@ -249,7 +249,7 @@ def report(results: dict) -> None:
             print_long_prompt(results[w])
         if w == "multi-turn":
             print_by_turn(results[w])
-        if w in ("shared-prefix", "multi-turn"):
+        if w in ("shared-prefix", "multi-turn", "n-choices"):
             print_prefill(results[w])
         for name, r in results[w].items():
             if name.startswith("ours") and "overhead" in r:

@@ -237,9 +237,10 @@ def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict
     return env
 
 
-def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", **options):
+def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", fork: str = "on", **options):
     """Our server's engine behind the scheduler; ``weights`` is its WEIGHTS setting, ``gguf`` the file a .gguf
-    model is served from (at its own precision under "auto"); ``options`` (budget, prefix, kv) set
+    model is served from (at its own precision under "auto"); ``fork`` "off" sends a request's ``n`` choices as
+    separate sequences instead of one group (``sequence.group_choices``); ``options`` (budget, prefix, kv) set
     MAX_NUM_BATCHED_TOKENS, PREFIX_CACHING and KV_CACHE_MB. The settings go through the environment into
     ``Config.from_env``, as for the server, so a knob this checkout does not know yet is simply not applied
     (the config reported says which were)."""
@@ -247,8 +248,9 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
 
     from config import Config
     from engine import HFEngine
+    from sampling import SamplingParams
     from scheduler import Scheduler, engine_thread
-    from sequence import Sequence
+    from sequence import Sequence, group_choices
 
     env = ours_env(workload, gguf, weights, options)
     os.environ.update(env)  # before Config is built: knobs added to config.py later are read from here too
@@ -259,16 +261,28 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     stats: dict = {}
 
     def once() -> list[dict]:
+        engine.reset_prefix_cache()  # every run starts cold: the warm-up must not serve the timed runs' prompts
         before = getattr(engine, "prefill_tokens_computed", None)
         peak_used = 0
 
         async def main():
-            sched = Scheduler(engine, max_queue_depth=len(workload.requests) + 1, executor=thread)
+            sched = Scheduler(engine, max_queue_depth=sum(r.n for r in workload.requests) + 1, executor=thread)
             sched.start()
 
             async def send(r: Request, prompt: list[int]):
+                """The request's ``n`` choices (sampled, choice j seeded j, when ``n`` > 1): all their tokens and
+                the times they arrived."""
+                seqs = [Sequence(prompt, r.max_new_tokens, ignore_eos=True) for _ in range(r.n)]
+                if r.n > 1:
+                    for j, seq in enumerate(seqs):
+                        seq.sampling = SamplingParams(temperature=1.0, seed=j)
+                    if fork == "on":
+                        group_choices(seqs)
+                outs = await asyncio.gather(*(one(seq) for seq in seqs))
+                return [t for ids, _ in outs for t in ids], sorted(t for _, times in outs for t in times)
+
+            async def one(seq: Sequence):
                 nonlocal peak_used
-                seq = Sequence(prompt_token_ids=prompt, max_new_tokens=r.max_new_tokens, ignore_eos=True)
                 times: list[float] = []
 
                 def listener(s: Sequence) -> None:  # on the event loop, after each step that gave s tokens
@@ -428,7 +442,7 @@ def parse_system(name: str) -> tuple[str, dict]:
     """ "ours:int8" -> ("ours", {"weights": "int8"}); "ours:budget=0:prefix=off" -> ("ours", {"budget": "0",
     "prefix": "off"}); "llamacpp:cache=on" -> ("llamacpp", {"cache": "on"}); plain names -> (name, {})."""
     base, *parts = name.split(":")
-    allowed = {"ours": {"weights", *OURS_OPTIONS}, "llamacpp": {"cache"}}.get(base, set())
+    allowed = {"ours": {"weights", "fork", *OURS_OPTIONS}, "llamacpp": {"cache"}}.get(base, set())
     kwargs = {}
     for part in parts:
         key, eq, value = part.partition("=")
@@ -438,7 +452,8 @@ def parse_system(name: str) -> tuple[str, dict]:
         known = ", ".join([*SYSTEM_FNS, RAY_SYSTEM])
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
-            f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, llamacpp:cache=on)"
+            f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
+            "llamacpp:cache=on)"
         )
     return base, kwargs
 

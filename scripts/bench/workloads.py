@@ -58,6 +58,7 @@ class Request:
     after: int | None = None  # index of an earlier request that must have finished first
     continues: bool = False  # prompt = the `after` request's prompt + output, then prompt_ids
     tag: str = ""  # a group the report breaks figures down by ("stream", "long", "turn2" ...)
+    n: int = 1  # choices of this prompt (ours: one group, forked from one prefill); its tokens count all of them
 
 
 @dataclass
@@ -198,6 +199,20 @@ def multi_turn_workload(tok, seed: int, quick: bool) -> Workload:
     return Workload(reqs, 8)
 
 
+def n_choices_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 13: 4 requests at t0 (quick: 2), each a prompt of its own of ~300 tokens through the chat template,
+    each asking for n = 4 sampled choices of 16 new tokens; capacity 16. ``ours`` forks each prompt's one
+    prefill to its 4 choices; ``ours:fork=off`` sends the choices as 4 separate requests with the same prompt
+    (the prefix cache still shares their full blocks; with ``prefix=off`` nothing is shared)."""
+    rng = random.Random(seed)
+    system = _system_prompt(tok, 300)
+    reqs = [
+        Request(chat_prompt(tok, f"Ticket {i + 1}. " + system, _user_text(tok, rng, 8, 32)), 16, n=4)
+        for i in range(2 if quick else 4)
+    ]
+    return Workload(reqs, 16, only=("ours",))
+
+
 WORKLOADS = {
     "seed": seed_workload,
     "scale": scale_workload,
@@ -205,6 +220,7 @@ WORKLOADS = {
     "single": single_workload,
     "shared-prefix": shared_prefix_workload,
     "multi-turn": multi_turn_workload,
+    "n-choices": n_choices_workload,
 }
 
 
