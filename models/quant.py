@@ -29,6 +29,7 @@ model the exact weights a quantized engine runs (the parity reference).
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections import Counter
@@ -257,18 +258,24 @@ def _read_tensor_infos(path: str, buf) -> list[GGUFTensor]:
     return tensors
 
 
-def open_gguf(path: str) -> list[GGUFTensor]:
-    """The tensors of the GGUF file ``path`` (memory-mapped), or ValueError saying why the file is unreadable."""
+def map_gguf(path: str) -> tuple[mmap.mmap, list[GGUFTensor]]:
+    """The GGUF file ``path`` memory-mapped read-only, and its tensors (views of that map); or ValueError
+    saying why the file is unreadable."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the map outlives the file object
     try:
-        return _read_tensor_infos(path, buf)
+        return buf, _read_tensor_infos(path, buf)
     except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError) as exc:
         raise ValueError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
+
+
+def open_gguf(path: str) -> list[GGUFTensor]:
+    """The tensors of the GGUF file ``path`` (memory-mapped), or ValueError saying why the file is unreadable."""
+    return map_gguf(path)[1]
 
 
 class GGUFWeights:
@@ -283,7 +290,8 @@ class GGUFWeights:
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"WEIGHTS must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         self.path, self.weights = path, weights
-        self.tensors = {t.name: t for t in open_gguf(path)}
+        self._map, tensors = map_gguf(path)
+        self.tensors = {t.name: t for t in tensors}
         self.conversions: Counter[str] = Counter()
         self.resident: Counter[str] = Counter()
         for t in self.tensors.values():
@@ -350,7 +358,16 @@ class GGUFWeights:
             out, how = self._convert(t, kind, fmt, shape, rows)
         self.conversions[f"{kind} -> {fmt} ({how})"] += 1
         self.resident[fmt] += out.nbytes if isinstance(out, QuantWeight) else out.numel() * out.element_size()
+        self._release(t)
         return out
+
+    def _release(self, t: GGUFTensor) -> None:
+        """Drop the tensor's pages of the file map from our RSS once it is converted (the page cache keeps them; a
+        later read faults them back in). Without this every page read stays in RSS until the map goes: the
+        whole file (94 MiB for SmolLM2) on top of the converted copies at the end of a load."""
+        if hasattr(mmap, "MADV_DONTNEED") and self._map is not None and t.n_bytes:
+            start = t.data_offset - t.data_offset % mmap.PAGESIZE  # madvise wants a page-aligned start
+            self._map.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
     def _convert(
         self, t, kind: str, fmt: str, shape: tuple[int, ...], rows: torch.Tensor | None
@@ -367,8 +384,9 @@ class GGUFWeights:
         return quantize(out if rows is None else out[rows], fmt), how
 
     def close(self) -> None:
-        """Drop the memory map (the served tensors are copies)."""
+        """Drop the memory map (the served tensors are copies; the map goes with the last view of it)."""
         self.tensors.clear()
+        self._map = None
 
 
 # ---------------------------------------------------------------- fused linears
@@ -491,19 +509,13 @@ def gguf_state_dict(src: GGUFWeights, config) -> dict[str, torch.Tensor | QuantW
 class GGUFModel:
     """A GGUF checkpoint standing in for the HF module a family is built from: ``config``,
     ``generation_config`` and ``state_dict()`` (``gguf_state_dict``: quantized weights stay packed,
-    nothing is dequantized unless ``weights`` asks for fp32). Config and generation config come
-    from ``config_dir`` (the GGUF's converted directory, see ``checkpoints.py``).
+    nothing is dequantized unless ``weights`` asks for fp32). The configs are the GGUF's, as
+    ``checkpoints.py`` converted and cached them.
     """
 
-    def __init__(self, path: str, config_dir: str, weights: str) -> None:
-        from transformers import AutoConfig, GenerationConfig
-
+    def __init__(self, path: str, config, generation_config, weights: str) -> None:
         self.path = path
-        self.config = AutoConfig.from_pretrained(config_dir)
-        try:
-            self.generation_config = GenerationConfig.from_pretrained(config_dir)
-        except OSError:  # no generation_config.json: the model config's defaults
-            self.generation_config = GenerationConfig.from_model_config(self.config)
+        self.config, self.generation_config = config, generation_config
         self.source = GGUFWeights(path, weights)
 
     def eval(self) -> GGUFModel:

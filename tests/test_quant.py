@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -331,3 +333,32 @@ def test_cat_rows_of_whole_panels_concatenates_packed_bytes_exactly(fmt):
     assert note is None and fused.shape == (35, 70) and fused.data.shape[0] == 2 + 1 + 2
     repacked = qg.pack(fmt, *[torch.cat(p) for p in zip(*(qg.unpack(w)[: 2 if fmt == "int8" else 3] for w in parts))])
     assert torch.equal(fused.data, repacked.data)
+
+
+def mapped_rss_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line: address range ... [path]
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_converted_tensor_leaves_the_file_map_out_of_rss(tmp_path):
+    """Reading a tensor faults the file's pages into our RSS; once ``get`` has converted it they are dropped (a
+    load would otherwise hold the whole file on top of the converted copies until the map goes)."""
+    w = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB of pages
+    path = write_gguf(tmp_path / "big.gguf", {"w": (w, T.F32), "q": (quants.quantize(w, T.Q8_0), T.Q8_0)})
+    src = GGUFWeights(path, "auto")
+    assert float(np.asarray(src.tensors["w"].data).sum()) == pytest.approx(float(w.sum()), rel=1e-4)  # faults in
+    np.asarray(src.tensors["q"].data).sum()
+    assert mapped_rss_kib(path) >= 2048
+    assert torch.equal(src.get("w"), torch.from_numpy(w))
+    assert isinstance(src.get("q"), qg.QuantWeight)
+    assert mapped_rss_kib(path) <= 8  # at most the header's page
+    assert torch.equal(src.get("w"), torch.from_numpy(w))  # a second read faults the pages back in: same values
