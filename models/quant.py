@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .kernels.quant_gemm import GROUP, PANEL, QuantWeight, dequantize, pack, unpack
+from .native_memory import HeapTrimmer
 
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")
 
@@ -406,11 +407,16 @@ def cat_rows(parts: list[torch.Tensor | QuantWeight]) -> tuple[torch.Tensor | Qu
     formats = {p.fmt if isinstance(p, QuantWeight) else "fp32" for p in parts}
     target = _finest(formats)
     note = None if len(formats) == 1 else f"fused {'+'.join(sorted(formats))} weights served as {target}"
+    if len(parts) == 1 and note is None:  # nothing to fuse: the weight as it is (a copy would only cost memory)
+        return parts[0], None
     if target == "fp32":
         return torch.cat([dequantize(p) if isinstance(p, QuantWeight) else p for p in parts]).contiguous(), note
     if len(formats) == 1 and all(p.out_features % PANEL == 0 for p in parts[:-1]):
-        # Whole panels: the fused weight's panels are the parts' panels in order (no unpack / repack).
-        data = torch.cat([p.data for p in parts])  # [sum P_i, G, block bytes]
+        # Whole panels: the fused weight's panels are the parts' panels in order (no unpack / repack);
+        # parts that are consecutive slices of one buffer already (``share_storage``) are that buffer.
+        datas = [p.data for p in parts]
+        data = _joined(datas)
+        data = torch.cat(datas) if data is None else data  # [sum P_i, G, block bytes]
         return QuantWeight(target, data, sum(p.out_features for p in parts), parts[0].in_features), note
     qs, ds, ms = [], [], []
     for p in parts:
@@ -422,6 +428,42 @@ def cat_rows(parts: list[torch.Tensor | QuantWeight]) -> tuple[torch.Tensor | Qu
         ms.append(m)
     m = torch.cat(ms) if target == "int4" else None
     return pack(target, torch.cat(qs), torch.cat(ds), m), note
+
+
+def _joined(datas: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor that ``datas`` are consecutive, contiguous row slices of, in order and covering all of it; else
+    None."""
+    base = datas[0]._base
+    if base is None or not base.is_contiguous():
+        return None
+    at = base.data_ptr()
+    for d in datas:
+        if d._base is not base or not d.is_contiguous() or d.data_ptr() != at:
+            return None
+        at += d.nbytes
+    return base if at == base.data_ptr() + base.nbytes else None
+
+
+# The weights a family fuses into one linear (its ``cat_rows`` calls), by HF name inside a block.
+FUSED = {
+    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
+}
+
+
+def share_storage(sd: dict[str, torch.Tensor | QuantWeight], names: list[str]) -> None:
+    """Move the packed weights ``names`` of ``sd`` (one fused group, in the family's order) into one buffer, each
+    becoming a slice of it, so that ``cat_rows`` fuses them without a copy: a load then never holds a fused
+    weight twice. Exact (the same bytes); groups of mixed formats or of partial panels are left as they are."""
+    parts = [sd.get(n) for n in names]
+    if not all(isinstance(p, QuantWeight) for p in parts) or len({(p.fmt, p.in_features) for p in parts}) != 1:
+        return
+    if any(p.out_features % PANEL for p in parts[:-1]):
+        return
+    base = torch.cat([p.data for p in parts])  # [sum P_i, G, block bytes]
+    at = 0
+    for name, p in zip(names, parts):
+        sd[name] = QuantWeight(p.fmt, base[at : at + p.data.shape[0]], p.out_features, p.in_features)
+        at += p.data.shape[0]
 
 
 # ---------------------------------------------------------------- GGUF names -> Hugging Face names
@@ -503,6 +545,10 @@ def gguf_state_dict(src: GGUFWeights, config) -> dict[str, torch.Tensor | QuantW
             if target.rsplit(".", 1)[0].endswith(GPT2_CONV1D):
                 value = value.t().contiguous()
         out[target] = value
+    prefixes = {".".join(k.split(".")[:3]) for k in out if k.startswith("model.layers.")}  # model.layers.<i>
+    for prefix in prefixes:
+        for group in FUSED.get(model_type, ()):
+            share_storage(out, [f"{prefix}.{n}.weight" for n in group])
     return out
 
 
@@ -525,6 +571,7 @@ class GGUFModel:
         """Every tensor, converted one at a time (call once: the memory map is dropped afterwards)."""
         sd = gguf_state_dict(self.source, self.config)
         self.source.close()
+        HeapTrimmer().trim()  # the conversion's scratch goes back to the OS before the family allocates its KV pool
         return sd
 
     def describe(self) -> str:

@@ -335,6 +335,43 @@ def test_cat_rows_of_whole_panels_concatenates_packed_bytes_exactly(fmt):
     assert torch.equal(fused.data, repacked.data)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_fused_group_shares_one_buffer_and_cat_rows_does_not_copy_it(fmt):
+    """``share_storage`` puts a group's packed weights into one buffer; ``cat_rows`` then returns that buffer as the
+    fused weight, byte for byte what concatenating copies gives (a load never holds a fused weight twice)."""
+    from models.quant import cat_rows, share_storage
+
+    parts = [quantize(torch.randn(n, 70), fmt) for n in (16, 8, 11)]
+    want, _ = cat_rows(parts)  # concatenated copies
+    assert want.data.data_ptr() not in {p.data.data_ptr() for p in parts}
+    sd = dict(zip("qkv", parts))
+    share_storage(sd, ["q", "k", "v"])
+    assert all(torch.equal(sd[n].data, p.data) and sd[n].shape == p.shape for n, p in zip("qkv", parts))
+    fused, note = cat_rows([sd[n] for n in "qkv"])
+    assert note is None and fused.shape == want.shape and torch.equal(fused.data, want.data)
+    assert fused.data.data_ptr() == sd["q"].data.data_ptr()  # the shared buffer itself
+    assert cat_rows([parts[0]])[0] is parts[0]  # one weight: nothing to fuse, nothing copied
+    ragged = {"a": quantize(torch.randn(11, 70), fmt), "b": parts[1]}  # a partial panel before the last part
+    share_storage(ragged, ["a", "b"])
+    assert ragged["a"].data._base is None and ragged["b"] is parts[1]
+
+
+def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path):
+    from models.quant import FUSED, gguf_state_dict
+
+    model = tiny_hf_model("llama")
+    tensors = {}
+    for name, w in model.state_dict().items():
+        w = np.ascontiguousarray(w.detach().float().numpy())
+        tensors[gguf_name_of(name, "llama")] = (quants.quantize(w, T.Q4_0), T.Q4_0) if w.ndim == 2 else (w, T.F32)
+    sd = gguf_state_dict(GGUFWeights(write_gguf(tmp_path / "l.gguf", tensors), "auto"), model.config)
+    for layer in range(model.config.num_hidden_layers):
+        for group in FUSED["llama"]:
+            bases = {sd[f"model.layers.{layer}.{n}.weight"].data._base.data_ptr() for n in group}
+            assert len(bases) == 1, (layer, group)
+    assert sd["model.layers.0.self_attn.o_proj.weight"].data._base is None  # not fused: its own storage
+
+
 def mapped_rss_kib(path: str) -> int:
     """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
     total, inside = 0, False
