@@ -372,6 +372,22 @@ def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path
     assert sd["model.layers.0.self_attn.o_proj.weight"].data._base is None  # not fused: its own storage
 
 
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1, T.Q4_0])
+def test_a_large_matrix_packed_in_row_slices_is_the_same_weight(tmp_path, monkeypatch, kind):
+    """Above PACK_ROWS rows a matrix is repacked a slice at a time into one buffer: the same bytes as all at once,
+    the last slice ragged (45 rows: slices of 16, 16, 13)."""
+    import models.quant as mq
+
+    w = np.random.default_rng(1).standard_normal((45, 96)).astype(np.float32)
+    path = write_gguf(tmp_path / "rows.gguf", {"w": (quants.quantize(w, kind), kind)})
+    whole = GGUFWeights(path, "auto").get("w")
+    monkeypatch.setattr(mq, "PACK_ROWS", 16)
+    sliced = GGUFWeights(path, "auto").get("w")
+    assert (sliced.fmt, sliced.shape) == (whole.fmt, whole.shape)
+    assert torch.equal(sliced.data, whole.data)
+    assert torch.equal(qg.dequantize(sliced), ggml_values(quants.quantize(w, kind), kind))
+
+
 def mapped_rss_kib(path: str) -> int:
     """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
     total, inside = 0, False
