@@ -174,10 +174,10 @@ SERVE_GGUF = textwrap.dedent(
 )
 
 
-def test_smollm2_gguf_loads_without_model_classes_and_peaks_under_twice_its_final_rss(smollm2_gguf):
+def test_smollm2_gguf_loads_without_model_classes_and_peaks_at_its_final_rss(smollm2_gguf):
     """A fresh interpreter serving the GGUF at its own precision imports none of transformers' model (config)
-    modules (sympy, torch.distributed: ~55 MB) and its peak RSS during the load stays under 2x its RSS after
-    (issue 15). The tokenizer read through its own class is AutoTokenizer's, token for token."""
+    modules (sympy, torch.distributed: ~55 MB) and its peak RSS during the load stays close to its RSS after
+    (issue 15: under 2x). The tokenizer read through its own class is AutoTokenizer's, token for token."""
     import json
 
     import transformers
@@ -191,7 +191,8 @@ def test_smollm2_gguf_loads_without_model_classes_and_peaks_under_twice_its_fina
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert result["heavy"] == [], result
-    assert result["memory"]["VmHWM"] < 2 * result["memory"]["VmRSS"], result["memory"]
+    # Issue 15's bound is 2x; measured 1.0x (the load's transients are gone or trimmed before the KV pool comes).
+    assert result["memory"]["VmHWM"] < 1.25 * result["memory"]["VmRSS"], result["memory"]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
