@@ -9,6 +9,13 @@
   directory, keyed by the file's name, size and mtime; later starts reuse it.
 Anything else comes back unchanged. The cache is ``models/cache_dir.py``'s (``$MINIBATCH_CACHE``).
 
+A ``.gguf`` served at its own precision (any WEIGHTS but fp32) needs none of that fp32 copy:
+``gguf_metadata_dir`` converts only its tokenizer and config, once, in a child process (transformers'
+GGUF reader materializes the whole vocabulary, ~160 MB, and its config classes import sympy and
+torch.distributed, ~55 MB, none of which a server should keep), into ``checkpoints/<key>-meta``.
+Later starts read that directory without importing transformers' model classes: the tokenizer through
+its own class, the config as a ``PlainConfig`` of every attribute the converter saw.
+
 ``load_checkpoint`` loads (tokenizer, fp32 HF model) for any of them. Every way a MODEL_ID can fail
 to load (missing or corrupt file, a hub id that cannot load, a failed fetch) raises ``ModelLoadError``
 with a one-line message that says what to do. ``eos_ids`` reads a checkpoint's EOS set. No torch at
@@ -27,7 +34,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -36,6 +43,7 @@ from models.cache_dir import cache_subdir
 log = logging.getLogger("minibatch.checkpoints")
 
 _MARKER = "minibatch-gguf.json"  # written last: a cache directory without it is incomplete
+_SAVED_CONFIG = "minibatch-config.json"  # a metadata directory's full config, its aliases, its generation config
 
 
 class ModelLoadError(ValueError):
@@ -70,23 +78,38 @@ def load_checkpoint(model_id: str, weights: str = "fp32"):
     """(tokenizer, HF causal-LM in fp32, eval mode) for a hub id, a local directory or a ``.gguf`` file.
 
     A ``.gguf`` file under ``weights`` other than "fp32" comes back as a ``models.quant.GGUFModel``:
-    config and tokenizer from its converted directory, weights read from the file itself at the
-    precision ``weights`` asks for (its own quantization under "auto"), no fp32 model in memory.
+    config and tokenizer from its metadata directory (``gguf_metadata_dir``), weights read from the
+    file itself at the precision ``weights`` asks for (its own quantization under "auto"), no fp32
+    model in memory.
     """
+    if model_id in ALIASES:  # an alias is its fetched .gguf file from here on
+        model_id = fetch_gguf(ALIASES[model_id], cache_subdir("gguf"))[0]
+    if is_gguf(model_id) and weights != "fp32":
+        return load_gguf(model_id, weights)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model_id in ALIASES:  # an alias is its fetched .gguf file from here on
-        model_id = fetch_gguf(ALIASES[model_id], cache_subdir("gguf"))[0]
     path = resolve_model_id(model_id)  # a .gguf file -> its converted checkpoint directory
     with load_errors(path):  # a hub id that cannot load -> an error naming the offline way
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if is_gguf(model_id) and weights != "fp32":
-            from models.quant import GGUFModel
-
-            return tokenizer, GGUFModel(os.path.abspath(os.path.expanduser(model_id)), path, weights)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return tokenizer, model.eval()
+
+
+def load_gguf(model_id: str, weights: str):
+    """(tokenizer, ``GGUFModel``) for a ``.gguf`` file served at ``weights``: its metadata directory's
+    tokenizer and config, its weights straight from the file."""
+    from models.quant import GGUFModel
+
+    path = gguf_path(model_id)
+    meta = gguf_metadata_dir(path)
+    with load_errors(meta):
+        tokenizer = saved_tokenizer(meta)
+        config, generation_config = saved_config(meta)
+    try:
+        return tokenizer, GGUFModel(path, config, generation_config, weights)
+    except ValueError as exc:  # the file changed under its cached metadata, or a type we cannot serve
+        raise ModelLoadError(f"MODEL_ID {path}: {_one_line(exc)}") from exc
 
 
 def eos_ids(hf_model, tokenizer) -> set[int]:
@@ -103,6 +126,14 @@ def is_gguf(model_id: str) -> bool:
     return model_id.lower().endswith(".gguf")
 
 
+def gguf_path(model_id: str) -> str:
+    """A ``.gguf`` MODEL_ID's absolute path, or ModelLoadError when no such file exists."""
+    path = os.path.abspath(os.path.expanduser(model_id))
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"MODEL_ID names a GGUF file that does not exist: {path} ({OFFLINE_HINT})")
+    return path
+
+
 def resolve_model_id(model_id: str) -> str:
     """An alias or a ``.gguf`` file -> the directory of its converted checkpoint (fetched and converted on
     first use); anything else -> model_id."""
@@ -110,9 +141,7 @@ def resolve_model_id(model_id: str) -> str:
         model_id = fetch_gguf(ALIASES[model_id], cache_subdir("gguf"))[0]
     if not is_gguf(model_id):
         return model_id
-    path = os.path.abspath(os.path.expanduser(model_id))
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"MODEL_ID names a GGUF file that does not exist: {path} ({OFFLINE_HINT})")
+    path = gguf_path(model_id)
     out_dir = gguf_cache_dir(path)
     if os.path.isfile(os.path.join(out_dir, _MARKER)):
         log.info("GGUF %s: using the converted checkpoint in %s", path, out_dir)
@@ -129,29 +158,146 @@ def gguf_cache_dir(path: str) -> str:
     return os.path.join(cache_subdir("checkpoints"), f"{stem}-{st.st_size}-{stamp}")
 
 
+def gguf_metadata_dir(path: str) -> str:
+    """The directory of the GGUF file ``path``'s tokenizer and config (``gguf_cache_dir(path)-meta``, keyed the same
+    way), converted now by a child process if no earlier start did."""
+    out_dir = gguf_cache_dir(path) + "-meta"
+    if os.path.isfile(os.path.join(out_dir, _MARKER)):
+        log.info("GGUF %s: tokenizer and config from %s", path, out_dir)
+        return out_dir
+    from models.quant import open_gguf
+
+    try:  # a corrupt or truncated file fails here, in one line, before any conversion
+        open_gguf(path)
+    except ValueError as exc:
+        raise ModelLoadError(f"MODEL_ID {path} could not be loaded as a GGUF checkpoint: {_one_line(exc)}") from exc
+    log.info("GGUF %s: converting its tokenizer and config once into %s", path, out_dir)
+    _build_once(path, out_dir, _metadata_in_child)
+    return out_dir
+
+
+def _metadata_in_child(path: str, out: str) -> None:
+    """``write_gguf_metadata(path, out)`` in a fresh interpreter, so that none of its memory stays in ours."""
+    code = "import sys, checkpoints; checkpoints.write_gguf_metadata(sys.argv[1], sys.argv[2])"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", code, path, out], cwd=here, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(_one_line(proc.stderr) or f"the conversion exited {proc.returncode}")
+
+
+def write_gguf_metadata(path: str, out: str) -> None:
+    """Save the GGUF file ``path``'s tokenizer, config and generation config, as transformers converts them, into
+    ``out``, plus ``_SAVED_CONFIG``: the config's every attribute (``save_pretrained`` leaves out the class
+    defaults), its attribute aliases and the generation config, for ``saved_config``."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    directory, name = os.path.split(path)
+    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    save_config(out, config, GenerationConfig.from_model_config(config))  # the generation config a model gets
+
+
+def save_config(directory: str, config, generation_config) -> None:
+    """``save_pretrained`` both transformers configs into ``directory``, and ``_SAVED_CONFIG`` beside them."""
+    config.save_pretrained(directory)
+    generation_config.save_pretrained(directory)
+    saved = {
+        "config": json.loads(config.to_json_string(use_diff=False)),
+        "aliases": dict(getattr(config, "attribute_map", {})),
+        "generation_config": json.loads(generation_config.to_json_string(use_diff=False)),
+    }
+    with open(os.path.join(directory, _SAVED_CONFIG), "w") as f:
+        json.dump(saved, f, indent=1)
+
+
+class PlainConfig:
+    """A config's saved attributes as plain attributes (``aliases``: alternative names, e.g. GPT-2's
+    ``hidden_size`` for ``n_embd``), standing in for a transformers config class on the serving path."""
+
+    def __init__(self, values: dict, aliases: dict[str, str] | None = None) -> None:
+        self.__dict__.update(values)
+        self._aliases = dict(aliases or {})
+
+    def __getattr__(self, name: str):  # only reached for a name that is not an attribute
+        aliases = self.__dict__.get("_aliases", {})
+        if name in aliases:
+            return getattr(self, aliases[name])
+        raise AttributeError(name)
+
+
+# Model types whose forward (models/) reads only plain attributes of the config, with default RoPE
+# (a scaled RoPE is computed by transformers' own functions, which need its config class).
+PLAIN_MODEL_TYPES = ("llama", "gpt2")
+
+
+def _default_rope(values: dict) -> bool:
+    """Whether a saved config's RoPE is the plain one (or none): no scaling, one setting for every layer."""
+    rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in rope.values()):  # per layer type
+        return False
+    return rope.get("rope_type", rope.get("type", "default")) == "default"
+
+
+def saved_config(directory: str) -> tuple:
+    """(config, generation config) of a GGUF's metadata directory: ``PlainConfig``s of every attribute the
+    converter saw where the model type allows (no transformers model module is imported), else the
+    transformers classes."""
+    with open(os.path.join(directory, _SAVED_CONFIG)) as f:
+        saved = json.load(f)
+    values = saved["config"]
+    if values.get("model_type") in PLAIN_MODEL_TYPES and _default_rope(values):
+        return PlainConfig(values, saved["aliases"]), PlainConfig(saved["generation_config"])
+    from transformers import AutoConfig, GenerationConfig
+
+    return AutoConfig.from_pretrained(directory), GenerationConfig.from_pretrained(directory)
+
+
+def saved_tokenizer(directory: str):
+    """The tokenizer saved in ``directory``, through the class its tokenizer_config.json names (what
+    ``AutoTokenizer`` resolves too, without loading the model config to decide), else ``AutoTokenizer``."""
+    import transformers
+
+    with open(os.path.join(directory, "tokenizer_config.json")) as f:
+        name = json.load(f).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(directory)
+
+
 def convert_gguf(path: str, out_dir: str) -> None:
     """Load ``path`` through transformers (dequantized to fp32) and save tokenizer + model into ``out_dir``."""
+    log.info("GGUF %s: converting once to an fp32 checkpoint in %s", path, out_dir)
+    _build_once(path, out_dir, _save_fp32_checkpoint)
+
+
+def _save_fp32_checkpoint(path: str, out: str) -> None:
+    tokenizer, model = _load_gguf(path)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _build_once(path: str, out_dir: str, fill: Callable[[str, str], None]) -> None:
+    """Build a cache directory for the GGUF file ``path``: ``fill(path, tmp)`` writes its contents into a fresh
+    temporary directory beside ``out_dir``, then the marker goes in last and the directory is renamed to
+    ``out_dir`` (atomic: a directory at ``out_dir`` is always complete). Any failure of ``fill`` raises
+    ``ModelLoadError`` naming the file; no partial directory is left behind."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"MODEL_ID {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    log.info("GGUF %s: converting once to an fp32 checkpoint in %s", path, out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=os.path.dirname(out_dir))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
         try:
-            tokenizer, model = _load_gguf(path)
+            fill(path, tmp)
         except Exception as exc:
             raise ModelLoadError(
                 f"MODEL_ID {path} could not be loaded as a GGUF checkpoint: {type(exc).__name__}: {_one_line(exc)}"
             ) from exc
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
         st = os.stat(path)
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump({"source": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}, f)
         try:
-            os.replace(tmp, out_dir)  # atomic: a directory at out_dir is always complete
+            os.replace(tmp, out_dir)
         except OSError:
             if not os.path.isfile(os.path.join(out_dir, _MARKER)):
                 raise

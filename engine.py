@@ -896,7 +896,7 @@ class HFEngine(BatchEngine):
     """
 
     def __init__(self, config: Config) -> None:
-        from models.native_memory import HeapTrimmer, bound_native_caches
+        from models.native_memory import HeapTrimmer, bound_native_caches, memory_mib
 
         bound_native_caches()  # before torch runs its first oneDNN op
         thread_environment()  # before torch loads libgomp, which reads its wait policy once, at load
@@ -952,10 +952,13 @@ class HFEngine(BatchEngine):
         if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
             log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
         del hf_model
+        self._heap.trim()  # the load's transient copies (state dict, unfused parts) back to the OS
         resident = self.model.resident_weights()
+        memory = memory_mib()
         log.info(
             "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB; weights resident %s (%.1f MiB); oneDNN linears %s, small-batch kernel %s, %d threads",
+            "%.1f MiB; weights resident %s (%.1f MiB); oneDNN linears %s, small-batch kernel %s, %d threads; "
+            "RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             self.device,
             self.capacity,
@@ -969,6 +972,8 @@ class HFEngine(BatchEngine):
             self.model.onednn,
             self.model.small_gemm,
             torch.get_num_threads(),
+            memory.get("VmRSS", 0),
+            memory.get("VmHWM", 0),
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

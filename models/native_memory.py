@@ -42,7 +42,22 @@ class HeapTrimmer:
             self._trim = None
 
     def maybe_trim(self) -> None:
-        now = time.monotonic()
-        if self._trim is not None and now - self._last >= self.interval:
-            self._last = now
+        if time.monotonic() - self._last >= self.interval:
+            self.trim()
+
+    def trim(self) -> None:
+        """Trim now (after a load: its freed scratch and transient copies are garbage the heap would keep)."""
+        self._last = time.monotonic()
+        if self._trim is not None:
             self._trim(0)
+
+
+def memory_mib() -> dict[str, float]:
+    """This process's VmRSS, VmHWM (peak RSS), RssAnon and RssFile in MiB from /proc/self/status ({} elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+    return {k: int(v.split()[0]) / 1024 for k, _, v in (line.partition(":") for line in lines) if k in keys}

@@ -14,6 +14,8 @@ import sys
 import textwrap
 
 import pytest
+from test_llama import GGUF_CACHE
+from test_llama import smollm2_gguf as smollm2_gguf  # a fixture
 
 pytestmark = pytest.mark.model
 
@@ -59,3 +61,144 @@ def test_distinct_prompt_lengths_keep_rss_bounded(tiny_model_dir):
     # Measured: +54 MB over 300 lengths with the caps and trimming, +526 MB without.
     assert first - start < 150, (start, first, second)
     assert second - first < 40, (start, first, second)
+
+
+# --- a GGUF served at its own precision: tokenizer and config converted once, read back without transformers' model
+# classes; the load's peak RSS ---------------------------------------------------------------------------------------
+
+
+def write_tiny_gguf(path) -> str:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", np.ones((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_gguf_metadata_is_converted_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    import checkpoints
+
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    calls = []
+
+    def convert(src: str, out: str) -> None:  # stands in for the child process's transformers conversion
+        calls.append(src)
+        if len(calls) == 3:
+            raise RuntimeError("the converter failed")
+        with open(os.path.join(out, "tokenizer.json"), "w") as f:
+            f.write(str(len(calls)))
+
+    monkeypatch.setattr(checkpoints, "_metadata_in_child", convert)
+    first = checkpoints.gguf_metadata_dir(path)
+    assert checkpoints.gguf_metadata_dir(path) == first and calls == [path]  # the second load reads the cache
+    with open(os.path.join(first, "tokenizer.json")) as f:
+        assert f.read() == "1"
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: its cache is stale
+    second = checkpoints.gguf_metadata_dir(path)
+    assert second != first and len(calls) == 2
+    with open(os.path.join(second, "tokenizer.json")) as f:
+        assert f.read() == "2"
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    with pytest.raises(checkpoints.ModelLoadError, match="converter failed") as info:
+        checkpoints.gguf_metadata_dir(path)
+    assert path in str(info.value) and "\n" not in str(info.value)
+    assert sorted(os.listdir(os.path.dirname(first))) == sorted(os.path.basename(d) for d in (first, second))
+
+
+def tiny_config(model_type: str, **extra):
+    import transformers
+
+    if model_type == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=100, **extra)
+    return transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=64, **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_saved_config_has_every_attribute_of_the_config_class(tmp_path, model_type):
+    import json
+
+    import transformers
+
+    import checkpoints
+
+    cfg = tiny_config(model_type)
+    generation = transformers.GenerationConfig.from_model_config(cfg)
+    checkpoints.save_config(str(tmp_path), cfg, generation)
+    config, generation_config = checkpoints.saved_config(str(tmp_path))
+    assert isinstance(config, checkpoints.PlainConfig)
+    for key, value in json.loads(cfg.to_json_string(use_diff=False)).items():
+        assert getattr(config, key) == value, key
+    assert cfg.attribute_map or model_type == "llama"
+    for alias in cfg.attribute_map:  # GPT-2's hidden_size, num_attention_heads...
+        assert getattr(config, alias) == getattr(cfg, alias), alias
+    for key in ("model_type", "vocab_size", "num_attention_heads", "hidden_size", "num_hidden_layers"):
+        assert getattr(config, key) == getattr(cfg, key), key
+    assert generation_config.eos_token_id == generation.eos_token_id
+    assert not hasattr(config, "no_such_attribute")
+
+
+def test_a_scaled_rope_config_comes_back_as_its_transformers_class(tmp_path):
+    import transformers
+
+    import checkpoints
+
+    cfg = tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    checkpoints.save_config(str(tmp_path), cfg, transformers.GenerationConfig.from_model_config(cfg))
+    config, _ = checkpoints.saved_config(str(tmp_path))
+    assert type(config) is transformers.LlamaConfig and config.rope_parameters["rope_type"] == "linear"
+
+
+SERVE_GGUF = textwrap.dedent(
+    """
+    import json, sys
+    from config import Config
+    from engine import HFEngine
+    from models.native_memory import memory_mib
+
+    engine = HFEngine(Config(model_id=sys.argv[1], max_batch_size=8, max_model_len=256, num_threads=1))
+    memory = memory_mib()
+    heavy = sorted(m for m in ("sympy", "torch.distributed.tensor", "transformers.models.llama.configuration_llama")
+                   if m in sys.modules)
+    print("RESULT " + json.dumps({"heavy": heavy, "memory": memory}))
+    """
+)
+
+
+def test_smollm2_gguf_loads_without_model_classes_and_peaks_at_its_final_rss(smollm2_gguf):
+    """A fresh interpreter serving the GGUF at its own precision imports none of transformers' model (config)
+    modules (sympy, torch.distributed: ~55 MB) and its peak RSS during the load stays close to its RSS after
+    (issue 15: under 2x). The tokenizer read through its own class is AutoTokenizer's, token for token."""
+    import json
+
+    import transformers
+
+    import checkpoints
+
+    env = {**os.environ, "MINIBATCH_CACHE": GGUF_CACHE}
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_GGUF, smollm2_gguf], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["heavy"] == [], result
+    # Issue 15's bound is 2x; measured 1.0x (the load's transients are gone or trimmed before the KV pool comes).
+    assert result["memory"]["VmHWM"] < 1.25 * result["memory"]["VmRSS"], result["memory"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
+        meta = checkpoints.gguf_metadata_dir(smollm2_gguf)  # the child's conversion, found in the cache
+    ours, auto = checkpoints.saved_tokenizer(meta), transformers.AutoTokenizer.from_pretrained(meta)
+    text = "<|im_start|>user\\nWhat is the capital of France? déjà vu 😀<|im_end|>\\n"
+    assert type(ours) is type(auto) and len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
+    assert ours.encode(text) == auto.encode(text) and ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
+    assert ours.chat_template == auto.chat_template and ours.eos_token_id == auto.eos_token_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -331,3 +333,85 @@ def test_cat_rows_of_whole_panels_concatenates_packed_bytes_exactly(fmt):
     assert note is None and fused.shape == (35, 70) and fused.data.shape[0] == 2 + 1 + 2
     repacked = qg.pack(fmt, *[torch.cat(p) for p in zip(*(qg.unpack(w)[: 2 if fmt == "int8" else 3] for w in parts))])
     assert torch.equal(fused.data, repacked.data)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_fused_group_shares_one_buffer_and_cat_rows_does_not_copy_it(fmt):
+    """``share_storage`` puts a group's packed weights into one buffer; ``cat_rows`` then returns that buffer as the
+    fused weight, byte for byte what concatenating copies gives (a load never holds a fused weight twice)."""
+    from models.quant import cat_rows, share_storage
+
+    parts = [quantize(torch.randn(n, 70), fmt) for n in (16, 8, 11)]
+    want, _ = cat_rows(parts)  # concatenated copies
+    assert want.data.data_ptr() not in {p.data.data_ptr() for p in parts}
+    sd = dict(zip("qkv", parts))
+    share_storage(sd, ["q", "k", "v"])
+    assert all(torch.equal(sd[n].data, p.data) and sd[n].shape == p.shape for n, p in zip("qkv", parts))
+    fused, note = cat_rows([sd[n] for n in "qkv"])
+    assert note is None and fused.shape == want.shape and torch.equal(fused.data, want.data)
+    assert fused.data.data_ptr() == sd["q"].data.data_ptr()  # the shared buffer itself
+    assert cat_rows([parts[0]])[0] is parts[0]  # one weight: nothing to fuse, nothing copied
+    ragged = {"a": quantize(torch.randn(11, 70), fmt), "b": parts[1]}  # a partial panel before the last part
+    share_storage(ragged, ["a", "b"])
+    assert ragged["a"].data._base is None and ragged["b"] is parts[1]
+
+
+def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path):
+    from models.quant import FUSED, gguf_state_dict
+
+    model = tiny_hf_model("llama")
+    tensors = {}
+    for name, w in model.state_dict().items():
+        w = np.ascontiguousarray(w.detach().float().numpy())
+        tensors[gguf_name_of(name, "llama")] = (quants.quantize(w, T.Q4_0), T.Q4_0) if w.ndim == 2 else (w, T.F32)
+    sd = gguf_state_dict(GGUFWeights(write_gguf(tmp_path / "l.gguf", tensors), "auto"), model.config)
+    for layer in range(model.config.num_hidden_layers):
+        for group in FUSED["llama"]:
+            bases = {sd[f"model.layers.{layer}.{n}.weight"].data._base.data_ptr() for n in group}
+            assert len(bases) == 1, (layer, group)
+    assert sd["model.layers.0.self_attn.o_proj.weight"].data._base is None  # not fused: its own storage
+
+
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1, T.Q4_0])
+def test_a_large_matrix_packed_in_row_slices_is_the_same_weight(tmp_path, monkeypatch, kind):
+    """Above PACK_ROWS rows a matrix is repacked a slice at a time into one buffer: the same bytes as all at once,
+    the last slice ragged (45 rows: slices of 16, 16, 13)."""
+    import models.quant as mq
+
+    w = np.random.default_rng(1).standard_normal((45, 96)).astype(np.float32)
+    path = write_gguf(tmp_path / "rows.gguf", {"w": (quants.quantize(w, kind), kind)})
+    whole = GGUFWeights(path, "auto").get("w")
+    monkeypatch.setattr(mq, "PACK_ROWS", 16)
+    sliced = GGUFWeights(path, "auto").get("w")
+    assert (sliced.fmt, sliced.shape) == (whole.fmt, whole.shape)
+    assert torch.equal(sliced.data, whole.data)
+    assert torch.equal(qg.dequantize(sliced), ggml_values(quants.quantize(w, kind), kind))
+
+
+def mapped_rss_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line: address range ... [path]
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_converted_tensor_leaves_the_file_map_out_of_rss(tmp_path):
+    """Reading a tensor faults the file's pages into our RSS; once ``get`` has converted it they are dropped (a
+    load would otherwise hold the whole file on top of the converted copies until the map goes)."""
+    w = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB of pages
+    path = write_gguf(tmp_path / "big.gguf", {"w": (w, T.F32), "q": (quants.quantize(w, T.Q8_0), T.Q8_0)})
+    src = GGUFWeights(path, "auto")
+    assert float(np.asarray(src.tensors["w"].data).sum()) == pytest.approx(float(w.sum()), rel=1e-4)  # faults in
+    np.asarray(src.tensors["q"].data).sum()
+    assert mapped_rss_kib(path) >= 2048
+    assert torch.equal(src.get("w"), torch.from_numpy(w))
+    assert isinstance(src.get("q"), qg.QuantWeight)
+    assert mapped_rss_kib(path) <= 8  # at most the header's page
+    assert torch.equal(src.get("w"), torch.from_numpy(w))  # a second read faults the pages back in: same values
