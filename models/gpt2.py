@@ -115,7 +115,14 @@ class GPT2(MixedForward):
         ]
         dims = {"C": self.n_embd, "H": self.n_head, "KVH": self.n_head, "D": self.head_dim}
         return StepPlan(
-            gelu=True, dims=dims, eps=self.eps, rope=None, layers=layers, final_norm=self.ln_f, lm_head=self.lm_head
+            gelu=True,
+            dims=dims,
+            eps=self.eps,
+            embed=(self.wte, self.wpe),
+            rope=None,
+            layers=layers,
+            final_norm=self.ln_f,
+            lm_head=self.lm_head,
         )
 
     def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor], lean: bool = False) -> torch.Tensor:

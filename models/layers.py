@@ -369,9 +369,9 @@ class MixedForward:
             every_position,
         )
         batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
-        x, pos_state = self._embed(batch)  # [N, C]
         if batch.lean and self.fused_step is not None:
-            return self.fused_step(x, batch)  # every layer, the final norm and the lm_head in one call
+            return self.fused_step(batch)  # the embedding, every layer, the final norm and the lm_head in one call
+        x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)
         # Logits only where a token is sampled: the decode rows and each chunk's last position.

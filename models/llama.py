@@ -178,6 +178,7 @@ class Llama(MixedForward):
             gelu=False,
             dims=dims,
             eps=self.eps,
+            embed=(self.embed, None),
             rope=rope,
             layers=layers,
             final_norm=(self.norm, None),

@@ -53,6 +53,9 @@ typedef struct {
     const float *normf_w, *normf_b;
     Lin lm_head;
     const Layer *layers;
+    const void *embed;       /* token table [V, C]: quant_gemm.c layout (embed_fmt 0 / 1) or fp32 rows (-1) */
+    int embed_fmt;
+    const float *pos_embed;  /* learned positions [max_len, C] (GPT-2), or NULL */
 } Model;
 
 /* Per-step pointers: what a step reads besides the model. */
@@ -67,7 +70,7 @@ typedef struct {
 
 /* Shared buffers (floats) and each thread's own, carved from one workspace. */
 typedef struct {
-    float *xn, *qkv, *att, *up, *act, *priv; /* priv: thread 0's; thread t's at priv + t * priv_floats */
+    float *xn, *qkv, *att, *up, *act, *tile, *priv; /* priv: thread 0's; thread t's at priv + t * priv_floats */
     long priv_floats;
 } Buffers;
 
@@ -79,7 +82,8 @@ static int act_width(const Model *m) { return m->layers[0].down.K; }
  * the attention scratch). */
 static long shared_floats(const Model *m, int B) {
     const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
-    return (long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + (m->gelu ? 0 : act_width(m)));
+    const long embed_tile = (long)m->C * 2 * PANEL; /* dequant_panel's buffer: one panel's 8 rows */
+    return (long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + (m->gelu ? 0 : act_width(m))) + embed_tile;
 }
 
 static long own_floats(const Model *m, int B) { return (long)B * m->C + scratch_floats(m->H, m->D); }
@@ -91,6 +95,7 @@ static Buffers carve(const Model *m, int B, float *ws) {
     b.att = b.qkv + (long)B * (m->H + 2 * m->KVH) * m->D;
     b.up = b.att + (long)B * m->H * m->D;
     b.act = b.up + (long)B * up_width(m);
+    b.tile = b.act + (m->gelu ? 0 : (long)B * act_width(m));
     b.priv = ws + shared_floats(m, B);
     b.priv_floats = own_floats(m, B);
     return b;
@@ -208,12 +213,30 @@ static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *
 #pragma omp barrier
 }
 
-/* x [B, C]: the step's token embeddings (clobbered: the residual stream) -> logits [B, V].
+/* x[b] = row ids[b] of the token table (+ row pos[b] of the position table): a quantized row dequantized by
+ * quant_gemm.c's dequant_panel (its panel's 8 rows into tile, the values quant_gemm.dequantize_rows gives). */
+static void embed(const Model *m, const long *ids, const long *pos, float *x, int B, float *tile) {
+    const int C = m->C;
+    for (int b = 0; b < B; b++) {
+        float *xb = x + (long)b * C;
+        if (m->embed_fmt == FMT_FP32) {
+            memcpy(xb, (const float *)m->embed + ids[b] * C, sizeof(float) * C);
+        } else {
+            const long panel_bytes = (long)((C + GROUP - 1) / GROUP) * block_bytes(m->embed_fmt);
+            dequant_panel(m->embed_fmt, (const uint8_t *)m->embed + ids[b] / PANEL * panel_bytes, C, tile, 0);
+            for (int k = 0; k < C; k++) xb[k] = tile[(long)k * 2 * PANEL + ids[b] % PANEL];
+        }
+        if (m->pos_embed)
+            for (int k = 0; k < C; k++) xb[k] += m->pos_embed[pos[b] * C + k];
+    }
+}
+
+/* ids [B] token ids -> logits [B, V]; x [B, C] the residual stream (the embeddings, then each layer's output).
  * ws: decode_step_workspace(m, B, nthreads) floats. Returns 0, or -1 when the partition workspace of a long
  * context cannot be allocated. */
-int decode_step(const Model *m, float *x, int B, const long *pos, const long *slot_blocks, const long *slot_offsets,
-                const int *block_tables, int table_stride, const int *context_lens, float *logits, float *ws,
-                int nthreads) {
+int decode_step(const Model *m, const long *ids, float *x, int B, const long *pos, const long *slot_blocks,
+                const long *slot_offsets, const int *block_tables, int table_stride, const int *context_lens,
+                float *logits, float *ws, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     Step s = {B, pos, slot_blocks, slot_offsets, block_tables, context_lens, table_stride, 1, 0, 0, 0, 0};
     s.part_tokens = part_tokens_for(m->block_size);
@@ -228,6 +251,7 @@ int decode_step(const Model *m, float *x, int B, const long *pos, const long *sl
         s.ws_l = s.ws_m + items * m->H;
     }
     const Buffers buf = carve(m, B, ws);
+    embed(m, ids, pos, x, B, buf.tile);
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, nt = 1;

@@ -52,6 +52,7 @@ class Model(ctypes.Structure):
         *(("gelu", _I), ("n_layer", _I), ("C", _I), ("H", _I), ("KVH", _I), ("D", _I), ("block_size", _I)),
         *(("block_stride", _L), ("token_stride", _L), ("head_stride", _L), ("eps", _F)),
         *(("cos", _P), ("sin", _P), ("normf_w", _P), ("normf_b", _P), ("lm_head", Lin), ("layers", _P)),
+        *(("embed", _P), ("embed_fmt", _I), ("pos_embed", _P)),
     ]
 
 
@@ -62,7 +63,7 @@ def _load() -> ctypes.CDLL:
     lib.decode_step_workspace.argtypes = [_P, _I, _I]  # model, B, nthreads
     lib.decode_step.restype = _I
     lib.decode_step.argtypes = [
-        *(_P, _P, _I, _P, _P, _P),  # model, x, B, pos, slot_blocks, slot_offsets
+        *(_P, _P, _P, _I, _P, _P, _P),  # model, ids, x, B, pos, slot_blocks, slot_offsets
         *(_P, _I, _P, _P, _P, _I),  # block_tables, table_stride, context_lens, logits, ws, nthreads
     ]
     return lib
@@ -92,16 +93,20 @@ def lin(linear) -> Lin | None:
 
 
 class StepPlan:
-    """One model described to the kernel; ``plan(x, batch)`` runs a lean decode step -> logits [B, V].
+    """One model described to the kernel; ``plan(batch)`` runs a lean decode step -> logits [B, V].
 
-    layers: per layer ``(norm1, norm2, qkv, o, up, down, (k_pool, v_pool), scale)``, a norm being ``(weight,
-    bias or None)`` (None: RMSNorm), the linears ``layers.Linear``s, the pools ``PagedKVCache.pools`` views.
-    Every tensor it points at is held here (the model holds them too), so the pointers stay valid.
+    embed: (token table: fp32 [V, C] or a ``QuantWeight``, learned positions [P, C] or None); layers: per layer
+    ``(norm1, norm2, qkv, o, up, down, (k_pool, v_pool), scale)``, a norm being ``(weight, bias or None)``
+    (None: RMSNorm), the linears ``layers.Linear``s, the pools ``PagedKVCache.pools`` views. Every tensor it
+    points at is held here (the model holds them too), so the pointers stay valid.
     """
 
-    def __init__(self, *, gelu: bool, dims: dict, eps: float, rope, layers: list, final_norm, lm_head) -> None:
+    def __init__(self, *, gelu: bool, dims: dict, eps: float, embed, rope, layers: list, final_norm, lm_head) -> None:
         self.kernel = load()
-        self._keep = [rope, final_norm, layers]
+        self._keep = [embed, rope, final_norm, layers]
+        table, positions = embed
+        quant = isinstance(table, quant_gemm.QuantWeight)
+        table_ptr, table_fmt = (table.data.data_ptr(), quant_gemm.FORMATS[table.fmt]) if quant else (_ptr(table), FP32)
         k_pool = layers[0][6][0]
         cos, sin = (rope[0], rope[1]) if rope is not None else (None, None)
         structs = []
@@ -120,7 +125,9 @@ class StepPlan:
             *(k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), eps),
             *(_ptr(cos), _ptr(sin), _ptr(final_norm[0]), _ptr(final_norm[1]), lin(lm_head)),
             ctypes.cast(self.layers, _P),
+            *(table_ptr, table_fmt, _ptr(positions)),
         )
+        self.n_embd = dims["C"]
         self.model_ref = ctypes.byref(self.model)
         self.n_vocab = lm_head.out_features
         self.ws = torch.empty(0)
@@ -130,20 +137,18 @@ class StepPlan:
         """Whether every linear has a copy the kernel reads, and the kernel loads here."""
         return all(lin(x) is not None for x in linears) and load() is not None
 
-    def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
-        """x [B, C] the step's embeddings (used as the residual stream: overwritten) -> logits [B, V]."""
-        B, threads = x.shape[0], torch.get_num_threads()
-        need = self.kernel.decode_step_workspace(self.model_ref, B, threads)
+    def __call__(self, batch) -> torch.Tensor:
+        """A lean ``layers.MixedBatch`` (B decode rows, no prompts) -> logits [B, V]; its K/V written."""
+        B, threads = batch.n_decode, torch.get_num_threads()
+        need = self.kernel.decode_step_workspace(self.model_ref, B, threads) + B * self.n_embd  # + x [B, C]
         if self.ws.numel() < need:
             self.ws = torch.empty(need)
-        if not x.is_contiguous():
-            x = x.contiguous()
         logits = torch.empty(B, self.n_vocab)
-        tables = batch.block_tables
+        tables, ws = batch.block_tables, self.ws.data_ptr()
         rc = self.kernel.decode_step(
-            *(self.model_ref, x.data_ptr(), B, batch.pos.data_ptr()),
+            *(self.model_ref, batch.ids.data_ptr(), ws, B, batch.pos.data_ptr()),
             *(batch.slot_blocks.data_ptr(), batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0)),
-            *(batch.context_lens.data_ptr(), logits.data_ptr(), self.ws.data_ptr(), threads),
+            *(batch.context_lens.data_ptr(), logits.data_ptr(), ws + 4 * B * self.n_embd, threads),
         )
         if rc != 0:
             raise MemoryError("decode step: cannot allocate the attention partition workspace")
