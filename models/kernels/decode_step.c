@@ -78,15 +78,17 @@ static int up_width(const Model *m) { return m->layers[0].up.N; }
 
 static int act_width(const Model *m) { return m->layers[0].down.K; }
 
-/* Floats of the shared buffers of a step of B rows, and of one thread's own (a normalized copy of x and
- * the attention scratch). */
+/* Floats of the shared buffers of a step of B rows. */
 static long shared_floats(const Model *m, int B) {
     const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
     const long embed_tile = (long)m->C * 2 * PANEL; /* dequant_panel's buffer: one panel's 8 rows */
-    return (long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + (m->gelu ? 0 : act_width(m))) + embed_tile;
+    return (long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile;
 }
 
-static long own_floats(const Model *m, int B) { return (long)B * m->C + scratch_floats(m->H, m->D); }
+/* A thread's own: a normalized copy of x [B, C], the activation [B, I], the attention Scratch. */
+static long own_floats(const Model *m, int B) {
+    return (long)B * (m->C + act_width(m)) + scratch_floats(m->H, m->D);
+}
 
 static Buffers carve(const Model *m, int B, float *ws) {
     Buffers b;
@@ -95,7 +97,7 @@ static Buffers carve(const Model *m, int B, float *ws) {
     b.att = b.qkv + (long)B * (m->H + 2 * m->KVH) * m->D;
     b.up = b.att + (long)B * m->H * m->D;
     b.act = b.up + (long)B * up_width(m);
-    b.tile = b.act + (m->gelu ? 0 : (long)B * act_width(m));
+    b.tile = b.act + (long)B * act_width(m);
     b.priv = ws + shared_floats(m, B);
     b.priv_floats = own_floats(m, B);
     return b;
@@ -146,7 +148,7 @@ static void attend_item(const Model *m, const Layer *L, const Step *s, const Buf
     const int t1 = t0 + s->part_tokens < ctx ? t0 + s->part_tokens : ctx;
     const float *row = buf->qkv + (long)b * (H + 2 * m->KVH) * D;
     const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
-    Scratch w = scratch_at(buf->priv + t * buf->priv_floats + (long)s->B * m->C, G, D);
+    Scratch w = scratch_at(buf->priv + t * buf->priv_floats + (long)s->B * (m->C + act_width(m)), G, D);
     rope_queries(row, c, sn, w.acc, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
     for (long i = 0; i < (long)G * D; i++) w.qs[i] = w.acc[i] * L->scale;
     attend_row(&w, L->k_pool + kvh * m->head_stride, L->v_pool + kvh * m->head_stride, m->block_stride,
@@ -160,41 +162,65 @@ static void attend_item(const Model *m, const Layer *L, const Step *s, const Buf
     }
 }
 
-/* RoPE + K/V write, then attention over every row's blocks -> buf->att [B, H D]. Ends after a barrier. */
+/* Row b's new k (rotated) and v of KV heads [h0, h1) into their slot. */
+static void write_row(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int b, int h0, int h1) {
+    const int H = m->H, KVH = m->KVH, D = m->D;
+    const float *row = buf->qkv + (long)b * (H + 2 * KVH) * D;
+    const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
+    const long slot = s->slot_blocks[b] * m->block_stride + s->slot_offsets[b] * m->token_stride;
+    write_kv(row, c, sn, L->k_pool + slot, L->v_pool + slot, m->head_stride, H, KVH, D, h0, h1);
+}
+
+/* RoPE + K/V write, then attention over every row's blocks -> buf->att [B, H D]. Ends after a barrier.
+ * One partition per row (contexts up to PART_TOKENS): item (b, kvh) writes its own K/V head, then attends
+ * over it: no other item reads that slot (a row attends its own blocks, and the block a step writes is
+ * never shared: block_manager.py). Longer contexts: every write first, then the partitions, then combined. */
 static void attention(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int t) {
     const int B = s->B, KVH = m->KVH, H = m->H, D = m->D;
-#pragma omp for schedule(static)
-    for (int b = 0; b < B; b++) {
-        const float *row = buf->qkv + (long)b * (H + 2 * KVH) * D;
-        const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
-        long slot = s->slot_blocks[b] * m->block_stride + s->slot_offsets[b] * m->token_stride;
-        write_kv(row, c, sn, L->k_pool + slot, L->v_pool + slot, m->head_stride, H, KVH, D, 0, KVH);
+    if (s->max_parts == 1) {
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < (long)B * KVH; it++) {
+            const int b = (int)(it / KVH), kvh = (int)(it % KVH);
+            write_row(m, L, s, buf, b, kvh, kvh + 1);
+            attend_item(m, L, s, buf, t, b, kvh, 0);
+        }
+        return;
     }
+#pragma omp for schedule(static)
+    for (int b = 0; b < B; b++) write_row(m, L, s, buf, b, 0, KVH);
     const long items = (long)B * KVH * s->max_parts;
 #pragma omp for schedule(dynamic, 1)
     for (long it = 0; it < items; it++)
         attend_item(m, L, s, buf, t, (int)(it / ((long)KVH * s->max_parts)), (int)(it / s->max_parts % KVH),
                     (int)(it % s->max_parts));
-    if (s->max_parts > 1) {
 #pragma omp for schedule(static)
-        for (long bh = 0; bh < (long)B * H; bh++) {
-            long b = bh / H, h = bh % H;
-            int parts = (s->context_lens[b] + s->part_tokens - 1) / s->part_tokens;
-            combine_head(s->ws_acc, s->ws_m, s->ws_l, b, h, H, D, parts, s->max_parts, buf->att + bh * D);
-        }
+    for (long bh = 0; bh < (long)B * H; bh++) {
+        long b = bh / H, h = bh % H;
+        int parts = (s->context_lens[b] + s->part_tokens - 1) / s->part_tokens;
+        combine_head(s->ws_acc, s->ws_m, s->ws_l, b, h, H, D, parts, s->max_parts, buf->att + bh * D);
     }
 }
 
-/* The MLP's activation over the up linear's output -> the down linear's input (rows split over threads). */
-static const float *activation(const Model *m, const Buffers *buf, int B) {
+static void activate_rows(const Model *m, const Buffers *buf, float *act, int r0, int r1) {
     const int nup = up_width(m), I = act_width(m);
-#pragma omp for schedule(static)
-    for (int b = 0; b < B; b++) {
-        float *u = buf->up + (long)b * nup;
-        if (m->gelu) gelu_tanh(u, nup, u, nup, 1, I);
-        else silu_mul(u, nup, buf->act + (long)b * I, 1, I);
+    for (int b = r0; b < r1; b++) {
+        const float *u = buf->up + (long)b * nup;
+        if (m->gelu) gelu_tanh(u, nup, act + (long)b * I, I, 1, I);
+        else silu_mul(u, nup, act + (long)b * I, 1, I);
     }
-    return m->gelu ? buf->up : buf->act;
+}
+
+/* The MLP's activation of the up linear's output -> the down linear's input [B, I]. Like norm: few rows, each
+ * thread computes them all into its own buffer (no barrier); more, rows split into the shared one, a barrier. */
+static const float *activation(const Model *m, const Buffers *buf, int B, int t, int nt) {
+    if (B <= 2 * nt) {
+        float *own = buf->priv + t * buf->priv_floats + (long)B * m->C;
+        activate_rows(m, buf, own, 0, B);
+        return own;
+    }
+    activate_rows(m, buf, buf->act, (int)((long)B * t / nt), (int)((long)B * (t + 1) / nt));
+#pragma omp barrier
+    return buf->act;
 }
 
 static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *buf, float *x, int t, int nt) {
@@ -208,8 +234,8 @@ static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *
     xn = norm(m, buf, L->norm2_w, L->norm2_b, x, B, t, nt);
     linear_part(&L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
 #pragma omp barrier
-    const float *act = activation(m, buf, B);
-    linear_part(&L->down, act, m->gelu ? nup : L->down.K, x, C, x, C, B, t, nt);
+    const float *act = activation(m, buf, B, t, nt);
+    linear_part(&L->down, act, L->down.K, x, C, x, C, B, t, nt);
 #pragma omp barrier
 }
 
