@@ -60,7 +60,8 @@ void silu_mul(const float *gu, long ldg, float *y, int M, int I) {
  * Every element goes through the 8-wide path (a row's tail through a padded copy), so an element's result does
  * not depend on its column or on how a caller splits the row. exp256's input is capped at 88: gelu(x << 0) ~ 0. */
 INLINE __m256 gelu8(__m256 x) {
-    const __m256 k1 = _mm256_set1_ps(1.5957691216057308f), k3 = _mm256_set1_ps(0.0713548162726009f); /* 2 sqrt(2/pi) (1, 0.044715) */
+    /* 2 sqrt(2 / pi) and 2 sqrt(2 / pi) 0.044715 */
+    const __m256 k1 = _mm256_set1_ps(1.5957691216057308f), k3 = _mm256_set1_ps(0.0713548162726009f);
     __m256 u2 = _mm256_mul_ps(x, _mm256_add_ps(k1, _mm256_mul_ps(k3, _mm256_mul_ps(x, x))));
     __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), u2), _mm256_set1_ps(88.0f)));
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));

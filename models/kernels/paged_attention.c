@@ -200,7 +200,10 @@ static void combine_head(const float *ws_acc, const float *ws_m, const float *ws
                          int parts, int max_parts, float *o) {
     float mx = -INFINITY, sum = 0.0f;
     for (int d = 0; d < D; d++) o[d] = 0.0f;
-    for (int p = 0; p < parts; p++) mx = ws_m[(b * max_parts + p) * H + h] > mx ? ws_m[(b * max_parts + p) * H + h] : mx;
+    for (int p = 0; p < parts; p++) {
+        const float mp = ws_m[(b * max_parts + p) * H + h];
+        mx = mp > mx ? mp : mx;
+    }
     for (int p = 0; p < parts; p++) {
         long i = (b * max_parts + p) * H + h;
         float wgt = expf(ws_m[i] - mx);
@@ -305,7 +308,8 @@ static void rope_row(const float *x, float *y, const float *c, const float *s, i
     }
 }
 
-/* Query heads [h0, h1) of one qkv row, rotated (c, s: the row's cos, sin) or copied when c is NULL -> q [h1 - h0, D]. */
+/* Query heads [h0, h1) of one qkv row, rotated (c, s: the row's cos, sin) or copied when c is NULL
+ * -> q [h1 - h0, D]. */
 static void rope_queries(const float *row, const float *c, const float *s, float *q, int D, int h0, int h1) {
     for (int h = h0; h < h1; h++) {
         float *qh = q + (long)(h - h0) * D;
