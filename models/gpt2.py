@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import decode_ops
+from .kernels.decode_step import StepPlan
 from .kernels.quant_gemm import QuantWeight
 from .layers import (
     Linear,
@@ -104,6 +105,26 @@ class GPT2(MixedForward):
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
 
+    def _fused_plan(self) -> StepPlan | None:
+        """Every layer of a lean step in one call: LayerNorm, no RoPE, GELU (tanh only: the kernel has no erf GELU)."""
+        if self.gelu_approx != "tanh" or not StepPlan.supports(self.linears()):
+            return None
+        layers = [
+            (b.ln_1, b.ln_2, b.c_attn, b.attn_proj, b.c_fc, b.mlp_proj, self.layer_pools[i], self.attn_scales[i])
+            for i, b in enumerate(self.blocks)
+        ]
+        dims = {"C": self.n_embd, "H": self.n_head, "KVH": self.n_head, "D": self.head_dim}
+        return StepPlan(
+            gelu=True,
+            dims=dims,
+            eps=self.eps,
+            embed=(self.wte, self.wpe),
+            rope=None,
+            layers=layers,
+            final_norm=self.ln_f,
+            lm_head=self.lm_head,
+        )
+
     def _ln(self, x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor], lean: bool = False) -> torch.Tensor:
         """x: [N, C] -> LayerNorm(x): [N, C] (one compiled call on a lean step)."""
         if lean:
@@ -133,7 +154,10 @@ class GPT2(MixedForward):
         pools, scale = self.layer_pools[layer], self.attn_scales[layer]
         att = lean_attention(qkv, self.n_head, None, pools, batch, scale)  # [B, C]
         x = block.attn_proj.add(att, x)
-        return block.mlp_proj.add(block.c_fc.gelu(self._ln(x, block.ln_2, lean=True), self.gelu_approx), x)
+        h = self._ln(x, block.ln_2, lean=True)
+        # The tanh GELU compiled too (the whole-step kernel's, so both lean paths give the same bits).
+        h = decode_ops.gelu_tanh(block.c_fc(h)) if self.gelu_approx == "tanh" else block.c_fc.gelu(h, "none")
+        return block.mlp_proj.add(h, x)
 
     def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """x_last: [n, C] final hidden states -> [n, V] logits."""

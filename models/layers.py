@@ -7,11 +7,14 @@ attention runs per part (``mixed_attention``): decode rows over their KV blocks 
 prompt chunk causally over itself (and its earlier blocks), every token's K/V landing in its slot of
 the block pool. Logits only for the decode rows and each chunk's last token.
 
-Lean decode: a step of decode rows only, at most ``LEAN_MAX_ROWS`` of them, runs each layer as a few
-compiled calls (``lean_decode_supported``): the norm, the fused QKV linear, one ``rope_write_attend``
-(RoPE + KV write + paged attention), the output linear with its residual add, the norm, the MLP linears
-and their activation. At those sizes a step is bound by per-op dispatch and weight bytes, not FLOPs;
-steps with prompt chunks, and larger batches, keep the torch path (compute-bound, oneDNN / SDPA).
+Lean decode: a step of decode rows only, at most ``LEAN_MAX_ROWS`` of them, runs as ONE compiled call
+(``kernels/decode_step``: every layer, the final norm and the lm_head in one OpenMP region, ``fused_step``)
+where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2, the GELU is
+the tanh one. Otherwise each layer runs as a few compiled calls (``lean_decode_supported``): the norm, the
+fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
+residual add, the norm, the MLP linears and their activation. At those sizes a step is bound by per-op
+dispatch and weight bytes, not FLOPs; steps with prompt chunks, and larger batches, keep the torch path
+(compute-bound, oneDNN / SDPA).
 
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import decode_ops, quant_gemm, small_gemm
+from .kernels import decode_ops, decode_step, quant_gemm, small_gemm
 from .kernels import paged_attention as attention_kernel
 from .kernels.paged_attention import paged_attention
 from .kernels.quant_gemm import QuantWeight
@@ -333,6 +336,7 @@ class MixedForward:
     n_head: int  # query heads
     head_dim: int
     lean_decode: bool = False  # small decode-only steps through the compiled per-layer calls (set by families)
+    fused_step: decode_step.StepPlan | None = None  # ... or through one whole-step call, where it runs
 
     @torch.inference_mode()
     def forward(
@@ -365,6 +369,8 @@ class MixedForward:
             every_position,
         )
         batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
+        if batch.lean and self.fused_step is not None:
+            return self.fused_step(batch)  # the embedding, every layer, the final norm and the lm_head in one call
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)
@@ -436,6 +442,11 @@ class MixedForward:
         self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device)
         self.lean_decode = lean_decode_supported(device, head_dim, block_size)
         self.layer_pools = [self.kv.pools(layer) for layer in range(n_layer)]  # views, made once, not per step
+        self.fused_step = self._fused_plan() if self.lean_decode else None
+
+    def _fused_plan(self) -> decode_step.StepPlan | None:
+        """The family's whole-step kernel plan (``decode_step.StepPlan``), or None where it cannot run."""
+        return None
 
     def _embed(self, batch: MixedBatch) -> tuple[torch.Tensor, object]:
         raise NotImplementedError

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import decode_ops
+from .kernels.decode_step import StepPlan
 from .layers import (
     Linear,
     MixedBatch,
@@ -162,6 +163,27 @@ class Llama(MixedForward):
         self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None)  # [C] -> [V]
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size)
+
+    def _fused_plan(self) -> StepPlan | None:
+        """Every layer of a lean step in one call: RMSNorm (no bias), RoPE from the full tables, SiLU(gate) * up."""
+        if not StepPlan.supports(self.linears()):
+            return None
+        layers = [
+            ((b.ln_1, None), (b.ln_2, None), b.qkv, b.o_proj, b.gate_up, b.down, self.layer_pools[i], self.scale)
+            for i, b in enumerate(self.blocks)
+        ]
+        dims = {"C": self.n_embd, "H": self.n_head, "KVH": self.n_kv_head, "D": self.head_dim}
+        rope = (self.cos, self.sin)
+        return StepPlan(
+            gelu=False,
+            dims=dims,
+            eps=self.eps,
+            embed=(self.embed, None),
+            rope=rope,
+            layers=layers,
+            final_norm=(self.norm, None),
+            lm_head=self.lm_head,
+        )
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """x: [N, C] -> weight * x / rms(x): [N, C] (one compiled call on a lean step)."""

@@ -4,6 +4,9 @@
     python scripts/latency_probe.py bare   --batch 1 8          # engine forward alone: ms per decode step
     python scripts/latency_probe.py served --batch 1 8          # python server.py, B streams: ms between tokens
     python scripts/latency_probe.py bare --dispatches           # + ATen ops per decode step at batch 1
+    python scripts/latency_probe.py bare --per-layer            # lean steps as per-layer calls (before the fused step)
+    python scripts/latency_probe.py alternate --batch 1 8      # one process, steps alternating: whole-step call
+                                                                # and per-layer calls (same load on both: a shared box)
 
 The model and its settings come from the environment like the server's (MODEL_ID, WEIGHTS, NUM_THREADS...);
 ``--root`` runs another checkout (e.g. a worktree of an older commit) for a before/after in one run. Prints
@@ -25,9 +28,12 @@ import time
 PROMPT_LEN = 64
 
 
-def bare(batch_sizes: list[int], steps: int, dispatches: bool, torch_path: bool = False) -> None:
+def bare(
+    batch_sizes: list[int], steps: int, dispatches: bool, torch_path: bool = False, per_layer: bool = False
+) -> None:
     """HFEngine's model stepped directly: B sequences prefilled, then ``steps`` timed decode steps
-    (``torch_path``: with the lean decode path off, where the tree has one)."""
+    (``torch_path``: with the lean decode path off, where the tree has one; ``per_layer``: lean steps as
+    per-layer kernel calls instead of the one whole-step call, where the tree has it)."""
     from config import Config
     from engine import HFEngine
 
@@ -37,6 +43,8 @@ def bare(batch_sizes: list[int], steps: int, dispatches: bool, torch_path: bool 
     model = engine.model
     if torch_path:
         model.lean_decode = False
+    if per_layer:
+        model.fused_step = None
     per_seq = -(-(PROMPT_LEN + steps + 8) // model.kv.block_size)
     for B in batch_sizes:
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
@@ -50,7 +58,14 @@ def bare(batch_sizes: list[int], steps: int, dispatches: bool, torch_path: bool 
             logits = model.decode(tokens, positions, tables)
             times.append(time.perf_counter() - t0)
             tokens = logits.argmax(-1).tolist()
-        row = {"mode": "bare", "batch": B, "threads": torch.get_num_threads(), "step_ms": _ms(times[2:])}
+        path = (
+            "torch"
+            if torch_path
+            else "per-layer"
+            if per_layer or getattr(model, "fused_step", None) is None
+            else "step"
+        )
+        row = {"mode": "bare", "path": path, "batch": B, "threads": torch.get_num_threads(), "step_ms": _ms(times[2:])}
         if dispatches and B == batch_sizes[0]:
             row["aten_ops_per_step"] = count_dispatches(model, tokens, [PROMPT_LEN + steps] * B, tables)
         print(json.dumps(row), flush=True)
@@ -129,6 +144,39 @@ def served(batch_sizes: list[int], new_tokens: int, root: str, llamacpp: str = "
             proc.kill()
 
 
+def alternate(batch_sizes: list[int], steps: int) -> None:
+    """Whole-step call against per-layer calls in one process, the two paths alternating step by step (each
+    step decodes the same tokens at the same positions), so both see the same machine load."""
+    from config import Config
+    from engine import HFEngine
+
+    engine = HFEngine(Config.from_env())
+    import torch
+
+    model = engine.model
+    plan = model.fused_step
+    if plan is None:
+        raise SystemExit("this model has no whole-step call here")
+    per_seq = -(-(PROMPT_LEN + steps + 8) // model.kv.block_size)
+    for B in batch_sizes:
+        tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
+        prompts = [[(7 * b + i) % 1000 + 10 for i in range(PROMPT_LEN)] for b in range(B)]
+        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        times = {"step": [], "per-layer": []}
+        for s in range(steps):
+            positions = [PROMPT_LEN + s] * B
+            for path in ("step", "per-layer") if s % 2 else ("per-layer", "step"):
+                model.fused_step = plan if path == "step" else None
+                t0 = time.perf_counter()
+                logits = model.decode(tokens, positions, tables)
+                times[path].append(time.perf_counter() - t0)
+            tokens = logits.argmax(-1).tolist()
+        model.fused_step = plan
+        row = {"mode": "alternate", "batch": B, "threads": torch.get_num_threads()}
+        row.update({f"{path}_ms": _ms(t[2:]) for path, t in times.items()})
+        print(json.dumps(row), flush=True)
+
+
 def _wait_ready(port: int, proc: subprocess.Popen, path: str) -> None:
     import urllib.request
 
@@ -151,19 +199,22 @@ def _ms(times: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["bare", "served"])
+    ap.add_argument("mode", choices=["bare", "served", "alternate"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps (bare) / new tokens (served)")
     ap.add_argument("--dispatches", action="store_true", help="count ATen ops of one decode step (bare)")
     ap.add_argument("--torch-path", action="store_true", help="bare: lean decode steps off (attribution)")
+    ap.add_argument("--per-layer", action="store_true", help="bare: lean steps as per-layer calls, not one call")
     ap.add_argument("--llamacpp", default="", help="served: this llama-server binary instead of ours")
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
     sys.path.insert(0, root)
     os.chdir(root)
-    if args.mode == "bare":
-        bare(args.batch, args.steps, args.dispatches, args.torch_path)
+    if args.mode == "alternate":
+        alternate(args.batch, args.steps)
+    elif args.mode == "bare":
+        bare(args.batch, args.steps, args.dispatches, args.torch_path, args.per_layer)
     else:
         served(args.batch, args.steps, root, args.llamacpp)
 

@@ -1,8 +1,10 @@
 """The lean decode path (models/layers.py): its compiled kernels against float64 torch, and its gates.
 
 Kernels (``decode_ops.c``; ``rope_write_attend`` in ``paged_attention.c``) on ragged shapes at 1-3 threads.
-Model gates: lean decode steps give the torch path's logits (GPT-2 and Llama; fp32 through both linear
-kernels, int8, int4; batch 1 to 20, across ``LEAN_MAX_ROWS``), and greedy parity with HF ``generate``
+The whole-step kernel (``decode_step.c``, ``fused_step``) is made of those kernels' loops: it must give the
+per-layer lean calls' logits and KV writes bit for bit, at 1, 2 and 3 threads, short and long (partitioned)
+contexts. Model gates: lean decode steps give the torch path's logits (GPT-2 and Llama; fp32 through both
+linear kernels, int8, int4; batch 1 to 20, across ``LEAN_MAX_ROWS``), and greedy parity with HF ``generate``
 with joins while lean steps really run (the family-generic gates in test_parity.py run lean too).
 """
 
@@ -17,7 +19,7 @@ pytest.importorskip("transformers")
 from config import Config  # noqa: E402
 from engine import HFEngine  # noqa: E402
 from models import layers  # noqa: E402
-from models.kernels import decode_ops  # noqa: E402
+from models.kernels import decode_ops, decode_step  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
 
 THREADS = [1, 2, 3]
@@ -35,6 +37,12 @@ def need_kernels() -> None:
         pytest.skip(f"decode ops kernel unavailable: {decode_ops.KERNEL.unavailable_reason}")
     if pa.load() is None:
         pytest.skip(f"paged attention kernel unavailable: {pa.KERNEL.unavailable_reason}")
+
+
+def need_step_kernel() -> None:
+    need_kernels()
+    if decode_step.load() is None:
+        pytest.skip(f"decode step kernel unavailable: {decode_step.KERNEL.unavailable_reason}")
 
 
 # --- kernels against float64 torch --------------------------------------------------------------
@@ -57,6 +65,9 @@ def test_norms_and_silu_mul_match_float64(threads, M, C):
     gd = gu.double()
     want = torch.nn.functional.silu(gd[:, :C]) * gd[:, C:]
     torch.testing.assert_close(decode_ops.silu_mul(gu).double(), want, rtol=1e-5, atol=1e-5)
+    h = gu * 1.5  # GELU inputs to +-60: both tails, and a row tail past the 8-wide path when C % 8
+    want_gelu = torch.nn.functional.gelu(h.double(), approximate="tanh")
+    torch.testing.assert_close(decode_ops.gelu_tanh(h).double(), want_gelu, rtol=1e-5, atol=1e-5)
 
 
 def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -182,9 +193,73 @@ def test_greedy_parity_with_joins_while_lean_steps_run(family_dir, weights, smal
         return original(self, layer, *args, **kw)
 
     monkeypatch.setattr(type(engine.model), "_lean_block", counting)
+    if engine.model.fused_step is not None:  # fp32 on small_gemm: every lean step is one whole-step call
+        plan = engine.model.fused_step
+        engine.model.fused_step = lambda batch: (lean_steps.append(1), plan(batch))[1]
     budgets = [1 + (i * 5) % 17 for i in range(24)]
     seqs = seqs_for(ref, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(24)], budgets, ignore_eos=True)
     drive(engine, [(0, seqs[:20]), (2, seqs[20:22]), (7, seqs[22:])])
     assert len(lean_steps) >= 5
     for seq in seqs:
         assert seq.output_token_ids == expected(ref, seq, set())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+def test_whole_step_call_gives_the_per_layer_calls_bits(family_dir, weights):
+    """One ``decode_step`` call against the per-layer lean calls: the same logits and the same K/V written into
+    the same slots, bit for bit, at batch 1 to LEAN_MAX_ROWS, at 1, 2 and 3 threads (short contexts: one
+    attention partition; the long one in the next test)."""
+    need_step_kernel()
+    engine = make_engine(family_dir, layers.LEAN_MAX_ROWS, weights=weights)
+    model = engine.model
+    plan = model.fused_step
+    assert plan is not None
+    per_seq = 4
+    for B in (1, 2, 5, layers.LEAN_MAX_ROWS):
+        tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
+        prompts = [[(3 * b + i) % 50 + 3 for i in range(2 + b % 9)] for b in range(B)]
+        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        _same_bits_every_way(model, plan, tokens, [len(p) for p in prompts], tables)
+
+
+@pytest.mark.model
+def test_whole_step_call_over_partitioned_contexts(family_dir):
+    """Contexts past one attention partition (512 tokens): the partials combine as paged_attention does."""
+    need_step_kernel()
+    engine = make_engine(family_dir, 3, weights="int8")
+    model = engine.model
+    lens, bs = [600, 37, 530], model.kv.block_size
+    per_seq = -(-(max(lens) + 1) // bs)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(len(lens))]
+    prompts = [[(11 * b + i) % 50 + 3 for i in range(n)] for b, n in enumerate(lens)]
+    tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+    _same_bits_every_way(model, model.fused_step, tokens, lens, tables)
+
+
+def _same_bits_every_way(model, plan, tokens, positions, tables) -> None:
+    """The step from the same KV state: whole-step call at 1, 2, 3 threads, and the per-layer calls at 2 threads;
+    identical logits and identical pools afterwards."""
+    before = model.kv.k.clone(), model.kv.v.clone()
+    results = []
+    for threads, fused in [(1, True), (2, True), (3, True), (2, False)]:
+        model.kv.k.copy_(before[0])
+        model.kv.v.copy_(before[1])
+        torch.set_num_threads(threads)
+        model.fused_step = plan if fused else None
+        logits = model.decode(tokens, positions, tables)
+        results.append((logits, model.kv.k.clone(), model.kv.v.clone()))
+    model.fused_step = plan
+    first = results[0]
+    assert not torch.equal(first[1], before[0])  # the step did write its K/V
+    for logits, k, v in results[1:]:
+        assert torch.equal(logits, first[0])
+        assert torch.equal(k, first[1]) and torch.equal(v, first[2])
+
+
+@pytest.mark.model
+def test_no_whole_step_call_without_compiled_linears(family_dir):
+    """fp32 linears on oneDNN only (no small_gemm copy): the kernel has nothing to read, lean steps stay per layer."""
+    need_step_kernel()
+    model = make_engine(family_dir, 4, weights="fp32", small_gemm=False).model
+    assert model.lean_decode and model.fused_step is None

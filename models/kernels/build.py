@@ -36,14 +36,17 @@ def built_path(source: str, flags: list[str]) -> str:
     return os.path.join(kernel_dir(), f"{stem}-{key}.so")
 
 
-def _source_bytes(source: str) -> bytes:
-    """The source plus every local header it includes (``#include "x.h"`` beside it): an edited header rebuilds."""
+def _source_bytes(source: str, seen: frozenset[str] = frozenset()) -> bytes:
+    """The source plus every local file it includes (``#include "x.h"`` or ``"x.c"`` beside it, recursively):
+    an edited header or included kernel rebuilds."""
     with open(source, "rb") as f:
         text = f.read()
-    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
-    for name in headers:
-        with open(os.path.join(os.path.dirname(source), name.decode()), "rb") as f:
-            text += f.read()
+    names = re.findall(rb'^#include "([^"]+)"', text, flags=re.M)
+    seen = seen | {os.path.abspath(source)}
+    for name in names:
+        path = os.path.join(os.path.dirname(source), name.decode())
+        if os.path.abspath(path) not in seen:
+            text += _source_bytes(path, seen)
     return text
 
 

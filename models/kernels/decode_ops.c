@@ -1,4 +1,4 @@
-/* The small per-layer ops of a decode step, one C call each: RMSNorm, LayerNorm, SiLU(gate) * up.
+/* The small per-layer ops of a decode step, one C call each: RMSNorm, LayerNorm, SiLU(gate) * up, GELU (tanh).
  *
  * Why: at batch 1-16 these tensors are a few KB; torch spends more on dispatching them (F.rms_norm is
  * several ATen ops, each with its own allocation and a parallel-region check) than on the arithmetic.
@@ -6,7 +6,8 @@
  * barrier and no worker wake-up), and keeps a step's dispatch count down (decode_ops.py).
  *
  * Shapes: x [M, C] with row stride ldx (unit stride along C); y [M, C] contiguous. Sums of squares and
- * means accumulate in double, so a row's result does not depend on how it was vectorized.
+ * means accumulate in double, so a row's result does not depend on how it was vectorized. Built with
+ * -ffp-contract=off (decode_ops.py), like decode_step.c which includes this file: the same bits either way.
  */
 #include <math.h>
 
@@ -51,5 +52,32 @@ void silu_mul(const float *gu, long ldg, float *y, int M, int I) {
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(sv, _mm256_loadu_ps(u + i)));
         }
         for (; i < I; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* y = gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as the same function
+ * x / (1 + exp(-2u)) (no cancellation near 0). x [M, N] row stride ldx, y row stride ldy; y may be x (in place).
+ * Every element goes through the 8-wide path (a row's tail through a padded copy), so an element's result does
+ * not depend on its column or on how a caller splits the row. exp256's input is capped at 88: gelu(x << 0) ~ 0. */
+INLINE __m256 gelu8(__m256 x) {
+    /* 2 sqrt(2 / pi) and 2 sqrt(2 / pi) 0.044715 */
+    const __m256 k1 = _mm256_set1_ps(1.5957691216057308f), k3 = _mm256_set1_ps(0.0713548162726009f);
+    __m256 u2 = _mm256_mul_ps(x, _mm256_add_ps(k1, _mm256_mul_ps(k3, _mm256_mul_ps(x, x))));
+    __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), u2), _mm256_set1_ps(88.0f)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+void gelu_tanh(const float *x, long ldx, float *y, long ldy, int M, int N) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *yr = y + m * ldy;
+        int i = 0;
+        for (; i + 8 <= N; i += 8) _mm256_storeu_ps(yr + i, gelu8(_mm256_loadu_ps(xr + i)));
+        if (i < N) {
+            float tmp[8] = {0};
+            for (int j = i; j < N; j++) tmp[j - i] = xr[j];
+            _mm256_storeu_ps(tmp, gelu8(_mm256_loadu_ps(tmp)));
+            for (int j = i; j < N; j++) yr[j] = tmp[j - i];
+        }
     }
 }

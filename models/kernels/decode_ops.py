@@ -1,4 +1,4 @@
-"""The small per-layer ops of a lean decode step (``decode_ops.c``): RMSNorm, LayerNorm, SiLU(gate) * up.
+"""The small per-layer ops of a lean decode step (``decode_ops.c``): RMSNorm, LayerNorm, SiLU(gate) * up, GELU.
 
 Each is one ctypes call on the calling thread (no OpenMP region) instead of several ATen ops: at batch
 1-16 a step's norms and activations are a few KB, and torch's per-op dispatch, allocation and
@@ -22,7 +22,7 @@ from .build import KernelLoader, build_and_load, require_avx2
 log = logging.getLogger("minibatch.decode_ops")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_ops.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-lm"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC", "-lm"]  # decode_step.c: same bits
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -33,7 +33,8 @@ def _load() -> ctypes.CDLL:
     lib.rms_norm.argtypes = [_P, _L, _P, _P, _I, _I, _F]  # x, ldx, w, y, M, C, eps
     lib.layer_norm.argtypes = [_P, _L, _P, _P, _P, _I, _I, _F]  # x, ldx, w, b, y, M, C, eps
     lib.silu_mul.argtypes = [_P, _L, _P, _I, _I]  # gu, ldg, y, M, I
-    for fn in (lib.rms_norm, lib.layer_norm, lib.silu_mul):
+    lib.gelu_tanh.argtypes = [_P, _L, _P, _L, _I, _I]  # x, ldx, y, ldy, M, N
+    for fn in (lib.rms_norm, lib.layer_norm, lib.silu_mul, lib.gelu_tanh):
         fn.restype = None
     return lib
 
@@ -76,4 +77,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     M, I2 = gate_up.shape
     y = torch.empty(M, I2 // 2)
     load().silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), M, I2 // 2)
+    return y
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """x: [M, N] -> GELU with the tanh approximation: [M, N] (the fused decode step's GPT-2 activation)."""
+    x = _rows(x)
+    M, N = x.shape
+    y = torch.empty(M, N)
+    load().gelu_tanh(x.data_ptr(), x.stride(0), y.data_ptr(), N, M, N)
     return y

@@ -177,21 +177,78 @@ static void attend_row(const Scratch *w, const float *k_pool, const float *v_poo
     }
 }
 
-int paged_attention(const float *q, long q_row_stride, const float *k_pool, const float *v_pool, long block_stride,
-                    long token_stride, long head_stride, const int *block_tables, int table_stride,
-                    const int *context_lens, float *out, int B, int H, int KVH, int D, int block_size, float scale,
-                    int nthreads) {
+/* Per-row outputs of an item that covered its row's whole context: out[h] = acc[h] / l[h] for nh heads. */
+static void finish_heads(const Scratch *w, int nh, int D, float *out) {
+    for (int h = 0; h < nh; h++) {
+        float inv = w->l[h] > 0.0f ? 1.0f / w->l[h] : 0.0f; /* an empty context gives zeros */
+        for (int d = 0; d < D; d++) out[(long)h * D + d] = w->acc[(long)h * D + d] * inv;
+    }
+}
+
+/* One partition's unnormalized result for nh heads: acc [nh, D], m, l [nh] (combined by combine_head). */
+static void save_partial(const Scratch *w, int nh, int D, float *acc, float *m, float *l) {
+    for (long i = 0; i < (long)nh * D; i++) acc[i] = w->acc[i];
+    for (int h = 0; h < nh; h++) {
+        m[h] = w->m[h];
+        l[h] = w->l[h];
+    }
+}
+
+/* Combine head h of row b over its partitions in order: o = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+ * ws_acc [B, max_parts, H, D], ws_m, ws_l [B, max_parts, H]. */
+static void combine_head(const float *ws_acc, const float *ws_m, const float *ws_l, long b, long h, int H, int D,
+                         int parts, int max_parts, float *o) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int d = 0; d < D; d++) o[d] = 0.0f;
+    for (int p = 0; p < parts; p++) {
+        const float mp = ws_m[(b * max_parts + p) * H + h];
+        mx = mp > mx ? mp : mx;
+    }
+    for (int p = 0; p < parts; p++) {
+        long i = (b * max_parts + p) * H + h;
+        float wgt = expf(ws_m[i] - mx);
+        sum += wgt * ws_l[i];
+        for (int d = 0; d < D; d++) o[d] += wgt * ws_acc[i * D + d];
+    }
+    if (parts > 0)
+        for (int d = 0; d < D; d++) o[d] /= sum;
+}
+
+/* Partitions of PART_TOKENS tokens (whole blocks) per context, and the most any row of this batch needs. */
+static int part_tokens_for(int block_size) {
     const int part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
-    const int part_tokens = part_blocks * block_size;
+    return part_blocks * block_size;
+}
+
+static int max_parts_of(const int *context_lens, int B, int part_tokens) {
     int max_parts = 1;
     for (int b = 0; b < B; b++) {
         int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
         max_parts = parts > max_parts ? parts : max_parts;
     }
+    return max_parts;
+}
+
+/* Floats of one thread's Scratch for H heads of size D. */
+static long scratch_floats(int H, int D) { return 2L * H * D + (long)H * SSTRIDE + 3L * H; }
+
+static Scratch scratch_at(float *base, int H, int D) {
+    Scratch w = {base, base + (long)H * D, base + 2L * H * D, base + 2L * H * D + (long)H * SSTRIDE, 0, 0};
+    w.l = w.m + H;
+    w.corr = w.l + H;
+    return w;
+}
+
+int paged_attention(const float *q, long q_row_stride, const float *k_pool, const float *v_pool, long block_stride,
+                    long token_stride, long head_stride, const int *block_tables, int table_stride,
+                    const int *context_lens, float *out, int B, int H, int KVH, int D, int block_size, float scale,
+                    int nthreads) {
+    const int part_tokens = part_tokens_for(block_size);
+    const int max_parts = max_parts_of(context_lens, B, part_tokens);
     if (nthreads < 1) nthreads = 1;
     /* Partial results of every partition when a context spans several: acc [B, P, H, D], m, l [B, P, H];
      * and one Scratch per thread. */
-    const long per_thread = 2L * H * D + (long)H * SSTRIDE + 3L * H;
+    const long per_thread = scratch_floats(H, D);
     const long items = (long)B * max_parts, ws_size = max_parts > 1 ? items * H * (D + 2) : 0;
     float *ws = malloc(sizeof(float) * (size_t)(ws_size + nthreads * per_thread));
     if (!ws) return -1;
@@ -202,10 +259,7 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *base = scratch + tid * per_thread;
-        Scratch w = {base, base + (long)H * D, base + 2L * H * D, base + 2L * H * D + (long)H * SSTRIDE, 0, 0};
-        w.l = w.m + H;
-        w.corr = w.l + H;
+        Scratch w = scratch_at(scratch + tid * per_thread, H, D);
 #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < items; it++) {
             int b = (int)(it / max_parts), part = (int)(it % max_parts);
@@ -216,37 +270,16 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
             for (long i = 0; i < (long)H * D; i++) w.qs[i] = qrow[i] * scale;
             attend_row(&w, k_pool, v_pool, block_stride, token_stride, head_stride,
                        block_tables + (long)b * table_stride, block_size, t0, t1, H, KVH, D);
-            if (max_parts == 1) {
-                for (int h = 0; h < H; h++) {
-                    float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f; /* an empty context gives zeros */
-                    for (int d = 0; d < D; d++) out[((long)b * H + h) * D + d] = w.acc[(long)h * D + d] * inv;
-                }
-            } else {
-                for (long i = 0; i < (long)H * D; i++) ws_acc[it * H * D + i] = w.acc[i];
-                for (int h = 0; h < H; h++) {
-                    ws_m[it * H + h] = w.m[h];
-                    ws_l[it * H + h] = w.l[h];
-                }
-            }
+            if (max_parts == 1) finish_heads(&w, H, D, out + (long)b * H * D);
+            else save_partial(&w, H, D, ws_acc + it * H * D, ws_m + it * H, ws_l + it * H);
         }
     }
     if (max_parts > 1) {
-        /* Combine a row's partitions in order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p. */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (long bh = 0; bh < (long)B * H; bh++) {
             long b = bh / H, h = bh % H;
-            int ctx = context_lens[b], parts = (ctx + part_tokens - 1) / part_tokens;
-            float *o = out + bh * D, mx = -INFINITY, sum = 0.0f;
-            for (int d = 0; d < D; d++) o[d] = 0.0f;
-            for (int p = 0; p < parts; p++) mx = ws_m[(b * max_parts + p) * H + h] > mx ? ws_m[(b * max_parts + p) * H + h] : mx;
-            for (int p = 0; p < parts; p++) {
-                long i = (b * max_parts + p) * H + h;
-                float wgt = expf(ws_m[i] - mx);
-                sum += wgt * ws_l[i];
-                for (int d = 0; d < D; d++) o[d] += wgt * ws_acc[i * D + d];
-            }
-            if (parts > 0)
-                for (int d = 0; d < D; d++) o[d] /= sum;
+            int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
+            combine_head(ws_acc, ws_m, ws_l, b, h, H, D, parts, max_parts, out + bh * D);
         }
     }
     free(ws);
@@ -275,6 +308,27 @@ static void rope_row(const float *x, float *y, const float *c, const float *s, i
     }
 }
 
+/* Query heads [h0, h1) of one qkv row, rotated (c, s: the row's cos, sin) or copied when c is NULL
+ * -> q [h1 - h0, D]. */
+static void rope_queries(const float *row, const float *c, const float *s, float *q, int D, int h0, int h1) {
+    for (int h = h0; h < h1; h++) {
+        float *qh = q + (long)(h - h0) * D;
+        if (c) rope_row(row + (long)h * D, qh, c, s, D);
+        else for (int d = 0; d < D; d++) qh[d] = row[(long)h * D + d];
+    }
+}
+
+/* One qkv row's new k (rotated when c is not NULL) and v of KV heads [h0, h1) into their slot of the pools. */
+static void write_kv(const float *row, const float *c, const float *s, float *kslot, float *vslot, long head_stride,
+                     int H, int KVH, int D, int h0, int h1) {
+    for (int h = h0; h < h1; h++) {
+        const float *k = row + (long)(H + h) * D, *v = row + (long)(H + KVH + h) * D;
+        if (c) rope_row(k, kslot + h * head_stride, c, s, D);
+        else for (int d = 0; d < D; d++) kslot[h * head_stride + d] = k[d];
+        for (int d = 0; d < D; d++) vslot[h * head_stride + d] = v[d];
+    }
+}
+
 int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, const long *pos,
                       float *k_pool, float *v_pool, long block_stride, long token_stride, long head_stride,
                       const long *slot_blocks, const long *slot_offsets, const int *block_tables, int table_stride,
@@ -282,18 +336,9 @@ int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const floa
                       int block_size, float scale, int nthreads) {
     for (int b = 0; b < B; b++) {
         const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * D : 0, *s = sin ? sin + pos[b] * D : 0;
-        float *kslot = k_pool + slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
-        float *vslot = v_pool + slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
-        for (int h = 0; h < H; h++) {
-            if (c) rope_row(row + (long)h * D, q_buf + ((long)b * H + h) * D, c, s, D);
-            else for (int d = 0; d < D; d++) q_buf[((long)b * H + h) * D + d] = row[(long)h * D + d];
-        }
-        for (int h = 0; h < KVH; h++) {
-            const float *k = row + (long)(H + h) * D, *v = row + (long)(H + KVH + h) * D;
-            if (c) rope_row(k, kslot + h * head_stride, c, s, D);
-            else for (int d = 0; d < D; d++) kslot[h * head_stride + d] = k[d];
-            for (int d = 0; d < D; d++) vslot[h * head_stride + d] = v[d];
-        }
+        long slot = slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
+        rope_queries(row, c, s, q_buf + (long)b * H * D, D, 0, H);
+        write_kv(row, c, s, k_pool + slot, v_pool + slot, head_stride, H, KVH, D, 0, KVH);
     }
     return paged_attention(q_buf, (long)H * D, k_pool, v_pool, block_stride, token_stride, head_stride, block_tables,
                            table_stride, context_lens, out, B, H, KVH, D, block_size, scale, nthreads);
