@@ -81,9 +81,16 @@ def worker(args) -> None:
     from engine import physical_cores
 
     torch.set_num_threads(args.threads or physical_cores())
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    workload = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
     base, kwargs = parse_system(args.system)
+    if base == "ours" and args.gguf:
+        # The tokenizer the server itself loads for a GGUF (its metadata, not the fp32 conversion through
+        # transformers' config classes): the worker's peak RSS stands for the server's, beside llama.cpp's.
+        from checkpoints import gguf_metadata_dir, saved_tokenizer
+
+        tok = saved_tokenizer(gguf_metadata_dir(args.gguf))
+    else:
+        tok = AutoTokenizer.from_pretrained(args.model_dir)
+    workload = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
     reason = unsupported(base, workload)
     try:
         if reason:
