@@ -93,6 +93,18 @@ def test_both_paths_and_every_batch_size_give_the_same_bits(kernel, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_direct_path_over_more_rows_than_one_pass_keeps_the_bits(kernel, fmt):
+    """The direct path keeps 48 rows' sums per pass over a panel pair; 100 rows take three passes, an odd panel
+    count leaves a single last panel, K = 95 ends in an odd partial group: still the tile path's bits."""
+    n, k = 43, 95
+    w, x = random_weight(fmt, n, k, seed=7), torch.randn(100, k)
+    bias, residual = torch.randn(n), torch.randn(100, n)
+    direct = qg.matmul(x, w, bias, residual, direct_rows=128)
+    assert torch.equal(direct, qg.matmul(x, w, bias, residual, direct_rows=0))
+    check_close(direct, reference(x, w, bias, residual), k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 8, 16, 40])
 def test_result_does_not_depend_on_thread_count(kernel, fmt, m):
     """Threads split output panels; each output is summed by one thread in one order."""

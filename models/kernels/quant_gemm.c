@@ -2,7 +2,7 @@
  *
  * Why: a decode step streams every weight once, so its cost is the weight bytes. int8 weights
  * are 1.06 bytes per weight and int4 0.625 against fp32's 4; each weight is read once per call
- * and dequantized in registers (quant_gemm.py has the measurements).
+ * and dequantized in registers or into a small fp32 buffer (quant_gemm.py has the measurements).
  *
  * Formats (group = 32 consecutive k of one output column n; d and m are fp16):
  *   int8: w = q * d            q int8            (GGUF Q8_0 exactly)
@@ -17,14 +17,20 @@
  * so a panel is one sequential stream and one 8-byte load yields one k (int8) or two (int4)
  * for all 8 columns.
  *
- * Summation order (the same in both paths below, so results do not depend on M, on which path
+ * Summation order (the same in every path below, so results do not depend on M, on which path
  * ran, or on the thread count): for each output, even k accumulate into one fp32 sum and odd k
  * into another, each in increasing k by fused multiply-add; y = (even + odd) (+ bias) (+ r).
  * Two chains per output hide the FMA latency when few rows share a panel.
  *
- *   direct path (M <= direct_rows): weights dequantized in registers, one pass per 4 rows over
- *     a panel (passes after the first re-read it from L1); 1-2 rows take two panels at once so
- *     that enough independent FMA chains hide the FMA latency.
+ *   direct path (M <= direct_rows), up to REGISTER_ROWS (8) rows: weights dequantized in
+ *     registers, one pass per 4 rows over a panel (passes after the first re-read it from L1 and
+ *     dequantize it again); 1-2 rows take two panels at once so that enough independent FMA
+ *     chains hide the FMA latency.
+ *   direct path, more rows: per panel pair and group, the block (32 k x 16 columns) is dequantized
+ *     once into a 2 KB fp32 buffer (L1); every row then runs over it in tiles of up to 6 rows x 16
+ *     columns, one chain at a time (even k, then odd k: only one chain's accumulators are live, so
+ *     6 rows fit in registers), the sums kept in L1 between blocks. At 8 rows and fewer this is no
+ *     faster: the loop is FMA- and load-bound, not dequantize-bound (quant_gemm.py).
  *   tile path (M > direct_rows): per pair of panels, dequantize 16 columns x K into a per-thread
  *     fp32 buffer (L2) once, then 3-row x 16-column register tiles over all M rows: compute-bound.
  * Threads split panels (direct) or panel pairs (tile); an output is computed by one thread.
@@ -43,6 +49,9 @@
 #define GROUP 32
 #define DIRECT_ROWS 4 /* rows per pass of the direct path */
 #define TILE_ROWS 3   /* rows per register tile of the tile path */
+#ifndef REGISTER_ROWS
+#define REGISTER_ROWS 8 /* at most this many rows: the direct path dequantizes in registers (measured) */
+#endif
 #define PREFETCH_BYTES 2048
 
 enum { FMT_INT8 = 0, FMT_INT4 = 1 };
@@ -184,9 +193,133 @@ static void direct_dispatch(int fmt, const float *const *x, int K, const uint8_t
 #undef CASE
 }
 
+/* ---------------- fp32 blocks: dequantized weights for the L1 direct path and the tile path ---------------- */
+
+/* One block (kn <= 32 k of one panel) -> out[kk * 16 + c], kk < kn: 8 columns of a 16-wide row of fp32. */
+static inline void dequant_block(int fmt, const uint8_t *blk, int kn, float *out) {
+    if (fmt == FMT_INT8) {
+        const __m256 d = load_half8(blk);
+        for (int kk = 0; kk < kn; kk++) _mm256_storeu_ps(out + kk * 16, deq8(blk + 16, kk, d));
+    } else {
+        const __m256 d = load_half8(blk), m = load_half8(blk + 16);
+        for (int t = 0; 2 * t < kn; t++) {
+            __m256 lo, hi;
+            deq4(blk + 32, t, d, m, &lo, &hi);
+            _mm256_storeu_ps(out + 2 * t * 16, lo);
+            if (2 * t + 1 < kn) _mm256_storeu_ps(out + (2 * t + 1) * 16, hi);
+        }
+    }
+}
+
+/* Panel p -> buf[k * 16 + half * 8 + c] for k < K (the same values the direct path computes). */
+static void dequant_panel(int fmt, const uint8_t *w, int K, float *buf, int half) {
+    const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
+        dequant_block(fmt, w + (size_t)g * bb, kn, buf + (size_t)k0 * 16 + half * PANEL);
+    }
+}
+
+/* Row i's 16 (or `cols`) outputs: even + odd (+ bias) (+ r[i]) -> y[i]. */
+static void store16(__m256 ev[2], __m256 od[2], const float *bias, const float *r, float *y, int cols) {
+    for (int h = 0; h < 2 && h * PANEL < cols; h++) {
+        const int c = cols - h * PANEL < PANEL ? cols - h * PANEL : PANEL;
+        store8(ev[h], od[h], bias ? bias + h * PANEL : NULL, r ? r + h * PANEL : NULL, y + h * PANEL, c);
+    }
+}
+
+/* ---------------- direct path, more rows: each block dequantized once, into L1 ---------------- */
+
+#define BLOCK_ROWS 6 /* rows per register tile over an L1 block */
+#define ACC_ROWS 48 /* rows whose running sums one pass over a panel pair keeps in L1; more take more passes */
+
+/* One row's running sums over 16 columns: even k of columns 0-7, 8-15, then odd k of columns 0-7, 8-15. */
+typedef float RowSums[4 * PANEL];
+
+/* R rows (constant after inlining, <= BLOCK_ROWS) continue their sums over one block of wbuf (fp32 [kn][16]):
+ * the even-k chains first, then the odd-k ones (each chain still in increasing k; the two are independent), so
+ * only one chain's 2R accumulators are live: 6 rows x 16 columns take 8 loads (2 weights, 6 broadcasts) per
+ * 12 FMAs, where both chains at once allow 3 rows (10 loads per 12 FMAs). */
+static inline __attribute__((always_inline)) void block_rows(const float *const *x, int kn, const float *wbuf,
+                                                             RowSums *acc, int R) {
+    for (int c = 0; c < 2; c++) { /* c = 0: even k, sums at acc[i][0..16); 1: odd k, at acc[i][16..32) */
+        __m256 s[BLOCK_ROWS][2];
+        _Pragma("GCC unroll 6") for (int i = 0; i < R; i++) for (int h = 0; h < 2; h++)
+            s[i][h] = _mm256_loadu_ps(acc[i] + (2 * c + h) * PANEL);
+        for (int k = c; k < kn; k += 2) {
+            const __m256 w0 = _mm256_loadu_ps(wbuf + k * 16), w1 = _mm256_loadu_ps(wbuf + k * 16 + 8);
+            _Pragma("GCC unroll 6") for (int i = 0; i < R; i++) {
+                const __m256 b = _mm256_broadcast_ss(x[i] + k);
+                s[i][0] = _mm256_fmadd_ps(b, w0, s[i][0]), s[i][1] = _mm256_fmadd_ps(b, w1, s[i][1]);
+            }
+        }
+        _Pragma("GCC unroll 6") for (int i = 0; i < R; i++) for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(acc[i] + (2 * c + h) * PANEL, s[i][h]);
+    }
+}
+
+static void block_dispatch(const float *const *x, int kn, const float *wbuf, RowSums *acc, int R) {
+    switch (R) {
+    case 6: block_rows(x, kn, wbuf, acc, 6); break;
+    case 5: block_rows(x, kn, wbuf, acc, 5); break;
+    case 4: block_rows(x, kn, wbuf, acc, 4); break;
+    case 3: block_rows(x, kn, wbuf, acc, 3); break;
+    case 2: block_rows(x, kn, wbuf, acc, 2); break;
+    default: block_rows(x, kn, wbuf, acc, 1);
+    }
+}
+
+/* Rows [0, M) x one panel pair (np = 1 or 2 panels at w; its first `cols` columns exist): per group, the pair's
+ * block is dequantized into wbuf (2 KB) once, then every row runs over it in register tiles of up to BLOCK_ROWS
+ * rows (block_rows), their sums kept between blocks in acc. bias, R, Y: at the pair's first column. */
+static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size_t panel_bytes, int np,
+                        const float *bias, const float *R, int ldr, float *Y, int ldy, int M, int K, int cols) {
+    float wbuf[GROUP * 2 * PANEL] __attribute__((aligned(32)));
+    RowSums acc[ACC_ROWS] __attribute__((aligned(32)));
+    const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
+    if (np == 1) /* no second panel: its 8 columns of wbuf stay zero (computed, never stored) */
+        for (int kk = 0; kk < GROUP; kk++) memset(wbuf + kk * 2 * PANEL + PANEL, 0, PANEL * sizeof(float));
+    for (int m0 = 0; m0 < M; m0 += ACC_ROWS) {
+        const int rows = M - m0 < ACC_ROWS ? M - m0 : ACC_ROWS;
+        memset(acc, 0, sizeof(RowSums) * rows);
+        for (int g = 0; g < G; g++) {
+            const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
+            for (int p = 0; p < np; p++) {
+                const uint8_t *blk = w + p * panel_bytes + (size_t)g * bb;
+                const char *ahead = (const char *)blk + PREFETCH_BYTES;
+                for (int off = 0; off < bb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+                dequant_block(fmt, blk, kn, wbuf + p * PANEL);
+            }
+            for (int i0 = 0, nr; i0 < rows; i0 += nr) {
+                const int left = rows - i0, tiles = (left + BLOCK_ROWS - 1) / BLOCK_ROWS;
+                nr = (left + tiles - 1) / tiles; /* balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5 */
+                const float *x[BLOCK_ROWS];
+                for (int i = 0; i < nr; i++) x[i] = X + (size_t)(m0 + i0 + i) * ldx + k0;
+                block_dispatch(x, kn, wbuf, acc + i0, nr);
+            }
+        }
+        for (int i = 0; i < rows; i++) {
+            __m256 ev[2] = {_mm256_loadu_ps(acc[i]), _mm256_loadu_ps(acc[i] + PANEL)};
+            __m256 od[2] = {_mm256_loadu_ps(acc[i] + 2 * PANEL), _mm256_loadu_ps(acc[i] + 3 * PANEL)};
+            const size_t m = (size_t)(m0 + i);
+            store16(ev, od, bias, R ? R + m * ldr : NULL, Y + m * ldy, cols);
+        }
+    }
+}
+
+/* Panels [p0, p1) of Y = X W^T (+ bias) (+ R) for M rows: the register path up to REGISTER_ROWS rows, else the
+ * L1 path over panel pairs (p0, p0 + 1), ... (identical results). decode_step.c calls this for its linears. */
 static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
                          int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
+    if (M > REGISTER_ROWS) {
+        for (int p = p0; p < p1; p += 2) {
+            const int np = p1 - p < 2 ? p1 - p : 2, n0 = p * PANEL, cols = N - n0 < np * PANEL ? N - n0 : np * PANEL;
+            direct_pair(fmt, X, ldx, Wp + p * panel_bytes, panel_bytes, np, bias ? bias + n0 : NULL,
+                        R ? R + n0 : NULL, ldr, Y + n0, ldy, M, K, cols);
+        }
+        return;
+    }
     const int step = M <= 2 ? 2 : 1; /* panels per pass */
     for (int p = p0; p < p1; p += step) {
         const int np = p1 - p < step ? p1 - p : step;
@@ -208,28 +341,6 @@ static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, co
 }
 
 /* ---------------- tile path: dequantize a panel pair into L2, fp32 register tiles ---------------- */
-
-/* Panel p -> buf[k * 16 + half * 8 + c] for k < K (the same values the direct path computes). */
-static void dequant_panel(int fmt, const uint8_t *w, int K, float *buf, int half) {
-    const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
-    for (int g = 0; g < G; g++) {
-        const uint8_t *blk = w + (size_t)g * bb;
-        const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
-        float *out = buf + (size_t)k0 * 16 + half * PANEL;
-        if (fmt == FMT_INT8) {
-            const __m256 d = load_half8(blk);
-            for (int kk = 0; kk < kn; kk++) _mm256_storeu_ps(out + kk * 16, deq8(blk + 16, kk, d));
-        } else {
-            const __m256 d = load_half8(blk), m = load_half8(blk + 16);
-            for (int t = 0; 2 * t < kn; t++) {
-                __m256 lo, hi;
-                deq4(blk + 32, t, d, m, &lo, &hi);
-                _mm256_storeu_ps(out + 2 * t * 16, lo);
-                if (2 * t + 1 < kn) _mm256_storeu_ps(out + (2 * t + 1) * 16, hi);
-            }
-        }
-    }
-}
 
 /* TILE_ROWS rows x 16 columns over all K from buf; rows past `rows` alias the last real row. */
 static void tile_kernel(const float *const *x, int K, const float *buf, const float *bias, const float *const *r,
@@ -259,12 +370,7 @@ static void tile_kernel(const float *const *x, int K, const float *buf, const fl
     }
     __m256 ev[TILE_ROWS][2] = {{e00, e01}, {e10, e11}, {e20, e21}};
     __m256 od[TILE_ROWS][2] = {{o00, o01}, {o10, o11}, {o20, o21}};
-    for (int i = 0; i < rows; i++)
-        for (int h = 0; h < 2 && h * PANEL < cols; h++) {
-            int c = cols - h * PANEL < PANEL ? cols - h * PANEL : PANEL;
-            store8(ev[i][h], od[i][h], bias ? bias + h * PANEL : NULL, r ? r[i] + h * PANEL : NULL,
-                   y[i] + h * PANEL, c);
-        }
+    for (int i = 0; i < rows; i++) store16(ev[i], od[i], bias, r ? r[i] : NULL, y[i], cols);
 }
 
 static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,

@@ -16,15 +16,22 @@ described in ``quant_gemm.c``.
 
 Measured on the 2-core AVX2 box (shared with other jobs, so one thread and its CPU time:
 SmolLM2-shaped linears, 30 layers x 7 = 106M weights, cold in cache; ms per pass, and GB/s of
-the format's own bytes):
+the format's own bytes; fp32 from an earlier run):
 
-    rows M                1            4            8            16
-    fp32 small_gemm   22.0 (19.3)  25.4 (16.8)  34.4 (12.4)  55.2 (7.7)
-    int8              12.9 (8.8)   15.8 (7.1)   28.2 (4.0)   53.4 (2.1)
-    int4              11.0 (6.0)   15.1 (4.4)   28.2 (2.4)   53.4 (1.2)
+    rows M                1            4            8            12           16
+    fp32 small_gemm   22.0 (19.3)  25.4 (16.8)  34.4 (12.4)                55.2 (7.7)
+    int8              13.8 (10.3)  18.1 (7.9)   33.1 (4.3)   44.1 (3.2)   56.4 (2.5)
+    int4              11.3 (7.4)   16.6 (5.1)   32.0 (2.6)   47.6 (1.8)   55.1 (1.5)
 
-One core cannot saturate memory with the dequantizing kernels, so int8/int4 are 1.7-2.0x at
-M = 1 and the same FMA-bound speed as fp32 by M = 16; with two threads fp32 stays bound by
+Above 8 rows each weight is dequantized once per call into an L1 block (``quant_gemm.c``): at
+12 and 16 rows 1.13-1.35x the former register path (int8 16 rows: 65.9 ms before, side by side;
+distilgpt2 shape at two threads 1.26x), the same bits. At 8 rows and fewer it is no faster
+(distilgpt2 shape: 0.66x at 3 rows, 0.95x at 8): there the register path is FMA- and
+load-bound, not dequantize-bound (8 rows run ~4.2 G 8-wide FMAs/s on one core, near the
+peak), so int8 at batch 8 does the same FMAs as fp32 and can only win by fp32's stalls.
+
+One core cannot saturate memory with the dequantizing kernels, so int8/int4 are 1.6-2.0x at
+M = 1 and close to fp32's FMA-bound speed by M = 16; with two threads fp32 stays bound by
 bandwidth while these scale with cores. Above ``DIRECT_ROWS`` the L2-tile path is faster
 (M = 24, 32: 5-10%) and reaches 80-95% of oneDNN's fp32 GFLOP/s at prefill sizes.
 
@@ -52,7 +59,7 @@ PANEL = 8  # output columns per panel
 GROUP = 32  # inputs per quantization group
 FORMATS = {"int8": 0, "int4": 1}  # name -> the kernel's fmt argument
 BLOCK_BYTES = {"int8": 16 + GROUP * PANEL, "int4": 32 + GROUP * PANEL // 2}  # one group of one panel
-DIRECT_ROWS = 16  # at most this many rows dequantize in registers; more go through the L2 tile (measured)
+DIRECT_ROWS = 16  # at most this many rows take the direct path (registers; L1 blocks above 8), more the L2 tile
 
 
 @dataclass
