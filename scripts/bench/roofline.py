@@ -135,36 +135,31 @@ def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[
             runs.append(_timed(lambda: [fn(xs[lin.in_features], lin) for lin in linears]))
         return weight_bytes / min(runs[1:]) / 1e9
 
-    def measure() -> list[dict]:
-        out = []
-        for m in rows:
-            entry = {"rows": m, "onednn_gb_s": rate(onednn, m)}
-            if linears[0].small is not None:
-                entry["small_gemm_gb_s"] = rate(kernel, m)
-            out.append(entry)
-        return out
-
-    return measure()
+    out = []
+    for m in rows:
+        entry = {"rows": m, "onednn_gb_s": rate(onednn, m)}
+        if linears[0].small is not None:
+            entry["small_gemm_gb_s"] = rate(kernel, m)
+        out.append(entry)
+    return out
 
 
 def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> list[dict]:
-    """Per row count M: GB/s of packed int8/int4 weights streamed by quant_gemm through every linear."""
+    """Per row count M: GB/s of packed int8/int4 weights streamed by quant_gemm through every linear (on the
+    engine thread, as ``linear_kernel_rates``)."""
     import torch
 
     from models.kernels import quant_gemm
 
     weight_bytes = sum(lin.streamed_bytes for lin in linears)
 
-    def measure() -> list[dict]:
-        out = []
-        for m in rows:
-            xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
-            one_pass = functools.partial(_quant_pass, quant_gemm, xs, linears)
-            runs = [_timed(one_pass) for _ in range(repeats + 1)]  # the first pass warms up
-            out.append({"rows": m, "quant_gemm_gb_s": weight_bytes / min(runs[1:]) / 1e9, "fmt": linears[0].fmt})
-        return out
-
-    return measure()
+    out = []
+    for m in rows:
+        xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
+        one_pass = functools.partial(_quant_pass, quant_gemm, xs, linears)
+        runs = [_timed(one_pass) for _ in range(repeats + 1)]  # the first pass warms up
+        out.append({"rows": m, "quant_gemm_gb_s": weight_bytes / min(runs[1:]) / 1e9, "fmt": linears[0].fmt})
+    return out
 
 
 def _quant_pass(quant_gemm, xs: dict, linears: list) -> None:
