@@ -46,6 +46,10 @@ class Config:
     # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
     # 256: half 512's worst stall at the same throughput (README "The KV pool, measured").
     max_num_batched_tokens: int = 256
+    # While any stream decodes, most prompt tokens one step carries (within MAX_NUM_BATCHED_TOKENS): a newcomer's
+    # prompt loads over a few short steps, so the running streams' inter-token gaps stay short. 0 = no cap of its
+    # own. README "Inter-token latency while newcomers join".
+    max_prefill_tokens_while_decoding: int = 0
     # Automatic prefix caching: full KV blocks stay cached by the hash of their tokens and prefix, and a new
     # sequence shares the longest cached prefix of its prompt instead of computing it (block_manager.py).
     prefix_caching: bool = True
@@ -127,6 +131,11 @@ class Config:
         )
         _check(
             0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS", "must be in [0, 1048576] (0 = off)"
+        )
+        _check(
+            0 <= self.max_prefill_tokens_while_decoding <= 1 << 20,
+            "MAX_PREFILL_TOKENS_WHILE_DECODING",
+            "must be in [0, 1048576] (0 = no cap while streams decode)",
         )
         _check(self.fake_kv_blocks >= 0, "FAKE_KV_BLOCKS", "must be >= 0 (0 = enough for every slot)")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")

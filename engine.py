@@ -168,9 +168,11 @@ class BatchEngine(InferenceEngine):
 
     Chunked prefill (``max_num_batched_tokens`` > 0): each forward feeds the decode rows first,
     then prompt chunks of the admitted-but-prefilling sequences, oldest first, up to that many
-    tokens in all (at least one chunk token per step). A sequence gets its first token from the
-    forward that computes its last chunk, then decodes like any row. It holds its blocks (and
-    a place in ``capacity``) from admission on.
+    tokens in all (at least one chunk token per step). While any row decodes, the chunks of a step
+    carry at most ``max_prefill_while_decoding`` tokens (0: no cap of their own): a newcomer's prompt
+    then loads over a few short steps instead of stretching every running stream's next gap by its whole
+    prefill. A sequence gets its first token from the forward that computes its last chunk, then decodes
+    like any row. It holds its blocks (and a place in ``capacity``) from admission on.
 
     Prefix caching (``prefix_caching``, on by default; the block manager owns the cache): every full
     block a sequence has computed is registered under its chain hash after the forward that wrote it
@@ -205,10 +207,12 @@ class BatchEngine(InferenceEngine):
         block_size: int = 32,
         max_num_batched_tokens: int = 0,
         prefix_caching: bool = True,
+        max_prefill_while_decoding: int = 0,
     ) -> None:
         self.capacity = capacity
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_while_decoding = max_prefill_while_decoding
         self.stop_token_ids = frozenset(stop_token_ids)
         num_blocks = num_blocks or capacity * -(-max_context // block_size)
         # Admission leaves 1% of the pool free (vLLM's watermark) so running sequences can grow a little
@@ -558,8 +562,11 @@ class BatchEngine(InferenceEngine):
         return finished
 
     def _plan_chunks(self, n_decode: int) -> list[tuple[Sequence, int, int]]:
-        """(seq, start, end) per prefilling sequence, oldest first, within the budget left after the decode rows."""
+        """(seq, start, end) per prefilling sequence, oldest first, within the budget left after the decode rows
+        (and, when rows decode, within ``max_prefill_while_decoding``)."""
         budget = max(self.max_num_batched_tokens - n_decode, 1)
+        if n_decode and self.max_prefill_while_decoding:
+            budget = min(budget, self.max_prefill_while_decoding)
         chunks = []
         for seq in self._prefilling:
             if budget <= 0:
@@ -790,9 +797,17 @@ class FakeEngine(BatchEngine):
         max_num_batched_tokens: int = 0,
         prefix_caching: bool = True,
         check_kv: bool = False,
+        max_prefill_while_decoding: int = 0,
     ) -> None:
         super().__init__(
-            capacity, max_context, stop_token_ids, num_blocks, block_size, max_num_batched_tokens, prefix_caching
+            capacity,
+            max_context,
+            stop_token_ids,
+            num_blocks,
+            block_size,
+            max_num_batched_tokens,
+            prefix_caching,
+            max_prefill_while_decoding,
         )
         self.kv_slots: dict[int, list[int | None]] | None = {} if check_kv else None  # block -> token per slot
         self.model_name = "fake"
@@ -930,6 +945,7 @@ class HFEngine(BatchEngine):
             block_size,
             config.max_num_batched_tokens,
             config.prefix_caching,
+            config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
         self.vocab_size = hf_config.vocab_size
@@ -1239,5 +1255,6 @@ def build_engine(config: Config) -> InferenceEngine:
             block_size=config.kv_block_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefix_caching=config.prefix_caching,
+            max_prefill_while_decoding=config.max_prefill_tokens_while_decoding,
         )
     return HFEngine(config)

@@ -189,6 +189,39 @@ def test_chunked_prefill_streams_keep_decoding_and_outputs_are_exact(budget):
     assert eng.stats()["num_prefilling"] == 0
 
 
+@pytest.mark.parametrize("cap", [1, 3, 7])
+def test_prompt_chunks_are_capped_while_streams_decode(cap):
+    """MAX_PREFILL_TOKENS_WHILE_DECODING: a step that carries decode rows carries at most ``cap`` prompt tokens;
+    a step with nothing decoding uses the whole budget. Outputs stay exact."""
+    eng = FakeEngine(
+        capacity=4,
+        max_context=256,
+        num_blocks=80,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_prefill_while_decoding=cap,
+    )
+    steps: list[tuple[int, int]] = []  # (decode rows, prompt tokens) per forward
+    plan = eng._plan_chunks
+
+    def recorded(n_decode):
+        chunks = plan(n_decode)
+        steps.append((n_decode, sum(end - start for _, start, end in chunks)))
+        return chunks
+
+    eng._plan_chunks = recorded
+    first = [seq(prompt=[(3 * j) % 200 + 1 for j in range(50)], max_new=20) for _ in range(2)]
+    late = [seq(prompt=[(7 * i + j) % 200 + 1 for j in range(30)], max_new=4) for i in range(2)]
+    sched, done, seen = drive_scheduler(eng, first + late, stagger=3)
+    for s in first + late:
+        assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
+        assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))
+    assert all(tokens <= cap for n_decode, tokens in steps if n_decode)
+    assert any(n_decode and tokens == cap for n_decode, tokens in steps)  # the late prompts did load while decoding
+    assert steps[0] == (0, 50)  # the first step decodes nothing: a whole 50-token prompt, past the cap
+    assert_pool_full(eng)
+
+
 def test_chunked_prefill_gives_the_first_token_only_after_the_last_chunk():
     eng = FakeEngine(capacity=2, max_context=64, num_blocks=16, block_size=4, max_num_batched_tokens=4)
     s = seq(prompt=range(1, 11), max_new=3)  # 10 prompt tokens: chunks 4, 4, 2
@@ -321,8 +354,10 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("budget, small_gemm", [(1, True), (3, False), (4, True), (5, False), (16, True)])
-def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm):
+@pytest.mark.parametrize(
+    "budget, small_gemm, cap", [(1, True, 0), (3, False, 0), (4, True, 0), (5, False, 0), (16, True, 0), (64, True, 3)]
+)
+def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm, cap):
     """Prompts split at every kind of boundary (block size 4: chunks of 1, 3, 4, 5 and 16 tokens, prompts up
     to 60 tokens, longer than the budget) while other sequences decode, in a pool of 24 blocks."""
     from test_parity import PROMPTS, Reference, expected
@@ -340,6 +375,7 @@ def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm):
             kv_block_size=4,
             kv_cache_mb=pool_mb(pressure_model, 24, 4),
             max_num_batched_tokens=budget,
+            max_prefill_tokens_while_decoding=cap,
         )
     )
     text = " ".join(PROMPTS)

@@ -220,7 +220,12 @@ def system_hf_cb(model_dir: str, workload: Workload):
 
 
 # ours' options in a system name ("ours:int8", "ours:budget=0:prefix=off") -> environment variables
-OURS_OPTIONS = {"budget": "MAX_NUM_BATCHED_TOKENS", "prefix": "PREFIX_CACHING", "kv": "KV_CACHE_MB"}
+OURS_OPTIONS = {
+    "budget": "MAX_NUM_BATCHED_TOKENS",
+    "pcap": "MAX_PREFILL_TOKENS_WHILE_DECODING",
+    "prefix": "PREFIX_CACHING",
+    "kv": "KV_CACHE_MB",
+}
 
 
 def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict[str, str]:
@@ -240,10 +245,10 @@ def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict
 def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", fork: str = "on", **options):
     """Our server's engine behind the scheduler; ``weights`` is its WEIGHTS setting, ``gguf`` the file a .gguf
     model is served from (at its own precision under "auto"); ``fork`` "off" sends a request's ``n`` choices as
-    separate sequences instead of one group (``sequence.group_choices``); ``options`` (budget, prefix, kv) set
-    MAX_NUM_BATCHED_TOKENS, PREFIX_CACHING and KV_CACHE_MB. The settings go through the environment into
-    ``Config.from_env``, as for the server, so a knob this checkout does not know yet is simply not applied
-    (the config reported says which were)."""
+    separate sequences instead of one group (``sequence.group_choices``); ``options`` (budget, pcap, prefix, kv)
+    set MAX_NUM_BATCHED_TOKENS, MAX_PREFILL_TOKENS_WHILE_DECODING, PREFIX_CACHING and KV_CACHE_MB. The settings go
+    through the environment into ``Config.from_env``, as for the server, so a knob this checkout does not know yet
+    is simply not applied (the config reported says which were)."""
     import dataclasses
 
     from config import Config
