@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from . import quant_gemm
+from . import quant_gemm, small_gemm
 from .build import KernelLoader, build_and_load, require_avx2
 
 log = logging.getLogger("minibatch.decode_step")
@@ -32,6 +32,7 @@ log = logging.getLogger("minibatch.decode_step")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_step.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
 FP32 = -1  # FMT_FP32 in decode_step.c: small_gemm panels
+QUANT_MAX_ROWS = 64  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -65,7 +66,8 @@ def _load() -> ctypes.CDLL:
     lib.decode_step.restype = _I
     lib.decode_step.argtypes = [
         *(_P, _P, _P, _I, _P, _P, _P),  # model, ids, x, B, pos, slot_blocks, slot_offsets
-        *(_P, _I, _P, _P, _P, _I),  # block_tables, table_stride, context_lens, logits, ws, nthreads
+        *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
+        *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
     ]
     return lib
 
@@ -128,6 +130,9 @@ class StepPlan:
             ctypes.cast(self.layers, _P),
             *(table_ptr, table_fmt, _ptr(positions)),
         )
+        lins = [y for layer in structs for y in (layer.qkv, layer.o, layer.up, layer.down)] + [self.model.lm_head]
+        # fp32 panels stay within small_gemm's row limit (oneDNN wins above it); quantized linears go further.
+        self.max_rows = small_gemm.MAX_ROWS if any(x.fmt == FP32 for x in lins) else QUANT_MAX_ROWS
         self.n_embd = dims["C"]
         self.model_ref = ctypes.byref(self.model)
         self.n_vocab = lm_head.out_features
@@ -139,17 +144,21 @@ class StepPlan:
         return all(lin(x) is not None for x in linears) and load() is not None
 
     def __call__(self, batch) -> torch.Tensor:
-        """A lean ``layers.MixedBatch`` (B decode rows, no prompts) -> logits [B, V]; its K/V written."""
-        B, threads = batch.n_decode, torch.get_num_threads()
-        need = self.kernel.decode_step_workspace(self.model_ref, B, threads) + B * self.n_embd  # + x [B, C]
+        """A ``layers.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
+        sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written."""
+        N, threads = batch.ids.shape[0], torch.get_num_threads()
+        need = self.kernel.decode_step_workspace(self.model_ref, N, threads) + N * self.n_embd  # + x [N, C]
         if self.ws.numel() < need:
             self.ws = torch.empty(need)
-        logits = torch.empty(B, self.n_vocab)
+        sample = batch.sample_rows
+        logits = torch.empty(N if sample is None else sample.shape[0], self.n_vocab)
         tables, ws = batch.block_tables, self.ws.data_ptr()
+        write_first = any(n > 1 for _, n, _, _ in batch.prompts)  # a chunk's rows attend each other's slots
         rc = self.kernel.decode_step(
-            *(self.model_ref, batch.ids.data_ptr(), ws, B, batch.pos.data_ptr()),
+            *(self.model_ref, batch.ids.data_ptr(), ws, N, batch.pos.data_ptr()),
             *(batch.slot_blocks.data_ptr(), batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0)),
-            *(batch.context_lens.data_ptr(), logits.data_ptr(), ws + 4 * B * self.n_embd, threads),
+            *(_ptr(batch.row_tables), int(write_first), _ptr(sample), logits.shape[0]),
+            *(logits.data_ptr(), ws + 4 * N * self.n_embd, threads),
         )
         if rc != 0:
             raise MemoryError("decode step: cannot allocate the attention partition workspace")
