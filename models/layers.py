@@ -7,14 +7,16 @@ attention runs per part (``mixed_attention``): decode rows over their KV blocks 
 prompt chunk causally over itself (and its earlier blocks), every token's K/V landing in its slot of
 the block pool. Logits only for the decode rows and each chunk's last token.
 
-Lean decode: a step of decode rows only, at most ``LEAN_MAX_ROWS`` of them, runs as ONE compiled call
-(``kernels/decode_step``: every layer, the final norm and the lm_head in one OpenMP region, ``fused_step``)
-where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2, the GELU is
-the tanh one. Otherwise each layer runs as a few compiled calls (``lean_decode_supported``): the norm, the
-fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
-residual add, the norm, the MLP linears and their activation. At those sizes a step is bound by per-op
-dispatch and weight bytes, not FLOPs; steps with prompt chunks, and larger batches, keep the torch path
-(compute-bound, oneDNN / SDPA).
+One call per step: a step of at most ``StepPlan.max_rows`` rows (decode tokens plus prompt-chunk tokens: 16
+with fp32 linears, small_gemm's limit; 64 quantized) runs as ONE compiled call (``kernels/decode_step``: the
+embedding, every layer, the final norm and the lm_head over the sample rows, in one OpenMP region,
+``fused_step``) where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2,
+the GELU is the tanh one; there each prompt token is a row with its own position and block table, attending
+over its sequence's blocks (its chunk's earlier tokens included) like a decode row. Otherwise a decode-only step
+of at most ``LEAN_MAX_ROWS`` rows runs each layer as a few compiled calls (``lean_decode_supported``): the norm,
+the fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
+residual add, the norm, the MLP linears and their activation. At those sizes a step is bound by per-op dispatch
+and weight bytes, not FLOPs; larger steps keep the torch path (compute-bound, oneDNN / SDPA).
 
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.

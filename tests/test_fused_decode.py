@@ -195,7 +195,9 @@ def test_greedy_parity_with_joins_while_lean_steps_run(family_dir, weights, smal
     monkeypatch.setattr(type(engine.model), "_lean_block", counting)
     if engine.model.fused_step is not None:  # fp32 on small_gemm: every lean step is one whole-step call
         step_call = decode_step.StepPlan.__call__
-        monkeypatch.setattr(decode_step.StepPlan, "__call__", lambda plan, b: (lean_steps.append(1), step_call(plan, b))[1])
+        monkeypatch.setattr(
+            decode_step.StepPlan, "__call__", lambda plan, b: (lean_steps.append(1), step_call(plan, b))[1]
+        )
     budgets = [1 + (i * 5) % 17 for i in range(24)]
     seqs = seqs_for(ref, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(24)], budgets, ignore_eos=True)
     drive(engine, [(0, seqs[:20]), (2, seqs[20:22]), (7, seqs[22:])])

@@ -1,24 +1,32 @@
-/* A whole lean decode step in one call: every layer, the final norm and the lm_head, in ONE OpenMP region.
+/* A whole step in one call: every layer, the final norm and the lm_head, in ONE OpenMP region.
  *
- * Why: at batch 1-16 a step is bound by its weight bytes, but the per-layer path spends a step in ~150
- * kernel calls, each its own ctypes call, torch.empty and OpenMP fork/join, plus the torch glue between
- * them (decode_step.py has the measurements). Here the team is started once per step; phases of a layer
- * are separated by barriers only:
+ * A step is B rows, each one token with its own id, position, KV slot and block table: the decode tokens, and
+ * the tokens of any prompt chunks riding in the step (a chunk's tokens are consecutive rows of one sequence,
+ * attending over its earlier positions: the blocks already computed and the chunk's earlier rows).
+ *
+ * Why: at decode sizes a step is bound by its weight bytes, and a step with a short prompt chunk by its linears'
+ * FMAs, but the per-layer paths spend a step in ~150 kernel calls (lean decode) or ~30 ATen ops per layer (the
+ * torch path of mixed steps: ~15 ms of dispatch on SmolLM2), each its own call, allocation and OpenMP fork/join
+ * (decode_step.py has the measurements). Here the team is started once per step; phases of a layer are
+ * separated by barriers only:
  *
  *   norm 1 -> QKV linear -> RoPE + K/V write -> paged attention -> O linear + residual -> norm 2
  *   -> gate_up (Llama) / fc (GPT-2) linear -> SiLU(gate) * up / GELU -> down linear + residual
  *
+ * and after the last layer the final norm and the lm_head run over the sample rows only (the rows whose logits
+ * the caller needs: decode rows, a chunk's last token or all of its tokens).
+ *
  * Each phase reuses its kernel's inner loops, included from their sources (one copy of each kernel's
  * math): the linears split their 8-column output panels over threads exactly as quant_gemm.c's direct
- * path (int8 / int4) and small_gemm.c (fp32 panels) do; attention is paged_attention.c's attend_row per
- * (row, KV head, partition) item (a KV head's query heads are independent of the others', so the split
- * changes no result); the norms and activations are decode_ops.c's, a row per call. Every output keeps
- * its kernel's summation order and is computed by one thread, so results are those of the per-layer
- * calls, bit for bit, at any thread count.
+ * path (int8 / int4, any number of rows) and small_gemm.c (fp32 panels) do; attention is paged_attention.c's
+ * attend_row per (row, KV head, partition) item (a KV head's query heads are independent of the others', so the
+ * split changes no result); the norms and activations are decode_ops.c's, a row per call. Every output keeps
+ * its kernel's summation order and is computed by one thread, so results do not depend on the thread count,
+ * and a decode-only step's are those of the per-layer lean calls, bit for bit.
  *
- * Shapes: B rows (one decode token each), C model width, H query heads, KVH K/V heads, G = H / KVH,
- * D head_dim, NQKV = (H + 2 KVH) D, NUP = the up linear's width (2I Llama: gate then up; 4C GPT-2),
- * I = the down linear's input width, V vocab. x [B, C] is the residual stream, updated in place.
+ * Shapes: B rows, C model width, H query heads, KVH K/V heads, G = H / KVH, D head_dim, NQKV = (H + 2 KVH) D,
+ * NUP = the up linear's width (2I Llama: gate then up; 4C GPT-2), I = the down linear's input width, V vocab.
+ * x [B, C] is the residual stream, updated in place.
  *
  * Built by decode_step.py with -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp (the union of the
  * included kernels' flags; contraction off as paged_attention.c and decode_ops.c are built).
@@ -81,46 +89,31 @@ static const int *table_of(const Step *s, int b) {
 /* Shared buffers (floats) and each thread's own, carved from one workspace. */
 typedef struct {
     float *xn, *qkv, *att, *up, *act, *tile, *priv; /* priv: thread 0's; thread t's at priv + t * priv_floats */
-    long priv_floats, act_at, scratch_at, gemm_tile_at; /* a thread's activation, Scratch, GEMM tile in priv */
+    long priv_floats, act_at, scratch_at;           /* a thread's activation and Scratch in its priv */
 } Buffers;
 
 static int up_width(const Model *m) { return m->layers[0].up.N; }
 
 static int act_width(const Model *m) { return m->layers[0].down.K; }
 
-/* Above this many rows the quantized linears take quant_gemm.c's L2-tile path (quant_gemm.py DIRECT_ROWS:
- * measured faster there; the same bits either way). */
-#define TILE_ABOVE 16
-
-static int uses_tile(const Lin *L, int M) { return L->fmt != FMT_FP32 && M > TILE_ABOVE; }
-
-/* Floats of a thread's GEMM tile: the widest input of a linear that takes the tile path at M rows. */
-static long gemm_tile_floats(const Model *m, int M) {
-    int K = 0;
-    for (int l = 0; l < m->n_layer; l++) {
-        const Lin *lins[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].up, &m->layers[l].down};
-        for (int i = 0; i < 4; i++)
-            if (uses_tile(lins[i], M) && lins[i]->K > K) K = lins[i]->K;
-    }
-    if (uses_tile(&m->lm_head, M) && m->lm_head.K > K) K = m->lm_head.K;
-    return (long)K * 2 * PANEL;
-}
+/* n floats rounded up to whole cache lines (the workspace is cache-line aligned: so is every buffer carved from
+ * it, and threads' own buffers share no line). */
+static long lines(long n) { return (n + 15) / 16 * 16; }
 
 /* Floats of the shared buffers of a step of B rows. */
 static long shared_floats(const Model *m, int B) {
     const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
     const long embed_tile = (long)m->C * 2 * PANEL; /* dequant_panel's buffer: one panel's 8 rows */
-    return (long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile;
+    return lines((long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile);
 }
 
 /* Rows a thread's own buffers hold: norm and activation compute up to 2 nt rows in every thread (fewer threads
  * may start than asked for: fewer rows then). */
 static int own_rows(int B, int nt) { return B < 2 * nt ? B : 2 * nt; }
 
-/* A thread's own: a normalized copy of x and the activation for own_rows rows, the attention Scratch, and
- * the quantized linears' tile buffer on steps that take the tile path. */
+/* A thread's own: a normalized copy of x and the activation for own_rows rows, and the attention Scratch. */
 static long own_floats(const Model *m, int B, int nt) {
-    return (long)own_rows(B, nt) * (m->C + act_width(m)) + scratch_floats(m->H, m->D) + gemm_tile_floats(m, B);
+    return lines((long)own_rows(B, nt) * (m->C + act_width(m)) + scratch_floats(m->H, m->D));
 }
 
 static Buffers carve(const Model *m, int B, int nt, float *ws) {
@@ -135,7 +128,6 @@ static Buffers carve(const Model *m, int B, int nt, float *ws) {
     b.priv_floats = own_floats(m, B, nt);
     b.act_at = (long)own_rows(B, nt) * m->C;
     b.scratch_at = (long)own_rows(B, nt) * (m->C + act_width(m));
-    b.gemm_tile_at = b.scratch_at + scratch_floats(m->H, m->D);
     return b;
 }
 
@@ -145,18 +137,12 @@ long decode_step_workspace(const Model *m, int B, int nthreads) {
     return shared_floats(m, B) + (long)nthreads * own_floats(m, B, nthreads);
 }
 
-/* This thread's share of a linear's output panels: the split quant_gemm / small_gemm make (panels on their direct
- * paths, panel pairs on quant_gemm's tile path, which needs this thread's tile buffer). */
+/* This thread's share [p0, p1) of a linear's output panels: the split quant_gemm's direct path and small_gemm make.
+ * Any number of rows: above 8, quant_gemm.c dequantizes each block once into L1 for up to 48 rows (measured in
+ * this call at 15-71 rows on SmolLM2: as fast as its L2-tile path or faster, decode_step.py). */
 static void linear_part(const Lin *L, const float *X, int ldx, const float *R, int ldr, float *Y, int ldy, int M,
-                        const Buffers *buf, int t, int nt) {
+                        int t, int nt) {
     const int npanels = (L->N + PANEL - 1) / PANEL;
-    if (uses_tile(L, M)) {
-        const int pairs = (npanels + 1) / 2;
-        const int q0 = (int)((long)pairs * t / nt), q1 = (int)((long)pairs * (t + 1) / nt);
-        float *tile = buf->priv + t * buf->priv_floats + buf->gemm_tile_at;
-        if (q0 < q1) tile_range(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, q0, q1, tile);
-        return;
-    }
     const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
     if (p0 >= p1) return;
     if (L->fmt == FMT_FP32) panels(X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
@@ -277,16 +263,16 @@ static const float *activation(const Model *m, const Buffers *buf, int B, int t,
 static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *buf, float *x, int t, int nt) {
     const int B = s->B, C = m->C, HD = m->H * m->D, nqkv = L->qkv.N, nup = L->up.N;
     const float *xn = norm(m, buf, L->norm1_w, L->norm1_b, x, NULL, B, t, nt);
-    linear_part(&L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, buf, t, nt);
+    linear_part(&L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, t, nt);
 #pragma omp barrier
     attention(m, L, s, buf, t);
-    linear_part(&L->o, buf->att, HD, x, C, x, C, B, buf, t, nt); /* x += O att: an output's residual read, then written */
+    linear_part(&L->o, buf->att, HD, x, C, x, C, B, t, nt); /* x += O att: an output's residual read, then written */
 #pragma omp barrier
     xn = norm(m, buf, L->norm2_w, L->norm2_b, x, NULL, B, t, nt);
-    linear_part(&L->up, xn, C, NULL, 0, buf->up, nup, B, buf, t, nt);
+    linear_part(&L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
 #pragma omp barrier
     const float *act = activation(m, buf, B, t, nt);
-    linear_part(&L->down, act, L->down.K, x, C, x, C, B, buf, t, nt);
+    linear_part(&L->down, act, L->down.K, x, C, x, C, B, t, nt);
 #pragma omp barrier
 }
 
@@ -343,7 +329,7 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
 #endif
         for (int l = 0; l < m->n_layer; l++) layer(m, &m->layers[l], &s, &buf, x, t, nt);
         const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
-        linear_part(&m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, &buf, t, nt);
+        linear_part(&m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
     }
     free(partials);
     return 0;

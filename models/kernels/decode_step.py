@@ -147,7 +147,8 @@ class StepPlan:
         """A ``layers.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
         sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written."""
         N, threads = batch.ids.shape[0], torch.get_num_threads()
-        need = self.kernel.decode_step_workspace(self.model_ref, N, threads) + N * self.n_embd  # + x [N, C]
+        x_floats = -(-N * self.n_embd // 16) * 16  # x [N, C] first, in whole cache lines (torch aligns ws to one)
+        need = self.kernel.decode_step_workspace(self.model_ref, N, threads) + x_floats
         if self.ws.numel() < need:
             self.ws = torch.empty(need)
         sample = batch.sample_rows
@@ -158,7 +159,7 @@ class StepPlan:
             *(self.model_ref, batch.ids.data_ptr(), ws, N, batch.pos.data_ptr()),
             *(batch.slot_blocks.data_ptr(), batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0)),
             *(_ptr(batch.row_tables), int(write_first), _ptr(sample), logits.shape[0]),
-            *(logits.data_ptr(), ws + 4 * N * self.n_embd, threads),
+            *(logits.data_ptr(), ws + 4 * x_floats, threads),
         )
         if rc != 0:
             raise MemoryError("decode step: cannot allocate the attention partition workspace")
