@@ -8,15 +8,16 @@ prompt chunk causally over itself (and its earlier blocks), every token's K/V la
 the block pool. Logits only for the decode rows and each chunk's last token.
 
 One call per step: a step of at most ``StepPlan.max_rows`` rows (decode tokens plus prompt-chunk tokens: 16
-with fp32 linears, small_gemm's limit; 64 quantized) runs as ONE compiled call (``kernels/decode_step``: the
+with fp32 linears, small_gemm's limit; 128 quantized) runs as ONE compiled call (``kernels/decode_step``: the
 embedding, every layer, the final norm and the lm_head over the sample rows, in one OpenMP region,
 ``fused_step``) where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2,
 the GELU is the tanh one; there each prompt token is a row with its own position and block table, attending
 over its sequence's blocks (its chunk's earlier tokens included) like a decode row. Otherwise a decode-only step
 of at most ``LEAN_MAX_ROWS`` rows runs each layer as a few compiled calls (``lean_decode_supported``): the norm,
 the fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
-residual add, the norm, the MLP linears and their activation. At those sizes a step is bound by per-op dispatch
-and weight bytes, not FLOPs; larger steps keep the torch path (compute-bound, oneDNN / SDPA).
+residual add, the norm, the MLP linears and their activation. A decode step is bound by weight bytes and a
+short chunk's step by its linears' FMAs, so the torch path's per-op dispatch (~15 ms a step on SmolLM2) is pure
+overhead there; larger steps keep the torch path (compute-bound, oneDNN / SDPA; ``decode_step.py`` measured).
 
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.

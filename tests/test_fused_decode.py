@@ -273,7 +273,7 @@ def test_no_whole_step_call_without_compiled_linears(family_dir):
 # blocks of 4 tokens. Chunks: a whole new prompt ending mid-block, one starting mid-sequence over earlier blocks
 # and ending on a block boundary, one starting mid-block with logits at every position, a one-token chunk.
 MIXED_SMALL = ([5, 9], [(6, 0, 6, False), (12, 8, 4, False), (7, 3, 4, True)])  # 2 + 14 rows
-MIXED_LARGE = ([5, 9, 2, 14, 7], [(30, 0, 30, False), (21, 8, 12, True), (13, 12, 1, False)])  # 5 + 43 rows
+MIXED_LARGE = ([5, 9, 2, 14, 7], [(40, 0, 40, False), (21, 8, 12, True), (13, 12, 1, False)])  # 5 + 53 rows
 MIXED_LONG = ([600, 37], [(530, 505, 12, False)])  # partitioned contexts: a decode row and a chunk past 512
 
 
@@ -338,7 +338,8 @@ def _mixed_every_way(model, args, kwargs) -> None:
 def test_mixed_step_gives_the_torch_paths_logits_at_any_thread_count(family_dir, weights):
     """Decode rows plus prompt chunks (new, mid-sequence over earlier blocks, ending mid-block and on a block
     boundary, every position, one token) in one whole-step call: the torch path's logits and K/V, and the same
-    bits at 1, 2 and 3 threads. Quantized linears also past small_gemm's row limit (the tile path)."""
+    bits at 1, 2 and 3 threads. Quantized linears also past small_gemm's row limit, and past the 48 rows one pass
+    of quant_gemm's direct path keeps."""
     need_step_kernel()
     engine = make_engine(family_dir, 8, weights=weights, kv_block_size=4)
     model = engine.model

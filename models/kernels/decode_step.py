@@ -1,9 +1,11 @@
-"""A whole lean decode step as one compiled call (``decode_step.c``): every layer, the final norm and the lm_head.
+"""A whole step as one compiled call (``decode_step.c``): every layer, the final norm and the lm_head.
 
 ``StepPlan`` describes a model to the kernel once (ctypes structs pointing at the packed weights, norm
 weights, RoPE tables and KV pools, which all stay where they are); a step then costs one ctypes call and
-the logits tensor. The kernel's results are those of the per-layer lean calls (quant_gemm / small_gemm,
-rope_write_attend, decode_ops), bit for bit, at any thread count.
+the logits tensor. A step's rows are its decode tokens and the tokens of any prompt chunks riding with them
+(at most ``StepPlan.max_rows``). A decode-only step's results are those of the per-layer lean calls
+(quant_gemm / small_gemm, rope_write_attend, decode_ops), bit for bit; every step's do not depend on the
+thread count.
 
 Measured on SmolLM2-135M int4 at batch 1 (2-core AVX2 box, shared, README "Threads and single-stream
 latency"): the per-layer lean step made 121 GEMM calls, 30 attention calls and 91 norm / activation calls
@@ -11,6 +13,15 @@ latency"): the per-layer lean step made 121 GEMM calls, 30 attention calls and 9
 of glue; the 121 GEMMs alone cost about as much through the raw kernel as through their wrapper (6.8 against
 7.1 ms), so the gain is in the step's other calls, its regions and its glue: the step went from 9.2 to 6.8 ms
 and from 345 ATen ops to 16.
+
+Mixed steps (7 decode rows + a k-token prompt chunk, SmolLM2 Q4_1 as int4, 2 threads, the same process
+alternating the two paths, min of 4, shared box): the torch path (per-op ATen, SDPA, quant_gemm calls) against
+this call, ms: 7+64 127 / 103, 7+128 198 / 198, 7+256 444 / 437; 7+64 with the chunk at position 1800:
+339 / 208 (per-row attention over the blocks beats the torch path's gather + masked SDPA there too). The
+torch path's fixed cost (~15 ms of dispatch) stops mattering past ~128 rows, where the two meet:
+``QUANT_MAX_ROWS``. Inside this call quant_gemm's direct path (L1 blocks, 48 rows a pass) was as fast as its
+L2-tile path at 15-71 rows (min of 7: 23 rows 35.2 / 38.9 ms, 39 rows 54.2 / 55.5), so only the direct path
+is used. fp32 panels keep small_gemm's limit (oneDNN wins above it).
 
 Built once per machine by ``build.py`` (AVX2, FMA, F16C, OpenMP); without them ``load()`` returns None,
 logs why once, and the models keep the per-layer lean path.
@@ -32,7 +43,7 @@ log = logging.getLogger("minibatch.decode_step")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_step.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
 FP32 = -1  # FMT_FP32 in decode_step.c: small_gemm panels
-QUANT_MAX_ROWS = 64  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
+QUANT_MAX_ROWS = 128  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
