@@ -7,14 +7,17 @@ attention runs per part (``mixed_attention``): decode rows over their KV blocks 
 prompt chunk causally over itself (and its earlier blocks), every token's K/V landing in its slot of
 the block pool. Logits only for the decode rows and each chunk's last token.
 
-Lean decode: a step of decode rows only, at most ``LEAN_MAX_ROWS`` of them, runs as ONE compiled call
-(``kernels/decode_step``: every layer, the final norm and the lm_head in one OpenMP region, ``fused_step``)
-where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2, the GELU is
-the tanh one. Otherwise each layer runs as a few compiled calls (``lean_decode_supported``): the norm, the
-fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
-residual add, the norm, the MLP linears and their activation. At those sizes a step is bound by per-op
-dispatch and weight bytes, not FLOPs; steps with prompt chunks, and larger batches, keep the torch path
-(compute-bound, oneDNN / SDPA).
+One call per step: a step of at most ``StepPlan.max_rows`` rows (decode tokens plus prompt-chunk tokens: 16
+with fp32 linears, small_gemm's limit; 128 quantized) runs as ONE compiled call (``kernels/decode_step``: the
+embedding, every layer, the final norm and the lm_head over the sample rows, in one OpenMP region,
+``fused_step``) where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2,
+the GELU is the tanh one; there each prompt token is a row with its own position and block table, attending
+over its sequence's blocks (its chunk's earlier tokens included) like a decode row. Otherwise a decode-only step
+of at most ``LEAN_MAX_ROWS`` rows runs each layer as a few compiled calls (``lean_decode_supported``): the norm,
+the fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
+residual add, the norm, the MLP linears and their activation. A decode step is bound by weight bytes and a
+short chunk's step by its linears' FMAs, so the torch path's per-op dispatch (~15 ms a step on SmolLM2) is pure
+overhead there; larger steps keep the torch path (compute-bound, oneDNN / SDPA; ``decode_step.py`` measured).
 
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.
@@ -178,11 +181,14 @@ class MixedBatch:
     slot_blocks: torch.Tensor  # [B + T] block id of each token's KV slot
     slot_offsets: torch.Tensor  # [B + T] offset of each token's KV slot in its block
     n_decode: int  # B: the decode tokens are rows [0, B) of the activation
-    block_tables: torch.Tensor | None  # [B, max_blocks] int32 of the decode rows (padded with 0); None when B = 0
+    # [B, max_blocks] int32 of the decode rows (padded with 0), None when B = 0; built ``for_step``: [B + P,
+    # max_blocks], the P chunks' tables after the decode rows'.
+    block_tables: torch.Tensor | None
     context_lens: torch.Tensor | None  # [B] int32: decode row b attends positions [0, pos[b]]
     prompts: list[tuple[int, int, int, torch.Tensor]]  # per chunk: (first activation row, length, start, table)
     sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
     lean: bool = False  # decode rows only, few enough for the lean path (MixedForward.forward sets it)
+    row_tables: torch.Tensor | None = None  # built ``for_step`` with prompts: [B + T] int32, each row's table
 
     @classmethod
     def build(
@@ -196,9 +202,11 @@ class MixedBatch:
         block_size: int,
         device: torch.device,
         every_position: list[bool] = (),
+        for_step: bool = False,
     ) -> MixedBatch:
         """``every_position[i]``: chunk i's logits are wanted at all its positions, not only the last
-        (prompt logprobs)."""
+        (prompt logprobs). ``for_step``: the batch goes to the whole-step kernel (``fused_step``), which
+        reads every row's table through ``block_tables`` and ``row_tables``."""
         B = len(token_ids)
         lengths = [len(p) for p in prompts]
         starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
@@ -207,11 +215,16 @@ class MixedBatch:
         blocks = [table[p // block_size] for table, p in zip(tables, positions)]
         for table, start, n in zip(prompt_tables, prompt_starts, lengths):
             blocks += [table[p // block_size] for p in range(start, start + n)]
-        block_tables = context_lens = None
+        block_tables = context_lens = row_tables = None
+        all_tables = list(tables) + list(prompt_tables) if for_step else tables
+        if all_tables:
+            width = max(len(t) for t in all_tables)
+            block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in all_tables], dtype=torch.int32)
         if B:
-            width = max(len(t) for t in tables)
-            block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
             context_lens = torch.tensor(positions, dtype=torch.int32) + 1
+        if for_step and prompts:  # row -> table: decode row b reads table b, chunk i's rows table B + i
+            counts = torch.tensor([1] * B + lengths)
+            row_tables = torch.repeat_interleave(torch.arange(B + len(prompts), dtype=torch.int32), counts)
         full = list(every_position) or [False] * len(prompts)
         spans = [range(s, s + n) if f else [s + n - 1] for s, n, f in zip(starts, lengths, full)]
         sample = [*range(B), *(r for span in spans for r in span)] if prompts else None
@@ -229,6 +242,7 @@ class MixedBatch:
                 for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)
             ],
             torch.tensor(sample, device=device) if sample is not None else None,
+            row_tables=row_tables,
         )
 
 
@@ -249,7 +263,7 @@ def mixed_attention(
     out = torch.empty(N, H, D, device=q.device, dtype=q.dtype)
     if B:
         k_pool, v_pool = kv.pools(layer)
-        out[:B] = paged_attention(q[:B], k_pool, v_pool, batch.block_tables, batch.context_lens, scale)
+        out[:B] = paged_attention(q[:B], k_pool, v_pool, batch.block_tables[:B], batch.context_lens, scale)
     for row, n, start, table in batch.prompts:
         span = slice(row, row + n)
         qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [H or KVH, n, D]
@@ -357,6 +371,7 @@ class MixedForward:
         with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs).
         """
         starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
+        whole_step = self._takes_fused_step(len(token_ids), prompts, starts)
         batch = MixedBatch.build(
             token_ids,
             positions,
@@ -367,15 +382,25 @@ class MixedForward:
             self.kv.block_size,
             self.device,
             every_position,
+            for_step=whole_step,
         )
-        batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
-        if batch.lean and self.fused_step is not None:
+        if whole_step:
             return self.fused_step(batch)  # the embedding, every layer, the final norm and the lm_head in one call
+        batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)
         # Logits only where a token is sampled: the decode rows and each chunk's last position.
         return self._logits(x if batch.sample_rows is None else x[batch.sample_rows], batch.lean)
+
+    def _takes_fused_step(self, n_decode: int, prompts: list[list[int]], starts: list[int]) -> bool:
+        """Whether a step of ``n_decode`` decode rows and these prompt chunks runs as one whole-step call: the
+        kernel plan exists (lean decode on), and its rows (decode tokens plus chunk tokens) are within the
+        plan's limit (``StepPlan.max_rows``)."""
+        if self.fused_step is None or not self.lean_decode:
+            return False
+        rows = n_decode + sum(len(p) for p in prompts)
+        return 0 < rows <= self.fused_step.max_rows
 
     def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
         """Run whole prompts into their blocks; return each prompt's last-position logits [len(prompts), V]."""

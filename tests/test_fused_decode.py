@@ -194,8 +194,10 @@ def test_greedy_parity_with_joins_while_lean_steps_run(family_dir, weights, smal
 
     monkeypatch.setattr(type(engine.model), "_lean_block", counting)
     if engine.model.fused_step is not None:  # fp32 on small_gemm: every lean step is one whole-step call
-        plan = engine.model.fused_step
-        engine.model.fused_step = lambda batch: (lean_steps.append(1), plan(batch))[1]
+        step_call = decode_step.StepPlan.__call__
+        monkeypatch.setattr(
+            decode_step.StepPlan, "__call__", lambda plan, b: (lean_steps.append(1), step_call(plan, b))[1]
+        )
     budgets = [1 + (i * 5) % 17 for i in range(24)]
     seqs = seqs_for(ref, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(24)], budgets, ignore_eos=True)
     drive(engine, [(0, seqs[:20]), (2, seqs[20:22]), (7, seqs[22:])])
@@ -263,3 +265,138 @@ def test_no_whole_step_call_without_compiled_linears(family_dir):
     need_step_kernel()
     model = make_engine(family_dir, 4, weights="fp32", small_gemm=False).model
     assert model.lean_decode and model.fused_step is None
+
+
+# --- mixed steps: decode rows and prompt chunks in the one whole-step call ------------------------------------
+
+# (decode rows' prompt lengths, chunks as (sequence's prompt length, chunk start, chunk length, every position)),
+# blocks of 4 tokens. Chunks: a whole new prompt ending mid-block, one starting mid-sequence over earlier blocks
+# and ending on a block boundary, one starting mid-block with logits at every position, a one-token chunk.
+MIXED_SMALL = ([5, 9], [(6, 0, 6, False), (12, 8, 4, False), (7, 3, 4, True)])  # 2 + 14 rows
+MIXED_LARGE = ([5, 9, 2, 14, 7], [(40, 0, 40, False), (21, 8, 12, True), (13, 12, 1, False)])  # 5 + 53 rows
+MIXED_LONG = ([600, 37], [(530, 505, 12, False)])  # partitioned contexts: a decode row and a chunk past 512
+
+
+def _mixed_step(model, decode_lens: list[int], chunks: list[tuple]) -> tuple[list, dict]:
+    """Prefill the decode rows' prompts and each chunk's positions before its start; -> (the mixed step's
+    forward arguments, its keyword arguments)."""
+    bs = model.kv.block_size
+    seq_lens = list(decode_lens) + [n for n, _, _, _ in chunks]
+    tables, cursor = [], 0
+    for n in seq_lens:  # consecutive blocks, one past each sequence's last position
+        need = n // bs + 1
+        tables.append(list(range(cursor, cursor + need))[::-1])  # reversed: blocks out of order in the pool
+        cursor += need
+    prompts = [[(7 * i + 3 * j) % 50 + 3 for j in range(n)] for i, n in enumerate(seq_lens)]
+    B = len(decode_lens)
+    done = [prompts[b] for b in range(B)] + [prompts[B + i][:start] for i, (_, start, _, _) in enumerate(chunks)]
+    ready = [i for i, p in enumerate(done) if p]
+    out = model.forward([], [], [], [done[i] for i in ready], [tables[i] for i in ready])
+    tokens = out[:B].argmax(-1).tolist()
+    args = (tokens, list(decode_lens), tables[:B])
+    kwargs = {
+        "prompts": [prompts[B + i][start : start + n] for i, (_, start, n, _) in enumerate(chunks)],
+        "prompt_tables": tables[B:],
+        "prompt_starts": [start for _, start, _, _ in chunks],
+        "every_position": [every for *_, every in chunks] if any(c[3] for c in chunks) else (),
+    }
+    return args, kwargs
+
+
+def _mixed_every_way(model, args, kwargs) -> None:
+    """The mixed step from the same KV state: the whole-step call at 1, 2 and 3 threads gives identical logits
+    and K/V; the torch path (2 threads) the same within float tolerance. The whole-step call really ran."""
+    plan = model.fused_step
+    rows = len(args[0]) + sum(len(p) for p in kwargs["prompts"])
+    assert model._takes_fused_step(len(args[0]), kwargs["prompts"], kwargs["prompt_starts"]), rows
+    before = model.kv.k.clone(), model.kv.v.clone()
+    results = []
+    for threads, fused in [(1, True), (2, True), (3, True), (2, False)]:
+        model.kv.k.copy_(before[0])
+        model.kv.v.copy_(before[1])
+        torch.set_num_threads(threads)
+        model.fused_step = plan if fused else None
+        logits = model.forward(*args, **kwargs)
+        results.append((logits, model.kv.k.clone(), model.kv.v.clone()))
+    model.fused_step = plan
+    first, (plain, plain_k, plain_v) = results[0], results[-1]
+    n_sample = len(args[0]) + sum(
+        len(p) if every else 1 for p, every in zip(kwargs["prompts"], kwargs["every_position"] or [False] * 9)
+    )
+    assert first[0].shape == (n_sample, plain.shape[1])
+    for logits, k, v in results[1:-1]:
+        assert torch.equal(logits, first[0])
+        assert torch.equal(k, first[1]) and torch.equal(v, first[2])
+    torch.testing.assert_close(first[0], plain, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(first[1], plain_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first[2], plain_v, rtol=1e-5, atol=1e-5)
+    assert first[0].argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+def test_mixed_step_gives_the_torch_paths_logits_at_any_thread_count(family_dir, weights):
+    """Decode rows plus prompt chunks (new, mid-sequence over earlier blocks, ending mid-block and on a block
+    boundary, every position, one token) in one whole-step call: the torch path's logits and K/V, and the same
+    bits at 1, 2 and 3 threads. Quantized linears also past small_gemm's row limit, and past the 48 rows one pass
+    of quant_gemm's direct path keeps."""
+    need_step_kernel()
+    engine = make_engine(family_dir, 8, weights=weights, kv_block_size=4)
+    model = engine.model
+    assert model.fused_step is not None
+    cases = [MIXED_SMALL] + ([MIXED_LARGE] if weights != "fp32" else [])
+    for decode_lens, chunks in cases:
+        _mixed_every_way(model, *_mixed_step(model, decode_lens, chunks))
+
+
+@pytest.mark.model
+def test_mixed_step_over_partitioned_contexts(family_dir):
+    """A decode row and a chunk whose rows straddle one attention partition (512 tokens)."""
+    need_step_kernel()
+    engine = make_engine(family_dir, 3, weights="int8")
+    model = engine.model
+    _mixed_every_way(model, *_mixed_step(model, *MIXED_LONG))
+
+
+@pytest.mark.model
+def test_fp32_steps_past_small_gemms_row_limit_keep_the_torch_path(family_dir):
+    need_step_kernel()
+    model = make_engine(family_dir, 4, weights="fp32").model
+    assert model.fused_step.max_rows == layers.LEAN_MAX_ROWS
+    assert model._takes_fused_step(2, [[1] * 14], [0])
+    assert not model._takes_fused_step(2, [[1] * 15], [0])
+    quant = make_engine(family_dir, 4, weights="int4").model
+    assert quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 4)], [0])
+    assert not quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 3)], [0])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+def test_greedy_parity_with_chunks_riding_in_whole_step_calls(family_dir, weights, monkeypatch):
+    """Through the scheduler: 9 ragged prompts and budgets over 4 slots, prefill chunked 6 tokens a step, so
+    newcomers join while the others decode and their chunks ride in the same whole-step calls (counted); every
+    token is HF's greedy token (on the dequantized weights for int8 / int4)."""
+    from test_prefix_cache import hf_engine, submit_all
+
+    from models.quant import dequantize_hf_model_
+
+    need_step_kernel()
+    ref = Reference(family_dir)
+    if weights != "fp32":
+        dequantize_hf_model_(ref.model, weights)
+    engine = hf_engine(family_dir, blocks=64, weights=weights, max_num_batched_tokens=6)
+    mixed = []
+    step_call = decode_step.StepPlan.__call__
+
+    def counting(plan, batch):
+        if batch.prompts and batch.n_decode:
+            mixed.append(batch.ids.shape[0])
+        return step_call(plan, batch)
+
+    monkeypatch.setattr(decode_step.StepPlan, "__call__", counting)
+    prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(9)]
+    seqs = seqs_for(ref, prompts, [1 + (i * 7) % 13 for i in range(9)], ignore_eos=True)
+    submit_all(engine, [seqs])
+    assert len(mixed) >= 4, mixed
+    for seq in seqs:
+        assert seq.output_token_ids == expected(ref, seq, set()), (weights, seq.prompt_token_ids)

@@ -1,24 +1,32 @@
-/* A whole lean decode step in one call: every layer, the final norm and the lm_head, in ONE OpenMP region.
+/* A whole step in one call: every layer, the final norm and the lm_head, in ONE OpenMP region.
  *
- * Why: at batch 1-16 a step is bound by its weight bytes, but the per-layer path spends a step in ~150
- * kernel calls, each its own ctypes call, torch.empty and OpenMP fork/join, plus the torch glue between
- * them (decode_step.py has the measurements). Here the team is started once per step; phases of a layer
- * are separated by barriers only:
+ * A step is B rows, each one token with its own id, position, KV slot and block table: the decode tokens, and
+ * the tokens of any prompt chunks riding in the step (a chunk's tokens are consecutive rows of one sequence,
+ * attending over its earlier positions: the blocks already computed and the chunk's earlier rows).
+ *
+ * Why: at decode sizes a step is bound by its weight bytes, and a step with a short prompt chunk by its linears'
+ * FMAs, but the per-layer paths spend a step in ~150 kernel calls (lean decode) or ~30 ATen ops per layer (the
+ * torch path of mixed steps: ~15 ms of dispatch on SmolLM2), each its own call, allocation and OpenMP fork/join
+ * (decode_step.py has the measurements). Here the team is started once per step; phases of a layer are
+ * separated by barriers only:
  *
  *   norm 1 -> QKV linear -> RoPE + K/V write -> paged attention -> O linear + residual -> norm 2
  *   -> gate_up (Llama) / fc (GPT-2) linear -> SiLU(gate) * up / GELU -> down linear + residual
  *
+ * and after the last layer the final norm and the lm_head run over the sample rows only (the rows whose logits
+ * the caller needs: decode rows, a chunk's last token or all of its tokens).
+ *
  * Each phase reuses its kernel's inner loops, included from their sources (one copy of each kernel's
  * math): the linears split their 8-column output panels over threads exactly as quant_gemm.c's direct
- * path (int8 / int4) and small_gemm.c (fp32 panels) do; attention is paged_attention.c's attend_row per
- * (row, KV head, partition) item (a KV head's query heads are independent of the others', so the split
- * changes no result); the norms and activations are decode_ops.c's, a row per call. Every output keeps
- * its kernel's summation order and is computed by one thread, so results are those of the per-layer
- * calls, bit for bit, at any thread count.
+ * path (int8 / int4, any number of rows) and small_gemm.c (fp32 panels) do; attention is paged_attention.c's
+ * attend_row per (row, KV head, partition) item (a KV head's query heads are independent of the others', so the
+ * split changes no result); the norms and activations are decode_ops.c's, a row per call. Every output keeps
+ * its kernel's summation order and is computed by one thread, so results do not depend on the thread count,
+ * and a decode-only step's are those of the per-layer lean calls, bit for bit.
  *
- * Shapes: B rows (one decode token each), C model width, H query heads, KVH K/V heads, G = H / KVH,
- * D head_dim, NQKV = (H + 2 KVH) D, NUP = the up linear's width (2I Llama: gate then up; 4C GPT-2),
- * I = the down linear's input width, V vocab. x [B, C] is the residual stream, updated in place.
+ * Shapes: B rows, C model width, H query heads, KVH K/V heads, G = H / KVH, D head_dim, NQKV = (H + 2 KVH) D,
+ * NUP = the up linear's width (2I Llama: gate then up; 4C GPT-2), I = the down linear's input width, V vocab.
+ * x [B, C] is the residual stream, updated in place.
  *
  * Built by decode_step.py with -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp (the union of the
  * included kernels' flags; contraction off as paged_attention.c and decode_ops.c are built).
@@ -58,39 +66,57 @@ typedef struct {
     const float *pos_embed;  /* learned positions [max_len, C] (GPT-2), or NULL */
 } Model;
 
-/* Per-step pointers: what a step reads besides the model. */
+/* Per-step pointers: what a step reads besides the model. Row b is one token: a decode token, or one token of a
+ * prompt chunk (a chunk's tokens are consecutive rows, each at its own position); it attends positions
+ * [0, pos[b]] of its sequence (context pos[b] + 1) through block table row row_table[b]. */
 typedef struct {
-    int B;
+    int B;                                        /* rows */
     const long *pos, *slot_blocks, *slot_offsets; /* [B] */
-    const int *block_tables, *context_lens;       /* [B, table_stride], [B] */
+    const int *block_tables;                      /* [tables, table_stride] */
+    const int *row_table;                         /* [B] row -> its table, or NULL: row b reads table b */
     int table_stride;
+    int write_first; /* some sequence has several rows: every row's K/V is written before any row attends */
     int max_parts, part_tokens;
     float *ws_acc, *ws_m, *ws_l; /* partition partials [B, max_parts, H, (D)] when max_parts > 1 */
 } Step;
 
+static int context_of(const Step *s, int b) { return (int)s->pos[b] + 1; }
+
+static const int *table_of(const Step *s, int b) {
+    return s->block_tables + (long)(s->row_table ? s->row_table[b] : b) * s->table_stride;
+}
+
 /* Shared buffers (floats) and each thread's own, carved from one workspace. */
 typedef struct {
     float *xn, *qkv, *att, *up, *act, *tile, *priv; /* priv: thread 0's; thread t's at priv + t * priv_floats */
-    long priv_floats;
+    long priv_floats, act_at, scratch_at;           /* a thread's activation and Scratch in its priv */
 } Buffers;
 
 static int up_width(const Model *m) { return m->layers[0].up.N; }
 
 static int act_width(const Model *m) { return m->layers[0].down.K; }
 
+/* n floats rounded up to whole cache lines (the workspace is cache-line aligned: so is every buffer carved from
+ * it, and threads' own buffers share no line). */
+static long lines(long n) { return (n + 15) / 16 * 16; }
+
 /* Floats of the shared buffers of a step of B rows. */
 static long shared_floats(const Model *m, int B) {
     const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
     const long embed_tile = (long)m->C * 2 * PANEL; /* dequant_panel's buffer: one panel's 8 rows */
-    return (long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile;
+    return lines((long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile);
 }
 
-/* A thread's own: a normalized copy of x [B, C], the activation [B, I], the attention Scratch. */
-static long own_floats(const Model *m, int B) {
-    return (long)B * (m->C + act_width(m)) + scratch_floats(m->H, m->D);
+/* Rows a thread's own buffers hold: norm and activation compute up to 2 nt rows in every thread (fewer threads
+ * may start than asked for: fewer rows then). */
+static int own_rows(int B, int nt) { return B < 2 * nt ? B : 2 * nt; }
+
+/* A thread's own: a normalized copy of x and the activation for own_rows rows, and the attention Scratch. */
+static long own_floats(const Model *m, int B, int nt) {
+    return lines((long)own_rows(B, nt) * (m->C + act_width(m)) + scratch_floats(m->H, m->D));
 }
 
-static Buffers carve(const Model *m, int B, float *ws) {
+static Buffers carve(const Model *m, int B, int nt, float *ws) {
     Buffers b;
     b.xn = ws;
     b.qkv = b.xn + (long)B * m->C;
@@ -99,16 +125,21 @@ static Buffers carve(const Model *m, int B, float *ws) {
     b.act = b.up + (long)B * up_width(m);
     b.tile = b.act + (long)B * act_width(m);
     b.priv = ws + shared_floats(m, B);
-    b.priv_floats = own_floats(m, B);
+    b.priv_floats = own_floats(m, B, nt);
+    b.act_at = (long)own_rows(B, nt) * m->C;
+    b.scratch_at = (long)own_rows(B, nt) * (m->C + act_width(m));
     return b;
 }
 
 /* Floats of workspace a step of B rows at nthreads needs (decode_step.py allocates it once and grows it). */
 long decode_step_workspace(const Model *m, int B, int nthreads) {
-    return shared_floats(m, B) + (long)(nthreads < 1 ? 1 : nthreads) * own_floats(m, B);
+    if (nthreads < 1) nthreads = 1;
+    return shared_floats(m, B) + (long)nthreads * own_floats(m, B, nthreads);
 }
 
-/* This thread's share [p0, p1) of a linear's output panels: the split quant_gemm / small_gemm make. */
+/* This thread's share [p0, p1) of a linear's output panels: the split quant_gemm's direct path and small_gemm make.
+ * Any number of rows: above 8, quant_gemm.c dequantizes each block once into L1 for up to 48 rows (measured in
+ * this call at 15-71 rows on SmolLM2: as fast as its L2-tile path or faster, decode_step.py). */
 static void linear_part(const Lin *L, const float *X, int ldx, const float *R, int ldr, float *Y, int ldy, int M,
                         int t, int nt) {
     const int npanels = (L->N + PANEL - 1) / PANEL;
@@ -118,23 +149,28 @@ static void linear_part(const Lin *L, const float *X, int ldx, const float *R, i
     else direct_range(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
 }
 
-static void norm_rows(const Model *m, const float *w, const float *b, const float *x, float *y, int r0, int r1) {
-    if (r0 >= r1) return;
-    if (b) layer_norm(x + (long)r0 * m->C, m->C, w, b, y + (long)r0 * m->C, r1 - r0, m->C, m->eps);
-    else rms_norm(x + (long)r0 * m->C, m->C, w, y + (long)r0 * m->C, r1 - r0, m->C, m->eps);
+/* Rows [r0, r1) of the rows list (NULL: rows r0.. r1 - 1 of x) normalized into y's rows [r0, r1). */
+static void norm_rows(const Model *m, const float *w, const float *b, const float *x, const long *rows, float *y,
+                      int r0, int r1) {
+    for (int r = r0; r < r1; r++) {
+        const float *xr = x + (rows ? rows[r] : r) * (long)m->C;
+        if (b) layer_norm(xr, m->C, w, b, y + (long)r * m->C, 1, m->C, m->eps);
+        else rms_norm(xr, m->C, w, y + (long)r * m->C, 1, m->C, m->eps);
+    }
 }
 
-/* x [B, C] normalized for the next linear. Few rows: every thread normalizes all of them into its own buffer
- * (no barrier; the same values in each); more: the rows split over threads into the shared buffer, then a
- * barrier. The choice depends on B and nt only, so every thread takes the same branch. */
-static const float *norm(const Model *m, const Buffers *buf, const float *w, const float *b, const float *x, int B,
-                         int t, int nt) {
-    if (B <= 2 * nt) {
+/* n rows of x [B, C] (those listed in rows, or the first n when rows is NULL) normalized for the next linear.
+ * Few rows: every thread normalizes all of them into its own buffer (no barrier; the same values in each);
+ * more: the rows split over threads into the shared buffer, then a barrier. The choice depends on n and nt
+ * only, so every thread takes the same branch. */
+static const float *norm(const Model *m, const Buffers *buf, const float *w, const float *b, const float *x,
+                         const long *rows, int n, int t, int nt) {
+    if (n <= 2 * nt) {
         float *own = buf->priv + t * buf->priv_floats;
-        norm_rows(m, w, b, x, own, 0, B);
+        norm_rows(m, w, b, x, rows, own, 0, n);
         return own;
     }
-    norm_rows(m, w, b, x, buf->xn, (int)((long)B * t / nt), (int)((long)B * (t + 1) / nt));
+    norm_rows(m, w, b, x, rows, buf->xn, (int)((long)n * t / nt), (int)((long)n * (t + 1) / nt));
 #pragma omp barrier
     return buf->xn;
 }
@@ -143,17 +179,16 @@ static const float *norm(const Model *m, const Buffers *buf, const float *w, con
 static void attend_item(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int t, int b, int kvh,
                         int part) {
     const int H = m->H, D = m->D, G = H / m->KVH, h0 = kvh * G;
-    const int ctx = s->context_lens[b], t0 = part * s->part_tokens;
+    const int ctx = context_of(s, b), t0 = part * s->part_tokens;
     if (t0 >= ctx && part > 0) return;
     const int t1 = t0 + s->part_tokens < ctx ? t0 + s->part_tokens : ctx;
     const float *row = buf->qkv + (long)b * (H + 2 * m->KVH) * D;
     const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
-    Scratch w = scratch_at(buf->priv + t * buf->priv_floats + (long)s->B * (m->C + act_width(m)), G, D);
+    Scratch w = scratch_at(buf->priv + t * buf->priv_floats + buf->scratch_at, G, D);
     rope_queries(row, c, sn, w.acc, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
     for (long i = 0; i < (long)G * D; i++) w.qs[i] = w.acc[i] * L->scale;
     attend_row(&w, L->k_pool + kvh * m->head_stride, L->v_pool + kvh * m->head_stride, m->block_stride,
-               m->token_stride, m->head_stride, s->block_tables + (long)b * s->table_stride, m->block_size, t0, t1, G,
-               1, D);
+               m->token_stride, m->head_stride, table_of(s, b), m->block_size, t0, t1, G, 1, D);
     if (s->max_parts == 1) {
         finish_heads(&w, G, D, buf->att + ((long)b * H + h0) * D);
     } else {
@@ -172,12 +207,13 @@ static void write_row(const Model *m, const Layer *L, const Step *s, const Buffe
 }
 
 /* RoPE + K/V write, then attention over every row's blocks -> buf->att [B, H D]. Ends after a barrier.
- * One partition per row (contexts up to PART_TOKENS): item (b, kvh) writes its own K/V head, then attends
- * over it: no other item reads that slot (a row attends its own blocks, and the block a step writes is
- * never shared: block_manager.py). Longer contexts: every write first, then the partitions, then combined. */
+ * Decode rows only, contexts up to PART_TOKENS (one partition per row): item (b, kvh) writes its own K/V head,
+ * then attends over it: no other item reads that slot (a row attends its own blocks, and the block a step
+ * writes is never shared: block_manager.py). A step with a prompt chunk (a chunk's row attends the slots of
+ * the chunk's earlier rows) or a longer context: every write first, then the partitions, then combined. */
 static void attention(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int t) {
     const int B = s->B, KVH = m->KVH, H = m->H, D = m->D;
-    if (s->max_parts == 1) {
+    if (s->max_parts == 1 && !s->write_first) {
 #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < (long)B * KVH; it++) {
             const int b = (int)(it / KVH), kvh = (int)(it % KVH);
@@ -193,10 +229,11 @@ static void attention(const Model *m, const Layer *L, const Step *s, const Buffe
     for (long it = 0; it < items; it++)
         attend_item(m, L, s, buf, t, (int)(it / ((long)KVH * s->max_parts)), (int)(it / s->max_parts % KVH),
                     (int)(it % s->max_parts));
+    if (s->max_parts == 1) return;
 #pragma omp for schedule(static)
     for (long bh = 0; bh < (long)B * H; bh++) {
         long b = bh / H, h = bh % H;
-        int parts = (s->context_lens[b] + s->part_tokens - 1) / s->part_tokens;
+        int parts = (context_of(s, (int)b) + s->part_tokens - 1) / s->part_tokens;
         combine_head(s->ws_acc, s->ws_m, s->ws_l, b, h, H, D, parts, s->max_parts, buf->att + bh * D);
     }
 }
@@ -214,7 +251,7 @@ static void activate_rows(const Model *m, const Buffers *buf, float *act, int r0
  * thread computes them all into its own buffer (no barrier); more, rows split into the shared one, a barrier. */
 static const float *activation(const Model *m, const Buffers *buf, int B, int t, int nt) {
     if (B <= 2 * nt) {
-        float *own = buf->priv + t * buf->priv_floats + (long)B * m->C;
+        float *own = buf->priv + t * buf->priv_floats + buf->act_at;
         activate_rows(m, buf, own, 0, B);
         return own;
     }
@@ -225,13 +262,13 @@ static const float *activation(const Model *m, const Buffers *buf, int B, int t,
 
 static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *buf, float *x, int t, int nt) {
     const int B = s->B, C = m->C, HD = m->H * m->D, nqkv = L->qkv.N, nup = L->up.N;
-    const float *xn = norm(m, buf, L->norm1_w, L->norm1_b, x, B, t, nt);
+    const float *xn = norm(m, buf, L->norm1_w, L->norm1_b, x, NULL, B, t, nt);
     linear_part(&L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, t, nt);
 #pragma omp barrier
     attention(m, L, s, buf, t);
     linear_part(&L->o, buf->att, HD, x, C, x, C, B, t, nt); /* x += O att: an output's residual read, then written */
 #pragma omp barrier
-    xn = norm(m, buf, L->norm2_w, L->norm2_b, x, B, t, nt);
+    xn = norm(m, buf, L->norm2_w, L->norm2_b, x, NULL, B, t, nt);
     linear_part(&L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
 #pragma omp barrier
     const float *act = activation(m, buf, B, t, nt);
@@ -257,16 +294,21 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
     }
 }
 
-/* ids [B] token ids -> logits [B, V]; x [B, C] the residual stream (the embeddings, then each layer's output).
+/* ids [B] token ids -> logits [n_sample, V] of the rows listed in sample_rows (NULL: every row, n_sample = B);
+ * x [B, C] the residual stream (the embeddings, then each layer's output). block_tables [tables, table_stride]
+ * and row_table [B] (NULL: row b reads table b): see Step. write_first: set when a sequence has several rows.
  * ws: decode_step_workspace(m, B, nthreads) floats. Returns 0, or -1 when the partition workspace of a long
  * context cannot be allocated. */
 int decode_step(const Model *m, const long *ids, float *x, int B, const long *pos, const long *slot_blocks,
-                const long *slot_offsets, const int *block_tables, int table_stride, const int *context_lens,
-                float *logits, float *ws, int nthreads) {
+                const long *slot_offsets, const int *block_tables, int table_stride, const int *row_table,
+                int write_first, const long *sample_rows, int n_sample, float *logits, float *ws, int nthreads) {
     if (nthreads < 1) nthreads = 1;
-    Step s = {B, pos, slot_blocks, slot_offsets, block_tables, context_lens, table_stride, 1, 0, 0, 0, 0};
+    Step s = {B, pos, slot_blocks, slot_offsets, block_tables, row_table, table_stride, write_first, 1, 0, 0, 0, 0};
     s.part_tokens = part_tokens_for(m->block_size);
-    s.max_parts = max_parts_of(context_lens, B, s.part_tokens);
+    for (int b = 0; b < B; b++) {
+        const int parts = (context_of(&s, b) + s.part_tokens - 1) / s.part_tokens;
+        s.max_parts = parts > s.max_parts ? parts : s.max_parts;
+    }
     float *partials = NULL;
     if (s.max_parts > 1) {
         const long items = (long)B * s.max_parts;
@@ -276,7 +318,7 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         s.ws_m = partials + items * m->H * m->D;
         s.ws_l = s.ws_m + items * m->H;
     }
-    const Buffers buf = carve(m, B, ws);
+    const Buffers buf = carve(m, B, nthreads, ws);
     embed(m, ids, pos, x, B, buf.tile);
 #pragma omp parallel num_threads(nthreads)
     {
@@ -286,8 +328,8 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         nt = omp_get_num_threads();
 #endif
         for (int l = 0; l < m->n_layer; l++) layer(m, &m->layers[l], &s, &buf, x, t, nt);
-        const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, B, t, nt);
-        linear_part(&m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, B, t, nt);
+        const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
+        linear_part(&m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
     }
     free(partials);
     return 0;

@@ -1,9 +1,11 @@
-"""A whole lean decode step as one compiled call (``decode_step.c``): every layer, the final norm and the lm_head.
+"""A whole step as one compiled call (``decode_step.c``): every layer, the final norm and the lm_head.
 
 ``StepPlan`` describes a model to the kernel once (ctypes structs pointing at the packed weights, norm
 weights, RoPE tables and KV pools, which all stay where they are); a step then costs one ctypes call and
-the logits tensor. The kernel's results are those of the per-layer lean calls (quant_gemm / small_gemm,
-rope_write_attend, decode_ops), bit for bit, at any thread count.
+the logits tensor. A step's rows are its decode tokens and the tokens of any prompt chunks riding with them
+(at most ``StepPlan.max_rows``). A decode-only step's results are those of the per-layer lean calls
+(quant_gemm / small_gemm, rope_write_attend, decode_ops), bit for bit; every step's do not depend on the
+thread count.
 
 Measured on SmolLM2-135M int4 at batch 1 (2-core AVX2 box, shared, README "Threads and single-stream
 latency"): the per-layer lean step made 121 GEMM calls, 30 attention calls and 91 norm / activation calls
@@ -11,6 +13,15 @@ latency"): the per-layer lean step made 121 GEMM calls, 30 attention calls and 9
 of glue; the 121 GEMMs alone cost about as much through the raw kernel as through their wrapper (6.8 against
 7.1 ms), so the gain is in the step's other calls, its regions and its glue: the step went from 9.2 to 6.8 ms
 and from 345 ATen ops to 16.
+
+Mixed steps (7 decode rows + a k-token prompt chunk, SmolLM2 Q4_1 as int4, 2 threads, the same process
+alternating the two paths, min of 4, shared box): the torch path (per-op ATen, SDPA, quant_gemm calls) against
+this call, ms: 7+64 127 / 103, 7+128 198 / 198, 7+256 444 / 437; 7+64 with the chunk at position 1800:
+339 / 208 (per-row attention over the blocks beats the torch path's gather + masked SDPA there too). The
+torch path's fixed cost (~15 ms of dispatch) stops mattering past ~128 rows, where the two meet:
+``QUANT_MAX_ROWS``. Inside this call quant_gemm's direct path (L1 blocks, 48 rows a pass) was as fast as its
+L2-tile path at 15-71 rows (min of 7: 23 rows 35.2 / 38.9 ms, 39 rows 54.2 / 55.5), so only the direct path
+is used. fp32 panels keep small_gemm's limit (oneDNN wins above it).
 
 Built once per machine by ``build.py`` (AVX2, FMA, F16C, OpenMP); without them ``load()`` returns None,
 logs why once, and the models keep the per-layer lean path.
@@ -24,7 +35,7 @@ import os
 
 import torch
 
-from . import quant_gemm
+from . import quant_gemm, small_gemm
 from .build import KernelLoader, build_and_load, require_avx2
 
 log = logging.getLogger("minibatch.decode_step")
@@ -32,6 +43,7 @@ log = logging.getLogger("minibatch.decode_step")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_step.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
 FP32 = -1  # FMT_FP32 in decode_step.c: small_gemm panels
+QUANT_MAX_ROWS = 128  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -65,7 +77,8 @@ def _load() -> ctypes.CDLL:
     lib.decode_step.restype = _I
     lib.decode_step.argtypes = [
         *(_P, _P, _P, _I, _P, _P, _P),  # model, ids, x, B, pos, slot_blocks, slot_offsets
-        *(_P, _I, _P, _P, _P, _I),  # block_tables, table_stride, context_lens, logits, ws, nthreads
+        *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
+        *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
     ]
     return lib
 
@@ -128,6 +141,9 @@ class StepPlan:
             ctypes.cast(self.layers, _P),
             *(table_ptr, table_fmt, _ptr(positions)),
         )
+        lins = [y for layer in structs for y in (layer.qkv, layer.o, layer.up, layer.down)] + [self.model.lm_head]
+        # fp32 panels stay within small_gemm's row limit (oneDNN wins above it); quantized linears go further.
+        self.max_rows = small_gemm.MAX_ROWS if any(x.fmt == FP32 for x in lins) else QUANT_MAX_ROWS
         self.n_embd = dims["C"]
         self.model_ref = ctypes.byref(self.model)
         self.n_vocab = lm_head.out_features
@@ -139,17 +155,22 @@ class StepPlan:
         return all(lin(x) is not None for x in linears) and load() is not None
 
     def __call__(self, batch) -> torch.Tensor:
-        """A lean ``layers.MixedBatch`` (B decode rows, no prompts) -> logits [B, V]; its K/V written."""
-        B, threads = batch.n_decode, torch.get_num_threads()
-        need = self.kernel.decode_step_workspace(self.model_ref, B, threads) + B * self.n_embd  # + x [B, C]
+        """A ``layers.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
+        sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written."""
+        N, threads = batch.ids.shape[0], torch.get_num_threads()
+        x_floats = -(-N * self.n_embd // 16) * 16  # x [N, C] first, in whole cache lines (torch aligns ws to one)
+        need = self.kernel.decode_step_workspace(self.model_ref, N, threads) + x_floats
         if self.ws.numel() < need:
             self.ws = torch.empty(need)
-        logits = torch.empty(B, self.n_vocab)
+        sample = batch.sample_rows
+        logits = torch.empty(N if sample is None else sample.shape[0], self.n_vocab)
         tables, ws = batch.block_tables, self.ws.data_ptr()
+        write_first = any(n > 1 for _, n, _, _ in batch.prompts)  # a chunk's rows attend each other's slots
         rc = self.kernel.decode_step(
-            *(self.model_ref, batch.ids.data_ptr(), ws, B, batch.pos.data_ptr()),
+            *(self.model_ref, batch.ids.data_ptr(), ws, N, batch.pos.data_ptr()),
             *(batch.slot_blocks.data_ptr(), batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0)),
-            *(batch.context_lens.data_ptr(), logits.data_ptr(), ws + 4 * B * self.n_embd, threads),
+            *(_ptr(batch.row_tables), int(write_first), _ptr(sample), logits.shape[0]),
+            *(logits.data_ptr(), ws + 4 * x_floats, threads),
         )
         if rc != 0:
             raise MemoryError("decode step: cannot allocate the attention partition workspace")
