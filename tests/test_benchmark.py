@@ -46,9 +46,10 @@ def test_quick_seed_benchmark_writes_json_for_every_system(tiny_model_dir, tmp_p
     assert overhead["engine_step_ms"] > 0 and overhead["bare_step_ms"] > 0 and 0 < overhead["roofline_fraction"]
     assert ours["machine_peaks"]["matmul_gflops"] > 0
     kernels = ours["linear_kernels"]
-    assert [k["rows"] for k in kernels] == [1, 8] and all(k["onednn_gb_s"] > 0 for k in kernels)
-    if small_gemm_builds():
-        assert all(k["small_gemm_gb_s"] > 0 for k in kernels)
+    assert [k["rows"] for k in kernels] == [1, 8]
+    # The kernel the fp32 linears run on (their one copy): small_gemm's panels where it builds, else oneDNN.
+    key = "small_gemm_gb_s" if small_gemm_builds() else "onednn_gb_s"
+    assert all(k[key] > 0 for k in kernels)
     assert "weights streamed per second through every linear" in proc.stdout
     assert (plots / "latency_cdf_seed.png").stat().st_size > 1000
     assert "== workload seed ==" in proc.stdout and "ours" in proc.stdout
