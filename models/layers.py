@@ -45,7 +45,7 @@ def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 class Linear:
     """y = x @ W^T + b on ONE resident copy of W, packed once for the CPU kernels; plain F.linear elsewhere.
 
-    x: [N, in] -> y: [N, out]. ``gelu`` fuses the activation, ``add`` fuses a residual.
+    x: [N, in] -> y: [N, out]. ``gelu`` adds the activation (fused on oneDNN), ``add`` fuses a residual.
     fp32 on CPU with the compiled kernel (``small``): W lives only as small_gemm's panels [ceil(out / 8), in, 8],
     read by every call (``small_gemm.matmul``: the small-batch kernel up to ``small_gemm.MAX_ROWS`` rows,
     ``panel_gemm`` above, the same bits) and by the whole-step decode kernel. Without it: oneDNN's reordered
