@@ -86,16 +86,17 @@ def test_result_does_not_depend_on_thread_count(torch, small_gemm):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-KC = 256  # small_gemm.c's K slice of the large-M path (panel_gemm)
+KC = 3072  # small_gemm.c's K slice of the large-M path (panel_gemm); X is packed 2 KC of K at a time past that
 
 
 @pytest.mark.parametrize("m", [17, 18, 23, 64, 131])
-@pytest.mark.parametrize("n, k", [(1, 1), (13, 7), (40, 300), (77, KC), (200, 2 * KC + 1)])
+@pytest.mark.parametrize("n, k", [(1, 1), (13, 7), (40, 300), (77, KC + 5), (21, 2 * KC + 100)])
 @pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, True), (False, True)])
 def test_large_rows_match_torch_and_the_small_kernel(torch, small_gemm, m, n, k, with_bias, with_residual):
     """Above MAX_ROWS rows ``matmul`` takes panel_gemm (6-row tiles over pairs of panels, K in KC slices): ragged
-    rows, widths not a multiple of 8 (a lone last panel at 13 and 77), K below, at and past a slice. Each output
-    is the small kernel's FMA chain, so 16-row calls of the small kernel give the same bits."""
+    rows, widths not a multiple of 8 (a lone last panel at 13, 21 and 77), K within a slice, past one, and past
+    a packed block of X (2 KC). Each output is the small kernel's FMA chain, so 16-row calls of the small kernel
+    give the same bits."""
     gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None

@@ -107,21 +107,24 @@ void small_gemm(const float *X, int ldx, const float *Wp, const float *bias, con
  *
  * Why: the panels are the one fp32 copy of a weight, so prefill-sized calls must run on them as fast as
  * oneDNN runs on its own reordered copy (small_gemm.py has the measurements). Wp[p][k][8] already is
- * BLIS's packed-B layout for NR = 8, so only X is packed: a block of up to AP_FLOATS / K rows, all of K,
- * as MR-row micro-panels Ap[i][k][MR] (L2). Each thread then walks ITS pairs of panels; per pair, K in
- * KC slices, and per slice every micro-panel of rows: the pair's KC x 16 slice (16 KB) stays in L1 while
- * MR x 16 outputs accumulate in 12 registers (6 broadcasts of X, 2 loads of W, 12 FMAs per k), and the
- * pair's outputs stay in cache across its slices.
+ * BLIS's packed-B layout for NR = 8, so only X is packed: a block of rows and K (AP_FLOATS, L2) as MR-row
+ * micro-panels Ap[i][k][MR]. Each thread then walks ITS pairs of panels; per pair, K in slices of up to
+ * KC, and per slice every micro-panel of rows: MR x 16 outputs accumulate in 12 registers (6 broadcasts
+ * of X, 2 loads of W, 12 FMAs per k) while the pair's slice (up to 48 KB at K = 768) is reread from L1 /
+ * L2 for each micro-panel. On this CPU (Zen 4, L2 1 MB per core) that is faster than BLIS's usual KC of
+ * 256, which keeps a slice in L1 but stores and reloads the partial sums once per slice.
  *
  * Results: an output's sum is one FMA chain over k in order from zero (partials of a K slice stored and
  * reloaded exactly), then + bias, then + R: the small kernel's order, so both paths give the same bits,
  * and each output is computed by one thread, so the thread count changes nothing.
  */
 #define MR 6        /* rows per micro-tile */
-#define KC 256      /* K slice: a pair of panels' slice is KC x 16 floats = 16 KB (L1) */
-#ifndef AP_FLOATS
+#define KC 3072 /* K slice per tile: measured, slices of 256 (a pair's slice in L1) to 1536 cost 3-9% at K = 3072 */
 #define AP_FLOATS (128 * 1024) /* packed X at once: 512 KB (L2) */
+#ifndef MC_MIN
+#define MC_MIN 128 /* fewer rows of all of K than this in AP_FLOATS: pack KB_DEEP of K at a time instead */
 #endif
+#define KB_DEEP (2 * KC)
 
 /* Rows [m0, m0 + mc) x columns [k0, k0 + kc) of X into micro-panels [i0, i1) of Ap: Ap[i][k][r] = X[m0 + i MR + r,
  * k0 + k], rows past mc zero. */
@@ -261,44 +264,52 @@ static void tile_6x16(int kc, const float *a, const float *b0, const float *b1, 
         }
 }
 
-/* This thread's pairs of panels [q0, q1) over packed rows Ap (rows [m0, m0 + mc), all of K): per pair, every K
- * slice, every micro-panel of rows; the pair's mc x 16 outputs stay in cache across its slices. */
+/* This thread's pairs of panels [q0, q1) over packed rows Ap (rows [m0, m0 + mc), K block [kb0, kb0 + kb)): per
+ * pair, every K slice of the block, every micro-panel of rows; the pair's mc x 16 outputs stay in cache across its
+ * slices. */
 static void pair_range(const float *Ap, const float *Wp, const float *bias, const float *R, int ldr, float *Y, int ldy,
-                       int m0, int mc, int K, int N, int q0, int q1) {
-    const int npanels = (N + PANEL - 1) / PANEL, nmp = (mc + MR - 1) / MR;
+                       int m0, int mc, int K, int N, int kb0, int kb, int q0, int q1) {
+    const int npanels = (N + PANEL - 1) / PANEL, nmp = (mc + MR - 1) / MR, kend = kb0 + kb;
     for (int q = q0; q < q1; q++) {
         const int p = 2 * q, n0 = p * PANEL, cols = N - n0 < 2 * PANEL ? N - n0 : 2 * PANEL;
         const long skip = p + 1 < npanels ? (long)K * PANEL : 0; /* b1 - b0; 0: a lone last panel, its columns twice */
-        for (int k0 = 0; k0 < K; k0 += KC) {
-            const int kc = K - k0 < KC ? K - k0 : KC, first = k0 == 0, last = k0 + kc == K;
+        for (int k0 = kb0; k0 < kend; k0 += KC) {
+            const int kc = kend - k0 < KC ? kend - k0 : KC, first = k0 == 0, last = k0 + kc == K;
             const float *b0 = Wp + ((size_t)p * K + k0) * PANEL;
             /* what the next tile reads from memory, prefetched into L2 while this one computes: the pair's next
-             * slice, or the next pair's first */
-            const float *next = !last ? b0 + (size_t)kc * PANEL : q + 1 < q1 ? Wp + (size_t)(p + 2) * K * PANEL : NULL;
-            const long next_skip = !last ? skip : p + 3 < npanels ? (long)K * PANEL : 0;
+             * slice, or the next pair's first of this block */
+            const int more = k0 + kc < kend;
+            const float *next = more ? b0 + (size_t)kc * PANEL
+                                : q + 1 < q1 ? Wp + ((size_t)(p + 2) * K + kb0) * PANEL
+                                             : NULL;
+            const long next_skip = more ? skip : p + 3 < npanels ? (long)K * PANEL : 0;
             for (int i = 0; i < nmp; i++) {
                 const int m = m0 + i * MR, rows = mc - i * MR < MR ? mc - i * MR : MR;
-                tile_6x16(kc, Ap + ((size_t)i * K + k0) * MR, b0, b0 + skip, Y + (size_t)m * ldy + n0, ldy, rows, cols,
-                          first, last, last && bias ? bias + n0 : NULL, last && R ? R + (size_t)m * ldr + n0 : NULL,
-                          ldr, i == 0 ? next : NULL, next_skip);
+                tile_6x16(kc, Ap + ((size_t)i * kb + k0 - kb0) * MR, b0, b0 + skip, Y + (size_t)m * ldy + n0, ldy, rows,
+                          cols, first, last, last && bias ? bias + n0 : NULL,
+                          last && R ? R + (size_t)m * ldr + n0 : NULL, ldr, i == 0 ? next : NULL, next_skip);
             }
         }
     }
 }
 
 /* Y = X @ W^T (+ bias) (+ R) for any M (meant for M above the small kernel's rows), threads splitting the pairs of
- * panels. Each thread packs X for itself (a copy of M x K floats, small beside its share of the M x K x N FMAs): no
- * barrier, so a thread the OS preempts delays only the end of the call. R must not alias Y (partial sums live in Y
- * until the last K slice). Returns 0, or -1 when the packing buffers cannot be allocated. */
+ * panels. X is packed a block at a time, mc rows x kb of K in AP_FLOATS: all of K while that leaves MC_MIN rows or
+ * more (the weights then stream once per mc rows), else KB_DEEP of K (partial sums then go through Y once per K
+ * block: less traffic than streaming a wide-K weight once per few rows). Each thread packs X for itself (M x K
+ * floats, small beside its share of the M x K x N FMAs): no barrier, so a thread the OS preempts delays only the end
+ * of the call. R must not alias Y (partial sums live in Y until the last K slice). Returns 0, or -1 when the packing
+ * buffers cannot be allocated. */
 int panel_gemm(const float *X, int ldx, const float *Wp, const float *bias, const float *R, int ldr, float *Y,
                int ldy, int M, int K, int N, int nthreads) {
     const int npairs = ((N + PANEL - 1) / PANEL + 1) / 2;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > npairs) nthreads = npairs;
-    int cap = AP_FLOATS / K / MR * MR; /* rows of X packed at once: mc x K floats in L2 */
+    const int kb = AP_FLOATS / K < MC_MIN && K > KB_DEEP ? KB_DEEP : K; /* K depth of a packed block */
+    int cap = AP_FLOATS / kb / MR * MR;                                    /* rows of a packed block */
     cap = cap < MR ? MR : cap;
     const int blocks = (M + cap - 1) / cap, mc_max = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
-    const size_t own = ((size_t)mc_max * K * sizeof(float) + 63) / 64 * 64; /* one thread's buffer, bytes */
+    const size_t own = ((size_t)mc_max * kb * sizeof(float) + 63) / 64 * 64; /* one thread's buffer, bytes */
     char *buf = aligned_alloc(64, own * nthreads);
     if (!buf) return -1;
 #pragma omp parallel num_threads(nthreads)
@@ -312,8 +323,11 @@ int panel_gemm(const float *X, int ldx, const float *Wp, const float *bias, cons
         const int q0 = (int)((long)npairs * t / nt), q1 = (int)((long)npairs * (t + 1) / nt);
         for (int m0 = 0; m0 < M && q0 < q1; m0 += mc_max) {
             const int mc = M - m0 < mc_max ? M - m0 : mc_max;
-            pack_x(X, ldx, m0, mc, 0, K, Ap, 0, (mc + MR - 1) / MR);
-            pair_range(Ap, Wp, bias, R, ldr, Y, ldy, m0, mc, K, N, q0, q1);
+            for (int kb0 = 0; kb0 < K; kb0 += kb) {
+                const int kbn = K - kb0 < kb ? K - kb0 : kb;
+                pack_x(X, ldx, m0, mc, kb0, kbn, Ap, 0, (mc + MR - 1) / MR);
+                pair_range(Ap, Wp, bias, R, ldr, Y, ldy, m0, mc, K, N, kb0, kbn, q0, q1);
+            }
         }
     }
     free(buf);
