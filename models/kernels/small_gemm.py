@@ -12,16 +12,19 @@ Every fp32 weight is held once, as panels of 8 output columns (``pack``), and bo
       this kernel       15.5-16.8  13.1-16.1  12.3-15.0   7.9-9.6    4.6-4.9
 
 * ``panel_gemm`` (more rows: prefill, big decode batches): BLIS-style over the same panels (X packed per
-  call into 6-row micro-panels, 6 x 16 register tiles over pairs of panels, K in slices of 256), the
-  speed of oneDNN on its own reordered copy, which therefore is no longer kept: time per call against
-  oneDNN's prepacked linear, side by side in one process, 1 thread (min of repeated calls, shared machine):
+  call into 6-row micro-panels, 6 x 16 register tiles over pairs of panels), at the speed of oneDNN on its
+  own reordered copy, which therefore is no longer kept. Time per call against oneDNN's prepacked
+  ``_linear_pointwise``, side by side in one process, 1 thread, min of repeated calls (shared machine):
 
       rows M                 17     32     64     128    256    512
-      768 x 768            0.98   1.06   1.05   0.98   1.03   0.99
-      2304 x 768 (QKV)     0.75   0.88   1.02   0.96   1.04   1.00
-      3072 x 768 (fc)      0.73   0.91   1.01   0.99   1.03   1.03
-      768 x 3072 (proj)    0.87   0.99   1.03   1.02   1.04   1.06
-      50257 x 768 (head)   0.87   1.02   -      1.00   -      0.90
+      768 x 768            0.97   1.05   1.00   1.00   1.01   1.01
+      2304 x 768 (QKV)     0.92   0.98   0.94   0.98   1.02   1.02
+      3072 x 768 (fc)      0.87   0.98   0.96   0.99   1.01   1.01
+      768 x 3072 (proj)    0.91   0.99   0.99   1.05   1.06   1.07
+      50257 x 768 (head)   0.81   0.98   1.01   1.06   1.04   1.02
+
+  (a whole distilgpt2 prefill of 17-512 tokens: 0.85-1.01x; ``F.linear`` on a plain copy, which packs the
+  weight per call, was 1.1-2.5x oneDNN's time at these sizes.)
 
 Both give the same bits (each output one FMA chain over k in order, then + bias, + residual), at any
 thread count. The kernels need AVX2 + FMA and a C compiler with OpenMP; without them ``load()`` returns
