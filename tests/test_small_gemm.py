@@ -236,3 +236,26 @@ def test_cache_dir_convention(monkeypatch, tmp_path):
     assert cache_root() == str(tmp_path / "xdg" / "minibatch-llm")
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "mine"))
     assert cache_root() == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("use_small_gemm", [True, False], ids=["panels", "onednn"])
+def test_a_tied_model_holds_every_fp32_weight_once(torch, tiny_model_dir, use_small_gemm):
+    """GPT-2 with its tied embedding: every linear holds one copy (the panels, or oneDNN's where the kernels are
+    off), the token table is the lm_head's copy (rows read out of it equal HF's), and ``resident_weights`` counts
+    exactly those copies plus the position table."""
+    from transformers import AutoModelForCausalLM
+
+    from models.gpt2 import GPT2
+    from models.layers import embed_rows
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    table = hf.transformer.wte.weight.detach().clone()  # [V, C]
+    model = GPT2(hf, 2, 64, torch.device("cpu"), use_small_gemm=use_small_gemm)
+    assert model.wte is model.lm_head.table()
+    for lin in model.linears():
+        copies = [c for c in (lin.small, lin.weight, lin.quant) if c is not None]
+        assert len(copies) == 1 and (lin.small is not None) == use_small_gemm
+    ids = torch.tensor([0, 1, 7, 8, table.shape[0] - 1, 3, 3])
+    assert torch.equal(embed_rows(model.wte, ids), table[ids])
+    linear_bytes = sum(lin.nbytes for lin in model.linears())
+    assert model.resident_weights() == {"fp32": linear_bytes + model.wpe.nbytes}
