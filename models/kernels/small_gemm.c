@@ -293,6 +293,19 @@ static void pair_range(const float *Ap, const float *Wp, const float *bias, cons
     }
 }
 
+/* This thread's packing buffer of at least `bytes`, kept from call to call (a fresh one per call cost ~15% of a
+ * 768 x 768 call at 32-128 rows: the pages are faulted in and zeroed anew), or NULL when it cannot grow. */
+static float *thread_buffer(size_t bytes) {
+    static __thread float *buf = NULL;
+    static __thread size_t have = 0;
+    if (bytes > have) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        have = buf ? bytes : 0;
+    }
+    return buf;
+}
+
 /* Y = X @ W^T (+ bias) (+ R) for any M (meant for M above the small kernel's rows), threads splitting the pairs of
  * panels. X is packed a block at a time, mc rows x kb of K in AP_FLOATS: all of K while that leaves MC_MIN rows or
  * more (the weights then stream once per mc rows), else KB_DEEP of K (partial sums then go through Y once per K
@@ -309,9 +322,7 @@ int panel_gemm(const float *X, int ldx, const float *Wp, const float *bias, cons
     int cap = AP_FLOATS / kb / MR * MR;                                    /* rows of a packed block */
     cap = cap < MR ? MR : cap;
     const int blocks = (M + cap - 1) / cap, mc_max = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
-    const size_t own = ((size_t)mc_max * kb * sizeof(float) + 63) / 64 * 64; /* one thread's buffer, bytes */
-    char *buf = aligned_alloc(64, own * nthreads);
-    if (!buf) return -1;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         int t = 0, nt = 1;
@@ -319,9 +330,13 @@ int panel_gemm(const float *X, int ldx, const float *Wp, const float *bias, cons
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        float *Ap = (float *)(buf + own * t);
+        float *Ap = thread_buffer((size_t)mc_max * kb * sizeof(float));
         const int q0 = (int)((long)npairs * t / nt), q1 = (int)((long)npairs * (t + 1) / nt);
-        for (int m0 = 0; m0 < M && q0 < q1; m0 += mc_max) {
+        if (!Ap) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int m0 = 0; Ap && m0 < M && q0 < q1; m0 += mc_max) {
             const int mc = M - m0 < mc_max ? M - m0 : mc_max;
             for (int kb0 = 0; kb0 < K; kb0 += kb) {
                 const int kbn = K - kb0 < kb ? K - kb0 : kb;
@@ -330,6 +345,5 @@ int panel_gemm(const float *X, int ldx, const float *Wp, const float *bias, cons
             }
         }
     }
-    free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }
