@@ -110,20 +110,18 @@ void small_gemm(const float *X, int ldx, const float *Wp, const float *bias, con
  * BLIS's packed-B layout for NR = 8, so only X is packed: a block of rows and K (AP_FLOATS, L2) as MR-row
  * micro-panels Ap[i][k][MR]. Each thread then walks ITS pairs of panels; per pair, K in slices of up to
  * KC, and per slice every micro-panel of rows: MR x 16 outputs accumulate in 12 registers (6 broadcasts
- * of X, 2 loads of W, 12 FMAs per k) while the pair's slice (up to 48 KB at K = 768) is reread from L1 /
- * L2 for each micro-panel. On this CPU (Zen 4, L2 1 MB per core) that is faster than BLIS's usual KC of
+ * of X, 2 loads of W, 12 FMAs per k) while the pair's slice (kc x 16 floats: 48 KB at K = 768) is reread
+ * from L1 / L2 for each micro-panel. On this CPU (Zen 4, L2 1 MB per core) that is faster than BLIS's usual KC of
  * 256, which keeps a slice in L1 but stores and reloads the partial sums once per slice.
  *
  * Results: an output's sum is one FMA chain over k in order from zero (partials of a K slice stored and
  * reloaded exactly), then + bias, then + R: the small kernel's order, so both paths give the same bits,
  * and each output is computed by one thread, so the thread count changes nothing.
  */
-#define MR 6        /* rows per micro-tile */
-#define KC 3072 /* K slice per tile: measured, slices of 256 (a pair's slice in L1) to 1536 cost 3-9% at K = 3072 */
+#define MR 6                   /* rows per micro-tile */
+#define KC 3072                /* K slice per tile: slices of 256 to 1536 measured 3-9% slower at K = 3072 */
 #define AP_FLOATS (128 * 1024) /* packed X at once: 512 KB (L2) */
-#ifndef MC_MIN
-#define MC_MIN 128 /* fewer rows of all of K than this in AP_FLOATS: pack KB_DEEP of K at a time instead */
-#endif
+#define MC_MIN 128             /* fewer rows of all of K than this in AP_FLOATS: pack KB_DEEP of K at a time */
 #define KB_DEEP (2 * KC)
 
 /* Rows [m0, m0 + mc) x columns [k0, k0 + kc) of X into micro-panels [i0, i1) of Ap: Ap[i][k][r] = X[m0 + i MR + r,
