@@ -973,7 +973,7 @@ class HFEngine(BatchEngine):
         memory = memory_mib()
         log.info(
             "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB; weights resident %s (%.1f MiB); oneDNN linears %s, small-batch kernel %s, %d threads; "
+            "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, %d threads; "
             "RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             self.device,
@@ -985,8 +985,7 @@ class HFEngine(BatchEngine):
             self.model.kv.nbytes / 2**20,
             ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
             sum(resident.values()) / 2**20,
-            self.model.onednn,
-            self.model.small_gemm,
+            "small_gemm panels" if self.model.small_gemm else "oneDNN" if self.model.onednn else "torch",
             torch.get_num_threads(),
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),

@@ -3,7 +3,7 @@
 Importing this package imports no torch (torch-free modules live here too: ``cache_dir.py``,
 ``native_memory.py``); ``families()`` imports the torch modules when a model loads.
 
-    layers.py      what every family shares: Linear (oneDNN / small-batch kernel), MixedBatch, the one
+    layers.py      what every family shares: Linear (one packed copy per weight), MixedBatch, the one
                    mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop),
                    the lean decode path (small decode-only steps as a few compiled calls per layer)
     gpt2.py        GPT-2 block math and weight mapping

@@ -101,7 +101,8 @@ class GPT2(MixedForward):
         self.blocks = [Block(sd, f"{base}h.{i}.", make_linear) for i in range(self.n_layer)]
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
         tied = getattr(cfg, "tie_word_embeddings", True) or "lm_head.weight" not in sd
-        self.lm_head = make_linear(self.wte if tied else sd["lm_head.weight"], None)  # [C] -> [V]
+        self.lm_head = make_linear(self.wte if tied else sd["lm_head.weight"], None, table=tied)  # [C] -> [V]
+        self.wte = self.lm_head.table() if tied else self.wte  # tied: the lm_head's one copy serves the lookups
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
 

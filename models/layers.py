@@ -46,11 +46,14 @@ def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """y = x @ W^T + b with W pre-packed once for the CPU kernels; plain F.linear elsewhere.
+    """y = x @ W^T + b on ONE resident copy of W, packed once for the CPU kernels; plain F.linear elsewhere.
 
-    x: [N, in] -> y: [N, out]. ``gelu`` fuses the activation, ``add`` fuses a residual.
-    fp32 on CPU: calls with at most ``small_gemm.MAX_ROWS`` rows (decode steps) go to the compiled
-    small-batch kernel when it is available (``small``), larger ones to oneDNN.
+    x: [N, in] -> y: [N, out]. ``gelu`` adds the activation (fused on oneDNN), ``add`` fuses a residual.
+    fp32 on CPU with the compiled kernel (``small``): W lives only as small_gemm's panels [ceil(out / 8), in, 8],
+    read by every call (``small_gemm.matmul``: the small-batch kernel up to ``small_gemm.MAX_ROWS`` rows,
+    ``panel_gemm`` above, the same bits) and by the whole-step decode kernel. Without it: oneDNN's reordered
+    copy (``onednn``), or the plain weight (off CPU, or ``table``: a tied lm_head whose rows the token
+    embedding reads too, ``table()``).
     Quantized (``weight`` a ``QuantWeight``, or ``quant`` = "int8" / "int4" to quantize an fp32
     weight here): every call goes to ``quant_gemm`` on the one packed copy (``self.quant``).
     """
@@ -63,6 +66,7 @@ class Linear:
         batch_hint: int,
         small: bool = False,
         quant: str | None = None,
+        table: bool = False,
     ) -> None:
         self.bias = bias.contiguous() if bias is not None else None
         self.out_features, self.in_features = weight.shape
@@ -72,9 +76,12 @@ class Linear:
         if self.quant is not None:
             self.onednn, self.small, self.weight = False, None, None
             return
-        self.onednn = onednn
         self.small = small_gemm.pack(weight) if small else None  # [ceil(out / 8), in, 8]
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if onednn else weight
+        self.onednn = onednn and not small and not table  # oneDNN's reordered copy has no rows to look up
+        if self.small is not None:
+            self.weight = None
+        else:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if self.onednn else weight
 
     @property
     def fmt(self) -> str:
@@ -82,11 +89,12 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes resident for this weight: the packed copy (quantized), or every fp32 copy (oneDNN, small)."""
+        """Bytes resident for this weight: its one copy (quantized blocks, small_gemm panels, or [out, in] fp32)."""
         if self.quant is not None:
             return self.quant.nbytes
-        n = self.out_features * self.in_features * 4
-        return n * (2 if self.small is not None else 1)
+        if self.small is not None:
+            return self.small.numel() * self.small.element_size()  # the last panel padded to 8 outputs
+        return self.out_features * self.in_features * 4
 
     @property
     def n_params(self) -> int:
@@ -94,34 +102,41 @@ class Linear:
 
     @property
     def streamed_bytes(self) -> int:
-        """Bytes of weight one call reads: the packed copy (quantized) or one fp32 copy (whichever kernel runs)."""
-        return self.quant.nbytes if self.quant is not None else self.out_features * self.in_features * 4
+        """Bytes of weight one call reads: the one copy, whichever kernel runs."""
+        return self.nbytes
 
-    def _use_small(self, x: torch.Tensor) -> bool:
-        return self.small is not None and x.shape[0] <= small_gemm.MAX_ROWS
+    def table(self) -> torch.Tensor | QuantWeight:
+        """The weight as a token table ``embed_rows`` reads (a tied lm_head's copy, shared): the quantized
+        copy, the panels, or the plain [out, in] weight (made with ``table=True``, never oneDNN's)."""
+        if self.quant is not None:
+            return self.quant
+        if self.small is not None:
+            return self.small
+        if self.onednn:
+            raise ValueError("a oneDNN-reordered weight has no rows to look up (make the Linear with table=True)")
+        return self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_gemm.matmul(x, self.quant, self.bias)
-        if self._use_small(x):
+        if self.small is not None:
             return small_gemm.matmul(x, self.small, self.out_features, self.bias)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
-        if self.quant is not None:
-            return F.gelu(quant_gemm.matmul(x, self.quant, self.bias), approximate=approximate)
-        if self._use_small(x):
-            return F.gelu(small_gemm.matmul(x, self.small, self.out_features, self.bias), approximate=approximate)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], approximate)
-        return F.gelu(F.linear(x, self.weight, self.bias), approximate=approximate)
+        if self.small is not None and approximate == "tanh" and decode_ops.load() is not None:
+            # The compiled tanh GELU (the decode steps'): 3x F.gelu's speed at prefill sizes, where oneDNN fused it.
+            return decode_ops.gelu_tanh(self(x))
+        return F.gelu(self(x), approximate=approximate)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_gemm.matmul(x, self.quant, self.bias, residual)
-        if self._use_small(x):
+        if self.small is not None:
             return small_gemm.matmul(x, self.small, self.out_features, self.bias, residual)
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
@@ -133,17 +148,18 @@ class Linear:
 def linear_factory(
     device: torch.device, capacity: int, want_small: bool, weights: str = "fp32"
 ) -> tuple[Callable[..., Linear], bool, bool]:
-    """-> (make_linear(weight, bias), oneDNN on?, small-batch kernel on?) for this device.
+    """-> (make_linear(weight, bias, table=False), oneDNN on?, small_gemm panels on?) for this device.
 
-    The small-batch kernel runs only where oneDNN does (CPU fp32), when asked for, and when it
-    built; it costs a second packed copy of every fp32 weight. ``weights`` "int8" / "int4"
-    quantizes every fp32 weight it is given (CPU only); a ``QuantWeight`` is used as it is.
+    The compiled kernels run only where oneDNN does (CPU fp32), when asked for, and when they built;
+    then every fp32 weight is held once, as small_gemm panels, and oneDNN is off. ``weights`` "int8" /
+    "int4" quantizes every fp32 weight it is given (CPU only); a ``QuantWeight`` is used as it is.
     """
     quant = weights if weights in quant_gemm.FORMATS else None
     if quant is not None and device.type != "cpu":
         raise ValueError(f"WEIGHTS={weights} runs on the CPU only (device is {device}); use WEIGHTS=fp32")
-    onednn = use_onednn(device, torch.float32)
-    small = want_small and onednn and small_gemm.load() is not None
+    cpu_fp32 = use_onednn(device, torch.float32)
+    small = want_small and cpu_fp32 and small_gemm.load() is not None
+    onednn = cpu_fp32 and not small
     make = functools.partial(Linear, onednn=onednn, batch_hint=capacity, small=small, quant=quant)
     return make, onednn, small
 
@@ -156,8 +172,11 @@ def embedding_table(table: torch.Tensor | QuantWeight, weights: str) -> torch.Te
 
 
 def embed_rows(table: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of a token embedding: [len(ids), C] fp32 (a quantized table dequantizes just those rows)."""
-    return quant_gemm.dequantize_rows(table, ids) if isinstance(table, QuantWeight) else table[ids]
+    """Rows ``ids`` of a token embedding: [len(ids), C] fp32 (a quantized table dequantizes just those rows; a 3-D
+    table is a tied lm_head's small_gemm panels, ``Linear.table``)."""
+    if isinstance(table, QuantWeight):
+        return quant_gemm.dequantize_rows(table, ids)
+    return small_gemm.rows(table, ids) if table.dim() == 3 else table[ids]
 
 
 def check_cpu(sd: dict, device: torch.device) -> None:
@@ -322,13 +341,21 @@ def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str
     """The HF module's weights as contiguous fp32 tensors on ``device`` (the HF module can then go).
 
     A GGUF served at its own precision (``models.quant.GGUFModel``) also hands over ``QuantWeight``s as they are.
+    Small tensors (norms, biases, position tables: at most ``OWN_BELOW`` elements) are copied out of the
+    checkpoint: safetensors maps the file, and one tensor the model keeps as it is would pin every page of the
+    file read during the load (the whole checkpoint) in RSS; the large weights are packed into copies of their own.
     """
     sd = hf_model.state_dict()
     check_cpu(sd, device)
-    return {
-        k: v if isinstance(v, QuantWeight) else v.detach().to(device=device, dtype=torch.float32).contiguous()
-        for k, v in sd.items()
-    }
+    return {k: v if isinstance(v, QuantWeight) else _owned_fp32(v, device) for k, v in sd.items()}
+
+
+OWN_BELOW = 1 << 20  # elements: fp32_state_dict copies smaller tensors out of the checkpoint's file mapping
+
+
+def _owned_fp32(v: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = v.detach().to(device=device, dtype=torch.float32).contiguous()
+    return out.clone() if out.numel() <= OWN_BELOW and out.data_ptr() == v.data_ptr() else out
 
 
 class MixedForward:
@@ -437,23 +464,24 @@ class MixedForward:
         return out
 
     def resident_weights(self) -> dict[str, int]:
-        """Bytes of weights held, per format: every linear's copies, then the embedding tables.
+        """Bytes of weights held, per format: every linear's one copy, then the embedding tables.
 
-        A quantized tied embedding is the lm_head's one copy, counted once; fp32 counts every copy
-        the fp32 kernels keep (oneDNN's, the small-batch kernel's).
+        A tied embedding is the lm_head's copy (``Linear.table``: quantized blocks, fp32 panels or the plain
+        weight), counted once, as the lm_head.
         """
         out: dict[str, int] = {}
-        seen: set[int] = set()
-        linears = self.linears()
-        tables = [t for t in self.embedding_tables() if isinstance(t, QuantWeight)]
-        for item in [*linears, *tables]:
-            key = id(item.quant) if isinstance(item, Linear) and item.quant is not None else id(item)
-            if key not in seen:
-                seen.add(key)
-                out[item.fmt] = out.get(item.fmt, 0) + item.nbytes
-        dense = sum(t.numel() * t.element_size() for t in self.embedding_tables() if isinstance(t, torch.Tensor))
-        if dense:
-            out["fp32"] = out.get("fp32", 0) + dense
+        held: set[int] = set()  # ids of the copies counted: a Linear's quant / small / weight
+        for lin in self.linears():
+            copy = next(c for c in (lin.quant, lin.small, lin.weight) if c is not None)
+            if id(copy) not in held:
+                held.add(id(copy))
+                out[lin.fmt] = out.get(lin.fmt, 0) + lin.nbytes
+        for table in self.embedding_tables():
+            if id(table) in held:
+                continue
+            held.add(id(table))
+            fmt, n = (table.fmt, table.nbytes) if isinstance(table, QuantWeight) else ("fp32", table.nbytes)
+            out[fmt] = out.get(fmt, 0) + n
         return out
 
     def embedding_tables(self) -> list:

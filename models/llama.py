@@ -160,7 +160,8 @@ class Llama(MixedForward):
         self.blocks = [Block(sd, f"model.layers.{i}.", make_linear) for i in range(self.n_layer)]
         self.norm = sd["model.norm.weight"]  # [C]
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
-        self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None)  # [C] -> [V]
+        self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None, table=tied)  # [C] -> [V]
+        self.embed = self.lm_head.table() if tied else self.embed  # tied: the lm_head's one copy serves the lookups
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size)
 

@@ -86,6 +86,84 @@ def test_result_does_not_depend_on_thread_count(torch, small_gemm):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+KC = 3072  # small_gemm.c's K slice of the large-M path (panel_gemm); X is packed 2 KC of K at a time past that
+
+
+@pytest.mark.parametrize("m", [17, 18, 23, 64, 131])
+@pytest.mark.parametrize("n, k", [(1, 1), (13, 7), (40, 300), (77, KC + 5), (21, 2 * KC + 100)])
+@pytest.mark.parametrize("with_bias, with_residual", [(False, False), (True, True), (False, True)])
+def test_large_rows_match_torch_and_the_small_kernel(torch, small_gemm, m, n, k, with_bias, with_residual):
+    """Above MAX_ROWS rows ``matmul`` takes panel_gemm (6-row tiles over pairs of panels, K in KC slices): ragged
+    rows, widths not a multiple of 8 (a lone last panel at 13, 21 and 77), K within a slice, past one, and past
+    a packed block of X (2 KC). Each output is the small kernel's FMA chain, so 16-row calls of the small kernel
+    give the same bits."""
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    residual = torch.randn(m, n, generator=gen) if with_residual else None
+    packed = small_gemm.pack(w)
+    out = small_gemm.matmul(x, packed, n, bias, residual)
+    torch.testing.assert_close(out, reference(x, w, bias, residual), rtol=1e-5, atol=1e-5 * k)
+    step = small_gemm.MAX_ROWS
+    small = [
+        small_gemm.matmul(x[i : i + step], packed, n, bias, None if residual is None else residual[i : i + step])
+        for i in range(0, m, step)
+    ]
+    assert torch.equal(out, torch.cat(small))
+
+
+@pytest.mark.parametrize("m, k", [(600, 300), (517, 1030)])
+def test_large_rows_over_several_row_blocks_at_any_thread_count(torch, small_gemm, m, k):
+    """More rows than one packed block of X holds (M x K past 128 K floats): X is packed block by block; the
+    threads split pairs of panels, so 1, 2 and 3 threads give the same bits (and torch's float64 values)."""
+    gen = torch.Generator().manual_seed(m + k)
+    x, w, bias = torch.randn(m, k, generator=gen), torch.randn(203, k, generator=gen), torch.randn(203, generator=gen)
+    residual = torch.randn(m, 203, generator=gen)
+    packed, before = small_gemm.pack(w), torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(small_gemm.matmul(x, packed, 203, bias, residual))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], reference(x, w, bias, residual), rtol=1e-5, atol=1e-5 * k)
+
+
+def test_large_rows_from_row_views(torch, small_gemm):
+    """x and residual as row views of wider tensors (ldx, ldr > K, N) on the large-M path too."""
+    wide_x, wide_r = torch.randn(40, 300), torch.randn(40, 60)
+    x, residual, w = wide_x[:, 5:266], wide_r[:, 3:53], torch.randn(50, 261)
+    out = small_gemm.matmul(x, small_gemm.pack(w), 50, None, residual)
+    torch.testing.assert_close(out, reference(x, w, None, residual), rtol=1e-5, atol=1e-4)
+
+
+def test_rows_read_back_out_of_the_panels(torch, small_gemm):
+    """A tied lm_head's panels serve the token embedding: rows(pack(W), ids) is W[ids], any id, repeats included."""
+    w = torch.randn(21, 10)  # 3 panels, the last padded
+    ids = torch.tensor([0, 7, 8, 20, 20, 13])
+    assert torch.equal(small_gemm.rows(small_gemm.pack(w), ids), w[ids])
+
+
+def test_an_fp32_linear_holds_one_copy(torch, small_gemm):
+    """The panels are the only fp32 copy (no oneDNN reorder beside them); nbytes counts exactly them."""
+    from models.layers import Linear, linear_factory
+
+    make, onednn, small = linear_factory(torch.device("cpu"), 8, want_small=True)
+    assert small and not onednn
+    w = torch.randn(21, 10)
+    lin = make(w, None)
+    assert lin.weight is None and lin.quant is None and lin.small is not None
+    assert lin.nbytes == lin.streamed_bytes == 3 * 8 * 10 * 4  # 21 outputs in 3 panels of 8
+    held = [t for t in vars(lin).values() if isinstance(t, torch.Tensor) and t.numel() >= w.numel()]
+    assert len(held) == 1 and held[0].untyped_storage().nbytes() == lin.nbytes
+    tied = make(w, None, table=True)
+    assert tied.table() is tied.small
+    plain = Linear(w, None, onednn=True, batch_hint=8, small=False, table=True)  # no kernel: F.linear on W itself
+    assert not plain.onednn and plain.table() is w and plain.nbytes == w.numel() * 4
+
+
 def test_shape_mismatch_is_a_clear_error(torch, small_gemm):
     with pytest.raises(ValueError, match="does not match packed weights"):
         small_gemm.matmul(torch.randn(2, 5), small_gemm.pack(torch.randn(8, 6)), 8)
@@ -106,9 +184,9 @@ def test_linear_gives_the_same_answer_on_either_kernel(torch, small_gemm, rows):
 
     w, b = torch.randn(96, 48), torch.randn(96)
     x, residual = torch.randn(rows, 48), torch.randn(rows, 96)
-    small = Linear(w, b, onednn=True, batch_hint=8, small=True)
+    small = Linear(w, b, onednn=False, batch_hint=8, small=True)
     onednn = Linear(w, b, onednn=True, batch_hint=8, small=False)
-    assert small._use_small(x) == (rows <= small_gemm.MAX_ROWS)
+    assert small.weight is None and onednn.small is None  # each holds one copy
     torch.testing.assert_close(small(x), onednn(x), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(small.gelu(x, "tanh"), onednn.gelu(x, "tanh"), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(small.add(x, residual), onednn.add(x, residual), rtol=1e-5, atol=1e-4)
@@ -158,3 +236,26 @@ def test_cache_dir_convention(monkeypatch, tmp_path):
     assert cache_root() == str(tmp_path / "xdg" / "minibatch-llm")
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "mine"))
     assert cache_root() == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("use_small_gemm", [True, False], ids=["panels", "onednn"])
+def test_a_tied_model_holds_every_fp32_weight_once(torch, tiny_model_dir, use_small_gemm):
+    """GPT-2 with its tied embedding: every linear holds one copy (the panels, or oneDNN's where the kernels are
+    off), the token table is the lm_head's copy (rows read out of it equal HF's), and ``resident_weights`` counts
+    exactly those copies plus the position table."""
+    from transformers import AutoModelForCausalLM
+
+    from models.gpt2 import GPT2
+    from models.layers import embed_rows
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    table = hf.transformer.wte.weight.detach().clone()  # [V, C]
+    model = GPT2(hf, 2, 64, torch.device("cpu"), use_small_gemm=use_small_gemm)
+    assert model.wte is model.lm_head.table()
+    for lin in model.linears():
+        copies = [c for c in (lin.small, lin.weight, lin.quant) if c is not None]
+        assert len(copies) == 1 and (lin.small is not None) == use_small_gemm
+    ids = torch.tensor([0, 1, 7, 8, table.shape[0] - 1, 3, 3])
+    assert torch.equal(embed_rows(model.wte, ids), table[ids])
+    linear_bytes = sum(lin.nbytes for lin in model.linears())
+    assert model.resident_weights() == {"fp32": linear_bytes + model.wpe.nbytes}

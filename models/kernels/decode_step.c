@@ -36,7 +36,8 @@
 #include "decode_ops.c"
 #include "paged_attention.c"
 
-#define FMT_FP32 (-1) /* small_gemm.c panels; 0 / 1 are quant_gemm.c's FMT_INT8 / FMT_INT4 */
+#define FMT_FP32 (-1)   /* small_gemm.c panels (a linear), fp32 rows (a token table); 0 / 1: quant_gemm.c's formats */
+#define FMT_PANELS (-2) /* a token table that is a tied lm_head's small_gemm.c panels */
 
 /* One linear: packed weight w (quant_gemm.c layout for fmt 0 / 1, small_gemm.c panels for fmt -1), bias or NULL. */
 typedef struct {
@@ -61,7 +62,7 @@ typedef struct {
     const float *normf_w, *normf_b;
     Lin lm_head;
     const Layer *layers;
-    const void *embed;       /* token table [V, C]: quant_gemm.c layout (embed_fmt 0 / 1) or fp32 rows (-1) */
+    const void *embed;       /* token table [V, C]: quant_gemm.c layout (0 / 1), fp32 rows (-1) or panels (-2) */
     int embed_fmt;
     const float *pos_embed;  /* learned positions [max_len, C] (GPT-2), or NULL */
 } Model;
@@ -284,6 +285,9 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
         float *xb = x + (long)b * C;
         if (m->embed_fmt == FMT_FP32) {
             memcpy(xb, (const float *)m->embed + ids[b] * C, sizeof(float) * C);
+        } else if (m->embed_fmt == FMT_PANELS) { /* column ids % 8 of panel ids / 8 */
+            const float *panel = (const float *)m->embed + ids[b] / PANEL * C * PANEL + ids[b] % PANEL;
+            for (int k = 0; k < C; k++) xb[k] = panel[(long)k * PANEL];
         } else {
             const long panel_bytes = (long)((C + GROUP - 1) / GROUP) * block_bytes(m->embed_fmt);
             dequant_panel(m->embed_fmt, (const uint8_t *)m->embed + ids[b] / PANEL * panel_bytes, C, tile, 0);

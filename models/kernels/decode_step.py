@@ -42,7 +42,8 @@ log = logging.getLogger("minibatch.decode_step")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_step.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
-FP32 = -1  # FMT_FP32 in decode_step.c: small_gemm panels
+FP32 = -1  # FMT_FP32 in decode_step.c: small_gemm panels (a linear), fp32 rows (a token table)
+PANELS = -2  # FMT_PANELS: a token table that is a tied lm_head's small_gemm panels (3-D)
 QUANT_MAX_ROWS = 128  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -109,7 +110,7 @@ def lin(linear) -> Lin | None:
 class StepPlan:
     """One model described to the kernel; ``plan(batch)`` runs a lean decode step -> logits [B, V].
 
-    embed: (token table: fp32 [V, C] or a ``QuantWeight``, learned positions [P, C] or None); layers: per layer
+    embed: (token table: fp32 [V, C], panels or a ``QuantWeight``, learned positions [P, C] or None); layers: per layer
     ``(norm1, norm2, qkv, o, up, down, (k_pool, v_pool), scale)``, a norm being ``(weight, bias or None)``
     (None: RMSNorm), the linears ``layers.Linear``s, the pools ``PagedKVCache.pools`` views. Every tensor it
     points at is held here (the model holds them too), so the pointers stay valid.
@@ -120,7 +121,10 @@ class StepPlan:
         self._keep = [embed, rope, final_norm, layers]
         table, positions = embed
         quant = isinstance(table, quant_gemm.QuantWeight)
-        table_ptr, table_fmt = (table.data.data_ptr(), quant_gemm.FORMATS[table.fmt]) if quant else (_ptr(table), FP32)
+        if quant:
+            table_ptr, table_fmt = table.data.data_ptr(), quant_gemm.FORMATS[table.fmt]
+        else:
+            table_ptr, table_fmt = _ptr(table), PANELS if table.dim() == 3 else FP32
         k_pool = layers[0][6][0]
         cos, sin = (rope[0], rope[1]) if rope is not None else (None, None)
         structs = []

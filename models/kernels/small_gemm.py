@@ -1,19 +1,35 @@
-"""The small-batch GEMM kernel (``small_gemm.c``): built once with the system C compiler, called via ctypes.
+"""The fp32 GEMM kernels over one packed copy (``small_gemm.c``): built once with the system C compiler, via ctypes.
 
-A decode step multiplies B rows (B = batch, a few to a few dozen) by every weight matrix, so
-it is bound by streaming weights from memory. Measured on the 2-core AVX2 box this project is
-benchmarked on (all 25 linears of distilgpt2 in turn, 324 MB, weights cold in cache, 2 threads,
-GB/s of weights streamed; two runs a minute apart; ``scripts/benchmark.py`` reports the same
-table for any model as ``linear_kernels``):
+Every fp32 weight is held once, as panels of 8 output columns (``pack``), and both kernels read them:
 
-    rows M                 1          4          8          16         32
-    oneDNN packed     13.7-13.9  6.5-10.6    8.0-8.3    6.1-7.0    4.5-5.1
-    this kernel       15.5-16.8  13.1-16.1  12.3-15.0   7.9-9.6    4.6-4.9
+* ``small_gemm`` (M <= ``MAX_ROWS``, decode steps): bound by streaming the weights, so each panel is read
+  once and reused from L1 for every row. Measured on the 2-core AVX2 box this project is benchmarked on
+  (all 25 linears of distilgpt2 in turn, 324 MB, weights cold in cache, 2 threads, GB/s of weights
+  streamed; two runs a minute apart; ``scripts/benchmark.py`` reports the kernel's rates as ``linear_kernels``):
 
-so it is used for M <= ``MAX_ROWS`` and oneDNN (better at prefill sizes) above. The kernel
-needs AVX2 + FMA and a C compiler with OpenMP; without them ``load()`` returns None, says why
-once in the log, and the callers keep using oneDNN. ``build.py`` compiles it once per machine
-into the cache's ``kernels/`` directory (``models/cache_dir.py``).
+      rows M                 1          4          8          16         32
+      oneDNN packed     13.7-13.9  6.5-10.6    8.0-8.3    6.1-7.0    4.5-5.1
+      this kernel       15.5-16.8  13.1-16.1  12.3-15.0   7.9-9.6    4.6-4.9
+
+* ``panel_gemm`` (more rows: prefill, big decode batches): BLIS-style over the same panels (X packed per
+  call into 6-row micro-panels, 6 x 16 register tiles over pairs of panels), at the speed of oneDNN on its
+  own reordered copy, which therefore is no longer kept. Time per call against oneDNN's prepacked
+  ``_linear_pointwise``, side by side in one process, 1 thread, min of repeated calls (shared machine):
+
+      rows M                 17     32     64     128    256    512
+      768 x 768            0.97   1.05   1.00   1.00   1.01   1.01
+      2304 x 768 (QKV)     0.92   0.98   0.94   0.98   1.02   1.02
+      3072 x 768 (fc)      0.87   0.98   0.96   0.99   1.01   1.01
+      768 x 3072 (proj)    0.91   0.99   0.99   1.05   1.06   1.07
+      50257 x 768 (head)   0.81   0.98   1.01   1.06   1.04   1.02
+
+  (a whole distilgpt2 prefill of 17-512 tokens: 0.85-1.01x; ``F.linear`` on a plain copy, which packs the
+  weight per call, was 1.1-2.5x oneDNN's time at these sizes.)
+
+Both give the same bits (each output one FMA chain over k in order, then + bias, + residual), at any
+thread count. The kernels need AVX2 + FMA and a C compiler with OpenMP; without them ``load()`` returns
+None, says why once in the log, and the linears keep one oneDNN copy instead. ``build.py`` compiles it
+once per machine into the cache's ``kernels/`` directory (``models/cache_dir.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ log = logging.getLogger("minibatch.small_gemm")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_gemm.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 8  # output columns per packed panel (small_gemm.c)
-MAX_ROWS = 16  # use the kernel for at most this many rows; oneDNN wins above (table above)
+MAX_ROWS = 16  # small_gemm for at most this many rows, panel_gemm above
 
 
 def _load() -> ctypes.CDLL:
@@ -52,10 +68,12 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int,
         ctypes.c_int,  # M, K, N, nthreads
     ]
+    lib.panel_gemm.restype = ctypes.c_int
+    lib.panel_gemm.argtypes = lib.small_gemm.argtypes
     return lib
 
 
-KERNEL = KernelLoader("small-batch GEMM kernel", _load, "using oneDNN for every linear", log)
+KERNEL = KernelLoader("fp32 GEMM kernels", _load, "fp32 linears keep one oneDNN copy instead", log)
 
 
 def load() -> ctypes.CDLL | None:
@@ -70,6 +88,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
     padded[:n] = weight
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of W read out of ``pack(W)`` (a tied lm_head's panels as the token table): [len(ids), K]."""
+    return packed[ids // PANEL, :, ids % PANEL]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -89,7 +112,7 @@ def matmul(
     """
     kernel = load()
     if kernel is None:
-        raise RuntimeError(f"small-batch GEMM kernel unavailable: {KERNEL.unavailable_reason}")
+        raise RuntimeError(f"fp32 GEMM kernels unavailable: {KERNEL.unavailable_reason}")
     m, k = x.shape
     if packed.shape[1] != k or packed.shape[0] * PANEL < n_out:
         raise ValueError(f"x [{m}, {k}] does not match packed weights {tuple(packed.shape)} for {n_out} outputs")
@@ -98,7 +121,8 @@ def matmul(
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     out = torch.empty(m, n_out, dtype=torch.float32)
-    kernel.small_gemm(
+    call = kernel.small_gemm if m <= MAX_ROWS else kernel.panel_gemm
+    rc = call(
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),
@@ -112,4 +136,6 @@ def matmul(
         n_out,
         torch.get_num_threads(),
     )
+    if rc:  # panel_gemm only (small_gemm returns nothing: ctypes reads its void return as None)
+        raise MemoryError("panel_gemm: cannot allocate the packing buffer")
     return out

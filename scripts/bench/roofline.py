@@ -108,40 +108,28 @@ def overhead_and_roofline(
 
 
 def linear_kernel_rates(model, rows: tuple[int, ...], repeats: int = 3) -> list[dict]:
-    """Per row count M: GB/s of weights streamed through every linear of the model in turn, by
-    oneDNN and by the small-batch kernel (small_gemm.c), on the model's own packed weights.
+    """Per row count M: GB/s of weights streamed through every linear of the model in turn, by the kernel the
+    linears run on their one copy: small_gemm.c over fp32 panels (``small_gemm_gb_s``: the small-batch kernel up
+    to its MAX_ROWS, panel_gemm above), else oneDNN over its reordered copy (``onednn_gb_s``), or quant_gemm.
     Call it on the engine thread that built the model (``scheduler.engine_thread``), as the engine runs."""
     import torch
-
-    from models.kernels import small_gemm
 
     linears = model.linears()
     if linears and linears[0].quant is not None:  # quantized: the one kernel every call takes
         return quant_kernel_rates(linears, rows, repeats)
-    if not linears or not linears[0].onednn:
+    if not linears or (linears[0].small is None and not linears[0].onednn):
         return []
+    key = "small_gemm_gb_s" if linears[0].small is not None else "onednn_gb_s"
     weight_bytes = sum(lin.streamed_bytes for lin in linears)
 
-    def onednn(x, lin):
-        return torch.ops.mkldnn._linear_pointwise(x, lin.weight, None, "none", [], "")
-
-    def kernel(x, lin):
-        return small_gemm.matmul(x, lin.small, lin.out_features)
-
-    def rate(fn, m: int) -> float:
+    def rate(m: int) -> float:
         xs = {lin.in_features: torch.randn(m, lin.in_features) for lin in linears}
         runs = []
         for _ in range(repeats + 1):  # the first pass warms up
-            runs.append(_timed(lambda: [fn(xs[lin.in_features], lin) for lin in linears]))
+            runs.append(_timed(lambda: [lin(xs[lin.in_features]) for lin in linears]))
         return weight_bytes / min(runs[1:]) / 1e9
 
-    out = []
-    for m in rows:
-        entry = {"rows": m, "onednn_gb_s": rate(onednn, m)}
-        if linears[0].small is not None:
-            entry["small_gemm_gb_s"] = rate(kernel, m)
-        out.append(entry)
-    return out
+    return [{"rows": m, key: rate(m)} for m in rows]
 
 
 def quant_kernel_rates(linears: list, rows: tuple[int, ...], repeats: int) -> list[dict]:
