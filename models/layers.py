@@ -105,16 +105,17 @@ class Linear:
         """Bytes of weight one call reads: the one copy, whichever kernel runs."""
         return self.nbytes
 
+    @property
+    def copy(self) -> torch.Tensor | QuantWeight:
+        """The one resident copy of the weight: quantized blocks, small_gemm panels, or oneDNN's / the plain one."""
+        return next(c for c in (self.quant, self.small, self.weight) if c is not None)
+
     def table(self) -> torch.Tensor | QuantWeight:
         """The weight as a token table ``embed_rows`` reads (a tied lm_head's copy, shared): the quantized
         copy, the panels, or the plain [out, in] weight (made with ``table=True``, never oneDNN's)."""
-        if self.quant is not None:
-            return self.quant
-        if self.small is not None:
-            return self.small
         if self.onednn:
             raise ValueError("a oneDNN-reordered weight has no rows to look up (make the Linear with table=True)")
-        return self.weight
+        return self.copy
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
@@ -398,7 +399,7 @@ class MixedForward:
         with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs).
         """
         starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
-        whole_step = self._takes_fused_step(len(token_ids), prompts, starts)
+        whole_step = self._takes_fused_step(len(token_ids), prompts)
         batch = MixedBatch.build(
             token_ids,
             positions,
@@ -420,7 +421,7 @@ class MixedForward:
         # Logits only where a token is sampled: the decode rows and each chunk's last position.
         return self._logits(x if batch.sample_rows is None else x[batch.sample_rows], batch.lean)
 
-    def _takes_fused_step(self, n_decode: int, prompts: list[list[int]], starts: list[int]) -> bool:
+    def _takes_fused_step(self, n_decode: int, prompts: list[list[int]]) -> bool:
         """Whether a step of ``n_decode`` decode rows and these prompt chunks runs as one whole-step call: the
         kernel plan exists (lean decode on), and its rows (decode tokens plus chunk tokens) are within the
         plan's limit (``StepPlan.max_rows``)."""
@@ -470,11 +471,10 @@ class MixedForward:
         weight), counted once, as the lm_head.
         """
         out: dict[str, int] = {}
-        held: set[int] = set()  # ids of the copies counted: a Linear's quant / small / weight
+        held: set[int] = set()  # ids of the copies counted (``Linear.copy``)
         for lin in self.linears():
-            copy = next(c for c in (lin.quant, lin.small, lin.weight) if c is not None)
-            if id(copy) not in held:
-                held.add(id(copy))
+            if id(lin.copy) not in held:
+                held.add(id(lin.copy))
                 out[lin.fmt] = out.get(lin.fmt, 0) + lin.nbytes
         for table in self.embedding_tables():
             if id(table) in held:

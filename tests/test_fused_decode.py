@@ -239,9 +239,9 @@ def test_whole_step_call_over_partitioned_contexts(family_dir):
     _same_bits_every_way(model, model.fused_step, tokens, lens, tables)
 
 
-def _same_bits_every_way(model, plan, tokens, positions, tables) -> None:
-    """The step from the same KV state: whole-step call at 1, 2, 3 threads, and the per-layer calls at 2 threads;
-    identical logits and identical pools afterwards."""
+def _runs_from_one_state(model, plan, step) -> list[tuple]:
+    """``step()`` from the same KV state through the whole-step call ``plan`` at 1, 2 and 3 threads, then at 2
+    threads without it (per-layer calls or the torch path); -> (logits, K pool, V pool) after each run."""
     before = model.kv.k.clone(), model.kv.v.clone()
     results = []
     for threads, fused in [(1, True), (2, True), (3, True), (2, False)]:
@@ -249,11 +249,19 @@ def _same_bits_every_way(model, plan, tokens, positions, tables) -> None:
         model.kv.v.copy_(before[1])
         torch.set_num_threads(threads)
         model.fused_step = plan if fused else None
-        logits = model.decode(tokens, positions, tables)
+        logits = step()
         results.append((logits, model.kv.k.clone(), model.kv.v.clone()))
     model.fused_step = plan
+    return results
+
+
+def _same_bits_every_way(model, plan, tokens, positions, tables) -> None:
+    """The step from the same KV state: whole-step call at 1, 2, 3 threads, and the per-layer calls at 2 threads;
+    identical logits and identical pools afterwards."""
+    before = model.kv.k.clone()
+    results = _runs_from_one_state(model, plan, lambda: model.decode(tokens, positions, tables))
     first = results[0]
-    assert not torch.equal(first[1], before[0])  # the step did write its K/V
+    assert not torch.equal(first[1], before)  # the step did write its K/V
     for logits, k, v in results[1:]:
         assert torch.equal(logits, first[0])
         assert torch.equal(k, first[1]) and torch.equal(v, first[2])
@@ -308,17 +316,8 @@ def _mixed_every_way(model, args, kwargs) -> None:
     and K/V; the torch path (2 threads) the same within float tolerance. The whole-step call really ran."""
     plan = model.fused_step
     rows = len(args[0]) + sum(len(p) for p in kwargs["prompts"])
-    assert model._takes_fused_step(len(args[0]), kwargs["prompts"], kwargs["prompt_starts"]), rows
-    before = model.kv.k.clone(), model.kv.v.clone()
-    results = []
-    for threads, fused in [(1, True), (2, True), (3, True), (2, False)]:
-        model.kv.k.copy_(before[0])
-        model.kv.v.copy_(before[1])
-        torch.set_num_threads(threads)
-        model.fused_step = plan if fused else None
-        logits = model.forward(*args, **kwargs)
-        results.append((logits, model.kv.k.clone(), model.kv.v.clone()))
-    model.fused_step = plan
+    assert model._takes_fused_step(len(args[0]), kwargs["prompts"]), rows
+    results = _runs_from_one_state(model, plan, lambda: model.forward(*args, **kwargs))
     first, (plain, plain_k, plain_v) = results[0], results[-1]
     n_sample = len(args[0]) + sum(
         len(p) if every else 1 for p, every in zip(kwargs["prompts"], kwargs["every_position"] or [False] * 9)
@@ -363,11 +362,11 @@ def test_fp32_steps_past_small_gemms_row_limit_keep_the_torch_path(family_dir):
     need_step_kernel()
     model = make_engine(family_dir, 4, weights="fp32").model
     assert model.fused_step.max_rows == layers.LEAN_MAX_ROWS
-    assert model._takes_fused_step(2, [[1] * 14], [0])
-    assert not model._takes_fused_step(2, [[1] * 15], [0])
+    assert model._takes_fused_step(2, [[1] * 14])
+    assert not model._takes_fused_step(2, [[1] * 15])
     quant = make_engine(family_dir, 4, weights="int4").model
-    assert quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 4)], [0])
-    assert not quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 3)], [0])
+    assert quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 4)])
+    assert not quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 3)])
 
 
 @pytest.mark.model

@@ -21,7 +21,7 @@ this call, ms: 7+64 127 / 103, 7+128 198 / 198, 7+256 444 / 437; 7+64 with the c
 torch path's fixed cost (~15 ms of dispatch) stops mattering past ~128 rows, where the two meet:
 ``QUANT_MAX_ROWS``. Inside this call quant_gemm's direct path (L1 blocks, 48 rows a pass) was as fast as its
 L2-tile path at 15-71 rows (min of 7: 23 rows 35.2 / 38.9 ms, 39 rows 54.2 / 55.5), so only the direct path
-is used. fp32 panels keep small_gemm's limit (oneDNN wins above it).
+is used. fp32 panels keep small_gemm's limit (above it ``panel_gemm``'s blocked tiles, outside this call, win).
 
 Built once per machine by ``build.py`` (AVX2, FMA, F16C, OpenMP); without them ``load()`` returns None,
 logs why once, and the models keep the per-layer lean path.
@@ -146,7 +146,7 @@ class StepPlan:
             *(table_ptr, table_fmt, _ptr(positions)),
         )
         lins = [y for layer in structs for y in (layer.qkv, layer.o, layer.up, layer.down)] + [self.model.lm_head]
-        # fp32 panels stay within small_gemm's row limit (oneDNN wins above it); quantized linears go further.
+        # fp32 panels stay within small_gemm's row limit (panel_gemm wins above it); quantized linears go further.
         self.max_rows = small_gemm.MAX_ROWS if any(x.fmt == FP32 for x in lins) else QUANT_MAX_ROWS
         self.n_embd = dims["C"]
         self.model_ref = ctypes.byref(self.model)
