@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
+RUNTIMES = ("auto", "torch", "native")  # engine.build_engine picks the engine by it
 # A CORS origin: "*", or scheme://host[:port] with no path (what browsers send in Origin).
 _ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.\-\[\]:]+")
 
@@ -63,6 +64,11 @@ class Config:
     # safetensors checkpoint in fp32; "fp32", "int8" (per 32-group, = GGUF Q8_0) or "int4" (per
     # 32-group scale + min, = GGUF Q4_1) for any checkpoint. int8 and int4 run on the CPU only.
     weights: str = "auto"
+    # What runs the model: "torch" (our torch forward, any device and weights), "native" (a model image built once
+    # in a torch child process, run by the compiled step kernel in a process that never imports torch: CPU only,
+    # a fraction of the memory), or "auto": native for quantized weights (a GGUF at WEIGHTS=auto, or int8 / int4)
+    # where the kernel builds, else torch. README "Memory".
+    runtime: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
     # Name the OpenAI endpoints answer to (GET /v1/models, the "model" field). "" = MODEL_ID.
@@ -175,6 +181,12 @@ class Config:
             self.weights in WEIGHT_FORMATS,
             "WEIGHTS",
             f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})",
+        )
+        _check(self.runtime in RUNTIMES, "RUNTIME", f"must be one of {', '.join(RUNTIMES)} (got {self.runtime!r})")
+        _check(
+            self.runtime != "native" or self.device in ("auto", "cpu"),
+            "RUNTIME",
+            f"native runs on the CPU only (DEVICE is {self.device}); use RUNTIME=torch",
         )
         bad_origin = next((o for o in self.cors_origins if not _ORIGIN.fullmatch(o)), None)
         _check(

@@ -24,6 +24,7 @@ from typing import NamedTuple
 from block_manager import BlockManager, extend_block_hashes
 from checkpoints import ModelLoadError
 from config import Config
+from models.native_memory import HeapTrimmer
 from sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from sequence import Sequence, SequenceStatus
 
@@ -902,45 +903,28 @@ class FakeEngine(BatchEngine):
             self.kv_slots.clear()
 
 
-class HFEngine(BatchEngine):
-    """A Hugging Face checkpoint on our hand-written forward over a preallocated KV cache.
+class ModelEngine(BatchEngine):
+    """A real model behind the bookkeeping: what every model runtime shares once its model and tokenizer exist.
 
-    ``checkpoints.load_checkpoint`` loads tokenizer and model (hub id, local directory or
-    ``.gguf``); the weights are copied into the family's forward (``models.families()``, keyed by
-    ``config.model_type``) and the HF module is dropped.
+    Subclasses build ``self.model`` (the forward contract of ``models.layers.MixedForward.forward``: decode rows and
+    prompt chunks in, logits rows out) and ``self.tokenizer`` (encode / decode / apply_chat_template), then call
+    ``_init_batching``. Here: tokenizing, chat templates, one forward over decode rows and prompt chunks, and
+    sampling its logits (``sampling``, on numpy: the same code whichever runtime made them).
     """
 
-    def __init__(self, config: Config) -> None:
-        from models.native_memory import HeapTrimmer, bound_native_caches, memory_mib
+    tokenizer: object
+    model: object
+    chat_template: str | None
 
-        bound_native_caches()  # before torch runs its first oneDNN op
-        thread_environment()  # before torch loads libgomp, which reads its wait policy once, at load
-        import torch  # deferred: the server stack must stay importable without torch
-
-        from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
-        from models import families
-
-        torch.set_num_threads(engine_threads(config))
-        self.device = resolve_device(config.device)
-        self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
-        hf_config = hf_model.config
-        supported = families()
-        if hf_config.model_type not in supported:
-            raise ModelLoadError(
-                f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
-                f"supported: {', '.join(sorted(supported))}"
-            )
-        family = supported[hf_config.model_type]
-        window = family.context_window(hf_config)
+    def _init_batching(self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int) -> int:
+        """Context, KV pool and batching from ``config`` for a model of ``window`` positions; -> KV pool blocks."""
         max_context = min(window, config.max_model_len) if config.max_model_len else window
-        stops = eos_ids(hf_model, self.tokenizer) | set(config.stop_token_ids)
         block_size = config.kv_block_size
-        block_bytes = family.kv_bytes_per_token(hf_config) * block_size
-        num_blocks = kv_pool_blocks(config, max_context, block_bytes)
+        num_blocks = kv_pool_blocks(config, max_context, kv_bytes_per_token * block_size)
         super().__init__(
             config.max_batch_size,
             max_context,
-            stops,
+            stops | set(config.stop_token_ids),
             num_blocks,
             block_size,
             config.max_num_batched_tokens,
@@ -948,48 +932,17 @@ class HFEngine(BatchEngine):
             config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
-        self.vocab_size = hf_config.vocab_size
-        self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
-        weights = "fp32" if config.weights == "auto" else config.weights  # a GGUF's "auto" is in hf_model already
         self._heap = HeapTrimmer()
-        try:
-            self.model = family(
-                hf_model.eval(),
-                config.max_batch_size,
-                max_context,
-                self.device,
-                use_small_gemm=config.small_gemm,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                weights=weights,
-            )
-        except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
-            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
-        if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
-            log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
-        del hf_model
-        self._heap.trim()  # the load's transient copies (state dict, unfused parts) back to the OS
-        resident = self.model.resident_weights()
-        memory = memory_mib()
-        log.info(
-            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, %d threads; "
-            "RSS %.0f MiB (peak %.0f MiB)",
-            config.model_id,
-            self.device,
-            self.capacity,
-            max_context,
-            num_blocks,
-            block_size,
-            num_blocks * block_size,
-            self.model.kv.nbytes / 2**20,
-            ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
-            sum(resident.values()) / 2**20,
-            "small_gemm panels" if self.model.small_gemm else "oneDNN" if self.model.onednn else "torch",
-            torch.get_num_threads(),
-            memory.get("VmRSS", 0),
-            memory.get("VmHWM", 0),
-        )
+        return num_blocks
+
+    def _logits(self, *forward_args):
+        """``self.model.forward(*forward_args)`` as a float32 numpy array [rows, V] (sampling runs on numpy)."""
+        return self.model.forward(*forward_args)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of the KV block pool."""
+        return self.model.kv_nbytes
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -1033,7 +986,7 @@ class HFEngine(BatchEngine):
         """
         table = self.blocks.block_table
         every = [_scores_prompt(seq, start) for seq, start, _ in chunks]
-        logits = self.model.forward(
+        logits = self._logits(
             [s.last_token_id for s in running],
             [s.num_tokens - 1 for s in running],
             [table(s.seq_id) for s in running],
@@ -1059,7 +1012,7 @@ class HFEngine(BatchEngine):
         return self._next_tokens(logits, running + ending)
 
     def _copy_block(self, src: int, dst: int) -> None:
-        self.model.kv.copy_block(src, dst)
+        self.model.copy_block(src, dst)
 
     def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
         """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
@@ -1132,6 +1085,144 @@ class HFEngine(BatchEngine):
         rows = logits if len(wanted) == len(seqs) else logits[wanted]
         for i, lp in zip(wanted, logprobs(rows, [tokens[i] for i in wanted], k)):
             seqs[i].output_logprobs.append(lp._replace(top=lp.top[: seqs[i].logprobs]))
+
+
+class HFEngine(ModelEngine):
+    """A Hugging Face checkpoint on our hand-written torch forward over a preallocated KV cache.
+
+    ``checkpoints.load_checkpoint`` loads tokenizer and model (hub id, local directory or
+    ``.gguf``); the weights are copied into the family's forward (``models.families()``, keyed by
+    ``config.model_type``) and the HF module is dropped.
+    """
+
+    def __init__(self, config: Config) -> None:
+        from models.native_memory import bound_native_caches, memory_mib
+
+        bound_native_caches()  # before torch runs its first oneDNN op
+        thread_environment()  # before torch loads libgomp, which reads its wait policy once, at load
+        import torch  # deferred: the server stack must stay importable without torch
+
+        from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
+        from models import families
+
+        torch.set_num_threads(engine_threads(config))
+        self.device = resolve_device(config.device)
+        self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
+        hf_config = hf_model.config
+        supported = families()
+        if hf_config.model_type not in supported:
+            raise ModelLoadError(
+                f"model architecture {hf_config.model_type!r} of {config.model_id!r} is not supported; "
+                f"supported: {', '.join(sorted(supported))}"
+            )
+        family = supported[hf_config.model_type]
+        stops = eos_ids(hf_model, self.tokenizer)
+        num_blocks = self._init_batching(
+            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config)
+        )
+        max_context, block_size = self.max_context, self.blocks.block_size
+        self.vocab_size = hf_config.vocab_size
+        self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
+        weights = "fp32" if config.weights == "auto" else config.weights  # a GGUF's "auto" is in hf_model already
+        try:
+            self.model = family(
+                hf_model.eval(),
+                config.max_batch_size,
+                max_context,
+                self.device,
+                use_small_gemm=config.small_gemm,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                weights=weights,
+            )
+        except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
+        if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
+            log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
+        del hf_model
+        self._heap.trim()  # the load's transient copies (state dict, unfused parts) back to the OS
+        resident = self.model.resident_weights()
+        memory = memory_mib()
+        log.info(
+            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
+            "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, %d threads; "
+            "RSS %.0f MiB (peak %.0f MiB)",
+            config.model_id,
+            self.device,
+            self.capacity,
+            max_context,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            self.model.kv.nbytes / 2**20,
+            ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
+            sum(resident.values()) / 2**20,
+            "small_gemm panels" if self.model.small_gemm else "oneDNN" if self.model.onednn else "torch",
+            torch.get_num_threads(),
+            memory.get("VmRSS", 0),
+            memory.get("VmHWM", 0),
+        )
+
+    def _logits(self, *forward_args):
+        return self.model.forward(*forward_args).float().cpu().numpy()  # [rows, V]: sampling runs on numpy
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self.model.kv.copy_block(src, dst)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.model.kv.nbytes
+
+
+class NativeEngine(ModelEngine):
+    """A model image (``models.image``) on the compiled whole-step kernel: the serving process never imports torch.
+
+    The checkpoint is compiled once, in a child process that has torch, into an image: every weight in the
+    kernel's packed format in one file, the tokenizer, and what the kernel needs to know of the model
+    (``models.image.ensure_image``, cached). Here the file is memory-mapped (the mapping is the resident weights,
+    nothing is copied), the KV pool is numpy, each step is one or more calls of ``decode_step.c``
+    (``models.native.NativeModel``), the tokenizer is ``text_tokenizer`` and sampling is numpy. A server holds
+    the weights, its KV pool and Python, not torch's ~185 MB of libraries (README "Memory").
+    """
+
+    def __init__(self, config: Config, image_dir: str | None = None) -> None:
+        from models.native_memory import memory_mib
+
+        environment = thread_environment()  # before libgomp loads with the kernel
+        from text_tokenizer import TextTokenizer
+
+        from models.image import ensure_image
+        from models.native import NativeModel
+
+        image_dir = image_dir or ensure_image(config.model_id, config.weights)
+        meta = NativeModel.read_meta(image_dir)
+        self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, "tokenizer"))
+        num_blocks = self._init_batching(
+            config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"]
+        )
+        self.vocab_size = meta["vocab_size"]
+        self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
+        self.model = NativeModel(image_dir, num_blocks, self.blocks.block_size, engine_threads(config))
+        resident = self.model.resident_weights()
+        memory = memory_mib()
+        log.info(
+            "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %d blocks x %d "
+            "tokens, %.1f MiB; weights resident (mapped), one copy each: %s (%.1f MiB); %d threads (%s); "
+            "RSS %.0f MiB (peak %.0f MiB)",
+            config.model_id,
+            image_dir,
+            self.capacity,
+            self.max_context,
+            num_blocks,
+            self.blocks.block_size,
+            self.model.kv_nbytes / 2**20,
+            ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
+            sum(resident.values()) / 2**20,
+            self.model.threads,
+            ", ".join(f"{k}={v}" for k, v in environment.items()),
+            memory.get("VmRSS", 0),
+            memory.get("VmHWM", 0),
+        )
 
 
 def _needs_prompt_logprobs(seq: Sequence) -> bool:
@@ -1242,7 +1333,8 @@ def physical_cores() -> int:
 
 
 def build_engine(config: Config) -> InferenceEngine:
-    """The engine MODEL_ID asks for: ``fake`` -> FakeEngine, anything else -> HFEngine.
+    """The engine MODEL_ID and RUNTIME ask for: ``fake`` -> FakeEngine, else NativeEngine or HFEngine
+    (``uses_native_runtime``).
 
     Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
     """
@@ -1256,4 +1348,22 @@ def build_engine(config: Config) -> InferenceEngine:
             prefix_caching=config.prefix_caching,
             max_prefill_while_decoding=config.max_prefill_tokens_while_decoding,
         )
-    return HFEngine(config)
+    return NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+
+
+def uses_native_runtime(config: Config) -> bool:
+    """RUNTIME=native, or RUNTIME=auto with quantized weights (a GGUF at WEIGHTS=auto, int8, int4) on the CPU
+    where the whole-step kernel builds (else auto falls back to torch, and says why)."""
+    from checkpoints import is_gguf
+
+    if config.runtime != "auto":
+        return config.runtime == "native"
+    quantized = config.weights in ("int8", "int4") or (config.weights == "auto" and is_gguf(config.model_id))
+    if not quantized or config.device not in ("auto", "cpu"):
+        return False
+    from models.native import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        log.warning("RUNTIME=auto: quantized weights run on torch here: %s", reason)
+    return reason is None

@@ -1,4 +1,4 @@
-"""``POST /generate``: our own API (text in, text and token ids out, optionally as server-sent
+"""``POST /generate``: our own API (text or token ids in, text and token ids out, optionally as server-sent
 events). Only translation lives here; the path to a running generation is ``serving.py``'s,
 the answer's is ``streaming.py``'s. No torch."""
 
@@ -11,7 +11,15 @@ from fastapi import APIRouter, Depends, Request
 from generation import Chunk
 from schemas import ErrorResponse, GenerateRequest, GenerateResponse, Metrics
 from sequence import Sequence
-from serving import Runtime, check_max_tokens, current_runtime, make_sequence, start_generation, tokenize
+from serving import (
+    Runtime,
+    check_max_tokens,
+    check_token_ids,
+    current_runtime,
+    make_sequence,
+    start_generation,
+    tokenize,
+)
 from streaming import Frames, run_to_completion, sse_response, usage
 from structured_output import attach_grammar, generate_grammar
 
@@ -26,7 +34,10 @@ router = APIRouter()
 )
 async def generate(req: GenerateRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
     max_new_tokens = check_max_tokens(runtime, req.max_new_tokens, "max_new_tokens")
-    prompt_ids = await tokenize(runtime, req.prompt)
+    if isinstance(req.prompt, list):
+        prompt_ids = check_token_ids(runtime, req.prompt)
+    else:
+        prompt_ids = await tokenize(runtime, req.prompt)
     request_id = req.request_id or f"req-{uuid.uuid4().hex}"
     seq = make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id, prompt_logprobs=req.prompt_logprobs)
     await attach_grammar(runtime, [seq], *generate_grammar(req.json_schema, req.regex, req.choice))

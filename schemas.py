@@ -75,7 +75,7 @@ class SamplingFields(BaseModel):
 
 class GenerateRequest(SamplingFields):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
-    prompt: str = Field(min_length=1)
+    prompt: str | list[int] = Field(min_length=1, description="text, or token ids (fed as they are)")
     # The upper bound is MAX_NEW_TOKENS_LIMIT, checked by the server (it is configuration).
     max_new_tokens: int = Field(default=16, ge=1)
     stream: bool = False

@@ -82,7 +82,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads or physical_cores())
     base, kwargs = parse_system(args.system)
-    if base == "ours" and args.gguf:
+    if base in ("ours", "ours_server") and args.gguf:
         # The tokenizer the server itself loads for a GGUF (its metadata, not the fp32 conversion through
         # transformers' config classes): the worker's peak RSS stands for the server's, beside llama.cpp's.
         from checkpoints import gguf_metadata_dir, saved_tokenizer
@@ -111,7 +111,7 @@ def measure(args, base: str, kwargs: dict, workload) -> dict:
     # OpenMP work, and a second live pool on these cores would stop the engine thread's workers spinning.
     with ThreadPoolExecutor(max_workers=1) as pool:
         peaks = pool.submit(machine_peaks).result() if args.overhead else None
-    if base in ("ours", "llamacpp"):
+    if base in ("ours", "ours_server", "llamacpp"):
         kwargs["gguf"] = args.gguf
     once, config = SYSTEM_FNS[base](args.model_dir, workload, **kwargs)
     capacity = workload.capacity
@@ -137,7 +137,8 @@ def measure(args, base: str, kwargs: dict, workload) -> dict:
             once.engine, once.thread, sizes, 64, 8 if args.quick else 16, peaks, 2 if args.quick else 6
         )
         rows = (1, 8) if args.quick else (1, 4, 8, 16, 32)
-        result["linear_kernels"] = once.thread.submit(linear_kernel_rates, once.engine.model, rows).result()
+        if hasattr(once.engine.model, "linears"):  # the torch runtime's linears, one kernel call each
+            result["linear_kernels"] = once.thread.submit(linear_kernel_rates, once.engine.model, rows).result()
     result["peak_rss_mb"] = server_rss or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 

@@ -49,6 +49,21 @@ def test_generate_200_shape(prompt, n):
     bounded(body)
 
 
+def test_generate_takes_a_prompt_as_token_ids():
+    """Token ids are fed as they are: the same answer as the text they encode, streamed or not."""
+
+    async def body():
+        async with serving(FakeEngine(max_context=1024)) as c:
+            ids = [b + 1 for b in "héllo".encode()]  # the fake's tokenizer: token b + 1 per UTF-8 byte b
+            r = await c.post("/generate", json={"prompt": ids, "max_new_tokens": 5})
+            assert_ok(r, "héllo", 5)
+            r = await c.post("/generate", json={"prompt": ids, "max_new_tokens": 5, "stream": True})
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert [t for e in events for t in e.get("token_ids", [])] == fake_ids("héllo", 5)
+
+    bounded(body)
+
+
 def test_request_id_generated_when_absent():
     async def body():
         async with serving() as c:
@@ -265,6 +280,11 @@ def test_health_dead_when_scheduler_loop_died():
         ({"prompt": 5}, "prompt"),
         ({"prompt": True}, "prompt"),
         ({"prompt": ["a"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "2"]}, "prompt"),
+        ({"prompt": [1.0]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [257]}, "prompt"),  # FakeEngine's vocabulary is [0, 257)
         ({"prompt": None}, "prompt"),
         ({"prompt": "x", "temperature": True}, "temperature"),
         ({"prompt": "x", "temperature": "0"}, "temperature"),

@@ -50,13 +50,13 @@ async def _scheduled_steps(engine, thread, batch: int, prompt: list[int], steps:
     return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # step-to-step, after the admit callback
 
 
-def _bare_steps(model, batch: int, prompt: list[int], steps: int) -> list[float]:
-    """Same rows, same positions, nothing but model.decode (over blocks of its own: the engine is idle)."""
-    per_row = -(-(len(prompt) + steps + 1) // model.kv.block_size)
+def _bare_steps(model, block_size: int, batch: int, prompt: list[int], steps: int) -> list[float]:
+    """Same rows, same positions, nothing but the model's forward (over blocks of its own: the engine is idle)."""
+    per_row = -(-(len(prompt) + steps + 1) // block_size)
     tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(batch)]
-    model.prefill([prompt] * batch, tables)
+    model.forward([], [], [], [prompt] * batch, tables)
     n = len(prompt)
-    return [_timed(functools.partial(model.decode, [11] * batch, [n + s] * batch, tables)) for s in range(steps)]
+    return [_timed(functools.partial(model.forward, [11] * batch, [n + s] * batch, tables)) for s in range(steps)]
 
 
 def overhead_and_roofline(
@@ -77,7 +77,7 @@ def overhead_and_roofline(
         engine_steps, bare, ratios = [], [], []
         for _ in range(rounds):
             engine_round = asyncio.run(_scheduled_steps(engine, thread, batch, prompt, steps))
-            bare_round_ms = thread.submit(_bare_steps, model, batch, prompt, steps).result()
+            bare_round_ms = thread.submit(_bare_steps, model, engine.blocks.block_size, batch, prompt, steps).result()
             ratios.append(statistics.median(engine_round) / statistics.median(bare_round_ms))
             engine_steps += engine_round
             bare += bare_round_ms

@@ -252,7 +252,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     import dataclasses
 
     from config import Config
-    from engine import HFEngine
+    from engine import build_engine
     from sampling import SamplingParams
     from scheduler import Scheduler, engine_thread
     from sequence import Sequence, group_choices
@@ -261,8 +261,8 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     os.environ.update(env)  # before Config is built: knobs added to config.py later are read from here too
     config = Config.from_env({**os.environ, "MODEL_ID": gguf or model_dir})
     thread = engine_thread()  # builds the engine and makes every call into it, as the server does
-    engine = thread.submit(HFEngine, config).result()
-    kv_bytes_per_token = engine.model.kv.nbytes / (engine.blocks.num_blocks * engine.blocks.block_size)
+    engine = thread.submit(build_engine, config).result()  # RUNTIME picks NativeEngine or HFEngine, as the server's
+    kv_bytes_per_token = engine.kv_pool_bytes / (engine.blocks.num_blocks * engine.blocks.block_size)
     stats: dict = {}
 
     def once() -> list[dict]:
@@ -318,14 +318,14 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     resident = engine.model.resident_weights()
     known = {f.name.upper() for f in dataclasses.fields(Config)}
     return once, {
-        "engine": "HFEngine (hand-written forward, KV block pool, oneDNN / quantized linears)",
+        "engine": f"{type(engine).__name__} (hand-written forward, KV block pool, packed / quantized linears)",
         "capacity": workload.capacity,
         "weights": weights,
         "env": env,
         "env_not_in_config": sorted(k for k in env if k not in known),
         "max_model_len": engine.max_context,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "kv_pool_mib": round(engine.model.kv.nbytes / 2**20, 1),
+        "kv_pool_mib": round(engine.kv_pool_bytes / 2**20, 1),
         "kv_blocks": engine.blocks.num_blocks,
         "kv_block_size": engine.blocks.block_size,
         # the pre-pool design: every slot reserved MAX_MODEL_LEN tokens up front
@@ -439,7 +439,108 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
     }
 
 
-SYSTEM_FNS = {"static_hf": system_static_hf, "hf_cb": system_hf_cb, "ours": system_ours, "llamacpp": system_llamacpp}
+def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", **options):
+    """``python server.py`` in its own process, as an operator runs it, configured like ``ours`` (``ours_env``, plus
+    ``runtime``: RUNTIME), fed over HTTP like llama-server: every request's token ids to ``/generate``, streamed
+    (each event carries its tokens' ids: token times, and the output a continued turn resends), greedy, EOS
+    ignored. A request's ``n`` choices go as n requests (seeded 0..n-1). Its peak RSS is the server process's own,
+    so it compares with llama-server's like for like (``ours`` runs in the benchmark's worker, beside its harness).
+    """
+    import socket
+    import sys
+
+    import httpx
+
+    requests, capacity = workload.requests, workload.capacity
+    runtime = options.pop("runtime", "")
+    env = ours_env(workload, gguf, weights, options)
+    limit = max(r.max_new_tokens for r in requests)
+    env.update({"MODEL_ID": gguf or model_dir, "LOG_LEVEL": "WARNING", "MAX_NEW_TOKENS_LIMIT": str(limit)})
+    env["MAX_QUEUE_DEPTH"] = str(sum(r.n for r in requests) + 1)
+    if runtime:
+        env["RUNTIME"] = runtime
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env.update({"HOST": "127.0.0.1", "PORT": str(port)})
+    log_path = os.path.join(ROOT, "weights", f"ours-server-{port}.log")
+    log_file = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "server.py")], env={**os.environ, **env}, stdout=log_file, stderr=log_file
+    )
+    _wait_healthy(proc, f"http://127.0.0.1:{port}/ready", 600, log_path)  # a first start may build a model image
+
+    async def stream(client, prompt: list[int], r: Request, seed: int | None):
+        body = {"prompt": prompt, "max_new_tokens": r.max_new_tokens, "ignore_eos": True, "stream": True}
+        if seed is not None:
+            body.update({"temperature": 1.0, "seed": seed})
+        ids: list[int] = []
+        times: list[float] = []
+        async with client.stream("POST", f"http://127.0.0.1:{port}/generate", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                new = json.loads(line[6:]).get("token_ids") or []
+                ids += new
+                times += [time.perf_counter()] * len(new)
+        return ids, times
+
+    async def send(client, r: Request, prompt: list[int]):
+        if r.n == 1:
+            return await stream(client, prompt, r, None)
+        outs = await asyncio.gather(*(stream(client, prompt, r, j) for j in range(r.n)))
+        return [t for ids, _ in outs for t in ids], sorted(t for _, times in outs for t in times)
+
+    def once() -> list[dict]:
+        async def main():
+            limits = httpx.Limits(max_connections=sum(r.n for r in requests) + 1, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+                return await drive(requests, lambda r, prompt: send(client, r, prompt))
+
+        return asyncio.run(main())
+
+    def peak_rss_mb() -> float:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log_file.close()
+
+    once.peak_rss_mb, once.stop = peak_rss_mb, stop
+    return once, {"engine": "python server.py (its own process, over HTTP)", "capacity": capacity, "env": env}
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str) -> None:
+    """Bounded wait for a server we started to answer 200 at ``url``; it is killed if it does not."""
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the server did not become ready (see {log_path})")
+        time.sleep(0.5)
+
+
+SYSTEM_FNS = {
+    "static_hf": system_static_hf,
+    "hf_cb": system_hf_cb,
+    "ours": system_ours,
+    "ours_server": system_ours_server,
+    "llamacpp": system_llamacpp,
+}
 RAY_SYSTEM = "ours_ray"  # not a SYSTEM_FNS entry: three HTTP servers measured side by side (run_ours_ray)
 
 
@@ -447,7 +548,11 @@ def parse_system(name: str) -> tuple[str, dict]:
     """ "ours:int8" -> ("ours", {"weights": "int8"}); "ours:budget=0:prefix=off" -> ("ours", {"budget": "0",
     "prefix": "off"}); "llamacpp:cache=on" -> ("llamacpp", {"cache": "on"}); plain names -> (name, {})."""
     base, *parts = name.split(":")
-    allowed = {"ours": {"weights", "fork", *OURS_OPTIONS}, "llamacpp": {"cache"}}.get(base, set())
+    allowed = {
+        "ours": {"weights", "fork", *OURS_OPTIONS},
+        "ours_server": {"weights", "runtime", *OURS_OPTIONS},
+        "llamacpp": {"cache"},
+    }.get(base, set())
     kwargs = {}
     for part in parts:
         key, eq, value = part.partition("=")
@@ -458,7 +563,7 @@ def parse_system(name: str) -> tuple[str, dict]:
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
-            "llamacpp:cache=on)"
+            "ours_server: the same but fork, plus runtime=torch|native; llamacpp:cache=on)"
         )
     return base, kwargs
 

@@ -129,7 +129,7 @@ def memory_workload(tok, seed: int, quick: bool, capacity: int) -> Workload:
     prompt, new = (32, 8) if quick else (128, 64)
     reqs = [Request(_window(tok, rng, prompt), new) for _ in range(capacity)]
     env = {"MAX_MODEL_LEN": "8192", "KV_CACHE_MB": "512"}
-    return Workload(reqs, capacity, ours_env=env, slot_context=8192, only=("ours", "llamacpp"))
+    return Workload(reqs, capacity, ours_env=env, slot_context=8192, only=("ours", "ours_server", "llamacpp"))
 
 
 def single_workload(tok, seed: int, quick: bool) -> Workload:
