@@ -10,7 +10,8 @@ the vocabulary sizes and ``apply_chat_template``, rendered as transformers rende
 environment with the same globals and filters).
 
 Exact only for a directory whose ``tokenizer_class`` is the generic one (``TokenizersBackend`` /
-``PreTrainedTokenizerFast``: what our test checkpoints and GGUF conversions write). A model-specific class
+``PreTrainedTokenizerFast``: what our test checkpoints and GGUF conversions write; a config naming no class is
+read the same way). A model-specific class
 (``GPT2Tokenizer``, ``LlamaTokenizer``...) rebuilds its pipeline in Python when transformers loads it, so such a
 directory is refused with a clear error; ``write_tokenizer_dir(hf_tokenizer, out)``, run once where transformers
 is loaded, saves any fast tokenizer as the generic class: its pipeline as loaded, which reads back the same.

@@ -365,7 +365,8 @@ def _bpe_variant_dir(directory, source: str, kind: str) -> str:
     """The test checkpoint's BPE with what transformers fixes up at load: ``no_post`` (no post-processor, an
     add_bos_token that a tokenizer.json makes transformers ignore, special tokens missing from the vocabulary as
     strings and as saved AddedTokens, a model-specific ``image_token``, extra special tokens, named templates in the
-    config); ``legacy`` (transformers 4's special_tokens_map.json and added_tokens.json, template files)."""
+    config); ``legacy`` (transformers 4's special_tokens_map.json and added_tokens.json, template files,
+    split_special_tokens)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(source, "tokenizer.json"))
@@ -387,6 +388,7 @@ def _bpe_variant_dir(directory, source: str, kind: str) -> str:
         }
     else:
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>"}
+        config["split_special_tokens"] = True  # special tokens written in the text encode as plain text
         config["additional_special_tokens"] = ["<a1>"]
         special_map = {"eos_token": {"content": "<e>", "lstrip": False, "rstrip": False, "normalized": False}}
         _write(directory, "special_tokens_map.json", {**special_map, "additional_special_tokens": ["<a2>"]})
