@@ -17,6 +17,7 @@ and chunked prefill (only the chunk that ends a prompt samples a token).
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import weakref
@@ -142,15 +143,17 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """The model's tokenizer as llguidance sees it (built once, ~1 s for a 49k vocabulary), and matchers."""
+    """The model's tokenizer as llguidance sees it (built once, ~1 s for a 49k vocabulary), and matchers.
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids) -> None:
-        import llguidance.hf
+    ``tokenizer``: anything with a ``tokenizers`` backend (``backend_tokenizer``) and an ``eos_token_id``: a
+    ``text_tokenizer.TextTokenizer`` or an HF fast tokenizer; neither path imports transformers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids) -> None:
+        import llguidance
 
         # EOS is what the grammar allows once it is complete: the engine's stop ids (they end the sequence).
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids) or None
-        )
+        eos = sorted(stop_token_ids) or getattr(tokenizer, "eos_token_id", None)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json(tokenizer), n_vocab=vocab_size, eos_token=eos)
 
     def matcher(self, grammar: str) -> GrammarState:
         """A fresh matcher for ``grammar``; GrammarError naming the construct it does not support."""
@@ -165,6 +168,19 @@ class GrammarCompiler:
         if m.is_error():
             raise GrammarError(_one_line(m.get_error()))
         return GrammarState(m)
+
+
+def tokenizer_json(tokenizer) -> str:
+    """The tokenizer's Rust pipeline as JSON (its added tokens included), what ``llguidance.LLTokenizer`` reads:
+    as ``llguidance.hf.from_tokenizer`` builds it, from a copy with padding and truncation off, without importing
+    transformers (which ``llguidance.hf`` does, and transformers imports torch)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError(f"structured output needs a fast tokenizer; {type(tokenizer).__name__} is not one")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def _is_panic(exc: BaseException) -> bool:

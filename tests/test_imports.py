@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
 
-    import config, engine, schemas, scheduler, server
+    import config, engine, schemas, scheduler, server, text_tokenizer
 
     app = server.create_app()
     assert server.app is not None

@@ -403,3 +403,40 @@ def test_smollm2_tool_call_round_trip(smollm2_gguf):  # noqa: F811 (the fixture 
         text = answer.choices[0].message.content
         assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "stop", answer
         assert "sunny" in text.lower() or "21" in text, text  # it read the tool's answer
+
+
+# --- the grammar's tokenizer: HF's and text_tokenizer's give llguidance the same vocabulary ----------------------
+def test_compiler_on_text_tokenizer_matches_llguidance_hf(tiny_llama_dir):
+    """GrammarCompiler builds the same llguidance tokenizer from an HF fast tokenizer, from a TextTokenizer (the
+    torch-free path) and as ``llguidance.hf.from_tokenizer`` does: the same masks along a sampled walk."""
+    import random
+
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from structured_output import GrammarCompiler, schema_grammar
+    from text_tokenizer import TextTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ours = TextTokenizer.from_dir(tiny_llama_dir)
+    stops = {hf.eos_token_id}
+    reference = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=sorted(stops))
+    compilers = [GrammarCompiler(hf, len(hf), stops), GrammarCompiler(ours, len(ours), stops)]
+    for compiler in compilers:
+        assert (compiler.tokenizer.vocab_size, compiler.tokenizer.eos_tokens) == (
+            reference.vocab_size,
+            reference.eos_tokens,
+        )
+    grammar = schema_grammar(PERSON)
+    matchers = [llguidance.LLMatcher(reference, grammar)] + [c.matcher(grammar).matcher for c in compilers]
+    rng = random.Random(0)
+    for _ in range(120):
+        masks = {m.compute_bitmask() for m in matchers}
+        assert len(masks) == 1
+        if matchers[0].is_stopped():
+            break
+        (mask,) = masks
+        allowed = [t for t in range(len(hf)) if mask[t // 8] >> (t % 8) & 1]
+        token = rng.choice(allowed)
+        assert all(m.consume_token(token) for m in matchers)
+    assert GrammarCompiler(ours, len(ours), set()).tokenizer.eos_tokens == [ours.eos_token_id]  # no stops: EOS
