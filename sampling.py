@@ -39,11 +39,13 @@ same logits. Unseeded rows draw from ``generator``, a ``numpy.random.Generator``
 
 A batch that is all greedy without penalties is just ``logits.argmax(-1)``. Work is only done
 for features some row uses: no penalty arrays without penalties, no top-k/top-p/min-p passes
-unless some sampled row sets them. Rows with a top-k are sampled on their top-k window alone
-(one ``argpartition``, no pass over the vocabulary after it); top-p on rows without a top-k looks
-for the nucleus in growing windows (``TOP_P_WINDOWS``, found by ``partition``) and fully sorts
-only the rows whose nucleus is wider. Penalties touch only the logits of tokens that occurred
-(gather/scatter at unique ids).
+unless some sampled row sets them. Top-``width`` selections take the maxima of strided groups of
+ids, then partition only the ids of the best groups (``_candidates``), not the vocabulary. Rows with a
+top-k are sampled on their top-k window alone (no pass over the vocabulary after the selection);
+top-p on rows without a top-k looks for the nucleus in growing windows (``TOP_P_WINDOWS``) and
+fully sorts only the rows whose nucleus is wider; a row with a top-p or min-p threshold draws over
+its survivors alone. Penalties touch only the logits of tokens that occurred (gather/scatter at
+unique ids).
 """
 
 from __future__ import annotations
@@ -193,8 +195,9 @@ def seeded_uniform(seed: int, step: int) -> float:
 
 
 def _f32(values) -> np.ndarray:
-    """Python numbers as float32, those past float32's range as its largest finite value (not inf)."""
-    return np.clip(np.asarray(values, dtype=np.float64), -_F32_MAX, _F32_MAX).astype(np.float32)
+    """Python numbers as float32, finite ones past float32's range as its largest finite value (not inf)."""
+    a = np.asarray(values, dtype=np.float64)
+    return np.where(np.isfinite(a), np.clip(a, -_F32_MAX, _F32_MAX), a).astype(np.float32)
 
 
 def _col(values, dtype) -> np.ndarray:
@@ -430,7 +433,7 @@ def _sample_full_rows(
     d = x - amax
     d /= temp  # scaled logits minus their max: <= 0, max exactly 0
     e = np.exp(d)
-    # Both filters keep the tokens at or above a per-row threshold on d: one pass applies them.
+    # Both filters keep the tokens at or above a per-row threshold on d (-inf: no filter on that row).
     threshold = None
     p_rows = [i for i, p in enumerate(ps) if p.top_p < 1.0]
     if p_rows:
