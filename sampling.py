@@ -20,10 +20,10 @@ Numeric safety: every parameter in its accepted range gives finite arithmetic. P
 clamped to ``[-LOGIT_LIMIT, LOGIT_LIMIT]`` (a repetition penalty of 1e-38 turns a logit of 10 into
 1e39, past float32's range), and sampled rows are clamped below ``LOGIT_LIMIT`` before the
 temperature divides them, so nothing overflows to +inf (whose differences are NaN); a temperature
-past float32's range divides as float32's largest number (so a -inf logit stays -inf, not NaN).
-Rows that arrive unusable (a NaN or +inf from the model, or every logit -inf) are refused with
-``NonFiniteLogits`` naming the rows; the engine fails those rows alone. A -inf logit is a masked
-token and stays allowed.
+past float32's range divides as float32's largest number. Rows that arrive unusable (a NaN or +inf
+from the model, or every logit -inf) are refused with ``NonFiniteLogits`` naming the rows; the engine
+fails those rows alone. A -inf logit is a masked token: it is allowed in the input and stays -inf
+through penalties and temperature (never -inf x 0 or -inf / inf = NaN), so it is never drawn.
 
 Ties at a top-k or top-p boundary are kept (a value threshold), so a row may keep more than
 ``top_k`` tokens when logits tie exactly.
@@ -221,6 +221,11 @@ def _flat_ids(rows: Sequence[int], lists: Sequence[Sequence[Sequence[int]]], voc
     return np.repeat(np.array(rows, dtype=np.int64), lengths) * vocab + ids
 
 
+def _clamp(penalized: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """Penalized logits clamped to [-LOGIT_LIMIT, LOGIT_LIMIT], except masked tokens (-inf ``before``): -inf."""
+    return np.where(before == -np.inf, before, np.clip(penalized, -LOGIT_LIMIT, LOGIT_LIMIT))
+
+
 def _penalize_(
     x: np.ndarray,
     params: Sequence[SamplingParams],
@@ -243,18 +248,20 @@ def _penalize_(
             raise ValueError("prompt_ids is required when a row sets repetition_penalty")
         pos = np.unique(_flat_ids(rep, [prompt_ids, output_ids], vocab, "prompt/output"))
         # float32 like HF's processor (bit-exact with it); a penalty near 0 overflows a logit to +-inf, so the
-        # result is clamped, and the penalty kept finite so that 0 x penalty is never NaN.
+        # result is clamped, and the penalty kept finite so that 0 x penalty is never NaN (-inf x 0 would be:
+        # _clamp keeps masked tokens at -inf).
         rp = _f32([p.repetition_penalty for p in params])[pos // vocab]
         v = flat_x[pos]
         with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # both branches are computed
-            flat_x[pos] = np.clip(np.where(v > 0, v / rp, v * rp), -LOGIT_LIMIT, LOGIT_LIMIT)
+            flat_x[pos] = _clamp(np.where(v > 0, v / rp, v * rp), v)
     if occ:
         pos, count = np.unique(_flat_ids(occ, [output_ids], vocab, "output"), return_counts=True)
         row = pos // vocab
         freq = _f32([p.frequency_penalty for p in params])[row]
         pres = _f32([p.presence_penalty for p in params])[row]
         # vLLM: l -= f * count; l -= p * (count > 0)
-        flat_x[pos] = np.clip(flat_x[pos] - freq * count.astype(np.float32) - pres, -LOGIT_LIMIT, LOGIT_LIMIT)
+        v = flat_x[pos]
+        flat_x[pos] = _clamp(v - freq * count.astype(np.float32) - pres, v)
 
 
 def apply_logit_bias(x: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:

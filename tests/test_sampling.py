@@ -508,6 +508,21 @@ def test_extreme_penalties_and_temperatures_give_a_valid_token(penalty, temperat
         assert 0 <= tok < 300
 
 
+def test_masked_tokens_stay_masked_under_a_vanishing_repetition_penalty():
+    """A penalty that underflows float32 to 0 (1e-300) on a prompt token a grammar masked (-inf): -inf x 0 would be
+    NaN, which argmax would pick; the token stays -inf and is never chosen."""
+    logits = np.full((4, 50), -np.inf, np.float32)
+    logits[:, [10, 20]] = [1.0, -2.0]
+    params = [SP(repetition_penalty=p, temperature=t, seed=1) for p, t in ((1e-300, 0.0), (1e-300, 1.0), (1e-45, 1.0))]
+    params.append(SP(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1e-300))
+    prompts = [[0, 1, 10, 20, 49]] * 4
+    pens = apply_penalties(logits, params, prompts, [[5, 5]] * 4)
+    assert not np.isnan(pens).any()
+    assert np.isneginf(pens[:, [0, 1, 5, 49]]).all()  # masked tokens that occurred stay -inf
+    for _ in range(5):
+        assert set(sample(logits, params, prompts, [[5, 5]] * 4)) <= {10, 20}
+
+
 # --- logprobs -------------------------------------------------------------------------------
 
 
