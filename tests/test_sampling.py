@@ -1,5 +1,6 @@
-"""sampling.py: parameter validation, greedy equivalences, seeded reproducibility independent of
-batchmates, the top-k/top-p/min-p supports, exact penalty arithmetic and distribution sanity.
+"""sampling.py (numpy, no torch): parameter validation, greedy equivalences, seeded reproducibility independent
+of batchmates, the top-k/top-p/min-p supports, exact penalty arithmetic, distribution sanity, read-only inputs,
+the top-``width`` selection against a full sort, and logprobs against a float64 log_softmax.
 
 Everything is statistical only with fixed seeds and generous tolerances; nothing is timed.
 """
@@ -13,11 +14,11 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-
-from sampling import (  # noqa: E402
+import sampling
+from sampling import (
     TOP_P_WINDOWS,
     NonFiniteLogits,
     SamplingParams,
@@ -28,19 +29,22 @@ from sampling import (  # noqa: E402
     seeded_uniform,
 )
 
-pytestmark = pytest.mark.model
-
 SP = SamplingParams
 
 
-def log_probs(probs: list[float]) -> torch.Tensor:
-    """One row of logits whose softmax is ``probs``."""
-    return torch.tensor(probs, dtype=torch.float64).log().float().unsqueeze(0)
+def randn(seed: int, *shape: int, scale: float = 1.0) -> np.ndarray:
+    """Standard normal float32 logits from a fixed seed."""
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-def draws(logits_row: torch.Tensor, params: SamplingParams, n: int, first_seed: int = 0) -> list[int]:
+def log_probs(probs: list[float]) -> np.ndarray:
+    """One row of logits whose softmax is ``probs``: [1, len(probs)] float32."""
+    return np.log(np.array(probs, dtype=np.float64)).astype(np.float32)[None, :]
+
+
+def draws(logits_row: np.ndarray, params: SamplingParams, n: int, first_seed: int = 0) -> list[int]:
     """``n`` samples of one row: n rows in one batch, seeds first_seed.. (step 0)."""
-    rows = logits_row.expand(n, -1).contiguous()
+    rows = np.repeat(logits_row, n, axis=0)
     ps = [dataclasses.replace(params, seed=first_seed + i) for i in range(n)]
     return sample(rows, ps, output_ids=[[]] * n)
 
@@ -127,7 +131,7 @@ def test_sampling_params_need_no_torch():
 
 
 def test_call_shape_errors():
-    logits = torch.randn(2, 10)
+    logits = randn(0, 2, 10)
     with pytest.raises(ValueError, match="SamplingParams"):
         sample(logits, [SP()])
     with pytest.raises(ValueError, match="output_ids"):
@@ -138,38 +142,40 @@ def test_call_shape_errors():
         sample(logits, [SP(frequency_penalty=1.0), SP()], [[1], [2]], [[10], []])
     with pytest.raises(ValueError, match="prompt_ids"):
         sample(logits, [SP(repetition_penalty=1.2), SP()], None, [[1], []])
-    assert sample(torch.empty(0, 10), []) == []
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        sample(logits[0], [SP()])
+    assert sample(np.empty((0, 10), np.float32), []) == []
 
 
 # --- greedy ---------------------------------------------------------------------------------
 
 
 def test_temperature_zero_is_exactly_argmax():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(16, 5000, generator=gen) * 4
-    before = logits.clone()
-    assert sample(logits, [SP()] * 16) == logits.argmax(dim=-1).tolist()
-    assert sample(logits, [None] * 16) == logits.argmax(dim=-1).tolist()
+    logits = randn(0, 16, 5000, scale=4)
+    logits[3, [10, 20]] = logits[3].max() + 1  # a tie at the top: the first id, like argmax
+    assert sample(logits, [SP()] * 16) == logits.argmax(axis=-1).tolist()
+    assert sample(logits, [None] * 16) == logits.argmax(axis=-1).tolist()
+    assert sample(logits, [SP()] * 16)[3] == 10
     # Greedy rows inside a batch of sampled rows are still the plain argmax.
     mixed = [SP() if i % 2 else SP(temperature=1.0, top_p=0.9, seed=i) for i in range(16)]
     got = sample(logits, mixed, output_ids=[[]] * 16)
-    want = logits.argmax(dim=-1).tolist()
+    want = logits.argmax(axis=-1).tolist()
     assert [got[i] for i in range(1, 16, 2)] == [want[i] for i in range(1, 16, 2)]
-    assert torch.equal(logits, before)  # never modified
-    half = logits.to(torch.bfloat16)
-    assert sample(half, [SP()] * 16) == half.argmax(dim=-1).tolist()
+    for dtype in (np.float16, np.float64):  # other float dtypes are accepted
+        other = logits.astype(dtype)
+        assert sample(other, [SP()] * 16) == other.argmax(axis=-1).tolist()
+        assert sample(other, mixed, output_ids=[[]] * 16) == sample(other.astype(np.float32), mixed, None, [[]] * 16)
 
 
 def test_top_k_one_equals_greedy():
-    gen = torch.Generator().manual_seed(1)
     for step in range(5):
-        logits = torch.randn(8, 3000, generator=gen) * 2
+        logits = randn(step, 8, 3000, scale=2)
         params = [SP(temperature=t, top_k=1, seed=s) for t, s in zip([0.5, 1, 2, 5] * 2, [None, 3] * 4)]
-        assert sample(logits, params, output_ids=[[0] * step] * 8) == logits.argmax(dim=-1).tolist()
+        assert sample(logits, params, output_ids=[[0] * step] * 8) == logits.argmax(axis=-1).tolist()
 
 
 def test_greedy_with_penalties_is_argmax_of_penalized_logits():
-    logits = torch.tensor([[3.0, 2.0, -1.0], [3.0, 2.0, -1.0]])
+    logits = np.array([[3.0, 2.0, -1.0], [3.0, 2.0, -1.0]], dtype=np.float32)
     params = [SP(repetition_penalty=2.0), SP()]
     # Row 0 has generated token 0: 3.0 / 2 = 1.5 < 2.0, so token 1 wins; row 1 has no penalty.
     assert sample(logits, params, [[2], [2]], [[0], [0]]) == [1, 0]
@@ -179,11 +185,9 @@ def test_greedy_with_penalties_is_argmax_of_penalized_logits():
 # --- seeding --------------------------------------------------------------------------------
 
 
-def step_logits(step: int, vocab: int) -> torch.Tensor:
-    """The target row's logits at a step: a fixed function of the step, peaked or flat in turn."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    scale = (0.3, 1.0, 3.0, 8.0)[step % 4]
-    return torch.randn(vocab, generator=gen) * scale
+def step_logits(step: int, vocab: int) -> np.ndarray:
+    """The target row's logits at a step [V]: a fixed function of the step, peaked or flat in turn."""
+    return randn(1000 + step, vocab, scale=(0.3, 1.0, 3.0, 8.0)[step % 4])
 
 
 def random_params(rng: random.Random) -> SamplingParams:
@@ -227,22 +231,18 @@ def generate(target: SamplingParams, vocab: int, steps: int, rng: random.Random 
     for step in range(steps):
         row = step_logits(step, vocab)
         if rng is None:
-            out.append(sample(row.unsqueeze(0), [target], [prompt], [list(out)])[0])
+            out.append(sample(row[None, :], [target], [prompt], [list(out)])[0])
             continue
         n = rng.randint(1, 7)
         pos = rng.randrange(n + 1)
-        logits = torch.randn(n + 1, vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * rng.choice(
-            [0.5, 2, 6]
-        )
+        logits = randn(rng.randrange(2**31), n + 1, vocab, scale=rng.choice([0.5, 2, 6]))
         logits[pos] = row
         params = [random_params(rng) for _ in range(n + 1)]
         params[pos] = target
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(n + 1)]
         outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(n + 1)]
         prompts[pos], outputs[pos] = prompt, list(out)
-        out.append(
-            sample(logits, params, prompts, outputs, generator=torch.Generator().manual_seed(rng.randrange(99)))[pos]
-        )
+        out.append(sample(logits, params, prompts, outputs, generator=np.random.default_rng(rng.randrange(99)))[pos])
     return out
 
 
@@ -258,17 +258,16 @@ def test_seed_gives_same_tokens_alone_or_in_any_batch(name):
 
 def test_seed_independent_of_batchmates_at_full_vocab():
     vocab = 50257
-    gen = torch.Generator().manual_seed(3)
-    row = torch.randn(vocab, generator=gen) * 3
+    row = randn(3, vocab, scale=3)
     targets = [
         SP(temperature=1.0, top_p=0.9, seed=1),
         SP(temperature=0.7, top_k=50, seed=2),
         SP(temperature=1.3, seed=3),
     ]
-    alone = [sample(row.unsqueeze(0), [t], output_ids=[[0] * 5])[0] for t in targets]
+    alone = [sample(row[None, :], [t], output_ids=[[0] * 5])[0] for t in targets]
     rng = random.Random(0)
     mates = [random_params(rng) for _ in range(9)]
-    logits = torch.randn(12, vocab, generator=gen) * 2
+    logits = randn(4, 12, vocab, scale=2)
     logits[[2, 5, 11]] = row
     params = mates[:2] + [targets[0]] + mates[2:4] + [targets[1]] + mates[4:9] + [targets[2]]
     outputs = [[rng.randrange(vocab) for _ in range(5)] for _ in range(12)]
@@ -282,7 +281,7 @@ def test_different_seeds_differ():
     runs = [generate(SP(temperature=1.0, seed=s), vocab, steps, None) for s in (1, 2, 3)]
     assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]
     row = step_logits(0, vocab)  # flat: many tokens are likely
-    assert len(set(draws(row.unsqueeze(0), SP(temperature=1.0), 50))) > 25
+    assert len(set(draws(row[None, :], SP(temperature=1.0), 50))) > 25
 
 
 def test_seeded_uniform_is_a_pure_function():
@@ -294,23 +293,23 @@ def test_seeded_uniform_is_a_pure_function():
 
 
 def test_seed_step_is_number_of_generated_tokens():
-    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(4)) * 0.5
+    logits = randn(4, 1, 500, scale=0.5)
     p = SP(temperature=1.0, seed=77)
     at = [sample(logits, [p], output_ids=[range(k)])[0] for k in range(30)]
     assert len(set(at)) > 10  # a new number each step
     assert at == [sample(logits, [p], output_ids=[[9] * k])[0] for k in range(30)]  # only the count matters
 
 
-def test_unseeded_rows_use_the_generator():
-    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(5)) * 0.5
+def test_unseeded_rows_use_the_generator(monkeypatch):
+    logits = randn(5, 6, 1000, scale=0.5)
     params = [SP(temperature=1.0)] * 6
-    a = sample(logits, params, generator=torch.Generator().manual_seed(1))
-    assert a == sample(logits, params, generator=torch.Generator().manual_seed(1))
-    assert a != sample(logits, params, generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(0)
-    b = sample(logits, params)
-    torch.manual_seed(0)
-    assert sample(logits, params) == b
+    a = sample(logits, params, generator=np.random.default_rng(1))
+    assert a == sample(logits, params, generator=np.random.default_rng(1))
+    assert a != sample(logits, params, generator=np.random.default_rng(2))
+    # Without one, the module's generator feeds them.
+    monkeypatch.setattr(sampling, "_DEFAULT_RNG", np.random.default_rng(1))
+    assert sample(logits, params) == a
+    assert sample(logits, params) != a  # it moved on
 
 
 # --- filtering ------------------------------------------------------------------------------
@@ -326,7 +325,7 @@ FOUR = [0.5, 0.25, 0.15, 0.1]
 def test_top_p_support(top_p, support, top_k):
     if top_k == 3:  # top-p then sees the mass of the top-3 survivors: 0.5/0.9, 0.75/0.9, 1
         support = {0} if top_p < 0.5 / 0.9 else {0, 1} if top_p < 0.75 / 0.9 else {0, 1, 2}
-    logits = torch.cat([log_probs(FOUR), torch.full((1, 6), -30.0)], dim=1)  # 6 ~impossible extras
+    logits = np.concatenate([log_probs(FOUR), np.full((1, 6), -30.0, np.float32)], axis=1)  # 6 ~impossible extras
     got = draws(logits, SP(temperature=1.0, top_p=top_p, top_k=top_k), 600)
     assert set(got) == support
 
@@ -337,16 +336,16 @@ def test_top_p_nucleus_on_a_wide_distribution(top_p):
     tokens, so the TOP_P_WINDOWS escalation and the full sort are both exercised; the vocabulary
     is shuffled so the nucleus is not a prefix of the ids."""
     vocab = 6000
-    base = -torch.arange(vocab, dtype=torch.float64) * 1e-3  # rank r has prob ~ exp(-r / 1000)
-    probs = base.exp() / base.exp().sum()
-    cum = probs.cumsum(0)
+    base = -np.arange(vocab, dtype=np.float64) * 1e-3  # rank r has prob ~ exp(-r / 1000)
+    probs = np.exp(base) / np.exp(base).sum()
+    cum = probs.cumsum()
     size = int((cum < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
-    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(6))
-    logits = torch.empty(vocab)
-    logits[perm] = base.float()  # token perm[r] has rank r
-    rank = torch.empty(vocab, dtype=torch.long)
-    rank[perm] = torch.arange(vocab)
-    got = draws(logits.unsqueeze(0), SP(temperature=1.0, top_p=top_p), 300)
+    perm = np.random.default_rng(6).permutation(vocab)
+    logits = np.empty(vocab, np.float32)
+    logits[perm] = base  # token perm[r] has rank r
+    rank = np.empty(vocab, dtype=np.int64)
+    rank[perm] = np.arange(vocab)
+    got = draws(logits[None, :], SP(temperature=1.0, top_p=top_p), 300)
     ranks = [int(rank[t]) for t in got]
     assert max(ranks) < size + 2  # never outside the nucleus (one token of float slack)
     assert max(ranks) > size * 0.5  # and the nucleus is in play, not just its head
@@ -360,7 +359,7 @@ def test_top_p_nucleus_on_a_wide_distribution(top_p):
 )
 @pytest.mark.parametrize("top_k", [0, 10])
 def test_min_p_support(min_p, support, top_k):
-    logits = torch.cat([log_probs(FOUR), torch.full((1, 6), -30.0)], dim=1)  # 6 ~impossible extras
+    logits = np.concatenate([log_probs(FOUR), np.full((1, 6), -30.0, np.float32)], axis=1)  # 6 ~impossible extras
     got = draws(logits, SP(temperature=1.0, min_p=min_p, top_k=top_k), 600)
     assert set(got) == support
 
@@ -368,8 +367,8 @@ def test_min_p_support(min_p, support, top_k):
 @pytest.mark.parametrize("k", [1, 2, 5, 40])
 def test_top_k_support(k):
     vocab = 1000
-    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8))
-    top = set(logits[0].topk(k).indices.tolist())
+    logits = randn(8, 1, vocab)
+    top = set(np.argsort(-logits[0])[:k].tolist())
     got = draws(logits, SP(temperature=20.0, top_k=k), 800)  # hot: every survivor is likely
     assert set(got) <= top
     if k <= 5:
@@ -380,7 +379,7 @@ def test_top_k_support(k):
 
 
 def test_top_k_keeps_ties_at_the_boundary():
-    logits = torch.tensor([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]])
+    logits = np.array([[5.0, 4.0, 4.0, 4.0, 1.0, 0.0]], dtype=np.float32)
     assert set(draws(logits, SP(temperature=3.0, top_k=2), 400)) == {0, 1, 2, 3}
 
 
@@ -410,18 +409,17 @@ OUTPUT = [1, 1, 2, 0]
     ],
 )
 def test_penalties_exact(kwargs, want):
-    logits = torch.tensor([ROW, ROW])
-    before = logits.clone()
+    logits = np.array([ROW, ROW], dtype=np.float32)
+    logits.flags.writeable = False  # never written
     got = apply_penalties(logits, [SP(**kwargs), SP()], [PROMPT, PROMPT], [OUTPUT, OUTPUT])
+    assert got.dtype == np.float32 and got.flags.c_contiguous
     assert got[0].tolist() == want
     assert got[1].tolist() == ROW  # the batchmate without penalties is untouched
-    assert torch.equal(logits, before)
 
 
 def test_penalties_match_a_dense_reference_at_full_vocab():
     vocab = 50257
-    gen = torch.Generator().manual_seed(9)
-    logits = torch.randn(32, vocab, generator=gen)
+    logits = randn(9, 32, vocab)
     rng = random.Random(1)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(32)]
     outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 60))] for _ in range(32)]
@@ -429,22 +427,20 @@ def test_penalties_match_a_dense_reference_at_full_vocab():
         SP(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2) if i % 3 else SP() for i in range(32)
     ]
     got = apply_penalties(logits, params, prompts, outputs)
-    want = logits.clone()
-    for i, p in enumerate(params):  # the dense reference, row by row
+    want = logits.copy()
+    for i, p in enumerate(params):  # the dense reference, row by row, in float32
         if not p.has_penalties:
             continue
-        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen = np.zeros(vocab, dtype=bool)
         seen[prompts[i] + outputs[i]] = True
         r = want[i]
-        rp, freq, pres = (torch.full((vocab,), v) for v in (1.3, 0.2, 0.4))
-        r = torch.where(seen, torch.where(r > 0, r / rp, r * rp), r)
-        counts = torch.zeros(vocab).scatter_add_(
-            0, torch.tensor(outputs[i], dtype=torch.long), torch.ones(len(outputs[i]))
-        )
+        rp, freq, pres = (np.full(vocab, v, np.float32) for v in (1.3, 0.2, 0.4))
+        r = np.where(seen, np.where(r > 0, r / rp, r * rp), r)
+        counts = np.bincount(outputs[i], minlength=vocab).astype(np.float32)
         r = r - freq * counts
-        r = r - pres * (counts > 0).float()
+        r = r - pres * (counts > 0).astype(np.float32)
         want[i] = r
-    assert torch.equal(got, want)
+    assert np.array_equal(got, want)
 
 
 # --- distributions --------------------------------------------------------------------------
@@ -464,7 +460,7 @@ def test_seeded_draws_match_the_distribution(temperature):
 def test_one_seed_over_steps_matches_the_distribution():
     probs = [0.6, 0.3, 0.1]
     n = 3000
-    logits = log_probs(probs).expand(n, -1).contiguous()
+    logits = np.repeat(log_probs(probs), n, axis=0)
     got = sample(logits, [SP(temperature=1.0, seed=5)] * n, output_ids=[range(k) for k in range(n)])
     for token in range(3):
         assert abs(got.count(token) / n - probs[token]) < 0.03
@@ -473,22 +469,22 @@ def test_one_seed_over_steps_matches_the_distribution():
 def test_unseeded_draws_match_the_distribution():
     probs = [0.6, 0.3, 0.1]
     n = 4000
-    logits = log_probs(probs).expand(n, -1).contiguous()
-    got = sample(logits, [SP(temperature=1.0)] * n, generator=torch.Generator().manual_seed(3))
+    logits = np.broadcast_to(log_probs(probs), (n, 3))  # read only, stride 0: never written, so fine
+    got = sample(logits, [SP(temperature=1.0)] * n, generator=np.random.default_rng(3))
     for token in range(3):
         assert abs(got.count(token) / n - probs[token]) < 0.03
 
 
 def test_never_samples_an_impossible_token():
-    logits = torch.full((1, 2000), -math.inf)
-    logits[0, [7, 1500, 1999]] = torch.tensor([0.0, 1.0, 2.0])
+    logits = np.full((1, 2000), -np.inf, np.float32)
+    logits[0, [7, 1500, 1999]] = [0.0, 1.0, 2.0]
     for params in (SP(temperature=1.0), SP(temperature=5.0, top_p=0.999), SP(temperature=5.0, top_k=10)):
         assert set(draws(logits, params, 300)) <= {7, 1500, 1999}
 
 
 def test_unusable_rows_are_refused_by_index():
     """NaN or +inf anywhere, or a row that is all -inf, names that row; -inf alone is a masked token."""
-    logits = torch.zeros(5, 10)
+    logits = np.zeros((5, 10), np.float32)
     logits[1, 3] = math.nan
     logits[2, 0] = math.inf
     logits[3] = -math.inf
@@ -504,33 +500,147 @@ def test_unusable_rows_are_refused_by_index():
 @pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0, 100.0, 1e300])
 def test_extreme_penalties_and_temperatures_give_a_valid_token(penalty, temperature):
     """A logit of 1e3 / 1e-38 overflows float32: the result is clamped, so no NaN reaches the draw."""
-    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 1e3
+    logits = randn(2, 3, 300, scale=1e3)
     params = [SP(temperature=temperature, repetition_penalty=penalty, top_p=p, seed=4) for p in (1.0, 0.9, 1e-9)]
     pens = apply_penalties(logits, params, [[1, 2, 3]] * 3, [[4, 5]] * 3)
-    assert torch.isfinite(pens).all()
+    assert np.isfinite(pens).all()
     for tok in sample(logits, params, [[1, 2, 3]] * 3, [[4, 5]] * 3):
         assert 0 <= tok < 300
+
+
+def test_masked_tokens_stay_masked_under_a_vanishing_repetition_penalty():
+    """A penalty that underflows float32 to 0 (1e-300) on a prompt token a grammar masked (-inf): -inf x 0 would be
+    NaN, which argmax would pick; the token stays -inf and is never chosen."""
+    logits = np.full((4, 50), -np.inf, np.float32)
+    logits[:, [10, 20]] = [1.0, -2.0]
+    params = [SP(repetition_penalty=p, temperature=t, seed=1) for p, t in ((1e-300, 0.0), (1e-300, 1.0), (1e-45, 1.0))]
+    params.append(SP(temperature=1.0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1e-300))
+    prompts = [[0, 1, 10, 20, 49]] * 4
+    pens = apply_penalties(logits, params, prompts, [[5, 5]] * 4)
+    assert not np.isnan(pens).any()
+    assert np.isneginf(pens[:, [0, 1, 5, 49]]).all()  # masked tokens that occurred stay -inf
+    for _ in range(5):
+        assert set(sample(logits, params, prompts, [[5, 5]] * 4)) <= {10, 20}
 
 
 # --- logprobs -------------------------------------------------------------------------------
 
 
+def log_softmax64(logits: np.ndarray) -> np.ndarray:
+    """The float64 reference: log_softmax of the float32 logits, computed in float64."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
 def test_logprobs():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(10))
-    lp = torch.log_softmax(logits, dim=-1)
+    logits = randn(10, 3, 50, scale=5)
+    logits.flags.writeable = False
+    lp = log_softmax64(logits)
     chosen = [4, 0, 49]
     rows = logprobs(logits, chosen, k=3)
     assert all(isinstance(r, TokenLogprobs) for r in rows)
     for i, r in enumerate(rows):
-        assert r.token_id == chosen[i]
-        assert r.logprob == pytest.approx(lp[i, chosen[i]].item(), abs=1e-6)
-        top_ids = lp[i].topk(3).indices.tolist()
+        assert r.token_id == chosen[i] and isinstance(r.token_id, int) and isinstance(r.logprob, float)
+        assert r.logprob == pytest.approx(lp[i, chosen[i]], abs=1e-6)
+        top_ids = np.argsort(-lp[i])[:3].tolist()
         assert [t for t, _ in r.top] == top_ids
         assert [v for _, v in r.top] == pytest.approx(lp[i, top_ids].tolist(), abs=1e-6)
         assert r.top[0][1] >= r.top[1][1] >= r.top[2][1]
-    assert all(r.top == [] for r in logprobs(logits, torch.tensor(chosen)))
-    assert all(len(r.top) == 50 for r in logprobs(logits, chosen, k=500))
+    assert all(r.top == [] for r in logprobs(logits, np.array(chosen)))
+    full = logprobs(logits, chosen, k=500)
+    assert all(len(r.top) == 50 for r in full)
+    assert [[t for t, _ in r.top] for r in full] == np.argsort(-lp, axis=-1, kind="stable").tolist()
     with pytest.raises(ValueError):
         logprobs(logits, chosen, k=-1)
     with pytest.raises(ValueError):
         logprobs(logits, [1, 2])
+    with pytest.raises(ValueError, match="chosen"):
+        logprobs(logits, [1, 2, 50])
+    with pytest.raises(ValueError, match="chosen"):
+        logprobs(logits, [1, -1, 2])
+
+
+def test_logprobs_at_full_vocab_and_masked_tokens():
+    """A 50k vocabulary (the grouped top-k selection), large logits and -inf tokens, against float64."""
+    logits = randn(11, 5, 50257, scale=8)
+    logits[2, :40000] = -np.inf
+    logits[3, [5, 77, 30000]] = logits[3].max() + 2  # tied at the top: listed by id
+    lp = log_softmax64(logits)
+    chosen = [0, 1, 45000, 77, 50256]
+    rows = logprobs(logits, chosen, k=20)
+    for i, r in enumerate(rows):
+        assert r.logprob == pytest.approx(lp[i, chosen[i]], abs=1e-5)
+        want = np.argsort(-lp[i], kind="stable")[:20].tolist()
+        assert [t for t, _ in r.top] == want
+        assert [v for _, v in r.top] == pytest.approx(lp[i, want].tolist(), abs=1e-5)
+    assert [t for t, _ in rows[3].top[:3]] == [5, 77, 30000]
+    assert logprobs(logits[2:3], [0])[0].logprob == -math.inf
+
+
+# --- numpy specifics: read-only inputs, the top-width selection, no torch -------------------------------------
+
+
+def test_read_only_logits_are_never_written():
+    """Every path reads its caller's array (a model's output may be a read-only view) and returns new arrays."""
+    logits = randn(12, 6, 3000, scale=2)
+    logits[1, :2990] = -np.inf
+    before = logits.copy()
+    logits.flags.writeable = False
+    params = [
+        SP(),
+        SP(temperature=1.0, seed=1),
+        SP(temperature=0.8, top_k=40, top_p=0.9, seed=2, logit_bias=((3, 5.0),)),
+        SP(temperature=1.0, top_p=0.5, min_p=0.05, seed=3, repetition_penalty=1.3),
+        SP(temperature=1.0, min_p=0.1, frequency_penalty=1.0, presence_penalty=0.5, seed=4),
+        SP(temperature=1.0),
+    ]
+    toks = sample(logits, params, [[1, 2]] * 6, [[3, 4, 4]] * 6, generator=np.random.default_rng(0))
+    assert all(0 <= t < 3000 for t in toks) and 2990 <= toks[1] < 3000
+    assert sample(logits, [SP(temperature=1.0, seed=s) for s in range(6)], None, [[]] * 6)
+    apply_penalties(logits, params, [[1, 2]] * 6, [[3, 4, 4]] * 6)
+    logprobs(logits, toks, k=5)
+    mask = np.full((1, (3000 + 31) // 32), -1, dtype=np.int32)
+    sampling.apply_token_bitmask(logits, [2], mask)
+    assert np.array_equal(logits, before)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 4099, 50257])
+@pytest.mark.parametrize("width", [1, 3, 40, 256, 2048])
+def test_top_selection_equals_a_full_sort(vocab, width):
+    """``_top`` / ``_top_values`` (strided groups, then a partition of the candidates) give exactly the largest
+    values of each row, on ragged vocabularies, with ties and -inf, whatever the width."""
+    x = randn(vocab + width, 5, vocab, scale=2)
+    x[1] = np.round(x[1])  # many ties
+    x[2, ::2] = -np.inf
+    x[3] = 0.0  # all tied
+    x[4, : vocab // 2] = np.sort(x[4, : vocab // 2])  # sorted runs: the top sits in a few neighbouring ids
+    w = min(width, vocab)
+    want = -np.sort(-x, axis=1)[:, :w]
+    vals, idx = sampling._top(x, width)
+    assert np.array_equal(vals, want) and np.array_equal(np.take_along_axis(x, idx, 1), vals)
+    assert all(len(set(row)) == w for row in idx.tolist())  # distinct ids
+    assert np.array_equal(sampling._top_values(x, width), want)
+
+
+def test_huge_temperature_keeps_masked_tokens_masked():
+    """A temperature past float32's range divides as float32's largest number: -inf stays -inf (not NaN)."""
+    logits = np.full((2, 100), -np.inf, np.float32)
+    logits[:, [3, 50]] = [1.0, 2.0]
+    for params in ([SP(temperature=1e300, seed=1)] * 2, [SP(temperature=1e300, top_k=5, top_p=0.5, seed=2)] * 2):
+        got = sample(logits, params, None, [[]] * 2)
+        assert set(got) <= {3, 50}
+
+
+def test_sample_runs_without_torch():
+    """The torch-free serving path samples: sample, logprobs and the bitmask never import torch."""
+    script = (
+        "import sys, numpy as np, sampling as s; x = np.zeros((2, 64), np.float32); "
+        "p = [s.SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=1)] * 2; "
+        "s.sample(x, p, [[1]] * 2, [[2]] * 2); s.logprobs(x, [1, 2], 3); "
+        "s.apply_token_bitmask(x, [0], np.ones((1, 2), np.int32)); print('torch' in sys.modules)"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False"]

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
-import torch
 from live import ThreadServer, openai_client
 from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-once fixture)
 
@@ -129,15 +129,16 @@ def person_format() -> dict:
 
 # --- the mask --------------------------------------------------------------------------------------------
 def test_apply_token_bitmask_masks_only_the_grammar_rows():
-    logits = torch.randn(3, 40)
-    mask = torch.zeros(1, 2, dtype=torch.int32)
+    logits = np.random.default_rng(0).standard_normal((3, 40)).astype(np.float32)
+    logits.flags.writeable = False  # the input is never written
+    mask = np.zeros((1, 2), dtype=np.int32)
     mask[0, 0] = (1 << 3) - (1 << 31)  # tokens 3 and 31 (bit 31 is the int32 sign bit)
-    mask[0, 1] = 1 << 5  # token 37
+    mask[0, 1] = 1 << 5 | 1 << 9  # token 37, and bit 9 = token 41: past V = 40, ignored
     out = apply_token_bitmask(logits, [1], mask)
-    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])  # the other rows: untouched
-    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
-    assert allowed == [3, 31, 37] and torch.equal(out[1][allowed], logits[1][allowed])
-    assert torch.isfinite(logits).all()  # the input is not modified
+    assert out.dtype == np.float32 and out.shape == logits.shape
+    assert np.array_equal(out[0], logits[0]) and np.array_equal(out[2], logits[2])  # the other rows: untouched
+    allowed = np.flatnonzero(np.isfinite(out[1])).tolist()
+    assert allowed == [3, 31, 37] and np.array_equal(out[1][allowed], logits[1][allowed])
 
 
 # --- the engine: preemption and chunked prefill ---------------------------------------------------------
