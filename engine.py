@@ -995,7 +995,6 @@ class ModelEngine(BatchEngine):
             [start for _, start, _ in chunks],
             every if any(every) else (),
         )  # [len(running) + one row per chunk (every position of a scoring chunk), V]
-        logits = logits.float().cpu().numpy()  # sampling runs on numpy (the torch-free path shares it)
         if chunks:  # prompt chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
         keep, row, ending = list(range(len(running))), len(running), []
