@@ -19,7 +19,8 @@ not in the image (they depend on capacity): the runner allocates them.
 it first in a child process (``python -m models.image``) when no complete one exists for the model file's identity
 (path, size, mtime; a directory's files), WEIGHTS, and a hash of the code that builds and reads it (``models/`` and
 ``checkpoints.py``: an edit rebuilds). Builds are atomic (``checkpoints.build_dir_once``); a failure raises
-``checkpoints.ModelLoadError`` with the child's last error line.
+``checkpoints.ModelLoadError`` with the child's last error line; an image damaged after its build (``check_image``)
+is built again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -53,6 +55,33 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class ImageError(ValueError):
     """A model image that cannot be used (missing, incomplete or corrupt file): ``str()`` names the file."""
+
+
+def check_image(image_dir: str) -> dict:
+    """image.json of a complete image (torch-free): raises ``ImageError`` naming the file when image.json is
+    missing, unreadable or of another format, or weights.bin is missing or not the size image.json says, or a
+    buffer lies outside it."""
+    path = os.path.join(image_dir, META_FILE)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ImageError(f"model image {path} cannot be read: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != IMAGE_FORMAT:
+        raise ImageError(f"model image {path} is not format {IMAGE_FORMAT}")
+    weights = os.path.join(image_dir, WEIGHTS_FILE)
+    try:
+        size, want = os.path.getsize(weights), meta["weights_bin_bytes"]
+        if size != want:
+            raise ImageError(f"model image file {weights} has {size} bytes, image.json says {want} (truncated?)")
+        for name, entry in meta["buffers"].items():
+            if not 0 <= entry["offset"] <= entry["offset"] + entry["nbytes"] <= size:
+                raise ImageError(f"model image {image_dir}: buffer {name} lies outside {weights}")
+    except OSError as exc:
+        raise ImageError(f"model image file {weights} is missing: {exc}") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ImageError(f"model image {path} is malformed ({type(exc).__name__}: {exc})") from exc
+    return meta
 
 
 # --- the writer (imports torch when called) --------------------------------------------------------------------
@@ -219,6 +248,8 @@ def image_dir(model_id: str, weights: str) -> tuple[str, str]:
     """(the MODEL_ID the child loads, <cache root>/images/<name>-<weights>-<key>): any change to the model file,
     WEIGHTS or the code gets a fresh directory."""
     source, identity = source_identity(model_id)
+    if weights == "auto" and not source.lower().endswith(".gguf"):
+        weights = "fp32"  # only a GGUF has a precision of its own: elsewhere "auto" loads fp32 (load_checkpoint)
     key = hashlib.sha256(json.dumps([identity, weights, IMAGE_FORMAT, code_hash()]).encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(source.rstrip("/")) or "model")[:64]
     return source, os.path.join(cache_subdir("images"), f"{stem}-{weights}-{key}")
@@ -229,8 +260,13 @@ def ensure_image(model_id: str, weights: str = "fp32") -> str:
     complete one. Torch-free. Raises ``ModelLoadError`` (the child's last error line) when it cannot be built."""
     source, out = image_dir(model_id, weights)
     if is_built(out):
-        log.info("model image of %s (WEIGHTS=%s): %s", model_id, weights, out)
-        return out
+        try:
+            check_image(out)
+            log.info("model image of %s (WEIGHTS=%s): %s", model_id, weights, out)
+            return out
+        except ImageError as exc:  # damaged since it was built: build it again
+            log.warning("%s; building it again", exc)
+            shutil.rmtree(out, ignore_errors=True)
     log.info("building the model image of %s (WEIGHTS=%s) once into %s", model_id, weights, out)
     marker = {"source": source, "weights": weights, "format": IMAGE_FORMAT}
     failure = f"MODEL_ID {model_id}: could not build its model image (WEIGHTS={weights})"

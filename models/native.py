@@ -20,42 +20,17 @@ heads, D head_dim.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 
 import numpy as np
 
-from models.image import IMAGE_FORMAT, META_FILE, TOKENIZER_DIR, WEIGHTS_FILE, ImageError
+from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.kernels import step_abi
 
 
-def read_meta(image_dir: str) -> dict:
-    """image.json of ``image_dir``; ``ImageError`` when it is missing, unreadable or of another format."""
-    path = os.path.join(image_dir, META_FILE)
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ImageError(f"model image {path} cannot be read: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != IMAGE_FORMAT:
-        raise ImageError(f"model image {path} is not format {IMAGE_FORMAT} (rebuild it: delete {image_dir})")
-    return meta
-
-
-def _map_weights(image_dir: str, meta: dict) -> np.ndarray:
-    """weights.bin mapped read-only as uint8, checked against image.json's size and buffer ranges."""
-    path = os.path.join(image_dir, WEIGHTS_FILE)
-    try:
-        size = os.path.getsize(path)
-    except OSError as exc:
-        raise ImageError(f"model image file {path} is missing: {exc}") from exc
-    want = meta["weights_bin_bytes"]
-    if size != want:
-        raise ImageError(f"model image file {path} has {size} bytes, image.json says {want} (truncated or replaced)")
-    for name, entry in meta["buffers"].items():
-        if not 0 <= entry["offset"] <= entry["offset"] + entry["nbytes"] <= size:
-            raise ImageError(f"model image {image_dir}: buffer {name} lies outside {path}")
-    return np.memmap(path, dtype=np.uint8, mode="r")
+def _map_weights(image_dir: str) -> np.ndarray:
+    """weights.bin mapped read-only as uint8 (``check_image`` has checked its size)."""
+    return np.memmap(os.path.join(image_dir, WEIGHTS_FILE), dtype=np.uint8, mode="r")
 
 
 class NativeModel:
@@ -67,10 +42,10 @@ class NativeModel:
     """
 
     def __init__(self, image_dir: str, num_blocks: int, block_size: int, threads: int = 1) -> None:
-        meta = read_meta(image_dir)
+        meta = check_image(image_dir)
         try:
             spec = step_abi.spec_from_json(meta["plan"])
-            self.weights = _map_weights(image_dir, meta)
+            self.weights = _map_weights(image_dir)
             offsets = {name: entry["offset"] for name, entry in meta["buffers"].items()}
             base = self.weights.ctypes.data
             addresses = step_abi.map_buffers(spec, lambda _, name: base + offsets[name])

@@ -250,8 +250,9 @@ def test_bad_arguments_raise(pair):
 
 @pytest.mark.model
 def test_ensure_image_builds_once_in_a_child_and_reuses(tiny_model_dir, cache_root, tmp_path, monkeypatch):
-    """The first call builds in a child (the same bytes the in-process writer gives), the second reuses it; a
-    changed model file or WEIGHTS or code is another key, and a changed file really rebuilds."""
+    """The first call builds in a child (the same bytes the in-process writer gives), the second reuses it, a
+    damaged one is built again; a changed model file or WEIGHTS or code is another key, and a changed file really
+    rebuilds. "auto" is fp32 for a checkpoint directory (only a GGUF has a precision of its own)."""
     model_dir = str(tmp_path / "model")
     shutil.copytree(tiny_model_dir, model_dir)
     built = []
@@ -264,7 +265,12 @@ def test_ensure_image_builds_once_in_a_child_and_reuses(tiny_model_dir, cache_ro
     with open(os.path.join(first, image.WEIGHTS_FILE), "rb") as a, open(tmp_path / "here" / "weights.bin", "rb") as b:
         assert a.read() == b.read()
     assert image.ensure_image(model_dir, "int4") == first and len(built) == 1
+    with open(os.path.join(first, image.WEIGHTS_FILE), "r+b") as f:  # damaged after its build: built again
+        f.truncate(100)
+    assert image.ensure_image(model_dir, "int4") == first and len(built) == 2
+    NativeModel(first, 4, BS)
     assert image.image_dir(model_dir, "int8")[1] != first
+    assert image.image_dir(model_dir, "auto")[1] == image.image_dir(model_dir, "fp32")[1]
     monkeypatch.setattr(image, "code_hash", lambda: "edited")
     assert image.image_dir(model_dir, "int4")[1] != first
     monkeypatch.undo()
@@ -273,7 +279,7 @@ def test_ensure_image_builds_once_in_a_child_and_reuses(tiny_model_dir, cache_ro
     st = os.stat(weights_file)
     os.utime(weights_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     second = image.ensure_image(model_dir, "int4")
-    assert second != first and len(built) == 2 and os.path.isdir(first)
+    assert second != first and len(built) == 3 and os.path.isdir(first)
     NativeModel(second, 4, BS)
 
 
@@ -319,6 +325,16 @@ def test_unusable_images_fail_clearly(pair, tmp_path):
         NativeModel(bad, 4, BS)
     with pytest.raises(ValueError, match="block_size"):
         NativeModel(pair.image_dir, 4, 1000)
+
+
+def test_cpu_flags_gate_the_kernel_without_torch(monkeypatch):
+    from models.kernels import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"sse2", "avx2"})
+    with pytest.raises(RuntimeError, match="lacks fma, f16c"):
+        build.require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    build.require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
 
 
 NO_TORCH = """
