@@ -276,32 +276,47 @@ def _save_fp32_checkpoint(path: str, out: str) -> None:
 
 
 def _build_once(path: str, out_dir: str, fill: Callable[[str, str], None]) -> None:
-    """Build a cache directory for the GGUF file ``path``: ``fill(path, tmp)`` writes its contents into a fresh
-    temporary directory beside ``out_dir``, then the marker goes in last and the directory is renamed to
-    ``out_dir`` (atomic: a directory at ``out_dir`` is always complete). Any failure of ``fill`` raises
-    ``ModelLoadError`` naming the file; no partial directory is left behind."""
+    """Build a cache directory for the GGUF file ``path``: ``fill(path, tmp)`` writes its contents
+    (``build_dir_once``). Any failure of ``fill`` raises ``ModelLoadError`` naming the file."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"MODEL_ID {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    st = os.stat(path)
+    marker = {"source": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    build_dir_once(
+        out_dir, lambda tmp: fill(path, tmp), marker, f"MODEL_ID {path} could not be loaded as a GGUF checkpoint"
+    )
+
+
+def is_built(out_dir: str) -> bool:
+    """Whether ``out_dir`` is a complete cache directory (``build_dir_once`` wrote its marker last)."""
+    return os.path.isfile(os.path.join(out_dir, _MARKER))
+
+
+def build_dir_once(out_dir: str, fill: Callable[[str], None], marker: dict, failure: str) -> None:
+    """Build a cache directory: ``fill(tmp)`` writes its contents into a fresh temporary directory beside
+    ``out_dir``, then the marker (``marker`` as JSON) goes in last and the directory is renamed to ``out_dir``
+    (atomic: a directory at ``out_dir`` is always complete, ``is_built``). A ``ModelLoadError`` from ``fill``
+    passes through; any other failure raises one as "``failure``: its type: its last line". No partial directory
+    is left behind."""
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=os.path.dirname(out_dir))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
         try:
-            fill(path, tmp)
+            fill(tmp)
+        except ModelLoadError:
+            raise
         except Exception as exc:
-            raise ModelLoadError(
-                f"MODEL_ID {path} could not be loaded as a GGUF checkpoint: {type(exc).__name__}: {_one_line(exc)}"
-            ) from exc
-        st = os.stat(path)
+            raise ModelLoadError(f"{failure}: {type(exc).__name__}: {_one_line(exc)}") from exc
         with open(os.path.join(tmp, _MARKER), "w") as f:
-            json.dump({"source": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}, f)
+            json.dump(marker, f)
         try:
             os.replace(tmp, out_dir)
         except OSError:
-            if not os.path.isfile(os.path.join(out_dir, _MARKER)):
+            if not is_built(out_dir):
                 raise
-            # another process converted the same file meanwhile: keep its copy
+            # another process built the same directory meanwhile: keep its copy
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

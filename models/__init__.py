@@ -1,7 +1,8 @@
 """The torch side of the server: model families, their shared layers, the KV cache, compiled kernels.
 
 Importing this package imports no torch (torch-free modules live here too: ``cache_dir.py``,
-``native_memory.py``); ``families()`` imports the torch modules when a model loads.
+``native_memory.py``, ``image.py``, ``native.py``, ``kernels/step_abi.py``); ``families()`` imports the torch
+modules when a model loads.
 
     layers.py      what every family shares: Linear (one packed copy per weight), MixedBatch, the one
                    mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop),
@@ -13,6 +14,9 @@ Importing this package imports no torch (torch-free modules live here too: ``cac
                    decode_ops.c; quant_gemm.c with the int8/int4 packed layout) and the build-once loader
     quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights
     quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
+    image.py       the model image: a built model's packed weights in one file (written in a torch child process),
+                   cached; ``ensure_image`` is torch-free
+    native.py      the torch-free runner: a model image stepped by the whole-step kernel, numpy KV pools
     cache_dir.py   where checkpoints and built kernels are cached
     native_memory.py  caps oneDNN/ideep per-shape caches before torch loads; trims the heap after prefills
 """

@@ -79,6 +79,32 @@ def build_and_load(source: str, flags: list[str]) -> ctypes.CDLL:
     return ctypes.CDLL(target)  # ctypes releases the GIL during each call
 
 
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (torch-free), or None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def require_cpu_flags(flags: tuple[str, ...], needs: str) -> None:
+    """Raise unless the CPU has every one of ``flags`` (/proc/cpuinfo names: "avx2", "fma", "f16c"), without
+    importing torch (the torch-free serving path loads kernels too); where the flags cannot be read, torch's
+    own check (``require_avx2``) decides."""
+    have = cpu_flags()
+    if have is None:
+        require_avx2(needs)
+        return
+    missing = [flag for flag in flags if flag not in have]
+    if missing:
+        raise RuntimeError(f"the CPU lacks {', '.join(missing)}: the kernel needs {needs}")
+
+
 def require_avx2(needs: str = "AVX2 and FMA") -> None:
     """Raise unless torch reports an AVX2-class CPU: every kernel here is compiled with -mavx2 -mfma."""
     import torch

@@ -1,0 +1,309 @@
+"""The model image: a model's packed weights, written once by a torch process, for the torch-free runner.
+
+Serving needs torch only to *build* the packed weights (quantized blocks, small_gemm panels, fused linears, RoPE
+tables): every step of a quantized model up to ``StepPlan.max_rows`` rows is one compiled call
+(``kernels/decode_step.c``) that reads those buffers and nothing else. So a model is built once, in a child
+process, the way ``HFEngine`` builds it, and the buffers its ``StepPlan`` points at are written to a directory:
+
+    weights.bin    every buffer of the plan's ``ModelSpec`` (``kernels/step_abi.py``), each ``ALIGN``-byte aligned,
+                   a buffer shared by two names (a tied lm_head and the token table) once
+    image.json     the spec with each buffer named, every buffer's offset / bytes / dtype / shape, and what a
+                   server needs besides (model type, vocab, context window, KV geometry, max_rows, EOS ids,
+                   resident and streamed weight bytes and the FLOP counts for the benchmark's roofline)
+    tokenizer/     the checkpoint's tokenizer (``save_pretrained``)
+
+``models/native.py`` maps ``weights.bin`` read-only and runs steps on it without importing torch. The KV pools are
+not in the image (they depend on capacity): the runner allocates them.
+
+``ensure_image(model_id, weights)`` (torch-free) returns the image's directory in the cache (``images/``), building
+it first in a child process (``python -m models.image``) when no complete one exists for the model file's identity
+(path, size, mtime; a directory's files), WEIGHTS, and a hash of the code that builds and reads it (``models/`` and
+``checkpoints.py``: an edit rebuilds). Builds are atomic (``checkpoints.build_dir_once``); a failure raises
+``checkpoints.ModelLoadError`` with the child's last error line; an image damaged after its build (``check_image``)
+is built again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from checkpoints import ALIASES, ModelLoadError, _one_line, build_dir_once, fetch_gguf, is_built
+from models.cache_dir import cache_subdir
+
+log = logging.getLogger("minibatch.image")
+
+IMAGE_FORMAT = 1  # bumped when image.json's layout changes
+WEIGHTS_FILE = "weights.bin"
+META_FILE = "image.json"
+TOKENIZER_DIR = "tokenizer"
+ALIGN = 64  # bytes: every buffer starts on a cache line (the mapping itself is page-aligned)
+BUILD_TIMEOUT_S = 3600  # a child build of a large checkpoint takes minutes; a hung one must not hang the server
+ERROR_PREFIX = "error: "  # the CLI's last stderr line on a failure
+BUILD_BLOCK_SIZE = 16  # the writer's throwaway KV pool; the image holds none of it
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ImageError(ValueError):
+    """A model image that cannot be used (missing, incomplete or corrupt file): ``str()`` names the file."""
+
+
+def check_image(image_dir: str) -> dict:
+    """image.json of a complete image (torch-free): raises ``ImageError`` naming the file when image.json is
+    missing, unreadable or of another format, or weights.bin is missing or not the size image.json says, or a
+    buffer lies outside it."""
+    path = os.path.join(image_dir, META_FILE)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ImageError(f"model image {path} cannot be read: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != IMAGE_FORMAT:
+        raise ImageError(f"model image {path} is not format {IMAGE_FORMAT}")
+    weights = os.path.join(image_dir, WEIGHTS_FILE)
+    try:
+        size, want = os.path.getsize(weights), meta["weights_bin_bytes"]
+        if size != want:
+            raise ImageError(f"model image file {weights} has {size} bytes, image.json says {want} (truncated?)")
+        for name, entry in meta["buffers"].items():
+            if not 0 <= entry["offset"] <= entry["offset"] + entry["nbytes"] <= size:
+                raise ImageError(f"model image {image_dir}: buffer {name} lies outside {weights}")
+    except OSError as exc:
+        raise ImageError(f"model image file {weights} is missing: {exc}") from exc
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ImageError(f"model image {path} is malformed ({type(exc).__name__}: {exc})") from exc
+    return meta
+
+
+# --- the writer (imports torch when called) --------------------------------------------------------------------
+
+
+def build_model(model_id: str, weights: str, num_blocks: int = 1, block_size: int = BUILD_BLOCK_SIZE):
+    """(tokenizer, HF model, family class, our model) for ``model_id`` served at ``weights``, built as ``HFEngine``
+    builds it (small_gemm panels on, one sequence, RoPE / positions over the whole context window, ``num_blocks``
+    KV blocks of ``block_size``). Imports torch. Raises ``ModelLoadError``."""
+    import torch
+
+    from checkpoints import load_checkpoint
+    from models import families
+
+    tokenizer, hf_model = load_checkpoint(model_id, weights)
+    cfg = hf_model.config
+    family = families().get(cfg.model_type)
+    if family is None:
+        raise ModelLoadError(f"model architecture {cfg.model_type!r} of {model_id!r} is not supported")
+    try:
+        model = family(
+            hf_model.eval(),
+            1,
+            family.context_window(cfg),
+            torch.device("cpu"),
+            use_small_gemm=True,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            weights="fp32" if weights == "auto" else weights,  # a GGUF's "auto" is in hf_model already
+        )
+    except ValueError as exc:  # a config option our forward does not implement
+        raise ModelLoadError(f"MODEL_ID {model_id}: {exc}") from exc
+    return tokenizer, hf_model, family, model
+
+
+def _table_rows(model) -> int:
+    """Rows of the token table (ids must be below): a QuantWeight's outputs, a tied lm_head's, or fp32 rows."""
+    table = model.embedding_tables()[0]
+    if hasattr(table, "out_features"):
+        return table.out_features
+    return model.lm_head.out_features if table.dim() == 3 else table.shape[0]
+
+
+def _write_buffers(spec, path: str) -> tuple:
+    """Write every tensor the spec names into ``path``, each once (shared tensors share one entry), ``ALIGN``ed.
+    -> (the spec with each handle replaced by its buffer's name, {name: {offset, nbytes, dtype, shape}}, bytes)."""
+    named: dict[tuple[int, int], str] = {}
+    entries: dict[str, dict] = {}
+    with open(path, "wb") as f:
+
+        def put(name: str, t) -> str:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"buffer {name} is not a contiguous CPU tensor")
+            key = (t.data_ptr(), t.numel() * t.element_size())
+            if key not in named:
+                f.write(b"\0" * (-f.tell() % ALIGN))
+                entries[name] = {
+                    "offset": f.tell(),
+                    "nbytes": key[1],
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                }
+                f.write(t.detach().numpy().data)
+                named[key] = name
+            return named[key]
+
+        from models.kernels import step_abi
+
+        spec = step_abi.map_buffers(spec, put)
+        size = f.tell()
+    return spec, entries, size
+
+
+def write_image(model_id: str, weights: str, out: str) -> dict:
+    """Build ``model_id`` at ``weights`` and write its image into the directory ``out`` (created); -> image.json's
+    contents. Raises ``ModelLoadError`` when the model cannot load, ``ValueError`` when its steps cannot run as
+    one compiled call here."""
+    from checkpoints import eos_ids
+    from models.kernels import paged_attention, step_abi
+
+    tokenizer, hf_model, family, model = build_model(model_id, weights)
+    plan = model.fused_step
+    if plan is None:
+        why = step_abi.KERNEL.unavailable_reason or "a linear has no compiled copy, or the activation is not tanh GELU"
+        raise ValueError(f"{model_id} at WEIGHTS={weights} cannot run as one compiled step here ({why})")
+    os.makedirs(out, exist_ok=True)
+    spec, entries, size = _write_buffers(plan.spec, os.path.join(out, WEIGHTS_FILE))
+    cfg = hf_model.config
+    meta = {
+        "format": IMAGE_FORMAT,
+        "model_id": model_id,
+        "weights": weights,
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "n_vocab": plan.n_vocab,  # logits per row (the lm_head's outputs)
+        "embed_rows": _table_rows(model),
+        "context_window": family.context_window(cfg),  # rows of the RoPE / position tables
+        "eos_ids": sorted(eos_ids(hf_model, tokenizer)),
+        "kv": {"n_layer": model.n_layer, "n_kv_head": spec.KVH, "head_dim": spec.D},
+        "kv_bytes_per_token": family.kv_bytes_per_token(cfg),
+        "max_block_size": paged_attention.MAX_BLOCK_SIZE,
+        "max_rows": plan.max_rows,
+        "resident_weights": model.resident_weights(),
+        "weight_bytes": model.weight_bytes(),
+        # flops_per_token(context) = token + context * per_position: MixedForward's count, read off it
+        "flops": {
+            "token": model.flops_per_token(0),
+            "per_position": model.flops_per_token(1) - model.flops_per_token(0),
+        },
+        "weights_bin_bytes": size,
+        "buffers": entries,
+        "plan": step_abi.spec_to_json(spec),
+    }
+    tokenizer.save_pretrained(os.path.join(out, TOKENIZER_DIR))
+    with open(os.path.join(out, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+# --- the cache (torch-free) ------------------------------------------------------------------------------------
+
+
+def source_identity(model_id: str) -> tuple[str, object]:
+    """(the MODEL_ID as the child loads it, what identifies its contents): a file -> its absolute path, size and
+    mtime; a directory -> every file's relative path, size and mtime; an alias -> its fetched GGUF file's; anything
+    else (a hub id) -> its name only."""
+    if model_id in ALIASES:
+        model_id = fetch_gguf(ALIASES[model_id], cache_subdir("gguf"))[0]
+    path = os.path.abspath(os.path.expanduser(model_id))
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return path, [path, st.st_size, st.st_mtime_ns]
+    if os.path.isdir(path):
+        files = []
+        for root, _, names in os.walk(path):
+            for name in sorted(names):
+                st = os.stat(os.path.join(root, name))
+                files.append([os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns])
+        return path, [path, sorted(files)]
+    return model_id, [model_id]
+
+
+def code_hash() -> str:
+    """A hash of every source that builds or reads an image: ``models/`` (Python and kernels) and checkpoints.py,
+    plus the torch and transformers versions (quantization and the GGUF reader are theirs)."""
+    h = hashlib.sha256()
+    models_dir = os.path.join(_REPO, "models")
+    paths = [os.path.join(_REPO, "checkpoints.py")]
+    for root, _, names in os.walk(models_dir):
+        paths += [os.path.join(root, n) for n in names if n.endswith((".py", ".c", ".h"))]
+    for path in sorted(paths):
+        h.update(os.path.relpath(path, _REPO).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    for package in ("torch", "transformers"):
+        try:
+            h.update(f"{package}=={importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return h.hexdigest()
+
+
+def image_dir(model_id: str, weights: str) -> tuple[str, str]:
+    """(the MODEL_ID the child loads, <cache root>/images/<name>-<weights>-<key>): any change to the model file,
+    WEIGHTS or the code gets a fresh directory."""
+    source, identity = source_identity(model_id)
+    if weights == "auto" and not source.lower().endswith(".gguf"):
+        weights = "fp32"  # only a GGUF has a precision of its own: elsewhere "auto" loads fp32 (load_checkpoint)
+    key = hashlib.sha256(json.dumps([identity, weights, IMAGE_FORMAT, code_hash()]).encode()).hexdigest()[:16]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(source.rstrip("/")) or "model")[:64]
+    return source, os.path.join(cache_subdir("images"), f"{stem}-{weights}-{key}")
+
+
+def ensure_image(model_id: str, weights: str = "fp32") -> str:
+    """The directory of ``model_id``'s image at ``weights``, built first (in a child process) if the cache has no
+    complete one. Torch-free. Raises ``ModelLoadError`` (the child's last error line) when it cannot be built."""
+    source, out = image_dir(model_id, weights)
+    if is_built(out):
+        try:
+            check_image(out)
+            log.info("model image of %s (WEIGHTS=%s): %s", model_id, weights, out)
+            return out
+        except ImageError as exc:  # damaged since it was built: build it again
+            log.warning("%s; building it again", exc)
+            shutil.rmtree(out, ignore_errors=True)
+    log.info("building the model image of %s (WEIGHTS=%s) once into %s", model_id, weights, out)
+    marker = {"source": source, "weights": weights, "format": IMAGE_FORMAT}
+    failure = f"MODEL_ID {model_id}: could not build its model image (WEIGHTS={weights})"
+    build_dir_once(out, lambda tmp: _build_in_child(source, weights, tmp, failure), marker, failure)
+    return out
+
+
+def _build_in_child(model_id: str, weights: str, out: str, failure: str) -> None:
+    """``python -m models.image`` into ``out``: torch and the build's transient memory stay in the child."""
+    cmd = [sys.executable, "-m", "models.image", "--model-id", model_id, "--weights", weights, "--out", out]
+    try:
+        proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ModelLoadError(f"{failure}: the build took over {BUILD_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        last = _one_line(proc.stderr).removeprefix(ERROR_PREFIX)
+        raise ModelLoadError(f"{failure}: {last or f'the build exited {proc.returncode}'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write a model image (packed weights for the torch-free runner).")
+    parser.add_argument("--model-id", required=True, help="a local checkpoint directory, a .gguf file or an alias")
+    parser.add_argument("--weights", default="fp32", help="fp32, int8, int4 or auto (a GGUF's own precision)")
+    parser.add_argument("--out", required=True, help="the directory to write (created)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        meta = write_image(args.model_id, args.weights, args.out)
+    except ModelLoadError as exc:  # one line last on stderr: ensure_image reports it
+        print(f"{ERROR_PREFIX}{_one_line(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"{ERROR_PREFIX}{type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {meta['model_type']}, {meta['weights_bin_bytes'] / 2**20:.1f} MiB of weights")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The torch-free runner: a model image (``models/image.py``) stepped by the whole-step kernel, numpy around it.
+
+``NativeModel`` maps the image's ``weights.bin`` read-only (its pages are the resident weights: no copy, and pages
+never read, e.g. RoPE rows past the longest context, never become resident), allocates the KV pools with numpy
+(zeroed lazily by the OS: the pool costs RSS only as it fills), rebuilds the kernel's structs with pointers into
+the mapping (``kernels/step_abi.py``, the same code ``decode_step.StepPlan`` uses) and runs ``forward`` with the
+contract of ``layers.MixedForward.forward``, returning numpy logits.
+
+A step of more rows than the image's ``max_rows`` (many decode rows, a long prompt chunk) runs as consecutive
+calls of at most ``max_rows`` rows in row order. That is exact: attention is causal, so a chunk's later rows need
+only the K/V of its earlier rows, which an earlier call has written (and within a call, ``write_first`` writes
+every row's K/V before any row attends when a sequence has several rows there).
+
+Importing this module, building a ``NativeModel`` and running steps import no torch. OpenMP reads its settings
+(wait policy, spin count) once, when the kernel's libgomp loads: set them (``engine.thread_environment``) before
+the first ``NativeModel``. Shapes: N rows (decode tokens, then each chunk's tokens), V logits per row, KVH K/V
+heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+
+from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
+from models.kernels import step_abi
+
+
+def _map_weights(image_dir: str) -> np.ndarray:
+    """weights.bin mapped read-only as uint8 (``check_image`` has checked its size)."""
+    return np.memmap(os.path.join(image_dir, WEIGHTS_FILE), dtype=np.uint8, mode="r")
+
+
+class NativeModel:
+    """One model image with its own KV pools, stepped without torch.
+
+    ``num_blocks`` KV blocks of ``block_size`` tokens (pools [n_layer, num_blocks, KVH, block_size, D] fp32, K and
+    V: ``PagedKVCache``'s layout); ``threads`` OpenMP threads per step. Raises ``ImageError`` for an unusable
+    image, ``RuntimeError`` when the kernel cannot be built or run here.
+    """
+
+    def __init__(self, image_dir: str, num_blocks: int, block_size: int, threads: int = 1) -> None:
+        meta = check_image(image_dir)
+        try:
+            spec = step_abi.spec_from_json(meta["plan"])
+            self.weights = _map_weights(image_dir)
+            offsets = {name: entry["offset"] for name, entry in meta["buffers"].items()}
+            base = self.weights.ctypes.data
+            addresses = step_abi.map_buffers(spec, lambda _, name: base + offsets[name])
+        except (KeyError, TypeError) as exc:
+            raise ImageError(f"model image {image_dir}: image.json is malformed ({type(exc).__name__}: {exc})") from exc
+        if not 0 < block_size <= meta["max_block_size"] or num_blocks < 1 or threads < 1:
+            raise ValueError(
+                f"need 1 <= block_size <= {meta['max_block_size']}, num_blocks >= 1, threads >= 1 "
+                f"(got {block_size}, {num_blocks}, {threads})"
+            )
+        lib = step_abi.load()
+        if lib is None:
+            raise RuntimeError(f"the decode step kernel cannot run here: {step_abi.KERNEL.unavailable_reason}")
+        self.meta, self.image_dir, self.threads = meta, image_dir, threads
+        self.model_type, self.vocab_size, self.n_vocab = meta["model_type"], meta["vocab_size"], meta["n_vocab"]
+        self.context_window, self.eos_ids = meta["context_window"], set(meta["eos_ids"])
+        self.max_rows, self.kv_bytes_per_token = meta["max_rows"], meta["kv_bytes_per_token"]
+        self.tokenizer_dir = os.path.join(image_dir, TOKENIZER_DIR)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        n_layer, KVH, D = meta["kv"]["n_layer"], meta["kv"]["n_kv_head"], meta["kv"]["head_dim"]
+        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), np.float32)  # calloc: pages on first write
+        self.v = np.zeros_like(self.k)
+        # Layer l's pools as [num_blocks, block_size, KVH, D]: PagedKVCache.pools' strides (floats).
+        geometry = step_abi.PoolGeometry(block_size, KVH * block_size * D, D, block_size * D)
+        layer_bytes = self.k.strides[0]
+        pools = [(self.k.ctypes.data + i * layer_bytes, self.v.ctypes.data + i * layer_bytes) for i in range(n_layer)]
+        self.structs = step_abi.Structs(addresses, pools, geometry)
+        self.step = step_abi.StepKernel(lib, self.structs, spec.C)
+        self._ws = np.empty(0, np.float32)
+
+    # --- what the server and the benchmark ask ---
+
+    @property
+    def kv_nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def resident_weights(self) -> dict[str, int]:
+        """Bytes of weights held, per format (``MixedForward.resident_weights`` of the model the image came from)."""
+        return dict(self.meta["resident_weights"])
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights one step streams, per format (``MixedForward.weight_bytes``)."""
+        return dict(self.meta["weight_bytes"])
+
+    def flops_per_token(self, context: int) -> int:
+        """FLOPs of one token attending over ``context`` positions (``MixedForward.flops_per_token``)."""
+        return self.meta["flops"]["token"] + context * self.meta["flops"]["per_position"]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` becomes a copy of block ``src``, K and V, every layer (``PagedKVCache.copy_block``)."""
+        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+            raise ValueError(f"blocks {src}, {dst} outside the pool of {self.num_blocks}")
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    # --- a step ---
+
+    def forward(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]] = (),
+        prompts: list[list[int]] = (),
+        prompt_tables: list[list[int]] = (),
+        prompt_starts: list[int] | None = None,
+        every_position: list[bool] = (),
+    ) -> np.ndarray:
+        """``MixedForward.forward``'s contract: decode B tokens (token_ids[b] at positions[b], block table
+        tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block
+        table prompt_tables[i]; every table covers its tokens' positions).
+
+        Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
+        with ``every_position[i]`` set has all its positions there instead, in order. Every row's K/V is written.
+        Raises ValueError for arguments that do not fit the pools, tables or context window.
+        """
+        rows = _StepRows.build(
+            self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position
+        )
+        logits = np.empty((rows.n_sample, self.n_vocab), np.float32)
+        for r0 in range(0, rows.n, self.max_rows):
+            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits)
+        return logits
+
+    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
+        """Whole prompts into their blocks -> each prompt's last-position logits [len(prompts), V]."""
+        return self.forward([], [], [], prompts, tables)
+
+    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> np.ndarray:
+        """One token per sequence -> logits [B, V]."""
+        return self.forward(token_ids, positions, tables)
+
+    def _workspace(self, rows: int) -> int:
+        """The address of a ``WS_ALIGN``-aligned workspace for a call of ``rows`` rows (grown, never shrunk)."""
+        need = self.step.workspace_floats(rows, self.threads) + step_abi.WS_ALIGN // 4
+        if self._ws.size < need:
+            self._ws = np.empty(need, np.float32)
+        return self._ws.ctypes.data + (-self._ws.ctypes.data % step_abi.WS_ALIGN)
+
+    def _call(self, rows: _StepRows, r0: int, r1: int, logits: np.ndarray) -> None:
+        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``."""
+        seq = rows.row_table[r0:r1]
+        write_first = bool(np.any(seq[1:] == seq[:-1]))  # a sequence with several rows here attends its own slots
+        if rows.sample is None:  # every row sampled: output rows are the rows
+            s0, sample, n_sample = r0, None, r1 - r0
+        else:
+            s0, s1 = np.searchsorted(rows.sample, [r0, r1])
+            local = rows.sample[s0:s1] - r0
+            sample, n_sample = local.ctypes.data, int(s1 - s0)
+        at = 8 * r0  # bytes into the int64 row arrays
+        self.step(
+            *(r1 - r0, rows.ids.ctypes.data + at, rows.pos.ctypes.data + at, rows.slot_blocks.ctypes.data + at),
+            *(rows.slot_offsets.ctypes.data + at, rows.tables.ctypes.data, rows.tables.shape[1]),
+            *(seq.ctypes.data, write_first, sample, n_sample),
+            *(logits.ctypes.data + 4 * int(s0) * self.n_vocab, self._workspace(r1 - r0), self.threads),
+        )
+
+
+class _StepRows:
+    """One step's rows as the kernel reads them (numpy, built vectorized): N rows, decode tokens then each chunk's.
+
+    ids, pos, slot_blocks, slot_offsets: [N] int64; tables [B + P, width] int32 (decode rows' tables, then the
+    chunks'; padded with 0); row_table [N] int32 (row -> its table); sample: int64 rows whose logits are wanted, in
+    order, or None (no prompts: every row).
+    """
+
+    __slots__ = ("n", "ids", "pos", "slot_blocks", "slot_offsets", "tables", "row_table", "sample", "n_sample")
+
+    @classmethod
+    def build(cls, model: NativeModel, token_ids, positions, tables, prompts, prompt_tables, starts, every):
+        B, P = len(token_ids), len(prompts)
+        starts = [0] * P if starts is None else list(starts)
+        if len(positions) != B or len(tables) != B or len(prompt_tables) != P or len(starts) != P:
+            raise ValueError("token_ids, positions and tables, and prompts, prompt_tables and prompt_starts differ")
+        if every and len(every) != P:
+            raise ValueError(f"every_position has {len(every)} entries for {P} prompts")
+        lengths = np.fromiter(map(len, prompts), np.int64, P)
+        if P and lengths.min() < 1:
+            raise ValueError("an empty prompt chunk")
+        self = cls()
+        n = self.n = B + int(lengths.sum())
+        counts = np.concatenate([np.ones(B, np.int64), lengths])
+        self.row_table = np.repeat(np.arange(B + P, dtype=np.int32), counts)
+        self.ids = np.fromiter(itertools.chain(token_ids, *prompts), np.int64, n)
+        first = B + np.cumsum(lengths) - lengths  # each chunk's first row
+        self.pos = np.empty(n, np.int64)
+        self.pos[:B] = positions
+        self.pos[B:] = np.repeat(np.asarray(starts, np.int64) - first, lengths) + np.arange(B, n)
+        self.tables = _pad_tables(list(tables) + list(prompt_tables))
+        self._check(model, [len(t) for t in tables] + [len(t) for t in prompt_tables])
+        block = self.pos // model.block_size
+        self.slot_blocks = self.tables[self.row_table, block].astype(np.int64)
+        self.slot_offsets = self.pos % model.block_size
+        if not P:
+            self.sample, self.n_sample = None, n
+            return self
+        wanted = np.zeros(n, bool)
+        wanted[:B] = True
+        wanted[first + lengths - 1] = True
+        if every:
+            wanted[B:] |= np.repeat(np.asarray(every, bool), lengths)
+        self.sample = np.flatnonzero(wanted).astype(np.int64)
+        self.n_sample = len(self.sample)
+        return self
+
+    def _check(self, model: NativeModel, table_lens: list[int]) -> None:
+        """Every id, position and block inside what the kernel may touch (a bad one would read or write out of
+        bounds)."""
+        if self.n and (self.ids.min() < 0 or self.ids.max() >= model.meta["embed_rows"]):
+            raise ValueError(f"token ids must lie in [0, {model.meta['embed_rows']})")
+        if self.n and (self.pos.min() < 0 or self.pos.max() >= model.context_window):
+            raise ValueError(f"positions must lie in [0, {model.context_window}) (the context window)")
+        if self.tables.size and (self.tables.min() < 0 or self.tables.max() >= model.num_blocks):
+            raise ValueError(f"block ids must lie in [0, {model.num_blocks})")
+        if self.n and np.any(self.pos // model.block_size >= np.asarray(table_lens, np.int64)[self.row_table]):
+            raise ValueError("a block table does not cover its tokens' positions")
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables -> [len(tables), max length] int32, each padded with 0."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    out = np.zeros((len(tables), max(int(lens.max()) if len(tables) else 0, 1)), np.int32)
+    out[np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(itertools.chain(*tables), np.int64, int(lens.sum()))
+    return out

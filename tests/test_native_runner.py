@@ -1,0 +1,372 @@
+"""The torch-free runner (models/native.py) on model images (models/image.py) against the torch model.
+
+Both run the same compiled whole-step kernel on the same packed bytes, so where the torch model also takes its
+one-call path (``_takes_fused_step``) logits and KV pools must be identical; steps past ``max_rows`` (the runner
+splits them into consecutive calls, the torch model takes its torch path) must agree within float tolerance
+and in greedy argmax. GPT-2 (tied: fp32 panels as the token table) and an untied Llama (GQA, RoPE; fp32 token
+rows), WEIGHTS fp32 (16 rows a call), int8 and int4 (128). Also: copy_block, the image cache (built once in a
+child process, reused, rebuilt on a key change, a failing child's error), unusable images, bad arguments, and
+that the runner never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from checkpoints import ModelLoadError  # noqa: E402
+from models import image  # noqa: E402
+from models.image import ImageError  # noqa: E402
+from models.kernels import step_abi  # noqa: E402
+from models.native import NativeModel  # noqa: E402
+
+BS = 4  # tokens per KV block: chunks end mid-block and on block boundaries
+NB = 400  # KV blocks in each pool
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _need_kernel():
+    if step_abi.load() is None:
+        pytest.skip(f"decode step kernel unavailable: {step_abi.KERNEL.unavailable_reason}")
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    """A private cache (images, kernels build into it once) for this module."""
+    root = str(tmp_path_factory.mktemp("native_cache"))
+    before = os.environ.get("MINIBATCH_CACHE")
+    os.environ["MINIBATCH_CACHE"] = root
+    yield root
+    if before is None:
+        os.environ.pop("MINIBATCH_CACHE", None)
+    else:
+        os.environ["MINIBATCH_CACHE"] = before
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def family_dir(request, tmp_path_factory) -> str:
+    from make_test_model import build_checkpoint
+
+    if request.param == "gpt2":
+        return request.getfixturevalue("tiny_model_dir")
+    return build_checkpoint(str(tmp_path_factory.mktemp("llama_native")), arch="llama", seed=2, tied=False)
+
+
+class Pair:
+    """The torch model and the native runner over the same image, each with its own pools of NB x BS."""
+
+    def __init__(self, model_dir: str, weights: str, out: str) -> None:
+        image.write_image(model_dir, weights, out)  # in-process: the child build is tested once, below
+        self.image_dir = out
+        self.tm = image.build_model(model_dir, weights, num_blocks=NB, block_size=BS)[3]
+        self.nm = NativeModel(out, NB, BS, threads=2)
+        self.exact = 0  # steps compared bit for bit (the torch model took its one-call path)
+        torch.set_num_threads(2)
+
+    def both(self, *args, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+        """One forward through each from the same KV state; checks they agree (bit for bit where the torch model
+        takes its one-call path), then leaves both with the runner's pools. -> (torch logits, runner logits)."""
+        prompts = kwargs.get("prompts", ())
+        one_call = self.tm._takes_fused_step(len(args[0]), prompts)
+        want = self.tm.forward(*args, **kwargs).numpy()
+        got = self.nm.forward(*args, **kwargs)
+        k, v = self.tm.kv.k.numpy(), self.tm.kv.v.numpy()
+        assert got.shape == want.shape and got.dtype == np.float32
+        if one_call:
+            self.exact += 1
+            assert np.array_equal(got, want)
+            assert np.array_equal(self.nm.k, k) and np.array_equal(self.nm.v, v)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            assert (got.argmax(-1) == want.argmax(-1)).all()
+            np.testing.assert_allclose(self.nm.k, k, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(self.nm.v, v, rtol=1e-5, atol=1e-5)
+            self.tm.kv.k.copy_(torch.from_numpy(self.nm.k))  # the same state again for the next step
+            self.tm.kv.v.copy_(torch.from_numpy(self.nm.v))
+        return want, got
+
+
+@pytest.fixture(scope="module", params=["fp32", "int8", "int4"])
+def pair(request, family_dir, cache_root, tmp_path_factory) -> Pair:
+    before = torch.get_num_threads()
+    yield Pair(family_dir, request.param, str(tmp_path_factory.mktemp(f"image_{request.param}")))
+    torch.set_num_threads(before)
+
+
+class Sequences:
+    """Random token sequences, each with its own blocks (shuffled over the pool), in a step's argument form."""
+
+    def __init__(self, seed: int, lengths: list[int]) -> None:
+        rng = np.random.default_rng(seed)
+        self.tokens = [rng.integers(3, 600, n).tolist() for n in lengths]
+        free = rng.permutation(NB).tolist()
+        self.tables = []
+        for n in lengths:
+            need = n // BS + 2  # room for decode tokens past the prompt
+            self.tables.append(free[:need])
+            free = free[need:]
+
+    def chunks(self, spans: list[tuple[int, int, int]], every: tuple = ()) -> dict:
+        """(sequence, start, end) spans -> forward's chunk keyword arguments."""
+        return {
+            "prompts": [self.tokens[i][a:b] for i, a, b in spans],
+            "prompt_tables": [self.tables[i] for i, _, _ in spans],
+            "prompt_starts": [a for _, a, _ in spans],
+            "every_position": list(every),
+        }
+
+    def decode(self, rows: list[int], next_tokens: list[int]) -> tuple:
+        """Decode rows: sequence i's next token at position len(tokens[i]) (the token is appended)."""
+        positions = [len(self.tokens[i]) for i in rows]
+        for i, t in zip(rows, next_tokens):
+            self.tokens[i].append(int(t))
+        return next_tokens, positions, [self.tables[i] for i in rows]
+
+
+@pytest.mark.model
+def test_mixed_steps_match_the_torch_model(pair):
+    """Prefill chunks from 0 and mid-sequence, ending mid-block and on block boundaries, every-position chunks,
+    decode rows riding with them; then a chunk longer than max_rows riding with decode rows (split over calls),
+    and the same sequence's next chunk, from mid-sequence, split again."""
+    m = pair.nm.max_rows
+    long = m + 37  # a chunk of more rows than one call takes
+    seqs = Sequences(7, [6, 8, 13, 16, 11, 9, 2 * long + 5, 12, 3])
+    # Step 1: whole prompts (mid-block, boundary, mid-block), first parts (boundary, mid-block, boundary).
+    spans = [(0, 0, 6), (1, 0, 8), (2, 0, 13), (3, 0, 8), (4, 0, 5), (7, 0, 4)]
+    out, _ = pair.both([], [], [], **seqs.chunks(spans))
+    exact = pair.exact
+    # Step 2 (within 16 rows: one call on both sides, fp32 too): decode rows 0-2, sequence 7 from mid-sequence
+    # with every position, sequence 8 whole.
+    _, got = pair.both(
+        *seqs.decode([0, 1, 2], out[:3].argmax(-1).tolist()), **seqs.chunks([(7, 4, 10), (8, 0, 3)], (True, False))
+    )
+    assert got.shape[0] == 3 + 6 + 1 and pair.exact == exact + 1
+    # Step 3: decode rows 0-2, chunk 3 from mid-sequence to a boundary with every position, chunk 4 to mid-block,
+    # sequence 5 whole with every position.
+    nxt = got[:3].argmax(-1).tolist()
+    spans = [(3, 8, 16), (4, 5, 11), (5, 0, 9)]
+    _, got = pair.both(*seqs.decode([0, 1, 2], nxt), **seqs.chunks(spans, every=(True, False, True)))
+    assert got.shape[0] == 3 + 8 + 1 + 9
+    # Step 4: five decode rows and sequence 6's first `long` tokens: more rows than one call.
+    rows = [0, 1, 2, 3, 4]
+    nxt = [t % 600 for t in range(40, 45)]
+    pair.both(*seqs.decode(rows, nxt), **seqs.chunks([(6, 0, long)]))
+    # Step 5: its next `long` tokens from mid-sequence (mid-block), every position, with decode rows.
+    _, got = pair.both(*seqs.decode(rows, nxt), **seqs.chunks([(6, long, 2 * long)], every=(True,)))
+    assert got.shape[0] == 5 + long
+
+
+@pytest.mark.model
+def test_decode_steps_past_max_rows_split(pair):
+    """A decode-only step of max_rows + 3 rows (two calls), after their prompts' prefill (split too)."""
+    n = pair.nm.max_rows + 3
+    seqs = Sequences(11, [1 + i % 3 for i in range(n)])
+    out, _ = pair.both([], [], [], **seqs.chunks([(i, 0, len(t)) for i, t in enumerate(seqs.tokens)]))
+    pair.both(*seqs.decode(list(range(n)), out.argmax(-1).tolist()))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["int8"])
+def test_long_contexts_and_thread_counts(family_dir, cache_root, tmp_path, weights):
+    """A chunk whose calls cross one attention partition (512 tokens), and the same step from the same state at
+    1, 2 and 3 threads: the same bits."""
+    p = Pair(family_dir, weights, str(tmp_path / "image"))
+    seqs = Sequences(3, [700])
+    p.both([], [], [], **seqs.chunks([(0, 0, 400)]))
+    k0, v0 = p.nm.k.copy(), p.nm.v.copy()
+    runs = []
+    for threads in (1, 2, 3):
+        p.nm.k[...], p.nm.v[...] = k0, v0
+        p.nm.threads = threads
+        runs.append((p.nm.forward([], [], [], **seqs.chunks([(0, 400, 700)])), p.nm.k.copy(), p.nm.v.copy()))
+    for logits, k, v in runs[1:]:
+        assert np.array_equal(logits, runs[0][0]) and np.array_equal(k, runs[0][1]) and np.array_equal(v, runs[0][2])
+    p.nm.k[...], p.nm.v[...] = k0, v0
+    p.nm.threads = 2
+    p.both([], [], [], **seqs.chunks([(0, 400, 700)]))
+
+
+@pytest.mark.model
+def test_copy_block(pair):
+    seqs = Sequences(5, [10])
+    pair.both([], [], [], **seqs.chunks([(0, 0, 10)]))
+    src, dst = seqs.tables[0][1], seqs.tables[0][2]
+    pair.nm.copy_block(src, dst)
+    pair.tm.kv.copy_block(src, dst)
+    assert np.array_equal(pair.nm.k, pair.tm.kv.k.numpy()) and np.array_equal(pair.nm.v, pair.tm.kv.v.numpy())
+    assert np.array_equal(pair.nm.k[:, dst], pair.nm.k[:, src])
+    with pytest.raises(ValueError, match="outside the pool"):
+        pair.nm.copy_block(0, NB)
+
+
+@pytest.mark.model
+def test_what_the_runner_reports(pair):
+    nm, tm = pair.nm, pair.tm
+    assert nm.n_vocab == tm.lm_head.out_features and nm.max_rows == tm.fused_step.max_rows
+    assert nm.kv_nbytes == tm.kv.nbytes
+    assert nm.resident_weights() == tm.resident_weights() and nm.weight_bytes() == tm.weight_bytes()
+    assert nm.flops_per_token(0) == tm.flops_per_token(0) and nm.flops_per_token(777) == tm.flops_per_token(777)
+    assert nm.kv_bytes_per_token * BS * NB == nm.kv_nbytes
+    assert nm.context_window == 1024 and nm.vocab_size == 611
+    assert os.path.isfile(os.path.join(nm.tokenizer_dir, "tokenizer.json"))
+    meta = nm.meta
+    for entry in meta["buffers"].values():
+        assert entry["offset"] % image.ALIGN == 0
+    tied = meta["model_type"] == "gpt2"  # the tied lm_head's table is written once, under one name
+    assert (meta["plan"]["embed"] == meta["plan"]["lm_head"]["w"]) == tied
+
+
+@pytest.mark.model
+def test_bad_arguments_raise(pair):
+    nm, seqs = pair.nm, Sequences(9, [6])
+    table = seqs.tables[0]
+    with pytest.raises(ValueError, match="context window"):
+        nm.forward([5], [1024], [table * 200])
+    with pytest.raises(ValueError, match="block ids"):
+        nm.forward([5], [1], [[NB]])
+    with pytest.raises(ValueError, match="does not cover"):
+        nm.forward([5], [BS], [table[:1]])
+    with pytest.raises(ValueError, match="token ids"):
+        nm.forward([611], [0], [table])
+    with pytest.raises(ValueError, match="empty prompt chunk"):
+        nm.forward([], [], [], [[]], [table])
+    with pytest.raises(ValueError, match="differ"):
+        nm.forward([5, 6], [0], [table])
+    assert nm.forward([], []).shape == (0, nm.n_vocab)
+
+
+# --- the image cache and the image files ---------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_ensure_image_builds_once_in_a_child_and_reuses(tiny_model_dir, cache_root, tmp_path, monkeypatch):
+    """The first call builds in a child (the same bytes the in-process writer gives), the second reuses it, a
+    damaged one is built again; a changed model file or WEIGHTS or code is another key, and a changed file really
+    rebuilds. "auto" is fp32 for a checkpoint directory (only a GGUF has a precision of its own)."""
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir, model_dir)
+    built = []
+    real = image._build_in_child
+    monkeypatch.setattr(image, "_build_in_child", lambda *a: (built.append(a[0]), real(*a))[1])
+    first = image.ensure_image(model_dir, "int4")
+    assert built == [os.path.abspath(model_dir)] and first.startswith(os.path.join(cache_root, "images"))
+    assert [n for n in os.listdir(os.path.dirname(first)) if ".tmp-" in n] == []
+    image.write_image(model_dir, "int4", str(tmp_path / "here"))
+    with open(os.path.join(first, image.WEIGHTS_FILE), "rb") as a, open(tmp_path / "here" / "weights.bin", "rb") as b:
+        assert a.read() == b.read()
+    assert image.ensure_image(model_dir, "int4") == first and len(built) == 1
+    with open(os.path.join(first, image.WEIGHTS_FILE), "r+b") as f:  # damaged after its build: built again
+        f.truncate(100)
+    assert image.ensure_image(model_dir, "int4") == first and len(built) == 2
+    NativeModel(first, 4, BS)
+    assert image.image_dir(model_dir, "int8")[1] != first
+    assert image.image_dir(model_dir, "auto")[1] == image.image_dir(model_dir, "fp32")[1]
+    monkeypatch.setattr(image, "code_hash", lambda: "edited")
+    assert image.image_dir(model_dir, "int4")[1] != first
+    monkeypatch.undo()
+    monkeypatch.setattr(image, "_build_in_child", lambda *a: (built.append(a[0]), real(*a))[1])
+    weights_file = os.path.join(model_dir, "model.safetensors")
+    st = os.stat(weights_file)
+    os.utime(weights_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = image.ensure_image(model_dir, "int4")
+    assert second != first and len(built) == 3 and os.path.isdir(first)
+    NativeModel(second, 4, BS)
+
+
+@pytest.mark.model
+def test_a_failing_build_raises_with_the_childs_error(cache_root, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "gpt2", "n_layer": "many"}')
+    with pytest.raises(ModelLoadError, match="could not build its model image") as info:
+        image.ensure_image(str(broken), "int8")
+    assert "'n_layer'" in str(info.value) and "\n" not in str(info.value)  # the child's own error, one line
+    images = os.path.join(cache_root, "images")
+    assert [n for n in os.listdir(images) if n.startswith("broken")] == []  # nothing half-built left
+
+
+@pytest.mark.model
+def test_unusable_images_fail_clearly(pair, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(pair.image_dir, bad)
+    weights = os.path.join(bad, image.WEIGHTS_FILE)
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) - 64)
+    with pytest.raises(ImageError, match="truncated"):
+        NativeModel(bad, 4, BS)
+    os.remove(weights)
+    with pytest.raises(ImageError, match="missing"):
+        NativeModel(bad, 4, BS)
+    meta_path = os.path.join(bad, image.META_FILE)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    shutil.copy(os.path.join(pair.image_dir, image.WEIGHTS_FILE), weights)
+    del meta["plan"]["layers"][0]["qkv"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(ImageError, match="malformed"):
+        NativeModel(bad, 4, BS)
+    with open(meta_path, "w") as f:
+        f.write('{"format": 1, "plan": ')
+    with pytest.raises(ImageError, match="cannot be read"):
+        NativeModel(bad, 4, BS)
+    os.remove(meta_path)
+    with pytest.raises(ImageError, match="cannot be read"):
+        NativeModel(bad, 4, BS)
+    with pytest.raises(ValueError, match="block_size"):
+        NativeModel(pair.image_dir, 4, 1000)
+
+
+def test_cpu_flags_gate_the_kernel_without_torch(monkeypatch):
+    from models.kernels import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"sse2", "avx2"})
+    with pytest.raises(RuntimeError, match="lacks fma, f16c"):
+        build.require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    build.require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
+
+
+NO_TORCH = """
+import json, sys
+import numpy as np
+from models.native import NativeModel
+image_dir, out, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = NativeModel(image_dir, args["nb"], args["bs"], threads=2)
+first = model.forward([], [], [], args["prompts"], args["tables"])
+second = model.forward(first.argmax(-1).tolist(), [len(p) for p in args["prompts"]], args["tables"])
+np.save(out, np.concatenate([first, second]))
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+print("imported:", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+@pytest.mark.model
+def test_the_runner_imports_no_torch(pair, tmp_path):
+    """A fresh interpreter loads the image and runs a prefill and a decode step without importing torch or
+    transformers, and gets the in-process runner's logits (which ``both`` checks against the torch model's)."""
+    seqs = Sequences(13, [7, 12])
+    args = {"nb": NB, "bs": BS, "prompts": seqs.tokens, "tables": seqs.tables}
+    out = str(tmp_path / "logits.npy")
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, pair.image_dir, out, json.dumps(args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _, first = pair.both([], [], [], seqs.tokens, seqs.tables)
+    _, second = pair.both(first.argmax(-1).tolist(), [len(p) for p in seqs.tokens], seqs.tables)
+    assert np.array_equal(np.load(out), np.concatenate([first, second]))
