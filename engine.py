@@ -1189,20 +1189,22 @@ class NativeEngine(ModelEngine):
         from models.native_memory import memory_mib
 
         environment = thread_environment()  # before libgomp loads with the kernel
+        from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
+        from models.native import NativeModel
         from text_tokenizer import TextTokenizer
 
-        from models.image import ensure_image
-        from models.native import NativeModel
-
         image_dir = image_dir or ensure_image(config.model_id, config.weights)
-        meta = NativeModel.read_meta(image_dir)
-        self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, "tokenizer"))
-        num_blocks = self._init_batching(
-            config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"]
-        )
+        try:
+            meta = check_image(image_dir)
+            self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
+            num_blocks = self._init_batching(
+                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"]
+            )
+            self.model = NativeModel(image_dir, num_blocks, self.blocks.block_size, engine_threads(config))
+        except (ImageError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
         self.vocab_size = meta["vocab_size"]
         self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
-        self.model = NativeModel(image_dir, num_blocks, self.blocks.block_size, engine_threads(config))
         resident = self.model.resident_weights()
         memory = memory_mib()
         log.info(

@@ -10,7 +10,7 @@ process, the way ``HFEngine`` builds it, and the buffers its ``StepPlan`` points
     image.json     the spec with each buffer named, every buffer's offset / bytes / dtype / shape, and what a
                    server needs besides (model type, vocab, context window, KV geometry, max_rows, EOS ids,
                    resident and streamed weight bytes and the FLOP counts for the benchmark's roofline)
-    tokenizer/     the checkpoint's tokenizer (``save_pretrained``)
+    tokenizer/     the checkpoint's tokenizer (``text_tokenizer.write_tokenizer_dir``: what ``TextTokenizer`` reads)
 
 ``models/native.py`` maps ``weights.bin`` read-only and runs steps on it without importing torch. The KV pools are
 not in the image (they depend on capacity): the runner allocates them.
@@ -161,6 +161,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     one compiled call here."""
     from checkpoints import eos_ids
     from models.kernels import paged_attention, step_abi
+    from text_tokenizer import write_tokenizer_dir
 
     tokenizer, hf_model, family, model = build_model(model_id, weights)
     plan = model.fused_step
@@ -195,7 +196,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
         "buffers": entries,
         "plan": step_abi.spec_to_json(spec),
     }
-    tokenizer.save_pretrained(os.path.join(out, TOKENIZER_DIR))
+    write_tokenizer_dir(tokenizer, os.path.join(out, TOKENIZER_DIR))  # as the generic class TextTokenizer reads
     with open(os.path.join(out, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
@@ -225,11 +226,11 @@ def source_identity(model_id: str) -> tuple[str, object]:
 
 
 def code_hash() -> str:
-    """A hash of every source that builds or reads an image: ``models/`` (Python and kernels) and checkpoints.py,
-    plus the torch and transformers versions (quantization and the GGUF reader are theirs)."""
+    """A hash of every source that builds or reads an image: ``models/`` (Python and kernels), checkpoints.py and
+    text_tokenizer.py (its tokenizer directory), plus the torch and transformers versions (quantization and the GGUF reader are theirs)."""
     h = hashlib.sha256()
     models_dir = os.path.join(_REPO, "models")
-    paths = [os.path.join(_REPO, "checkpoints.py")]
+    paths = [os.path.join(_REPO, "checkpoints.py"), os.path.join(_REPO, "text_tokenizer.py")]
     for root, _, names in os.walk(models_dir):
         paths += [os.path.join(root, n) for n in names if n.endswith((".py", ".c", ".h"))]
     for path in sorted(paths):

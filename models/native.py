@@ -28,6 +28,11 @@ from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.kernels import step_abi
 
 
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run model images (no AVX2/FMA/F16C, no C compiler, a failed build), or None."""
+    return None if step_abi.load() is not None else step_abi.KERNEL.unavailable_reason or "the kernel did not load"
+
+
 def _map_weights(image_dir: str) -> np.ndarray:
     """weights.bin mapped read-only as uint8 (``check_image`` has checked its size)."""
     return np.memmap(os.path.join(image_dir, WEIGHTS_FILE), dtype=np.uint8, mode="r")

@@ -70,13 +70,14 @@ def test_greedy_parity_through_the_scheduler(pressure_model, weights, blocks, bu
 def feature_sequences(ref: Reference) -> list[Sequence]:
     """One of each sampling feature, plus an n=3 group of seeded choices (forked from one prefill)."""
     ids = ref.encode(PROMPTS[0])
+    distinct = sorted(set(ids))
     params = [
         SamplingParams(temperature=0.8, seed=7),
         SamplingParams(temperature=1.0, top_k=5, seed=8),
         SamplingParams(temperature=1.0, top_p=0.6, seed=9),
         SamplingParams(temperature=0.7, min_p=0.2, seed=10),
         SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
-        SamplingParams(logit_bias={ids[1]: 5.0, ids[2]: -100.0}),
+        SamplingParams(logit_bias=((distinct[0], 5.0), (distinct[1], -100.0))),
     ]
     seqs = []
     for i, p in enumerate(params):
