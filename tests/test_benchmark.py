@@ -180,13 +180,16 @@ def small_gemm_builds() -> bool:
 
 
 def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_model_dir, tmp_path):
-    """ours:int8 streams packed int8 weights; llamacpp on a non-GGUF model (or unbuilt) fails saying why."""
+    """ours:int8 streams packed int8 weights, on the native runtime (RUNTIME=auto) and on torch, where the linears'
+    kernel rates are measured too; llamacpp on a non-GGUF model (or unbuilt) fails saying why."""
     out = tmp_path / "bench.json"
-    proc = bench("--model", tiny_model_dir, "--workload", "seed", "--systems", "ours:int8,llamacpp", "--json", str(out))
+    systems = "ours:int8,ours:int8:runtime=torch,llamacpp"
+    proc = bench("--model", tiny_model_dir, "--workload", "seed", "--systems", systems, "--json", str(out))
     seed = json.loads(out.read_text())["results"]["seed"]
-    ours = seed["ours:int8"]
-    assert not ours.get("failed") and ours["tokens_per_s"] > 0 and ours["config"]["weights"] == "int8"
-    assert set(ours["config"]["resident_weight_mb"]) >= {"int8"}
+    native, ours = seed["ours:int8"], seed["ours:int8:runtime=torch"]
+    for r, engine in ((native, "NativeEngine"), (ours, "HFEngine")):
+        assert not r.get("failed") and r["tokens_per_s"] > 0 and r["config"]["weights"] == "int8"
+        assert set(r["config"]["resident_weight_mb"]) >= {"int8"} and r["config"]["engine"].startswith(engine)
     assert [k["rows"] for k in ours["linear_kernels"]] == [1, 8]
     assert all(k["quant_gemm_gb_s"] > 0 and k["fmt"] == "int8" for k in ours["linear_kernels"])
     assert seed["llamacpp"]["failed"] and (

@@ -225,6 +225,7 @@ OURS_OPTIONS = {
     "pcap": "MAX_PREFILL_TOKENS_WHILE_DECODING",
     "prefix": "PREFIX_CACHING",
     "kv": "KV_CACHE_MB",
+    "runtime": "RUNTIME",
 }
 
 
@@ -441,7 +442,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
 
 def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", **options):
     """``python server.py`` in its own process, as an operator runs it, configured like ``ours`` (``ours_env``, plus
-    ``runtime``: RUNTIME), fed over HTTP like llama-server: every request's token ids to ``/generate``, streamed
+    without ``fork``), fed over HTTP like llama-server: every request's token ids to ``/generate``, streamed
     (each event carries its tokens' ids: token times, and the output a continued turn resends), greedy, EOS
     ignored. A request's ``n`` choices go as n requests (seeded 0..n-1). Its peak RSS is the server process's own,
     so it compares with llama-server's like for like (``ours`` runs in the benchmark's worker, beside its harness).
@@ -452,13 +453,10 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     import httpx
 
     requests, capacity = workload.requests, workload.capacity
-    runtime = options.pop("runtime", "")
     env = ours_env(workload, gguf, weights, options)
     limit = max(r.max_new_tokens for r in requests)
     env.update({"MODEL_ID": gguf or model_dir, "LOG_LEVEL": "WARNING", "MAX_NEW_TOKENS_LIMIT": str(limit)})
     env["MAX_QUEUE_DEPTH"] = str(sum(r.n for r in requests) + 1)
-    if runtime:
-        env["RUNTIME"] = runtime
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -550,7 +548,7 @@ def parse_system(name: str) -> tuple[str, dict]:
     base, *parts = name.split(":")
     allowed = {
         "ours": {"weights", "fork", *OURS_OPTIONS},
-        "ours_server": {"weights", "runtime", *OURS_OPTIONS},
+        "ours_server": {"weights", *OURS_OPTIONS},
         "llamacpp": {"cache"},
     }.get(base, set())
     kwargs = {}
@@ -563,7 +561,7 @@ def parse_system(name: str) -> tuple[str, dict]:
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
-            "ours_server: the same but fork, plus runtime=torch|native; llamacpp:cache=on)"
+            "ours:runtime=torch|native (RUNTIME), ours_server: as ours but fork; llamacpp:cache=on)"
         )
     return base, kwargs
 
