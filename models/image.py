@@ -227,7 +227,8 @@ def source_identity(model_id: str) -> tuple[str, object]:
 
 def code_hash() -> str:
     """A hash of every source that builds or reads an image: ``models/`` (Python and kernels), checkpoints.py and
-    text_tokenizer.py (its tokenizer directory), plus the torch and transformers versions (quantization and the GGUF reader are theirs)."""
+    text_tokenizer.py (its tokenizer directory), plus the torch and transformers versions (quantization and the
+    GGUF reader are theirs)."""
     h = hashlib.sha256()
     models_dir = os.path.join(_REPO, "models")
     paths = [os.path.join(_REPO, "checkpoints.py"), os.path.join(_REPO, "text_tokenizer.py")]
