@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import time
 
@@ -340,9 +341,6 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
     same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
     ids of each chunk (``return_tokens``: token times, and the output a continued turn resends).
     ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default)."""
-    import socket
-    import urllib.request
-
     import httpx
     import torch
     from build_llamacpp import binary_path
@@ -354,9 +352,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         raise RuntimeError("llamacpp needs --model to be a .gguf file")
     requests, capacity = workload.requests, workload.capacity
     context = workload.slot_context or slot_context(requests)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     cmd = [
         binary,
         "-m",
@@ -373,20 +369,10 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         str(capacity * context),
         "--no-webui",
     ]
-    log_file = open(os.path.join(ROOT, "weights", f"llamacpp-{port}.log"), "w")
+    log_path = os.path.join(ROOT, "weights", f"llamacpp-{port}.log")
+    log_file = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while True:  # bounded wait for the model to load
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llama-server did not become healthy (see weights/llamacpp-{port}.log)")
-        time.sleep(0.5)
+    _wait_healthy(proc, f"http://127.0.0.1:{port}/health", 120, log_path, "llama-server")  # the model loads
 
     async def send(client, r: Request, prompt: list[int]):
         body = {
@@ -420,19 +406,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
 
         return asyncio.run(main())
 
-    def peak_rss_mb() -> float:
-        with open(f"/proc/{proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log_file.close()
-
-    once.peak_rss_mb, once.stop = peak_rss_mb, stop
+    once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 10)
     return once, {
         "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}",
         "capacity": capacity,
@@ -447,7 +421,6 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     ignored. A request's ``n`` choices go as n requests (seeded 0..n-1). Its peak RSS is the server process's own,
     so it compares with llama-server's like for like (``ours`` runs in the benchmark's worker, beside its harness).
     """
-    import socket
     import sys
 
     import httpx
@@ -457,16 +430,14 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     limit = max(r.max_new_tokens for r in requests)
     env.update({"MODEL_ID": gguf or model_dir, "LOG_LEVEL": "WARNING", "MAX_NEW_TOKENS_LIMIT": str(limit)})
     env["MAX_QUEUE_DEPTH"] = str(sum(r.n for r in requests) + 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env.update({"HOST": "127.0.0.1", "PORT": str(port)})
     log_path = os.path.join(ROOT, "weights", f"ours-server-{port}.log")
     log_file = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "server.py")], env={**os.environ, **env}, stdout=log_file, stderr=log_file
     )
-    _wait_healthy(proc, f"http://127.0.0.1:{port}/ready", 600, log_path)  # a first start may build a model image
+    _wait_healthy(proc, f"http://127.0.0.1:{port}/ready", 600, log_path, "the server")  # a first start builds an image
 
     async def stream(client, prompt: list[int], r: Request, seed: int | None):
         body = {"prompt": prompt, "max_new_tokens": r.max_new_tokens, "ignore_eos": True, "stream": True}
@@ -498,6 +469,19 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
 
         return asyncio.run(main())
 
+    once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 30)
+    return once, {"engine": "python server.py (its own process, over HTTP)", "capacity": capacity, "env": env}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_handles(proc: subprocess.Popen, log_file, stop_timeout: float):
+    """(peak_rss_mb(), stop()) of a server process we started: its own VmHWM; SIGTERM, then SIGKILL."""
+
     def peak_rss_mb() -> float:
         with open(f"/proc/{proc.pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
@@ -505,16 +489,15 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     def stop() -> None:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(stop_timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
         log_file.close()
 
-    once.peak_rss_mb, once.stop = peak_rss_mb, stop
-    return once, {"engine": "python server.py (its own process, over HTTP)", "capacity": capacity, "env": env}
+    return peak_rss_mb, stop
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str) -> None:
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str, name: str) -> None:
     """Bounded wait for a server we started to answer 200 at ``url``; it is killed if it does not."""
     import urllib.request
 
@@ -528,7 +511,7 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: st
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
-            raise RuntimeError(f"the server did not become ready (see {log_path})")
+            raise RuntimeError(f"{name} did not become ready (see {log_path})")
         time.sleep(0.5)
 
 
