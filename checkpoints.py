@@ -293,6 +293,11 @@ def is_built(out_dir: str) -> bool:
     return os.path.isfile(os.path.join(out_dir, _MARKER))
 
 
+def marker_path(out_dir: str) -> str:
+    """The marker file of a cache directory (``build_dir_once`` writes it last; its mtime may record a last use)."""
+    return os.path.join(out_dir, _MARKER)
+
+
 def build_dir_once(out_dir: str, fill: Callable[[str], None], marker: dict, failure: str) -> None:
     """Build a cache directory: ``fill(tmp)`` writes its contents into a fresh temporary directory beside
     ``out_dir``, then the marker (``marker`` as JSON) goes in last and the directory is renamed to ``out_dir``

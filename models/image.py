@@ -20,7 +20,8 @@ it first in a child process (``python -m models.image``) when no complete one ex
 (path, size, mtime; a directory's files), WEIGHTS, and a hash of the code that builds and reads it (``models/`` and
 ``checkpoints.py``: an edit rebuilds). Builds are atomic (``checkpoints.build_dir_once``); a failure raises
 ``checkpoints.ModelLoadError`` with the child's last error line; an image damaged after its build (``check_image``)
-is built again.
+is built again. Each use stamps the image's marker; images that can no longer be served are removed once unused
+for a day (``prune_images``), so edits, upgrades and deleted checkpoints do not fill the cache.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
-from checkpoints import ALIASES, ModelLoadError, _one_line, build_dir_once, fetch_gguf, is_built
+from checkpoints import ALIASES, ModelLoadError, _one_line, build_dir_once, fetch_gguf, is_built, marker_path
 from models.cache_dir import cache_subdir
 
 log = logging.getLogger("minibatch.image")
@@ -49,6 +51,10 @@ ALIGN = 64  # bytes: every buffer starts on a cache line (the mapping itself is 
 BUILD_TIMEOUT_S = 3600  # a child build of a large checkpoint takes minutes; a hung one must not hang the server
 ERROR_PREFIX = "error: "  # the CLI's last stderr line on a failure
 BUILD_BLOCK_SIZE = 16  # the writer's throwaway KV pool; the image holds none of it
+# An image unused this long is removed when it can no longer be the one served: its model file is gone, a newer
+# image of the same file and WEIGHTS exists, or other code built it. The wait keeps an image that another checkout
+# or a running server still uses (a server maps weights.bin once, so removing it under one is harmless anyway).
+PRUNE_UNUSED_S = 24 * 3600
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -208,7 +214,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
 def source_identity(model_id: str) -> tuple[str, object]:
     """(the MODEL_ID as the child loads it, what identifies its contents): a file -> its absolute path, size and
     mtime; a directory -> every file's relative path, size and mtime; an alias -> its fetched GGUF file's; anything
-    else (a hub id) -> its name only."""
+    else (a hub id) -> its name and the commit its cached snapshot is at (``hub_revision``)."""
     if model_id in ALIASES:
         model_id = fetch_gguf(ALIASES[model_id], cache_subdir("gguf"))[0]
     path = os.path.abspath(os.path.expanduser(model_id))
@@ -222,7 +228,19 @@ def source_identity(model_id: str) -> tuple[str, object]:
                 st = os.stat(os.path.join(root, name))
                 files.append([os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns])
         return path, [path, sorted(files)]
-    return model_id, [model_id]
+    return model_id, [model_id, hub_revision(model_id)]
+
+
+def hub_revision(model_id: str) -> str | None:
+    """The commit of the snapshot the Hugging Face cache holds for a hub id (its config.json's), or None when it
+    holds none (never downloaded, or not a valid hub id). Reads the cache only: no network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(model_id, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE") or None)
+    except Exception:  # an id the hub would refuse (HFValidationError), an unreadable cache
+        return None
+    return os.path.basename(os.path.dirname(path)) if isinstance(path, str) else None
 
 
 def code_hash() -> str:
@@ -259,21 +277,106 @@ def image_dir(model_id: str, weights: str) -> tuple[str, str]:
 
 def ensure_image(model_id: str, weights: str = "fp32") -> str:
     """The directory of ``model_id``'s image at ``weights``, built first (in a child process) if the cache has no
-    complete one. Torch-free. Raises ``ModelLoadError`` (the child's last error line) when it cannot be built."""
+    complete one. Torch-free. Raises ``ModelLoadError`` (the child's last error line) when it cannot be built.
+    Stamps the image as used and prunes the cache (``prune_images``)."""
     source, out = image_dir(model_id, weights)
-    if is_built(out):
-        try:
-            check_image(out)
-            log.info("model image of %s (WEIGHTS=%s): %s", model_id, weights, out)
-            return out
-        except ImageError as exc:  # damaged since it was built: build it again
-            log.warning("%s; building it again", exc)
-            shutil.rmtree(out, ignore_errors=True)
-    log.info("building the model image of %s (WEIGHTS=%s) once into %s", model_id, weights, out)
-    marker = {"source": source, "weights": weights, "format": IMAGE_FORMAT}
-    failure = f"MODEL_ID {model_id}: could not build its model image (WEIGHTS={weights})"
-    build_dir_once(out, lambda tmp: _build_in_child(source, weights, tmp, failure), marker, failure)
+    if not _usable(out):
+        log.info("building the model image of %s (WEIGHTS=%s) once into %s", model_id, weights, out)
+        marker = {"source": source, "weights": weights, "format": IMAGE_FORMAT, "code": code_hash()}
+        failure = f"MODEL_ID {model_id}: could not build its model image (WEIGHTS={weights})"
+        build_dir_once(out, lambda tmp: _build_in_child(source, weights, tmp, failure), marker, failure)
+        out = _settle(model_id, weights, out)
+    else:
+        log.info("model image of %s (WEIGHTS=%s): %s", model_id, weights, out)
+    _stamp(out)
+    prune_images(keep=out)
     return out
+
+
+def _usable(out: str) -> bool:
+    """Whether ``out`` holds a complete, undamaged image; a damaged one is removed (to be built again)."""
+    if not is_built(out):
+        return False
+    try:
+        check_image(out)
+        return True
+    except ImageError as exc:  # damaged since it was built
+        log.warning("%s; building it again", exc)
+        shutil.rmtree(out, ignore_errors=True)
+        return False
+
+
+def _settle(model_id: str, weights: str, out: str) -> str:
+    """Where the image just built at ``out`` belongs: a hub id's first build downloads its snapshot, which fixes
+    the revision its key names, so the image moves to that key (or yields to one already there)."""
+    final = image_dir(model_id, weights)[1]
+    if final == out:
+        return out
+    try:
+        os.replace(out, final)
+    except OSError:  # another process put a complete image there meanwhile
+        if not is_built(final):
+            return out
+        shutil.rmtree(out, ignore_errors=True)
+    return final
+
+
+def _stamp(out: str) -> None:
+    """Record a use of the image at ``out`` (its marker's mtime), which keeps it from ``prune_images``."""
+    try:
+        os.utime(marker_path(out))
+    except OSError:  # a read-only cache: nothing is pruned from it either
+        pass
+
+
+def prune_images(keep: str, now: float | None = None) -> list[str]:
+    """Remove the images in ``keep``'s cache directory, other than ``keep``, that no start will serve again and
+    that have been unused for ``PRUNE_UNUSED_S``: built by other code (or an older image format), superseded by
+    ``keep`` (same model and WEIGHTS), or built from a model file or directory that no longer exists; and build
+    directories left by a killed build, older than ``BUILD_TIMEOUT_S``. -> the removed directories."""
+    now = time.time() if now is None else now
+    root = os.path.dirname(keep)
+    mine, code = _read_marker(keep) or {}, code_hash()
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if path == keep or not os.path.isdir(path):
+            continue
+        if ".tmp-" in name:
+            stale = now - os.path.getmtime(path) > BUILD_TIMEOUT_S
+        else:
+            marker = _read_marker(path)
+            stale = (
+                marker is not None
+                and now - os.path.getmtime(marker_path(path)) > PRUNE_UNUSED_S
+                and _unservable(marker, mine, code)
+            )
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("model image cache: removed %s (unused, and no longer what its model builds)", path)
+            removed.append(path)
+    return removed
+
+
+def _read_marker(path: str) -> dict | None:
+    """A complete image's marker (what built it), or None for a directory that is not one."""
+    try:
+        with open(marker_path(path)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _unservable(marker: dict, mine: dict, code: str) -> bool:
+    """Whether the image ``marker`` describes can never be served again (``mine``: the marker of the one in use,
+    ``code``: this code's ``code_hash``)."""
+    source = marker.get("source")
+    if marker.get("format") != IMAGE_FORMAT or marker.get("code") != code:
+        return True
+    if (source, marker.get("weights")) == (mine.get("source"), mine.get("weights")):
+        return True  # the same model at the same WEIGHTS: the image in use supersedes it
+    return isinstance(source, str) and os.path.isabs(source) and not os.path.exists(source)
 
 
 def _build_in_child(model_id: str, weights: str, out: str, failure: str) -> None:

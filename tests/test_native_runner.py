@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from checkpoints import ModelLoadError  # noqa: E402
+from checkpoints import ModelLoadError, marker_path  # noqa: E402
 from models import image  # noqa: E402
 from models.image import ImageError  # noqa: E402
 from models.kernels import step_abi  # noqa: E402
@@ -279,8 +280,91 @@ def test_ensure_image_builds_once_in_a_child_and_reuses(tiny_model_dir, cache_ro
     st = os.stat(weights_file)
     os.utime(weights_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     second = image.ensure_image(model_dir, "int4")
-    assert second != first and len(built) == 3 and os.path.isdir(first)
+    assert second != first and len(built) == 3 and os.path.isdir(first)  # superseded, but used a moment ago
     NativeModel(second, 4, BS)
+    day_ago = time.time() - image.PRUNE_UNUSED_S - 60
+    for out in (first, second):
+        os.utime(marker_path(out), (day_ago, day_ago))
+    assert image.ensure_image(model_dir, "int4") == second and len(built) == 3
+    assert time.time() - os.path.getmtime(marker_path(second)) < 60  # the use is stamped
+    assert not os.path.exists(first)  # superseded and unused for a day: pruned
+
+
+def _fake_image(root, name: str, marker: dict | None, age_s: float, now: float) -> str:
+    """A directory in the image cache: a built image when ``marker`` is given (its marker ``age_s`` old)."""
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    stamp = now - age_s
+    if marker is not None:
+        with open(marker_path(path), "w") as f:
+            json.dump(marker, f)
+        os.utime(marker_path(path), (stamp, stamp))
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_prune_images_removes_only_unused_images_that_cannot_be_served(tmp_path):
+    """Unused for a day and (other code | other format | superseded | model gone) -> removed; a killed build's
+    directory after BUILD_TIMEOUT_S; everything else (recent, another live model, a hub id, not an image) stays."""
+    root, now, code = str(tmp_path / "images"), time.time(), image.code_hash()
+    old, recent = image.PRUNE_UNUSED_S + 60, image.PRUNE_UNUSED_S - 60
+    live = tmp_path / "live.gguf"
+    live.write_bytes(b"x")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"x")
+
+    def marker(source, weights="int8", code=code, fmt=image.IMAGE_FORMAT):
+        return {"source": str(source), "weights": weights, "format": fmt, "code": code}
+
+    keep = _fake_image(root, "live-int8-new", marker(live), 0, now)
+    gone = {
+        _fake_image(root, "live-int8-old", marker(live), old, now),  # superseded by keep
+        _fake_image(root, "other-int8-edited", marker(other, code="edited"), old, now),
+        _fake_image(root, "other-int8-format0", marker(other, fmt=0), old, now),
+        _fake_image(root, "other-int8-nocode", {"source": str(other), "weights": "int8", "format": 1}, old, now),
+        _fake_image(root, "deleted-int4-x", marker(tmp_path / "deleted" / "model"), old, now),
+        _fake_image(root, "live-int8-x.tmp-killed", None, image.BUILD_TIMEOUT_S + 60, now),
+    }
+    kept = {
+        _fake_image(root, "live-int8-recent", marker(live), recent, now),  # superseded but used within a day
+        _fake_image(root, "live-int4-y", marker(live, "int4"), old, now),  # the same model at other WEIGHTS
+        _fake_image(root, "other-int8-y", marker(other), old, now),  # another model that still exists
+        _fake_image(root, "org_tiny-int8-y", marker("org/tiny"), old, now),  # a hub id: never "gone"
+        _fake_image(root, "live-int8-z.tmp-building", None, 60, now),  # a build in progress
+        _fake_image(root, "not-an-image", None, old, now),
+    }
+    assert set(image.prune_images(keep, now)) == gone
+    assert set(os.path.join(root, n) for n in os.listdir(root)) == kept | {keep}
+    assert image.prune_images(keep, now + old) != []  # the recent one's day has passed too
+
+
+def _hub_cache(root, repo: str, commit: str) -> None:
+    """A Hugging Face hub cache holding ``repo``'s config.json at ``commit`` (main points there)."""
+    base = os.path.join(root, "models--" + repo.replace("/", "--"))
+    os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+    os.makedirs(os.path.join(base, "snapshots", commit), exist_ok=True)
+    with open(os.path.join(base, "refs", "main"), "w") as f:
+        f.write(commit)
+    with open(os.path.join(base, "snapshots", commit, "config.json"), "w") as f:
+        f.write("{}")
+
+
+def test_a_hub_ids_image_is_keyed_by_its_cached_revision(cache_root, tmp_path, monkeypatch):
+    """A hub id's key names the commit its cached snapshot is at (no network): a new revision is a new image; the
+    first build (which downloads the snapshot) moves its image to the key of the revision it fetched."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert image.hub_revision("org/tiny") is None and image.hub_revision("not a hub id!") is None
+    uncached = image.image_dir("org/tiny", "int8")[1]
+    _hub_cache(tmp_path / "hub", "org/tiny", "a" * 40)
+    assert image.hub_revision("org/tiny") == "a" * 40
+    at_a = image.image_dir("org/tiny", "int8")[1]
+    assert at_a != uncached and image.image_dir("org/tiny", "int8") == ("org/tiny", at_a)
+    _hub_cache(tmp_path / "hub", "org/tiny", "b" * 40)
+    assert image.image_dir("org/tiny", "int8")[1] not in (uncached, at_a)
+    os.makedirs(uncached)  # as the first build left it, before the snapshot existed
+    settled = image._settle("org/tiny", "int8", uncached)
+    assert settled == image.image_dir("org/tiny", "int8")[1] and os.path.isdir(settled)
+    assert not os.path.exists(uncached)
 
 
 @pytest.mark.model
