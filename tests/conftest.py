@@ -67,6 +67,27 @@ async def serving(engine=None, **config):
             yield client
 
 
+def runtime_knobs(runtime: str) -> dict:
+    """Config fields that serve a test checkpoint on ``runtime``: "torch" (fp32, the torch forward) or "native"
+    (int8, the torch-free model image; skips where its kernel cannot build). Use with ``RUNTIMES``."""
+    if runtime == "torch":
+        return {}
+    from models.native import unavailable_reason
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"native runtime unavailable: {why}")
+    return {"weights": "int8", "runtime": "native"}
+
+
+RUNTIMES = ("torch", "native")  # parametrize a real-server test over both runtimes (``runtime_knobs``)
+
+
+def assert_runtime(engine, runtime: str) -> None:
+    """The server really runs ``runtime`` (no silent fallback)."""
+    assert (type(engine).__name__ == "NativeEngine") == (runtime == "native"), type(engine).__name__
+
+
 def assert_pool_full(engine) -> None:
     """The KV pool is full again (after load, faults, aborts, drain): every block free, no sequence holding a
     block table, nothing active. ``engine``: a BatchEngine, or the ``engine`` stats of a server's ``/health``

@@ -1,4 +1,4 @@
-"""Load far above capacity on a real uvicorn serving a tiny locally built GPT-2 (greedy).
+"""Load far above capacity on a real uvicorn serving a tiny locally built GPT-2 (greedy), on both runtimes.
 
 300 requests at once into 8 slots (100 distinct prompt/budget pairs, 3 copies each, one of the three
 streamed): every request is answered exactly once, each answer equals what its prompt gives when
@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from conftest import assert_pool_full, run
+from conftest import RUNTIMES, assert_pool_full, assert_runtime, run, runtime_knobs
 from live import ThreadServer, metric
 
 from config import Config
@@ -68,13 +68,20 @@ async def post(c: httpx.AsyncClient, url: str, rid: str, prompt: str, n: int, st
     }
 
 
-def test_300_concurrent_requests_far_above_capacity(tiny_model_dir):
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_300_concurrent_requests_far_above_capacity(tiny_model_dir, runtime):
     config = Config(
-        model_id=tiny_model_dir, max_batch_size=CAPACITY, max_new_tokens_limit=64, num_threads=1, log_level="WARNING"
+        model_id=tiny_model_dir,
+        max_batch_size=CAPACITY,
+        max_new_tokens_limit=64,
+        num_threads=1,
+        log_level="WARNING",
+        **runtime_knobs(runtime),
     )
     app = create_app(config=config)
     with ThreadServer(app, ready_timeout=120) as srv:
         sched, engine = srv.state.scheduler, srv.state.engine
+        assert_runtime(engine, runtime)
         resolved: collections.Counter[str] = collections.Counter()
         inner = sched.on_resolved
 

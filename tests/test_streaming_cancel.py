@@ -12,7 +12,7 @@ import json
 
 import httpx
 import pytest
-from conftest import assert_pool_full, bounded, serving, wait_until
+from conftest import RUNTIMES, assert_pool_full, assert_runtime, bounded, runtime_knobs, serving, wait_until
 from live import ThreadServer, poll_until
 
 from config import Config
@@ -192,12 +192,21 @@ class SSEStream:
 
 
 @pytest.mark.model
-def test_closing_half_the_streams_frees_their_slots(tiny_model_dir):
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_closing_half_the_streams_frees_their_slots(tiny_model_dir, runtime):
     """6 streams in 8 slots; 3 clients leave mid-generation: their sequences are aborted and their rows
-    freed within a bounded wait, and the other 3 finish with exactly the tokens they produce alone."""
-    config = Config(model_id=tiny_model_dir, max_batch_size=8, max_new_tokens_limit=1000, log_level="WARNING")
+    freed within a bounded wait, and the other 3 finish with exactly the tokens they produce alone (on the torch
+    and the torch-free runtime)."""
+    config = Config(
+        model_id=tiny_model_dir,
+        max_batch_size=8,
+        max_new_tokens_limit=1000,
+        log_level="WARNING",
+        **runtime_knobs(runtime),
+    )
     with ThreadServer(create_app(config)) as live:
         eng = live.state.engine
+        assert_runtime(eng, runtime)
         prompts = {f"drop-{i}": f"Once upon a time {i}" for i in range(3)}
         prompts |= {f"keep-{i}": f"The capital of France is {i}" for i in range(3)}
         budget = {
