@@ -342,15 +342,18 @@ def prune_images(keep: str, now: float | None = None) -> list[str]:
         path = os.path.join(root, name)
         if path == keep or not os.path.isdir(path):
             continue
-        if ".tmp-" in name:
-            stale = now - os.path.getmtime(path) > BUILD_TIMEOUT_S
-        else:
-            marker = _read_marker(path)
-            stale = (
-                marker is not None
-                and now - os.path.getmtime(marker_path(path)) > PRUNE_UNUSED_S
-                and _unservable(marker, mine, code)
-            )
+        try:
+            if ".tmp-" in name:
+                stale = now - os.path.getmtime(path) > BUILD_TIMEOUT_S
+            else:
+                marker = _read_marker(path)
+                stale = (
+                    marker is not None
+                    and now - os.path.getmtime(marker_path(path)) > PRUNE_UNUSED_S
+                    and _unservable(marker, mine, code)
+                )
+        except OSError:  # gone meanwhile: another start pruned it, or a build finished and renamed it
+            continue
         if stale:
             shutil.rmtree(path, ignore_errors=True)
             log.info("model image cache: removed %s (unused, and no longer what its model builds)", path)
