@@ -1,4 +1,5 @@
-"""The KV cache: one preallocated pool of fixed-size blocks for every layer, written in place.
+"""The KV cache: one preallocated pool of fixed-size blocks for every layer, written in place (on the CPU its pages
+are committed as blocks are first written).
 
 Layout per tensor: ``[n_layer, num_blocks, n_kv_head, block_size, head_dim]`` (head-major blocks:
 each block of one KV head is one contiguous ``block_size x head_dim`` run, which the decode
@@ -10,7 +11,16 @@ reads: token at position ``p`` of a sequence with block table ``t`` lives in blo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def _zeros(shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed pool. On the CPU, numpy's calloc: the OS hands out zero pages as they are first written, so the
+    pool's RSS is the blocks used, not the pool's size (``torch.zeros`` writes every page at start)."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return torch.from_numpy(np.zeros(shape, np.float32))
+    return torch.zeros(shape, device=device, dtype=dtype)
 
 
 class PagedKVCache:
@@ -25,8 +35,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         shape = (n_layer, num_blocks, n_kv_head, block_size, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = _zeros(shape, device, dtype), _zeros(shape, device, dtype)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property

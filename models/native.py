@@ -71,8 +71,9 @@ class NativeModel:
         self.tokenizer_dir = os.path.join(image_dir, TOKENIZER_DIR)
         self.num_blocks, self.block_size = num_blocks, block_size
         n_layer, KVH, D = meta["kv"]["n_layer"], meta["kv"]["n_kv_head"], meta["kv"]["head_dim"]
-        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), np.float32)  # calloc: pages on first write
-        self.v = np.zeros_like(self.k)
+        # np.zeros is calloc: a page is committed when first written (np.zeros_like would write every page)
+        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), np.float32)
+        self.v = np.zeros(self.k.shape, np.float32)
         # Layer l's pools as [num_blocks, block_size, KVH, D]: PagedKVCache.pools' strides (floats).
         geometry = step_abi.PoolGeometry(block_size, KVH * block_size * D, D, block_size * D)
         layer_bytes = self.k.strides[0]
