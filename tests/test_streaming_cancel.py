@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -22,6 +23,9 @@ from server import create_app
 TIMEOUT = 30.0  # seconds any HTTP call may take
 HUGE = 100_000  # a budget no test waits for: such requests end by cancellation or a time limit
 APP_CONFIG = {"max_new_tokens_limit": HUGE, "log_level": "WARNING"}
+# Seconds added to every engine step where a test needs streams that cannot finish by themselves while it reads:
+# a tiny model steps in well under a millisecond, so 900 tokens would otherwise end before a slow test closes them.
+STEP_PACE_S = 0.004
 
 
 class SpyEngine(FakeEngine):
@@ -207,6 +211,13 @@ def test_closing_half_the_streams_frees_their_slots(tiny_model_dir, runtime):
     with ThreadServer(create_app(config)) as live:
         eng = live.state.engine
         assert_runtime(eng, runtime)
+        step = eng.step
+
+        def paced_step(*args, **kwargs):  # the dropped streams' 900 tokens must outlast the test's reading
+            time.sleep(STEP_PACE_S)
+            return step(*args, **kwargs)
+
+        eng.step = paced_step
         prompts = {f"drop-{i}": f"Once upon a time {i}" for i in range(3)}
         prompts |= {f"keep-{i}": f"The capital of France is {i}" for i in range(3)}
         budget = {
