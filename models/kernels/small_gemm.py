@@ -84,10 +84,14 @@ def load() -> ctypes.CDLL | None:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight: [N, K] fp32 -> panels [ceil(N / 8), K, 8], column n of panel p is output row p*8 + n."""
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
-    padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    full, rest = divmod(n, PANEL)
+    out = torch.empty(full + (rest > 0), k, PANEL, dtype=torch.float32)
+    # One copy straight into the panels (no padded [N, K] intermediate: a load's peak would hold one more weight).
+    out[:full] = weight[: full * PANEL].unflatten(0, (full, PANEL)).transpose(1, 2)
+    if rest:  # the last panel's missing outputs are zero columns
+        out[full].zero_()
+        out[full, :, :rest] = weight[full * PANEL :].t()
+    return out
 
 
 def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
