@@ -28,6 +28,7 @@ from .layers import (
     lean_attention,
     linear_factory,
     mixed_attention,
+    release_file_pages,
 )
 
 # HF activation_function name -> oneDNN post-op algorithm for GELU.
@@ -98,11 +99,15 @@ class GPT2(MixedForward):
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
         self.wte = embedding_table(sd[base + "wte.weight"], weights)  # [V, C]
         self.wpe = sd[base + "wpe.weight"]  # [P, C]
-        self.blocks = [Block(sd, f"{base}h.{i}.", make_linear) for i in range(self.n_layer)]
+        self.blocks = []
+        for i in range(self.n_layer):  # each block's checkpoint pages leave RSS once it is packed
+            self.blocks.append(Block(sd, f"{base}h.{i}.", make_linear))
+            release_file_pages(v for k, v in sd.items() if k.startswith(f"{base}h.{i}."))
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
         tied = getattr(cfg, "tie_word_embeddings", True) or "lm_head.weight" not in sd
         self.lm_head = make_linear(self.wte if tied else sd["lm_head.weight"], None, table=tied)  # [C] -> [V]
         self.wte = self.lm_head.table() if tied else self.wte  # tied: the lm_head's one copy serves the lookups
+        release_file_pages(sd.values())  # the embedding and lm_head tables, packed now
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
         self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
 

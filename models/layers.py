@@ -25,7 +25,11 @@ D = head_dim, V = vocab, L = positions attended by a decode step.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -348,10 +352,69 @@ def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str
     """
     sd = hf_model.state_dict()
     check_cpu(sd, device)
-    return {k: v if isinstance(v, QuantWeight) else _owned_fp32(v, device) for k, v in sd.items()}
+    out = {k: v if isinstance(v, QuantWeight) else _owned_fp32(v, device) for k, v in sd.items()}
+    copied = [v for k, v in sd.items() if isinstance(v, torch.Tensor) and out[k].data_ptr() != v.data_ptr()]
+    release_file_pages(copied)  # their pages of the checkpoint's mapping were read by the copy and are not needed
+    return out
 
 
 OWN_BELOW = 1 << 20  # elements: fp32_state_dict copies smaller tensors out of the checkpoint's file mapping
+
+
+def release_file_pages(tensors) -> int:
+    """Drop from RSS the pages of checkpoint tensors that are views of a file mapping (safetensors maps the
+    checkpoint), once the model holds packed copies of them; -> bytes released.
+
+    Without this every page read while packing stays resident until the HF model goes, so a load peaks at the
+    whole checkpoint on top of the packed model. Only a mapping with no privately modified page is touched (smaps
+    ``Anonymous`` 0: a page written through a private file mapping becomes an anonymous copy): each of its pages
+    then reads back from the file, so a later read of such a tensor (an embedding used again) sees its values.
+    Anonymous memory, partial pages at a tensor's ends, ``QuantWeight``s and anything off Linux are left alone.
+    """
+    spans = [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() * t.element_size() >= mmap.PAGESIZE
+    ]
+    if not spans or not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/smaps"):
+        return 0
+    clean = _clean_file_mappings()
+    released = 0
+    for lo, hi in spans:
+        if not any(start <= lo and hi <= end for start, end in clean):
+            continue
+        start, stop = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, hi // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages only
+        if stop > start and _libc().madvise(start, stop - start, mmap.MADV_DONTNEED) == 0:
+            released += stop - start
+    return released
+
+
+_SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")  # range perms offset dev inode path
+
+
+def _clean_file_mappings() -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of regular files with no privately modified page (``Anonymous`` 0;
+    not ``Private_Dirty``, which also counts clean file pages mapped as huge pages)."""
+    out, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            header = _SMAPS_HEADER.match(line)
+            if header:
+                path = header.group(3).strip()
+                file_backed = path.startswith("/") and not path.endswith("(deleted)")
+                current = (int(header.group(1), 16), int(header.group(2), 16)) if file_backed else None
+            elif current is not None and line.startswith("Anonymous:"):
+                if int(line.split()[1]) == 0:
+                    out.append(current)
+                current = None
+    return out
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _owned_fp32(v: torch.Tensor, device: torch.device) -> torch.Tensor:

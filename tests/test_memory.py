@@ -202,3 +202,61 @@ def test_smollm2_gguf_loads_without_model_classes_and_peaks_at_its_final_rss(smo
     assert type(ours) is type(auto) and len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
     assert ours.encode(text) == auto.encode(text) and ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
     assert ours.chat_template == auto.chat_template and ours.eos_token_id == auto.eos_token_id
+
+
+# --- a checkpoint's mapped pages leave RSS as the model packs them ---------------------------------------------------
+
+
+def _resident_pages(t) -> int:
+    """Pages of ``t``'s span mapped in this process (``/proc/self/pagemap``'s present bit: in our RSS, which
+    mincore, reporting the page cache, cannot tell)."""
+    import mmap
+    import struct
+
+    first = t.data_ptr() // mmap.PAGESIZE
+    last = (t.data_ptr() + t.numel() * t.element_size() - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = struct.unpack(f"{last - first + 1}Q", f.read((last - first + 1) * 8))
+    return sum(e >> 63 for e in entries)
+
+
+def test_release_file_pages_drops_clean_file_pages_and_nothing_else(tmp_path):
+    """A clean private file mapping (how safetensors maps a checkpoint): its pages leave RSS and read back with
+    the same values. A mapping with a modified page, and anonymous memory, are left as they are."""
+    torch = pytest.importorskip("torch")
+    from models.layers import release_file_pages
+
+    values = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    path = str(tmp_path / "weights.bin")
+    values.numpy().tofile(path)
+
+    mapped = torch.from_file(path, shared=False, size=values.numel(), dtype=torch.float32)  # MAP_PRIVATE
+    assert torch.equal(mapped, values) and _resident_pages(mapped) > 0  # read: every page faulted in
+    assert release_file_pages([mapped]) >= values.numel() * 4 - 2 * 4096  # whole pages inside the span
+    assert _resident_pages(mapped) <= 2 and torch.equal(mapped, values)  # gone from RSS, and read back from the file
+
+    dirty = torch.from_file(path, shared=False, size=values.numel(), dtype=torch.float32)
+    dirty[7] = -1.0  # one privately modified page: releasing would revert it to the file's value
+    assert release_file_pages([dirty]) == 0 and dirty[7] == -1.0 and torch.equal(dirty[8:], values[8:])
+
+    anonymous = values.clone()
+    assert release_file_pages([anonymous, "not a tensor"]) == 0 and torch.equal(anonymous, values)
+
+
+def test_an_fp32_checkpoint_loads_without_holding_its_file_in_rss(tiny_model_dir, tmp_path):
+    """Packing a safetensors checkpoint releases each block's mapped pages: after the build, the HF model still
+    alive, the model file's mapping holds (almost) nothing in RSS, and the forward equals HF's."""
+    torch = pytest.importorskip("torch")
+    from checkpoints import load_checkpoint
+    from models import families
+
+    _, hf = load_checkpoint(tiny_model_dir, "fp32")
+    model = families()["gpt2"](hf.eval(), 2, 64, torch.device("cpu"), num_blocks=8, block_size=16)
+    weights = [p for p in hf.parameters() if p.numel() * 4 >= 1 << 16]
+    assert weights and sum(_resident_pages(p) for p in weights) <= 2 * len(weights)  # partial end pages at most
+    ids = torch.tensor([[5, 9, 13, 2]])
+    with torch.no_grad():
+        want = hf(ids).logits[0, -1]
+    got = model.forward([], [], [], [ids[0].tolist()], [[0]])[0]
+    assert torch.allclose(torch.as_tensor(got), want, atol=1e-4)
