@@ -80,7 +80,8 @@ class Linear:
         if self.quant is not None:
             self.onednn, self.small, self.weight = False, None, None
             return
-        self.small = small_gemm.pack(weight) if small else None  # [ceil(out / 8), in, 8]
+        # [ceil(out / 8), in, 8]; a large table's checkpoint pages leave RSS chunk by chunk as they are copied
+        self.small = small_gemm.pack(weight, release=release_file_pages) if small else None
         self.onednn = onednn and not small and not table  # oneDNN's reordered copy has no rows to look up
         if self.small is not None:
             self.weight = None
@@ -362,8 +363,8 @@ OWN_BELOW = 1 << 20  # elements: fp32_state_dict copies smaller tensors out of t
 
 
 def release_file_pages(tensors) -> int:
-    """Drop from RSS the pages of checkpoint tensors that are views of a file mapping (safetensors maps the
-    checkpoint), once the model holds packed copies of them; -> bytes released.
+    """Drop from RSS the pages of checkpoint tensors (an iterable, or one tensor) that are views of a file mapping
+    (safetensors maps the checkpoint), once the model holds packed copies of them; -> bytes released.
 
     Without this every page read while packing stays resident until the HF model goes, so a load peaks at the
     whole checkpoint on top of the packed model. Only a mapping with no privately modified page is touched (smaps
@@ -371,6 +372,8 @@ def release_file_pages(tensors) -> int:
     then reads back from the file, so a later read of such a tensor (an embedding used again) sees its values.
     Anonymous memory, partial pages at a tensor's ends, ``QuantWeight``s and anything off Linux are left alone.
     """
+    if isinstance(tensors, torch.Tensor):  # one tensor (iterating it would give its rows)
+        tensors = [tensors]
     spans = [
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         for t in tensors

@@ -233,7 +233,7 @@ def test_release_file_pages_drops_clean_file_pages_and_nothing_else(tmp_path):
 
     mapped = torch.from_file(path, shared=False, size=values.numel(), dtype=torch.float32)  # MAP_PRIVATE
     assert torch.equal(mapped, values) and _resident_pages(mapped) > 0  # read: every page faulted in
-    assert release_file_pages([mapped]) >= values.numel() * 4 - 2 * 4096  # whole pages inside the span
+    assert release_file_pages(mapped) >= values.numel() * 4 - 2 * 4096  # whole pages inside the span
     assert _resident_pages(mapped) <= 2 and torch.equal(mapped, values)  # gone from RSS, and read back from the file
 
     dirty = torch.from_file(path, shared=False, size=values.numel(), dtype=torch.float32)
@@ -260,3 +260,28 @@ def test_an_fp32_checkpoint_loads_without_holding_its_file_in_rss(tiny_model_dir
         want = hf(ids).logits[0, -1]
     got = model.forward([], [], [], [ids[0].tolist()], [[0]])[0]
     assert torch.allclose(torch.as_tensor(got), want, atol=1e-4)
+
+
+def test_a_large_table_leaves_rss_chunk_by_chunk_as_it_is_packed(tmp_path, monkeypatch):
+    """An fp32 Linear packed from a mapped checkpoint table of several chunks releases each chunk's pages as its
+    panels fill (so the table and its panels are never both resident), and the panels hold the table's values."""
+    torch = pytest.importorskip("torch")
+    from models.kernels import small_gemm
+    from models.layers import Linear
+
+    monkeypatch.setattr(small_gemm, "RELEASE_CHUNK_BYTES", 64 << 10)
+    table = torch.randn(1024, 256)  # 1 MiB: 16 chunks
+    path = str(tmp_path / "table.bin")
+    table.numpy().tofile(path)
+    mapped = torch.from_file(path, shared=False, size=table.numel(), dtype=torch.float32).view(1024, 256)
+    released = []
+    real = small_gemm.pack
+
+    def pack(w, release=None):  # record what the Linear's release gave back for each chunk
+        return real(w, lambda rows: released.append(release(rows)))
+
+    monkeypatch.setattr(small_gemm, "pack", pack)
+    lin = Linear(mapped, None, onednn=False, batch_hint=1, small=True, table=True)
+    assert len(released) == 16 and all(r > 0 for r in released)  # each chunk released as it was copied
+    assert _resident_pages(mapped) <= 2
+    assert torch.equal(small_gemm.rows(lin.table(), torch.arange(1024)), table)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -81,13 +82,26 @@ def load() -> ctypes.CDLL | None:
     return KERNEL.load()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight: [N, K] fp32 -> panels [ceil(N / 8), K, 8], column n of panel p is output row p*8 + n."""
+RELEASE_CHUNK_BYTES = 16 << 20  # pack: a weight at least twice this size is copied (and released) in such chunks
+
+
+def pack(weight: torch.Tensor, release: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
+    """weight: [N, K] fp32 -> panels [ceil(N / 8), K, 8], column n of panel p is output row p*8 + n.
+
+    ``release(rows)``, if given, is called with each chunk of ``weight``'s rows once copied, for a weight of at
+    least two ``RELEASE_CHUNK_BYTES`` chunks: a checkpoint table's pages can leave RSS as its panels fill, rather
+    than both being resident at once (``layers.release_file_pages``)."""
     n, k = weight.shape
     full, rest = divmod(n, PANEL)
     out = torch.empty(full + (rest > 0), k, PANEL, dtype=torch.float32)
+    chunked = release is not None and n * k * 4 >= 2 * RELEASE_CHUNK_BYTES
+    step = max(1, RELEASE_CHUNK_BYTES // (PANEL * k * 4)) if chunked else max(full, 1)  # panels per copy
     # One copy straight into the panels (no padded [N, K] intermediate: a load's peak would hold one more weight).
-    out[:full] = weight[: full * PANEL].unflatten(0, (full, PANEL)).transpose(1, 2)
+    for p0 in range(0, full, step):
+        rows = weight[p0 * PANEL : min(full, p0 + step) * PANEL]
+        out[p0 : p0 + len(rows) // PANEL] = rows.unflatten(0, (len(rows) // PANEL, PANEL)).transpose(1, 2)
+        if chunked:
+            release(rows)
     if rest:  # the last panel's missing outputs are zero columns
         out[full].zero_()
         out[full, :, :rest] = weight[full * PANEL :].t()
