@@ -28,6 +28,7 @@ from .layers import (
     lean_attention,
     linear_factory,
     mixed_attention,
+    packed_blocks,
     release_file_pages,
 )
 
@@ -99,10 +100,8 @@ class GPT2(MixedForward):
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
         self.wte = embedding_table(sd[base + "wte.weight"], weights)  # [V, C]
         self.wpe = sd[base + "wpe.weight"]  # [P, C]
-        self.blocks = []
-        for i in range(self.n_layer):  # each block's checkpoint pages leave RSS once it is packed
-            self.blocks.append(Block(sd, f"{base}h.{i}.", make_linear))
-            release_file_pages(v for k, v in sd.items() if k.startswith(f"{base}h.{i}."))
+        prefixes = [f"{base}h.{i}." for i in range(self.n_layer)]
+        self.blocks = packed_blocks(sd, prefixes, lambda prefix: Block(sd, prefix, make_linear))
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])
         tied = getattr(cfg, "tie_word_embeddings", True) or "lm_head.weight" not in sd
         self.lm_head = make_linear(self.wte if tied else sd["lm_head.weight"], None, table=tied)  # [C] -> [V]

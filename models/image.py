@@ -27,6 +27,7 @@ for a day (``prune_images``), so edits, upgrades and deleted checkpoints do not 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -243,10 +244,11 @@ def hub_revision(model_id: str) -> str | None:
     return os.path.basename(os.path.dirname(path)) if isinstance(path, str) else None
 
 
+@functools.cache
 def code_hash() -> str:
     """A hash of every source that builds or reads an image: ``models/`` (Python and kernels), checkpoints.py and
     text_tokenizer.py (its tokenizer directory), plus the torch and transformers versions (quantization and the
-    GGUF reader are theirs)."""
+    GGUF reader are theirs). Read once per process: a start keys, marks and prunes images with the same code."""
     h = hashlib.sha256()
     models_dir = os.path.join(_REPO, "models")
     paths = [os.path.join(_REPO, "checkpoints.py"), os.path.join(_REPO, "text_tokenizer.py")]

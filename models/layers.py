@@ -362,6 +362,16 @@ def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str
 OWN_BELOW = 1 << 20  # elements: fp32_state_dict copies smaller tensors out of the checkpoint's file mapping
 
 
+def packed_blocks(sd: dict, prefixes: list[str], build: Callable[[str], object]) -> list:
+    """``build(prefix)`` for each block's state-dict prefix, in order; each block's checkpoint pages leave RSS as
+    soon as it is packed (``release_file_pages``), so a load never holds the whole checkpoint beside the model."""
+    blocks = []
+    for prefix in prefixes:
+        blocks.append(build(prefix))
+        release_file_pages(v for k, v in sd.items() if k.startswith(prefix))
+    return blocks
+
+
 def release_file_pages(tensors) -> int:
     """Drop from RSS the pages of checkpoint tensors (an iterable, or one tensor) that are views of a file mapping
     (safetensors maps the checkpoint), once the model holds packed copies of them; -> bytes released.

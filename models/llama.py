@@ -32,6 +32,7 @@ from .layers import (
     lean_attention,
     linear_factory,
     mixed_attention,
+    packed_blocks,
     release_file_pages,
 )
 from .quant import cat_rows
@@ -158,10 +159,8 @@ class Llama(MixedForward):
         sd = fp32_state_dict(hf_model, device)
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
         self.embed = embedding_table(sd["model.embed_tokens.weight"], weights)  # [V, C]
-        self.blocks = []
-        for i in range(self.n_layer):  # each block's checkpoint pages leave RSS once it is packed
-            self.blocks.append(Block(sd, f"model.layers.{i}.", make_linear))
-            release_file_pages(v for k, v in sd.items() if k.startswith(f"model.layers.{i}."))
+        prefixes = [f"model.layers.{i}." for i in range(self.n_layer)]
+        self.blocks = packed_blocks(sd, prefixes, lambda prefix: Block(sd, prefix, make_linear))
         self.norm = sd["model.norm.weight"]  # [C]
         tied = getattr(cfg, "tie_word_embeddings", False) or "lm_head.weight" not in sd
         self.lm_head = make_linear(self.embed if tied else sd["lm_head.weight"], None, table=tied)  # [C] -> [V]
