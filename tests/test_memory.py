@@ -282,6 +282,7 @@ def test_a_large_table_leaves_rss_chunk_by_chunk_as_it_is_packed(tmp_path, monke
 
     monkeypatch.setattr(small_gemm, "pack", pack)
     lin = Linear(mapped, None, onednn=False, batch_hint=1, small=True, table=True)
-    assert len(released) == 16 and all(r > 0 for r in released)  # each chunk released as it was copied
+    assert len(released) == 17 and all(r > 0 for r in released[:16])  # each chunk released as it was copied,
+    # then the whole table: what reading a chunk mapped back of the one before (fault-around) goes too
     assert _resident_pages(mapped) <= 2
     assert torch.equal(small_gemm.rows(lin.table(), torch.arange(1024)), table)

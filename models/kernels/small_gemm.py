@@ -88,9 +88,11 @@ RELEASE_CHUNK_BYTES = 16 << 20  # pack: a weight at least twice this size is cop
 def pack(weight: torch.Tensor, release: Callable[[torch.Tensor], object] | None = None) -> torch.Tensor:
     """weight: [N, K] fp32 -> panels [ceil(N / 8), K, 8], column n of panel p is output row p*8 + n.
 
-    ``release(rows)``, if given, is called with each chunk of ``weight``'s rows once copied, for a weight of at
-    least two ``RELEASE_CHUNK_BYTES`` chunks: a checkpoint table's pages can leave RSS as its panels fill, rather
-    than both being resident at once (``layers.release_file_pages``)."""
+    ``release(rows)``, if given, is called with each chunk of ``weight``'s rows once copied, then with the whole
+    ``weight``, for a weight of at least two ``RELEASE_CHUNK_BYTES`` chunks: a checkpoint table's pages can leave
+    RSS as its panels fill, rather than both being resident at once (``layers.release_file_pages``). The last call
+    catches what reading a chunk mapped back of the one before (the kernel maps a fault's cached neighbours too,
+    in windows that need not align with the chunks) and the rows of a partial last panel."""
     n, k = weight.shape
     full, rest = divmod(n, PANEL)
     out = torch.empty(full + (rest > 0), k, PANEL, dtype=torch.float32)
@@ -105,6 +107,8 @@ def pack(weight: torch.Tensor, release: Callable[[torch.Tensor], object] | None 
     if rest:  # the last panel's missing outputs are zero columns
         out[full].zero_()
         out[full, :, :rest] = weight[full * PANEL :].t()
+    if chunked:
+        release(weight)
     return out
 
 
