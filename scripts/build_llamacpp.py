@@ -8,8 +8,11 @@ Why this route: no network but package registries here, and the ``llama-cpp-pyth
 (``pip download --no-deps --no-binary :all:``) carries a full llama.cpp tree under
 ``vendor/llama.cpp``. It is built with cmake (target ``llama-server``, ``-DLLAMA_CURL=OFF``: no
 downloads from the server itself, and no libcurl needed) into ``<cache>/llamacpp-<version>``
-(``models/cache_dir.py``; default ``~/.cache/minibatch-llm``), so it is built once
-per machine; a second run finds the binary and only prints its path. The binary is written by
+-<cpu>`` (``models/cache_dir.py``; default ``~/.cache/minibatch-llm``), so it is built once
+per machine; a second run finds the binary and only prints its path. ``<cpu>`` names the building CPU's
+model and instruction sets (``cpu_tag``): ``-DGGML_NATIVE=ON`` compiles for that CPU (``-march=native``), so a
+binary built on an AVX-512 host dies with SIGILL on an AVX2-only one, and a cache shared between machines
+(``MINIBATCH_CACHE`` on a network disk) must keep one build per kind of CPU. The binary is written by
 cmake into the build tree; ``<cache>/llamacpp-<version>/llama-server`` is copied there last, so an
 interrupted build never looks finished.
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -37,9 +42,29 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same
 
 
+def cpu_tag(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """Ten hex digits naming this CPU: its architecture, model name and feature flags (the first processor's
+    ``model name`` and ``flags`` lines on Linux; elsewhere what ``platform`` reports). Machines that differ in
+    any instruction set get different tags, and so different native builds."""
+    found: dict[str, str] = {}
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "Features") and key not in found:
+                    found[key] = " ".join(sorted(value.split())) if key != "model name" else value.strip()
+    except OSError:
+        pass
+    model = found.get("model name", platform.processor())
+    flags = found.get("flags", found.get("Features", ""))
+    return hashlib.sha1(f"{platform.machine()}|{model}|{flags}".encode()).hexdigest()[:10]
+
+
 def build_dir(version: str = VERSION) -> str:
-    """<cache root>/llamacpp-<version> (``models/cache_dir.py``: $MINIBATCH_CACHE, else XDG, else ~/.cache)."""
-    return cache_subdir(f"llamacpp-{version}")
+    """<cache root>/llamacpp-<version>-<cpu_tag()> (``models/cache_dir.py``: $MINIBATCH_CACHE, else XDG, else
+    ~/.cache)."""
+    return cache_subdir(f"llamacpp-{version}-{cpu_tag()}")
 
 
 def binary_path(version: str = VERSION) -> str | None:

@@ -198,6 +198,38 @@ def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_mo
     assert "quant_gemm (int8)" in proc.stdout
 
 
+def _cpuinfo(path, *processors: tuple[str, str]) -> str:
+    """A /proc/cpuinfo with one (model name, flags) block per processor."""
+    path.write_text(
+        "\n\n".join(f"processor\t: {i}\nmodel name\t: {m}\nflags\t\t: {f}" for i, (m, f) in enumerate(processors))
+    )
+    return str(path)
+
+
+def test_llamacpp_builds_are_kept_per_kind_of_cpu(tmp_path, monkeypatch):
+    """A native llama-server build (-march=native) is cached under its CPU's tag: another instruction set or model
+    means another directory, so a cache shared between machines never hands an AVX-512 binary to an AVX2 one."""
+    from build_llamacpp import VERSION, binary_path, build_dir, cpu_tag
+
+    xeon = cpu_tag(_cpuinfo(tmp_path / "a", ("Xeon", "fma avx2 avx512f"), ("Xeon", "fma")))
+    assert len(xeon) == 10
+    assert cpu_tag(_cpuinfo(tmp_path / "b", ("Xeon", "avx512f avx2 fma"))) == xeon  # flag order does not matter
+    assert cpu_tag(_cpuinfo(tmp_path / "c", ("Xeon", "fma avx2"))) != xeon
+    assert cpu_tag(_cpuinfo(tmp_path / "d", ("EPYC", "fma avx2 avx512f"))) != xeon
+    assert len(cpu_tag(str(tmp_path / "missing"))) == 10  # no /proc/cpuinfo: what platform reports
+
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
+    assert build_dir() == str(tmp_path / "cache" / f"llamacpp-{VERSION}-{cpu_tag()}")
+    assert binary_path() is None
+    os.makedirs(build_dir())
+    server = os.path.join(build_dir(), "llama-server")
+    with open(server, "w") as f:
+        f.write("#!/bin/sh\n")
+    assert binary_path() is None  # not executable: not a finished build
+    os.chmod(server, 0o755)
+    assert binary_path() == server
+
+
 # --- the model's cost model (what the roofline asks), against a direct count of the checkpoint's weights ---
 # Bytes per weight by the formats' own definitions (GGUF): Q8_0 = 32 int8 + one fp16 scale per 32 weights,
 # Q4_1 = 32 nibbles + fp16 scale and min per 32. Packed, a quantized weight's rows are padded to panels of 8
