@@ -24,6 +24,7 @@ from typing import NamedTuple
 from block_manager import BlockManager, extend_block_hashes
 from checkpoints import ModelLoadError
 from config import Config
+from models.kernels.build import kernel_isa, set_kernel_isa
 from models.native_memory import HeapTrimmer
 from sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from sequence import Sequence, SequenceStatus
@@ -1106,6 +1107,7 @@ class HFEngine(ModelEngine):
         from models import families
 
         torch.set_num_threads(engine_threads(config))
+        set_kernel_isa(config.kernel_isa)
         self.device = resolve_device(config.device)
         self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
@@ -1145,8 +1147,8 @@ class HFEngine(ModelEngine):
         memory = memory_mib()
         log.info(
             "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
-            "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, %d threads; "
-            "RSS %.0f MiB (peak %.0f MiB)",
+            "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, quantized kernels %s, "
+            "%d threads; RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             self.device,
             self.capacity,
@@ -1158,6 +1160,7 @@ class HFEngine(ModelEngine):
             ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
             sum(resident.values()) / 2**20,
             "small_gemm panels" if self.model.small_gemm else "oneDNN" if self.model.onednn else "torch",
+            kernel_isa(),
             torch.get_num_threads(),
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),
@@ -1189,6 +1192,7 @@ class NativeEngine(ModelEngine):
         from models.native_memory import memory_mib
 
         environment = thread_environment()  # before libgomp loads with the kernel
+        set_kernel_isa(config.kernel_isa)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
         from text_tokenizer import TextTokenizer
@@ -1209,8 +1213,8 @@ class NativeEngine(ModelEngine):
         memory = memory_mib()
         log.info(
             "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %d blocks x %d "
-            "tokens, %.1f MiB; weights resident (mapped), one copy each: %s (%.1f MiB); %d threads (%s); "
-            "RSS %.0f MiB (peak %.0f MiB)",
+            "tokens, %.1f MiB; weights resident (mapped), one copy each: %s (%.1f MiB); quantized kernels %s; "
+            "%d threads (%s); RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             image_dir,
             self.capacity,
@@ -1220,6 +1224,7 @@ class NativeEngine(ModelEngine):
             self.model.kv_nbytes / 2**20,
             ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
             sum(resident.values()) / 2**20,
+            kernel_isa(),
             self.model.threads,
             ", ".join(f"{k}={v}" for k, v in environment.items()),
             memory.get("VmRSS", 0),

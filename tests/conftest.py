@@ -83,6 +83,25 @@ def runtime_knobs(runtime: str) -> dict:
 RUNTIMES = ("torch", "native")  # parametrize a real-server test over both runtimes (``runtime_knobs``)
 
 
+def has_avx512() -> bool:
+    """The CPU has AVX-512F, so the quantized kernels' AVX-512 paths can run (models/kernels/quant_gemm.c)."""
+    from models.kernels.build import cpu_flags
+
+    return "avx512f" in (cpu_flags() or set())
+
+
+needs_avx512 = pytest.mark.skipif(not has_avx512(), reason="the CPU has no AVX-512F: only the AVX2 kernels run here")
+
+
+@pytest.fixture
+def kernel_isa():
+    """``set_kernel_isa`` for one test (``auto`` or ``avx2``); the kernels are back at ``auto`` after it."""
+    from models.kernels.build import set_kernel_isa
+
+    yield set_kernel_isa
+    set_kernel_isa("auto")
+
+
 def assert_runtime(engine, runtime: str) -> None:
     """The server really runs ``runtime`` (no silent fallback)."""
     assert (type(engine).__name__ == "NativeEngine") == (runtime == "native"), type(engine).__name__

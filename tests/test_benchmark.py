@@ -154,6 +154,7 @@ def test_drive_honors_arrival_times_dependencies_and_continued_turns():
     assert "n/a" in unsupported("static_hf", build_workload("memory", tok, 0, True, 8))
     assert parse_system("ours:budget=0:prefix=off") == ("ours", {"budget": "0", "prefix": "off"})
     assert parse_system("ours:int8") == ("ours", {"weights": "int8"})
+    assert parse_system("ours:int8:isa=avx2") == ("ours", {"weights": "int8", "isa": "avx2"})
     assert parse_system("llamacpp:cache=on") == ("llamacpp", {"cache": "on"})
     with pytest.raises(SystemExit):
         parse_system("hf_cb:budget=0")

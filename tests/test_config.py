@@ -47,6 +47,7 @@ ALL_VARS = (
     "MAX_PREFILL_TOKENS_WHILE_DECODING",
     "WEIGHTS",
     "RUNTIME",
+    "KERNEL_ISA",
     "MAX_PROMPTS_PER_REQUEST",
     "CORS_ALLOW_ORIGINS",
     "PREFIX_CACHING",
@@ -426,3 +427,14 @@ def test_weights_formats(value):
 def test_bad_weights_format_names_the_variable_and_the_choices(value):
     with pytest.raises(ConfigError, match=r"^WEIGHTS must be one of auto, fp32, int8, int4"):
         Config.from_env({"WEIGHTS": value})
+
+
+@pytest.mark.parametrize("value", ["auto", "avx2"])
+def test_kernel_isas(value):
+    assert Config.from_env({"KERNEL_ISA": value}).kernel_isa == value
+
+
+@pytest.mark.parametrize("value", ["avx512", "AVX2", "sse4"])
+def test_bad_kernel_isa_names_the_variable_and_the_choices(value):
+    with pytest.raises(ConfigError, match=r"^KERNEL_ISA must be one of auto, avx2 \(got"):
+        Config.from_env({"KERNEL_ISA": value})

@@ -24,6 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import needs_avx512  # noqa: E402
+
 from checkpoints import ModelLoadError, marker_path  # noqa: E402
 from models import image  # noqa: E402
 from models.image import ImageError  # noqa: E402
@@ -195,6 +197,31 @@ def test_long_contexts_and_thread_counts(family_dir, cache_root, tmp_path, weigh
     p.nm.k[...], p.nm.v[...] = k0, v0
     p.nm.threads = 2
     p.both([], [], [], **seqs.chunks([(0, 400, 700)]))
+
+
+@pytest.mark.model
+@needs_avx512
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_avx512_and_avx2_steps_give_the_same_bits(family_dir, cache_root, tmp_path, kernel_isa, weights):
+    """The whole step under KERNEL_ISA=avx2 and auto (AVX-512 here) from the same state: decode rows alone (the
+    register kernels, 1 and 5 rows) and with a prompt chunk (the L1 tiles): the same logits and KV, bit for bit."""
+    p = Pair(family_dir, weights, str(tmp_path / "image"))
+    seqs = Sequences(13, [9, 12, 7, 30, 5, 40])
+    out, _ = p.both([], [], [], **seqs.chunks([(i, 0, len(seqs.tokens[i])) for i in range(5)]))
+    steps = [
+        (seqs.decode([2], out[2:3].argmax(-1).tolist()), {}),
+        (seqs.decode([0, 1, 2, 3, 4], out.argmax(-1).tolist()), {}),
+        (seqs.decode([0, 1, 3], [5, 6, 7]), seqs.chunks([(5, 0, 33)], every=(True,))),
+    ]
+    for args, chunk in steps:
+        k0, v0 = p.nm.k.copy(), p.nm.v.copy()
+        runs = []
+        for choice in ("avx2", "auto"):
+            kernel_isa(choice)
+            p.nm.k[...], p.nm.v[...] = k0, v0
+            runs.append((p.nm.forward(*args, **chunk), p.nm.k.copy(), p.nm.v.copy()))
+        (a, ka, va), (b, kb, vb) = runs
+        assert np.array_equal(a, b) and np.array_equal(ka, kb) and np.array_equal(va, vb)
 
 
 @pytest.mark.model

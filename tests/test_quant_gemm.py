@@ -8,6 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import has_avx512, needs_avx512  # noqa: E402
+
+from models.kernels import build  # noqa: E402
 from models.kernels import quant_gemm as qg  # noqa: E402
 
 
@@ -111,6 +114,36 @@ def test_result_does_not_depend_on_thread_count(kernel, fmt, m):
     w, x, bias = random_weight(fmt, 1000, 300, seed=m), torch.randn(m, 300), torch.randn(1000)
     outs = [with_threads(t, lambda: qg.matmul(x, w, bias)) for t in (1, 2, 3)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_avx512
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n, k", [*SHAPES, (43, 95), (1000, 300)])
+def test_avx512_kernels_give_the_avx2_bits(kernel, kernel_isa, fmt, n, k):
+    """Lane j of a panel pair's AVX-512 register does what lane j % 8 of its panel's AVX2 register does: the same
+    bits at every row count (the register kernels' one- and two-pair passes, the L1 path's 12- and 6-row tiles,
+    several 48-row passes), odd panel counts (a thread's last single panel runs AVX2), and 1-3 threads."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w, x = random_weight(fmt, n, k, seed=n + k), torch.randn(100, k, generator=gen)
+    bias, residual = torch.randn(n, generator=gen), torch.randn(100, n, generator=gen)
+    for m in (1, 2, 3, 5, 8, 9, 13, 25, 100):
+        for threads in (1, 2, 3):
+            outs = []
+            for choice in ("avx2", "auto"):
+                kernel_isa(choice)
+                outs.append(with_threads(threads, lambda: qg.matmul(x[:m], w, bias, residual[:m], direct_rows=128)))
+            assert torch.equal(outs[0], outs[1]), (m, threads)
+    check_close(outs[1], reference(x, w, bias, residual), k)
+
+
+def test_the_kernel_isa_can_be_chosen(kernel, kernel_isa):
+    """``avx2`` runs the AVX2 kernels on any CPU; ``auto`` the AVX-512 ones exactly where the CPU has AVX-512F."""
+    kernel_isa("avx2")
+    assert build.kernel_isa() == "avx2" and kernel.kernel_isa(-1) == 0
+    kernel_isa("auto")
+    assert build.kernel_isa() == ("avx512" if has_avx512() else "avx2")
+    with pytest.raises(ValueError, match="kernel ISA must be one of auto, avx2"):
+        kernel_isa("avx512")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

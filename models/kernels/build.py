@@ -22,6 +22,10 @@ from collections.abc import Callable
 
 from ..cache_dir import cache_subdir
 
+KERNEL_ISAS = ("auto", "avx2")  # config.KERNEL_ISA: "auto" = AVX-512 where the CPU has it
+_isa_choice = "auto"
+_isa_libs: list[ctypes.CDLL] = []  # loaded kernels that have AVX-512 paths (``kernel_isa`` in their source)
+
 
 def kernel_dir() -> str:
     return cache_subdir("kernels")
@@ -138,3 +142,34 @@ class KernelLoader:
                     self.unavailable_reason = str(exc)
                     self._log.warning("%s unavailable, %s: %s", self.what, self.instead, exc)
             return self._kernel
+
+
+def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Register a kernel with AVX-512 paths (quant_gemm.c, and decode_step.c which includes it) and apply the
+    chosen instruction set to it. Its AVX2 and AVX-512 paths give the same bits (quant_gemm.c), so the choice
+    changes speed only."""
+    lib.kernel_isa.restype = ctypes.c_int
+    lib.kernel_isa.argtypes = [ctypes.c_int]
+    lib.kernel_isa(1 if _isa_choice == "auto" else 0)
+    _isa_libs.append(lib)
+    return lib
+
+
+def set_kernel_isa(choice: str) -> None:
+    """``auto``: the kernels' AVX-512 paths where the CPU has AVX-512F; ``avx2``: their AVX2 paths everywhere. Applies
+    to kernels already loaded and to those loaded later. Not while a kernel call is running."""
+    global _isa_choice
+    if choice not in KERNEL_ISAS:
+        raise ValueError(f"kernel ISA must be one of {', '.join(KERNEL_ISAS)} (got {choice!r})")
+    _isa_choice = choice
+    for lib in _isa_libs:
+        lib.kernel_isa(1 if choice == "auto" else 0)
+
+
+def kernel_isa() -> str:
+    """What the quantized kernels run: "avx512" when they take their AVX-512 paths, else "avx2" (before any
+    kernel loads: what they will run)."""
+    if _isa_libs:
+        return "avx512" if _isa_libs[-1].kernel_isa(-1) else "avx2"
+    flags = cpu_flags() or set()
+    return "avx512" if _isa_choice == "auto" and "avx512f" in flags else "avx2"

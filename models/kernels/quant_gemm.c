@@ -35,7 +35,14 @@
  *     fp32 buffer (L2) once, then 3-row x 16-column register tiles over all M rows: compute-bound.
  * Threads split panels (direct) or panel pairs (tile); an output is computed by one thread.
  *
- * Built by quant_gemm.py with -O3 -mavx2 -mfma -mf16c -fopenmp.
+ * AVX-512: where the CPU has AVX-512F (checked once, when the library loads), the direct path's register and
+ * L1 kernels run a panel pair per 16-lane register. Lane j of a pair's register does exactly what lane j % 8
+ * of its panel's AVX2 register does (the same dequantizing multiply or fma, the same two FMA chains in
+ * increasing k, the same epilogue), so the results are bit-identical to the AVX2 kernels; there are half as
+ * many instructions per weight, and 32 registers hold all 8 rows' chains in one pass over the weights.
+ * ``kernel_isa`` reports or forces the choice (tests compare the two).
+ *
+ * Built by quant_gemm.py with -O3 -mavx2 -mfma -mf16c -fopenmp (the AVX-512 functions carry their own target).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -55,6 +62,22 @@
 #define PREFETCH_BYTES 2048
 
 enum { FMT_INT8 = 0, FMT_INT4 = 1 };
+
+#define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+static int isa_avx512; /* 1: the direct path runs its AVX-512 kernels; set when the library loads */
+
+__attribute__((constructor)) static void pick_isa(void) {
+    __builtin_cpu_init();
+    isa_avx512 = __builtin_cpu_supports("avx512f") != 0;
+}
+
+/* want < 0: report; 0: the AVX2 kernels; 1: the AVX-512 ones where the CPU has them. Returns 1 when the direct
+ * path now runs AVX-512, else 0. Not for use while a call is running. */
+int kernel_isa(int want) {
+    if (want >= 0) isa_avx512 = want && __builtin_cpu_supports("avx512f") != 0;
+    return isa_avx512;
+}
 
 static inline int block_bytes(int fmt) { return fmt == FMT_INT8 ? 16 + GROUP * PANEL : 32 + GROUP * PANEL / 2; }
 
@@ -193,6 +216,168 @@ static void direct_dispatch(int fmt, const float *const *x, int K, const uint8_t
 #undef CASE
 }
 
+/* ---------------- direct path, AVX-512: a panel pair per register ---------------- */
+
+#define MAX_PAIRS 2 /* panel pairs per pass (1-2 rows take two, for enough independent FMA chains) */
+
+/* The d (or m) of one block of each panel of a pair: lanes 0-7 panel a's columns, 8-15 panel b's. */
+AVX512 static inline __m512 load_half16(const uint8_t *a, const uint8_t *b) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)a), hi = _mm_loadu_si128((const __m128i *)b);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+/* k-row kk (int8) or k-pair kk (int4) of both panels' blocks: 16 bytes, panel a's 8 then panel b's 8. */
+AVX512 static inline __m128i load_pair_bytes(const uint8_t *qa, const uint8_t *qb, int kk) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(qa + (size_t)kk * PANEL)),
+                              _mm_loadl_epi64((const __m128i *)(qb + (size_t)kk * PANEL)));
+}
+
+AVX512 static inline __m512 deq8x2(const uint8_t *qa, const uint8_t *qb, int kk, __m512 d) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_pair_bytes(qa, qb, kk))), d);
+}
+
+AVX512 static inline void deq4x2(const uint8_t *qa, const uint8_t *qb, int t, __m512 d, __m512 m, __m512 *lo,
+                                 __m512 *hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(load_pair_bytes(qa, qb, t));
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+}
+
+/* The 256-bit halves of a register: panel a's 8 lanes, panel b's 8. */
+AVX512 static inline __m256 lo256(__m512 v) { return _mm512_castps512_ps256(v); }
+AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* NQ panel pairs (2 NQ consecutive panels at w) x R rows, as direct_panels; `cols` columns exist from the first
+ * panel's first column (1..16 NQ). */
+AVX512 static inline __attribute__((always_inline)) void direct_pairs512(int fmt, const float *const *x, int K,
+                                                                         const uint8_t *w, size_t panel_bytes,
+                                                                         int NQ, const float *bias,
+                                                                         const float *const *r, float *const *y,
+                                                                         int R, int cols) {
+    __m512 ev[MAX_PAIRS][REGISTER_ROWS], od[MAX_PAIRS][REGISTER_ROWS];
+    _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++)
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) ev[p][i] = od[p][i] = _mm512_setzero_ps();
+    const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * GROUP, kn = K - k0 < GROUP ? K - k0 : GROUP;
+        const float *xk[REGISTER_ROWS];
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) xk[i] = x[i] + k0;
+        const uint8_t *blk[2 * MAX_PAIRS];
+        _Pragma("GCC unroll 4") for (int p = 0; p < 2 * NQ; p++) {
+            blk[p] = w + p * panel_bytes + (size_t)g * bb;
+            const char *ahead = (const char *)blk[p] + PREFETCH_BYTES;
+            for (int off = 0; off < bb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
+        if (fmt == FMT_INT8) {
+            __m512 d[MAX_PAIRS];
+            _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) d[p] = load_half16(blk[2 * p], blk[2 * p + 1]);
+            int kk = 0;
+            for (; kk + 1 < kn; kk += 2) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
+                    const uint8_t *qa = blk[2 * p] + 16, *qb = blk[2 * p + 1] + 16;
+                    const __m512 w0 = deq8x2(qa, qb, kk, d[p]), w1 = deq8x2(qa, qb, kk + 1, d[p]);
+                    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                        ev[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i][kk]), w0, ev[p][i]);
+                        od[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i][kk + 1]), w1, od[p][i]);
+                    }
+                }
+            }
+            if (kk < kn) { /* odd group length: the last k is even */
+                _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
+                    const __m512 w0 = deq8x2(blk[2 * p] + 16, blk[2 * p + 1] + 16, kk, d[p]);
+                    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+                        ev[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i][kk]), w0, ev[p][i]);
+                }
+            }
+        } else {
+            __m512 d[MAX_PAIRS], m[MAX_PAIRS];
+            _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
+                d[p] = load_half16(blk[2 * p], blk[2 * p + 1]);
+                m[p] = load_half16(blk[2 * p] + 16, blk[2 * p + 1] + 16);
+            }
+            int t = 0;
+            for (; 2 * t + 1 < kn; t++) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
+                    __m512 lo, hi;
+                    deq4x2(blk[2 * p] + 32, blk[2 * p + 1] + 32, t, d[p], m[p], &lo, &hi);
+                    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+                        ev[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i][2 * t]), lo, ev[p][i]);
+                        od[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i][2 * t + 1]), hi, od[p][i]);
+                    }
+                }
+            }
+            if (2 * t < kn) {
+                _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
+                    __m512 lo, hi;
+                    deq4x2(blk[2 * p] + 32, blk[2 * p + 1] + 32, t, d[p], m[p], &lo, &hi);
+                    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+                        ev[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i][2 * t]), lo, ev[p][i]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+            for (int h = 0; h < 2; h++) { /* the pair's panels: columns [c0, c0 + 8) of the pass */
+                const int c0 = (2 * p + h) * PANEL;
+                if (c0 >= cols) break;
+                const __m256 e = h ? hi256(ev[p][i]) : lo256(ev[p][i]), o = h ? hi256(od[p][i]) : lo256(od[p][i]);
+                store8(e, o, bias ? bias + c0 : NULL, r ? r[i] + c0 : NULL, y[i] + c0,
+                       cols - c0 < PANEL ? cols - c0 : PANEL);
+            }
+        }
+    }
+}
+
+AVX512 static void direct_dispatch512(int fmt, const float *const *x, int K, const uint8_t *w, size_t panel_bytes,
+                                      int NQ, const float *bias, const float *const *r, float *const *y, int R,
+                                      int cols) {
+#define CASE(nq, n)                                                                                         \
+    if (NQ == nq && R == n) {                                                                               \
+        if (fmt == FMT_INT8) direct_pairs512(FMT_INT8, x, K, w, panel_bytes, nq, bias, r, y, n, cols);      \
+        else direct_pairs512(FMT_INT4, x, K, w, panel_bytes, nq, bias, r, y, n, cols);                      \
+        return;                                                                                             \
+    }
+    CASE(2, 1) CASE(2, 2) CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
+#undef CASE
+}
+
+/* Panels [p0, p1) for M <= REGISTER_ROWS rows, every row in one pass over each panel pair; a range's odd last
+ * panel takes the AVX2 kernel (the pair's second panel belongs to another thread, or does not exist). */
+static void direct_range512(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
+                            int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
+    const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
+    const float *x[REGISTER_ROWS], *r[REGISTER_ROWS];
+    float *y[REGISTER_ROWS];
+    const int pairs = M <= 2 ? 2 : 1; /* panel pairs per pass */
+    int p = p0;
+    for (int nq; p1 - p >= 2; p += 2 * nq) {
+        nq = (p1 - p) / 2 < pairs ? (p1 - p) / 2 : pairs;
+        const int n0 = p * PANEL;
+        const int cols = N - n0 < 2 * nq * PANEL ? N - n0 : 2 * nq * PANEL;
+        for (int i = 0; i < M; i++) {
+            x[i] = X + (size_t)i * ldx;
+            r[i] = R ? R + (size_t)i * ldr + n0 : NULL;
+            y[i] = Y + (size_t)i * ldy + n0;
+        }
+        direct_dispatch512(fmt, x, K, Wp + p * panel_bytes, panel_bytes, nq, bias ? bias + n0 : NULL, R ? r : NULL,
+                           y, M, cols);
+    }
+    if (p < p1) { /* one panel left */
+        const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int m0 = 0; m0 < M; m0 += DIRECT_ROWS) {
+            const int rows = M - m0 < DIRECT_ROWS ? M - m0 : DIRECT_ROWS;
+            for (int i = 0; i < rows; i++) {
+                x[i] = X + (size_t)(m0 + i) * ldx;
+                r[i] = R ? R + (size_t)(m0 + i) * ldr + n0 : NULL;
+                y[i] = Y + (size_t)(m0 + i) * ldy + n0;
+            }
+            direct_dispatch(fmt, x, K, Wp + p * panel_bytes, panel_bytes, 1, bias ? bias + n0 : NULL, R ? r : NULL,
+                            y, rows, cols);
+        }
+    }
+}
+
 /* ---------------- fp32 blocks: dequantized weights for the L1 direct path and the tile path ---------------- */
 
 /* One block (kn <= 32 k of one panel) -> out[kk * 16 + c], kk < kn: 8 columns of a 16-wide row of fp32. */
@@ -269,6 +454,41 @@ static void block_dispatch(const float *const *x, int kn, const float *wbuf, Row
     }
 }
 
+#define BLOCK_ROWS512 12 /* rows per AVX-512 register tile over an L1 block */
+
+/* block_rows with one 16-lane register per row and chain (lanes = the block's 16 columns): the same FMAs in the
+ * same order, bit for bit; 12 rows x 16 columns take 13 loads per 12 FMAs. */
+AVX512 static inline __attribute__((always_inline)) void block_rows512(const float *const *x, int kn,
+                                                                       const float *wbuf, RowSums *acc, int R) {
+    for (int c = 0; c < 2; c++) { /* c = 0: even k, sums at acc[i][0..16); 1: odd k, at acc[i][16..32) */
+        __m512 s[BLOCK_ROWS512];
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) s[i] = _mm512_loadu_ps(acc[i] + 2 * c * PANEL);
+        for (int k = c; k < kn; k += 2) {
+            const __m512 w = _mm512_loadu_ps(wbuf + k * 16);
+            _Pragma("GCC unroll 12") for (int i = 0; i < R; i++)
+                s[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][k]), w, s[i]);
+        }
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) _mm512_storeu_ps(acc[i] + 2 * c * PANEL, s[i]);
+    }
+}
+
+AVX512 static void block_dispatch512(const float *const *x, int kn, const float *wbuf, RowSums *acc, int R) {
+    switch (R) {
+    case 12: block_rows512(x, kn, wbuf, acc, 12); break;
+    case 11: block_rows512(x, kn, wbuf, acc, 11); break;
+    case 10: block_rows512(x, kn, wbuf, acc, 10); break;
+    case 9: block_rows512(x, kn, wbuf, acc, 9); break;
+    case 8: block_rows512(x, kn, wbuf, acc, 8); break;
+    case 7: block_rows512(x, kn, wbuf, acc, 7); break;
+    case 6: block_rows512(x, kn, wbuf, acc, 6); break;
+    case 5: block_rows512(x, kn, wbuf, acc, 5); break;
+    case 4: block_rows512(x, kn, wbuf, acc, 4); break;
+    case 3: block_rows512(x, kn, wbuf, acc, 3); break;
+    case 2: block_rows512(x, kn, wbuf, acc, 2); break;
+    default: block_rows512(x, kn, wbuf, acc, 1);
+    }
+}
+
 /* Rows [0, M) x one panel pair (np = 1 or 2 panels at w; its first `cols` columns exist): per group, the pair's
  * block is dequantized into wbuf (2 KB) once, then every row runs over it in register tiles of up to BLOCK_ROWS
  * rows (block_rows), their sums kept between blocks in acc. bias, R, Y: at the pair's first column. */
@@ -290,12 +510,14 @@ static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size
                 for (int off = 0; off < bb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
                 dequant_block(fmt, blk, kn, wbuf + p * PANEL);
             }
+            const int tile_rows = isa_avx512 ? BLOCK_ROWS512 : BLOCK_ROWS;
             for (int i0 = 0, nr; i0 < rows; i0 += nr) {
-                const int left = rows - i0, tiles = (left + BLOCK_ROWS - 1) / BLOCK_ROWS;
-                nr = (left + tiles - 1) / tiles; /* balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5 */
-                const float *x[BLOCK_ROWS];
+                const int left = rows - i0, tiles = (left + tile_rows - 1) / tile_rows;
+                nr = (left + tiles - 1) / tiles; /* balanced: (AVX2) 8 rows as 4 + 4, 16 as 6 + 5 + 5 */
+                const float *x[BLOCK_ROWS512];
                 for (int i = 0; i < nr; i++) x[i] = X + (size_t)(m0 + i0 + i) * ldx + k0;
-                block_dispatch(x, kn, wbuf, acc + i0, nr);
+                if (isa_avx512) block_dispatch512(x, kn, wbuf, acc + i0, nr);
+                else block_dispatch(x, kn, wbuf, acc + i0, nr);
             }
         }
         for (int i = 0; i < rows; i++) {
@@ -312,6 +534,10 @@ static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size
 static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
                          int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
+    if (M <= REGISTER_ROWS && isa_avx512) {
+        direct_range512(fmt, X, ldx, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
+        return;
+    }
     if (M > REGISTER_ROWS) {
         for (int p = p0; p < p1; p += 2) {
             const int np = p1 - p < 2 ? p1 - p : 2, n0 = p * PANEL, cols = N - n0 < np * PANEL ? N - n0 : np * PANEL;

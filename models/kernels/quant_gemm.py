@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import KernelLoader, build_and_load, require_avx2
+from .build import KernelLoader, build_and_load, require_avx2, with_isa
 
 log = logging.getLogger("minibatch.quant_gemm")
 
@@ -103,7 +103,7 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int,
         ctypes.c_int,  # M, K, N, nthreads, direct_rows
     ]
-    return lib
+    return with_isa(lib)
 
 
 KERNEL = KernelLoader("quantized GEMM kernel", _load, "using the torch fallback", log)

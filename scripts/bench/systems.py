@@ -227,6 +227,7 @@ OURS_OPTIONS = {
     "prefix": "PREFIX_CACHING",
     "kv": "KV_CACHE_MB",
     "runtime": "RUNTIME",
+    "isa": "KERNEL_ISA",
 }
 
 
