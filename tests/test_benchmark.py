@@ -199,6 +199,59 @@ def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_mo
     assert "quant_gemm (int8)" in proc.stdout
 
 
+def _fake_llama_server(path, behaviour: str) -> str:
+    """A stand-in llama-server: "segv" dies by SIGSEGV while starting unless given --no-repack (as the real one did
+    on an AVX-512 VM), then answers /health; "hang" never answers. Each start appends its arguments to
+    ``<path>.starts``."""
+    path.write_text(
+        f"""#!{sys.executable}
+import http.server, os, signal, sys, time
+with open({str(path) + ".starts"!r}, "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+if {behaviour!r} == "hang":
+    time.sleep(60)
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_llama_server_dying_while_repacking_is_started_again_without(tmp_path):
+    """llamacpp:repack=auto (the default) restarts a server that died by itself while starting, with --no-repack,
+    and says so in its config; repack=on reports the failure; a server that never answers is not restarted."""
+    from bench.systems import _free_port, start_llama_server
+
+    port = _free_port()
+    cmd, url = [_fake_llama_server(tmp_path / "segv", "segv"), "--port", str(port)], f"http://127.0.0.1:{port}/health"
+    with pytest.raises(RuntimeError, match="llama-server did not become ready"):
+        start_llama_server(cmd, url, str(tmp_path / "on.log"), "on", timeout=30)
+    starts = tmp_path / "segv.starts"
+    for repack, started in (("auto", 3), ("off", 4)):  # on: 1 start; auto: 2 more (the second --no-repack); off: 1
+        proc, log_file, repacked = start_llama_server(cmd, url, str(tmp_path / f"{repack}.log"), repack, timeout=30)
+        try:
+            assert not repacked and proc.args[-1] == "--no-repack" and proc.poll() is None
+            assert len(starts.read_text().splitlines()) == started
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            log_file.close()
+    hang = [_fake_llama_server(tmp_path / "hang", "hang"), "--port", str(port)]
+    with pytest.raises(RuntimeError, match="did not become ready"):
+        start_llama_server(hang, url, str(tmp_path / "hang.log"), "auto", timeout=1.5)
+    assert (tmp_path / "hang.starts").read_text().count("\n") == 1  # killed at its deadline, not started again
+    with pytest.raises(ValueError, match="repack must be on, off or auto"):
+        start_llama_server(cmd, url, str(tmp_path / "x.log"), "maybe")
+
+
 def _cpuinfo(path, *processors: tuple[str, str]) -> str:
     """A /proc/cpuinfo with one (model name, flags) block per processor."""
     path.write_text(

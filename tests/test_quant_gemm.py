@@ -122,7 +122,8 @@ def test_result_does_not_depend_on_thread_count(kernel, fmt, m):
 def test_avx512_kernels_give_the_avx2_bits(kernel, kernel_isa, fmt, n, k):
     """Lane j of a panel pair's AVX-512 register does what lane j % 8 of its panel's AVX2 register does: the same
     bits at every row count (the register kernels' one- and two-pair passes, the L1 path's 12- and 6-row tiles,
-    several 48-row passes), odd panel counts (a thread's last single panel runs AVX2), and 1-3 threads."""
+    several 48-row passes, the tile path's 12- and 3-row tiles), odd panel counts (a thread's last single panel
+    runs AVX2), and 1-3 threads."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     w, x = random_weight(fmt, n, k, seed=n + k), torch.randn(100, k, generator=gen)
     bias, residual = torch.randn(n, generator=gen), torch.randn(100, n, generator=gen)
@@ -131,8 +132,11 @@ def test_avx512_kernels_give_the_avx2_bits(kernel, kernel_isa, fmt, n, k):
             outs = []
             for choice in ("avx2", "auto"):
                 kernel_isa(choice)
-                outs.append(with_threads(threads, lambda: qg.matmul(x[:m], w, bias, residual[:m], direct_rows=128)))
-            assert torch.equal(outs[0], outs[1]), (m, threads)
+                for direct_rows in (128, 0):  # the direct path (registers, L1 blocks), the tile path
+                    outs.append(
+                        with_threads(threads, lambda: qg.matmul(x[:m], w, bias, residual[:m], direct_rows=direct_rows))
+                    )
+            assert all(torch.equal(outs[0], out) for out in outs), (m, threads)
     check_close(outs[1], reference(x, w, bias, residual), k)
 
 

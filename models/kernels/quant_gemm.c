@@ -35,8 +35,8 @@
  *     fp32 buffer (L2) once, then 3-row x 16-column register tiles over all M rows: compute-bound.
  * Threads split panels (direct) or panel pairs (tile); an output is computed by one thread.
  *
- * AVX-512: where the CPU has AVX-512F (checked once, when the library loads), the direct path's register and
- * L1 kernels run a panel pair per 16-lane register. Lane j of a pair's register does exactly what lane j % 8
+ * AVX-512: where the CPU has AVX-512F (checked once, when the library loads), the register, L1 and tile kernels
+ * run a panel pair per 16-lane register. Lane j of a pair's register does exactly what lane j % 8
  * of its panel's AVX2 register does (the same dequantizing multiply or fma, the same two FMA chains in
  * increasing k, the same epilogue), so the results are bit-identical to the AVX2 kernels; there are half as
  * many instructions per weight, and 32 registers hold all 8 rows' chains in one pass over the weights.
@@ -65,15 +65,15 @@ enum { FMT_INT8 = 0, FMT_INT4 = 1 };
 
 #define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
-static int isa_avx512; /* 1: the direct path runs its AVX-512 kernels; set when the library loads */
+static int isa_avx512; /* 1: the AVX-512 kernels run; set when the library loads */
 
 __attribute__((constructor)) static void pick_isa(void) {
     __builtin_cpu_init();
     isa_avx512 = __builtin_cpu_supports("avx512f") != 0;
 }
 
-/* want < 0: report; 0: the AVX2 kernels; 1: the AVX-512 ones where the CPU has them. Returns 1 when the direct
- * path now runs AVX-512, else 0. Not for use while a call is running. */
+/* want < 0: report; 0: the AVX2 kernels; 1: the AVX-512 ones where the CPU has them. Returns 1 when the kernels
+ * now run AVX-512, else 0. Not for use while a call is running. */
 int kernel_isa(int want) {
     if (want >= 0) isa_avx512 = want && __builtin_cpu_supports("avx512f") != 0;
     return isa_avx512;
@@ -599,6 +599,33 @@ static void tile_kernel(const float *const *x, int K, const float *buf, const fl
     for (int i = 0; i < rows; i++) store16(ev[i], od[i], bias, r ? r[i] : NULL, y[i], cols);
 }
 
+#define TILE_ROWS512 12 /* rows per AVX-512 register tile of the tile path */
+
+/* tile_kernel with one 16-lane register per row and chain: TILE_ROWS512 rows x 16 columns, the same FMAs in the
+ * same order (bit for bit); rows past `rows` alias the last real row. */
+AVX512 static void tile_kernel512(const float *const *x, int K, const float *buf, const float *bias,
+                                  const float *const *r, float *const *y, int rows, int cols) {
+    __m512 ev[TILE_ROWS512], od[TILE_ROWS512];
+    _Pragma("GCC unroll 12") for (int i = 0; i < TILE_ROWS512; i++) ev[i] = od[i] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 1 < K; k += 2) {
+        const __m512 w0 = _mm512_loadu_ps(buf + (size_t)k * 16), w1 = _mm512_loadu_ps(buf + (size_t)(k + 1) * 16);
+        _Pragma("GCC unroll 12") for (int i = 0; i < TILE_ROWS512; i++) {
+            ev[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][k]), w0, ev[i]);
+            od[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][k + 1]), w1, od[i]);
+        }
+    }
+    if (k < K) {
+        const __m512 w0 = _mm512_loadu_ps(buf + (size_t)k * 16);
+        _Pragma("GCC unroll 12") for (int i = 0; i < TILE_ROWS512; i++)
+            ev[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][k]), w0, ev[i]);
+    }
+    for (int i = 0; i < rows; i++) {
+        __m256 e[2] = {lo256(ev[i]), hi256(ev[i])}, o[2] = {lo256(od[i]), hi256(od[i])};
+        store16(e, o, bias, r ? r[i] : NULL, y[i], cols);
+    }
+}
+
 static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
                        int ldr, float *Y, int ldy, int M, int K, int N, int q0, int q1, float *buf) {
     const int npanels = (N + PANEL - 1) / PANEL;
@@ -608,17 +635,19 @@ static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, cons
         dequant_panel(fmt, Wp + (size_t)(2 * q) * panel_bytes, K, buf, 0);
         if (2 * q + 1 < npanels) dequant_panel(fmt, Wp + (size_t)(2 * q + 1) * panel_bytes, K, buf, 1);
         else for (int k = 0; k < K; k++) memset(buf + (size_t)k * 16 + PANEL, 0, PANEL * sizeof(float));
-        for (int m0 = 0; m0 < M; m0 += TILE_ROWS) {
-            const int rows = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
-            const float *x[TILE_ROWS], *r[TILE_ROWS];
-            float *y[TILE_ROWS];
-            for (int i = 0; i < TILE_ROWS; i++) {
+        const int tile_rows = isa_avx512 ? TILE_ROWS512 : TILE_ROWS;
+        for (int m0 = 0; m0 < M; m0 += tile_rows) {
+            const int rows = M - m0 < tile_rows ? M - m0 : tile_rows;
+            const float *x[TILE_ROWS512], *r[TILE_ROWS512];
+            float *y[TILE_ROWS512];
+            for (int i = 0; i < tile_rows; i++) {
                 int m = m0 + (i < rows ? i : rows - 1);
                 x[i] = X + (size_t)m * ldx;
                 r[i] = R ? R + (size_t)m * ldr + n0 : NULL;
                 y[i] = Y + (size_t)m * ldy + n0;
             }
-            tile_kernel(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
+            if (isa_avx512) tile_kernel512(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
+            else tile_kernel(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
         }
     }
 }

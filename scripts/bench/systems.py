@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -337,11 +338,13 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     }
 
 
-def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: str = "off"):
+def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: str = "off", repack: str = "auto"):
     """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
     same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
     ids of each chunk (``return_tokens``: token times, and the output a continued turn resends).
-    ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default)."""
+    ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default). ``repack``: its
+    weight repacking (``on``, ``off`` = ``--no-repack``, ``auto``: on, and off again where the server dies
+    while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up)."""
     import httpx
     import torch
     from build_llamacpp import binary_path
@@ -371,9 +374,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         "--no-webui",
     ]
     log_path = os.path.join(ROOT, "weights", f"llamacpp-{port}.log")
-    log_file = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-    _wait_healthy(proc, f"http://127.0.0.1:{port}/health", 120, log_path, "llama-server")  # the model loads
+    proc, log_file, repacked = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, repack)
 
     async def send(client, r: Request, prompt: list[int]):
         body = {
@@ -409,9 +410,11 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
 
     once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 10)
     return once, {
-        "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}",
+        "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}"
+        + ("" if repacked else ", --no-repack"),
         "capacity": capacity,
         "cache_prompt": cache == "on",
+        "repack": repacked,
     }
 
 
@@ -496,6 +499,28 @@ def _process_handles(proc: subprocess.Popen, log_file, stop_timeout: float):
         log_file.close()
 
     return peak_rss_mb, stop
+
+
+def start_llama_server(cmd: list[str], health_url: str, log_path: str, repack: str, timeout: float = 120):
+    """Start llama-server (``cmd``) and wait until ``health_url`` answers (the model loaded) -> (process, its log
+    file, whether it repacks weights). ``repack`` "off" adds ``--no-repack``; "auto" starts it repacking and, when
+    the server dies by itself before it is ready, once more with ``--no-repack`` (saying so)."""
+    if repack not in ("on", "off", "auto"):
+        raise ValueError(f"llamacpp:repack must be on, off or auto (got {repack!r})")
+    repacked = repack != "off"
+    while True:
+        log_file = open(log_path, "w")
+        proc = subprocess.Popen(cmd if repacked else [*cmd, "--no-repack"], stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(proc, health_url, timeout, log_path, "llama-server")
+            return proc, log_file, repacked
+        except RuntimeError:
+            log_file.close()
+            crashed = proc.wait() not in (0, -signal.SIGKILL)  # died by itself, not killed at the deadline
+            if not (crashed and repacked and repack == "auto"):
+                raise
+            repacked = False
+            print(f"llama-server died while starting (exit {proc.returncode}); again with --no-repack", flush=True)
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str, name: str) -> None:
