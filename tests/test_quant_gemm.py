@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
@@ -138,6 +139,30 @@ def test_avx512_kernels_give_the_avx2_bits(kernel, kernel_isa, fmt, n, k):
                     )
             assert all(torch.equal(outs[0], out) for out in outs), (m, threads)
     check_close(outs[1], reference(x, w, bias, residual), k)
+
+
+@needs_avx512
+def test_switching_the_isa_during_calls_never_mixes_the_two(kernel, kernel_isa):
+    """KERNEL_ISA may change while another thread is inside a call (the engine steps in its own thread): each call
+    reads the ISA once, so an AVX-512 tile size never reaches an AVX2 kernel, and every result keeps its bits."""
+    w, x = random_weight("int8", 64, 200, seed=3), torch.randn(40, 200)
+    want = qg.matmul(x, w, direct_rows=64)
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            kernel_isa("avx2")
+            kernel_isa("auto")
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for _ in range(200):
+            for direct_rows in (64, 0):  # the L1 path's and the tile path's tiles
+                assert torch.equal(qg.matmul(x, w, direct_rows=direct_rows), want)
+    finally:
+        stop.set()
+        flipper.join()
 
 
 def test_the_kernel_isa_can_be_chosen(kernel, kernel_isa):

@@ -157,7 +157,7 @@ def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def set_kernel_isa(choice: str) -> None:
     """``auto``: the kernels' AVX-512 paths where the CPU has AVX-512F; ``avx2``: their AVX2 paths everywhere. Applies
-    to kernels already loaded and to those loaded later. Not while a kernel call is running."""
+    to kernels already loaded and to those loaded later; a call already running finishes on its ISA."""
     global _isa_choice
     if choice not in KERNEL_ISAS:
         raise ValueError(f"kernel ISA must be one of {', '.join(KERNEL_ISAS)} (got {choice!r})")

@@ -65,18 +65,21 @@ enum { FMT_INT8 = 0, FMT_INT4 = 1 };
 
 #define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
-static int isa_avx512; /* 1: the AVX-512 kernels run; set when the library loads */
+static int isa_avx512; /* 1: the AVX-512 kernels run; set when the library loads, read atomically (kernel_isa) */
 
 __attribute__((constructor)) static void pick_isa(void) {
     __builtin_cpu_init();
-    isa_avx512 = __builtin_cpu_supports("avx512f") != 0;
+    __atomic_store_n(&isa_avx512, __builtin_cpu_supports("avx512f") != 0, __ATOMIC_RELAXED);
 }
 
+/* The ISA a call runs, read once per call: a call never mixes a tile size of one ISA with the other's kernel. */
+static inline int use_avx512(void) { return __atomic_load_n(&isa_avx512, __ATOMIC_RELAXED); }
+
 /* want < 0: report; 0: the AVX2 kernels; 1: the AVX-512 ones where the CPU has them. Returns 1 when the kernels
- * now run AVX-512, else 0. Not for use while a call is running. */
+ * now run AVX-512, else 0. A call already running keeps its ISA (both give the same bits). */
 int kernel_isa(int want) {
-    if (want >= 0) isa_avx512 = want && __builtin_cpu_supports("avx512f") != 0;
-    return isa_avx512;
+    if (want >= 0) __atomic_store_n(&isa_avx512, want && __builtin_cpu_supports("avx512f") != 0, __ATOMIC_RELAXED);
+    return use_avx512();
 }
 
 static inline int block_bytes(int fmt) { return fmt == FMT_INT8 ? 16 + GROUP * PANEL : 32 + GROUP * PANEL / 2; }
@@ -497,6 +500,7 @@ static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size
     float wbuf[GROUP * 2 * PANEL] __attribute__((aligned(32)));
     RowSums acc[ACC_ROWS] __attribute__((aligned(32)));
     const int bb = block_bytes(fmt), G = (K + GROUP - 1) / GROUP;
+    const int avx512 = use_avx512(), tile_rows = avx512 ? BLOCK_ROWS512 : BLOCK_ROWS;
     if (np == 1) /* no second panel: its 8 columns of wbuf stay zero (computed, never stored) */
         for (int kk = 0; kk < GROUP; kk++) memset(wbuf + kk * 2 * PANEL + PANEL, 0, PANEL * sizeof(float));
     for (int m0 = 0; m0 < M; m0 += ACC_ROWS) {
@@ -510,13 +514,12 @@ static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size
                 for (int off = 0; off < bb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
                 dequant_block(fmt, blk, kn, wbuf + p * PANEL);
             }
-            const int tile_rows = isa_avx512 ? BLOCK_ROWS512 : BLOCK_ROWS;
             for (int i0 = 0, nr; i0 < rows; i0 += nr) {
                 const int left = rows - i0, tiles = (left + tile_rows - 1) / tile_rows;
                 nr = (left + tiles - 1) / tiles; /* balanced: (AVX2) 8 rows as 4 + 4, 16 as 6 + 5 + 5 */
                 const float *x[BLOCK_ROWS512];
                 for (int i = 0; i < nr; i++) x[i] = X + (size_t)(m0 + i0 + i) * ldx + k0;
-                if (isa_avx512) block_dispatch512(x, kn, wbuf, acc + i0, nr);
+                if (avx512) block_dispatch512(x, kn, wbuf, acc + i0, nr);
                 else block_dispatch(x, kn, wbuf, acc + i0, nr);
             }
         }
@@ -534,7 +537,7 @@ static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size
 static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
                          int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
-    if (M <= REGISTER_ROWS && isa_avx512) {
+    if (M <= REGISTER_ROWS && use_avx512()) {
         direct_range512(fmt, X, ldx, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
         return;
     }
@@ -630,12 +633,12 @@ static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, cons
                        int ldr, float *Y, int ldy, int M, int K, int N, int q0, int q1, float *buf) {
     const int npanels = (N + PANEL - 1) / PANEL;
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
+    const int avx512 = use_avx512(), tile_rows = avx512 ? TILE_ROWS512 : TILE_ROWS;
     for (int q = q0; q < q1; q++) { /* panel pair q: panels 2q and 2q + 1 */
         const int n0 = q * 2 * PANEL, cols = N - n0 < 2 * PANEL ? N - n0 : 2 * PANEL;
         dequant_panel(fmt, Wp + (size_t)(2 * q) * panel_bytes, K, buf, 0);
         if (2 * q + 1 < npanels) dequant_panel(fmt, Wp + (size_t)(2 * q + 1) * panel_bytes, K, buf, 1);
         else for (int k = 0; k < K; k++) memset(buf + (size_t)k * 16 + PANEL, 0, PANEL * sizeof(float));
-        const int tile_rows = isa_avx512 ? TILE_ROWS512 : TILE_ROWS;
         for (int m0 = 0; m0 < M; m0 += tile_rows) {
             const int rows = M - m0 < tile_rows ? M - m0 : tile_rows;
             const float *x[TILE_ROWS512], *r[TILE_ROWS512];
@@ -646,7 +649,7 @@ static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, cons
                 r[i] = R ? R + (size_t)m * ldr + n0 : NULL;
                 y[i] = Y + (size_t)m * ldy + n0;
             }
-            if (isa_avx512) tile_kernel512(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
+            if (avx512) tile_kernel512(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
             else tile_kernel(x, K, buf, bias ? bias + n0 : NULL, R ? r : NULL, y, rows, cols);
         }
     }
