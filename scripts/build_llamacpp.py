@@ -27,6 +27,7 @@ import glob
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -42,10 +43,19 @@ PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same
 
 
+# x86 /proc/cpuinfo flags that name instruction sets a native build may use (-march=native turns each on); the
+# rest (bug mitigations, virtualization and power-management flags) can differ between hosts of one CPU kind.
+_X86_ISA = re.compile(
+    r"(sse|ssse|avx|amx|fma|f16c|bmi|aes|vaes|pclmul|vpclmul|gfni|sha|popcnt|lzcnt|abm|movbe|adx|cx16|xop|tbm|mmx|"
+    r"3dnow|movdir|serialize|cldemote|clflushopt|clwb|rdpid|rdrand|rdseed|xsave|prfchw|waitpkg|enqcmd|uintr|hreset)"
+)
+
+
 def cpu_tag(cpuinfo_path: str = "/proc/cpuinfo") -> str:
-    """Ten hex digits naming this CPU: its architecture, model name and feature flags (the first processor's
-    ``model name`` and ``flags`` lines on Linux; elsewhere what ``platform`` reports). Machines that differ in
-    any instruction set get different tags, and so different native builds."""
+    """Ten hex digits naming this CPU: its architecture, model name and instruction sets (the first processor's
+    ``model name`` and the ISA part of its ``flags`` on x86, its ``Features`` elsewhere; what ``platform``
+    reports where there is no /proc/cpuinfo). Machines that differ in any instruction set get different tags, and
+    so different native builds; hosts that differ only in mitigation or virtualization flags share one."""
     found: dict[str, str] = {}
     try:
         with open(cpuinfo_path) as f:
@@ -53,12 +63,15 @@ def cpu_tag(cpuinfo_path: str = "/proc/cpuinfo") -> str:
                 key, _, value = line.partition(":")
                 key = key.strip()
                 if key in ("model name", "flags", "Features") and key not in found:
-                    found[key] = " ".join(sorted(value.split())) if key != "model name" else value.strip()
+                    found[key] = value.strip()
     except OSError:
         pass
     model = found.get("model name", platform.processor())
-    flags = found.get("flags", found.get("Features", ""))
-    return hashlib.sha1(f"{platform.machine()}|{model}|{flags}".encode()).hexdigest()[:10]
+    if "flags" in found:
+        isa = sorted(flag for flag in found["flags"].split() if _X86_ISA.match(flag))
+    else:
+        isa = sorted(found.get("Features", "").split())
+    return hashlib.sha1(f"{platform.machine()}|{model}|{' '.join(isa)}".encode()).hexdigest()[:10]
 
 
 def build_dir(version: str = VERSION) -> str:

@@ -268,6 +268,7 @@ def test_llamacpp_builds_are_kept_per_kind_of_cpu(tmp_path, monkeypatch):
     xeon = cpu_tag(_cpuinfo(tmp_path / "a", ("Xeon", "fma avx2 avx512f"), ("Xeon", "fma")))
     assert len(xeon) == 10
     assert cpu_tag(_cpuinfo(tmp_path / "b", ("Xeon", "avx512f avx2 fma"))) == xeon  # flag order does not matter
+    assert cpu_tag(_cpuinfo(tmp_path / "m", ("Xeon", "fma md_clear avx2 hypervisor avx512f"))) == xeon  # not ISA
     assert cpu_tag(_cpuinfo(tmp_path / "c", ("Xeon", "fma avx2"))) != xeon
     assert cpu_tag(_cpuinfo(tmp_path / "d", ("EPYC", "fma avx2 avx512f"))) != xeon
     assert len(cpu_tag(str(tmp_path / "missing"))) == 10  # no /proc/cpuinfo: what platform reports
