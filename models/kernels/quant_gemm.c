@@ -250,8 +250,16 @@ AVX512 static inline void deq4x2(const uint8_t *qa, const uint8_t *qb, int t, __
 AVX512 static inline __m256 lo256(__m512 v) { return _mm512_castps512_ps256(v); }
 AVX512 static inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-/* NQ panel pairs (2 NQ consecutive panels at w) x R rows, as direct_panels; `cols` columns exist from the first
- * panel's first column (1..16 NQ). */
+static void store16(__m256 ev[2], __m256 od[2], const float *bias, const float *r, float *y, int cols);
+
+/* A panel pair's 16 (or `cols`) outputs of one row: store16 on the registers' halves. */
+AVX512 static inline void store_pair(__m512 even, __m512 odd, const float *bias, const float *r, float *y, int cols) {
+    __m256 e[2] = {lo256(even), hi256(even)}, o[2] = {lo256(odd), hi256(odd)};
+    store16(e, o, bias, r, y, cols);
+}
+
+/* NQ panel pairs (2 NQ consecutive panels at w, all of them present) x R rows, as direct_panels; `cols` columns
+ * exist from the first panel's first column (16 (NQ - 1) + 1 .. 16 NQ). */
 AVX512 static inline __attribute__((always_inline)) void direct_pairs512(int fmt, const float *const *x, int K,
                                                                          const uint8_t *w, size_t panel_bytes,
                                                                          int NQ, const float *bias,
@@ -319,16 +327,10 @@ AVX512 static inline __attribute__((always_inline)) void direct_pairs512(int fmt
             }
         }
     }
-    _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) {
-        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
-            for (int h = 0; h < 2; h++) { /* the pair's panels: columns [c0, c0 + 8) of the pass */
-                const int c0 = (2 * p + h) * PANEL;
-                if (c0 >= cols) break;
-                const __m256 e = h ? hi256(ev[p][i]) : lo256(ev[p][i]), o = h ? hi256(od[p][i]) : lo256(od[p][i]);
-                store8(e, o, bias ? bias + c0 : NULL, r ? r[i] + c0 : NULL, y[i] + c0,
-                       cols - c0 < PANEL ? cols - c0 : PANEL);
-            }
-        }
+    _Pragma("GCC unroll 2") for (int p = 0; p < NQ; p++) { /* pair p: columns [c0, c0 + 16) of the pass */
+        const int c0 = 2 * p * PANEL;
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)
+            store_pair(ev[p][i], od[p][i], bias ? bias + c0 : NULL, r ? r[i] + c0 : NULL, y[i] + c0, cols - c0);
     }
 }
 
@@ -345,10 +347,11 @@ AVX512 static void direct_dispatch512(int fmt, const float *const *x, int K, con
 #undef CASE
 }
 
-/* Panels [p0, p1) for M <= REGISTER_ROWS rows, every row in one pass over each panel pair; a range's odd last
- * panel takes the AVX2 kernel (the pair's second panel belongs to another thread, or does not exist). */
-static void direct_range512(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
-                            int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
+/* Panels [p0, p1) for M <= REGISTER_ROWS rows, every row in one pass over each panel pair, up to the range's odd
+ * last panel (the pair's second panel belongs to another thread, or does not exist): returns the first panel not
+ * run (p1, or p1 - 1 for direct_range's AVX2 kernel). */
+static int direct_range512(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
+                           int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
     const float *x[REGISTER_ROWS], *r[REGISTER_ROWS];
     float *y[REGISTER_ROWS];
@@ -366,19 +369,7 @@ static void direct_range512(int fmt, const float *X, int ldx, const uint8_t *Wp,
         direct_dispatch512(fmt, x, K, Wp + p * panel_bytes, panel_bytes, nq, bias ? bias + n0 : NULL, R ? r : NULL,
                            y, M, cols);
     }
-    if (p < p1) { /* one panel left */
-        const int n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int m0 = 0; m0 < M; m0 += DIRECT_ROWS) {
-            const int rows = M - m0 < DIRECT_ROWS ? M - m0 : DIRECT_ROWS;
-            for (int i = 0; i < rows; i++) {
-                x[i] = X + (size_t)(m0 + i) * ldx;
-                r[i] = R ? R + (size_t)(m0 + i) * ldr + n0 : NULL;
-                y[i] = Y + (size_t)(m0 + i) * ldy + n0;
-            }
-            direct_dispatch(fmt, x, K, Wp + p * panel_bytes, panel_bytes, 1, bias ? bias + n0 : NULL, R ? r : NULL,
-                            y, rows, cols);
-        }
-    }
+    return p;
 }
 
 /* ---------------- fp32 blocks: dequantized weights for the L1 direct path and the tile path ---------------- */
@@ -537,10 +528,8 @@ static void direct_pair(int fmt, const float *X, int ldx, const uint8_t *w, size
 static void direct_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
                          int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const size_t panel_bytes = (size_t)((K + GROUP - 1) / GROUP) * block_bytes(fmt);
-    if (M <= REGISTER_ROWS && use_avx512()) {
-        direct_range512(fmt, X, ldx, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
-        return;
-    }
+    if (M <= REGISTER_ROWS && use_avx512()) /* panel pairs; a last odd panel continues below */
+        p0 = direct_range512(fmt, X, ldx, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
     if (M > REGISTER_ROWS) {
         for (int p = p0; p < p1; p += 2) {
             const int np = p1 - p < 2 ? p1 - p : 2, n0 = p * PANEL, cols = N - n0 < np * PANEL ? N - n0 : np * PANEL;
@@ -623,10 +612,7 @@ AVX512 static void tile_kernel512(const float *const *x, int K, const float *buf
         _Pragma("GCC unroll 12") for (int i = 0; i < TILE_ROWS512; i++)
             ev[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i][k]), w0, ev[i]);
     }
-    for (int i = 0; i < rows; i++) {
-        __m256 e[2] = {lo256(ev[i]), hi256(ev[i])}, o[2] = {lo256(od[i]), hi256(od[i])};
-        store16(e, o, bias, r ? r[i] : NULL, y[i], cols);
-    }
+    for (int i = 0; i < rows; i++) store_pair(ev[i], od[i], bias, r ? r[i] : NULL, y[i], cols);
 }
 
 static void tile_range(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
