@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from models.cache_dir import cache_subdir  # noqa: E402  (torch-free)
+from models.kernels.build import cpuinfo  # noqa: E402  (torch-free)
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same
@@ -56,16 +57,7 @@ def cpu_tag(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     ``model name`` and the ISA part of its ``flags`` on x86, its ``Features`` elsewhere; what ``platform``
     reports where there is no /proc/cpuinfo). Machines that differ in any instruction set get different tags, and
     so different native builds; hosts that differ only in mitigation or virtualization flags share one."""
-    found: dict[str, str] = {}
-    try:
-        with open(cpuinfo_path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "flags", "Features") and key not in found:
-                    found[key] = value.strip()
-    except OSError:
-        pass
+    found = cpuinfo(cpuinfo_path)
     model = found.get("model name", platform.processor())
     if "flags" in found:
         isa = sorted(flag for flag in found["flags"].split() if _X86_ISA.match(flag))

@@ -83,17 +83,26 @@ def build_and_load(source: str, flags: list[str]) -> ctypes.CDLL:
     return ctypes.CDLL(target)  # ctypes releases the GIL during each call
 
 
-def cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (torch-free), or None where it cannot be read (not Linux)."""
+def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags", ...; torch-free), {} where it cannot be
+    read (not Linux)."""
+    fields: dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(path) as f:
             for line in f:
+                if not line.strip() and fields:
+                    break  # the end of the first processor's block
                 key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return set(value.split())
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return None
+    return fields
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (torch-free), or None where it cannot be read (not Linux)."""
+    flags = cpuinfo().get("flags")
+    return None if flags is None else set(flags.split())
 
 
 def require_cpu_flags(flags: tuple[str, ...], needs: str) -> None:
