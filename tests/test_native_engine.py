@@ -166,8 +166,11 @@ SERVER_CHECK = textwrap.dedent(
     import httpx
     url, pid = sys.argv[1], int(sys.argv[2])
     out = {}
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello there", "max_tokens": 6, "logprobs": 2}, timeout=60)
+    # OpenAI's default temperature (1.0) samples: EOS may come at any step unless ignored
+    body = {"prompt": "Hello there", "max_tokens": 6, "logprobs": 2, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     out["completion"] = r.status_code, r.json()["usage"]["completion_tokens"]
+    out["completion_logprobs"] = len(r.json()["choices"][0]["logprobs"]["top_logprobs"])
     body = {"prompt": "Hi", "max_new_tokens": 4, "temperature": 0.9, "seed": 3}
     r = httpx.post(f"{url}/generate", json=body, timeout=60)
     out["generate"] = r.status_code
@@ -203,7 +206,7 @@ def test_a_native_server_serves_without_loading_torch(pressure_model):
         out = json.loads(result.stdout.strip().splitlines()[-1])
     finally:
         server.stop()
-    assert out["completion"] == [200, 6]
+    assert out["completion"] == [200, 6] and out["completion_logprobs"] == 6
     assert out["generate"] == 200
     assert out["choice"][0] == 200 and out["choice"][1] in ("yes", "no")
     assert out["torch_mapped"] is False
