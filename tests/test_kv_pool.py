@@ -333,7 +333,9 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     seqs = []
     for i in range(10):
         prompt = reference.encode(rng.choice(PROMPTS) + f" {i}")[:30]
-        seqs.append(Sequence(prompt_token_ids=prompt, max_new_tokens=min(rng.choice([6, 12, 20]), 48 - len(prompt))))
+        # EOS ignored: the preemption count below must not hinge on where this CPU's greedy output meets EOS
+        budget = min(rng.choice([6, 12, 20]), 48 - len(prompt))
+        seqs.append(Sequence(prompt_token_ids=prompt, max_new_tokens=budget, ignore_eos=True))
 
     async def main():
         sched = Scheduler(engine, max_queue_depth=100)
@@ -346,9 +348,8 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
         return sched, done
 
     sched, done = run(main())
-    stops = set(engine.stop_token_ids)
     for s in seqs:
-        assert s.output_token_ids == expected(reference, s, stops), s.seq_id
+        assert s.output_token_ids == expected(reference, s, set()), s.seq_id
     assert engine.num_preemptions >= 3, engine.num_preemptions
     assert_pool_full(engine)
 
