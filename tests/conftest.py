@@ -15,6 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
+from models.kernels.build import has_avx512  # noqa: E402  (torch-free)
+
 
 def run(coro):
     """Run a coroutine to completion on a fresh event loop (no pytest-asyncio needed)."""
@@ -81,13 +83,6 @@ def runtime_knobs(runtime: str) -> dict:
 
 
 RUNTIMES = ("torch", "native")  # parametrize a real-server test over both runtimes (``runtime_knobs``)
-
-
-def has_avx512() -> bool:
-    """The CPU has AVX-512F, so the quantized kernels' AVX-512 paths can run (models/kernels/quant_gemm.c)."""
-    from models.kernels.build import cpu_flags
-
-    return "avx512f" in (cpu_flags() or set())
 
 
 needs_avx512 = pytest.mark.skipif(not has_avx512(), reason="the CPU has no AVX-512F: only the AVX2 kernels run here")
@@ -251,7 +246,8 @@ def seqs_for(ref: Reference, prompts: list[str], budgets: list[int], **kw) -> li
 
 
 def expected(ref: Reference, seq, stops: set[int]) -> list[int]:
-    return ref.generate(seq.prompt_token_ids, seq.max_new_tokens, stops)
+    """HF's greedy output for ``seq``, ending at ``stops`` unless the sequence ignores EOS (as the engine does)."""
+    return ref.generate(seq.prompt_token_ids, seq.max_new_tokens, set() if seq.ignore_eos else stops)
 
 
 def repoint_eos(src_dir: str, out_dir: str, prompts: list[str], n_tokens: int = 16, min_hits: int = 3) -> int:
