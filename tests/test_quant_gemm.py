@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import has_avx512, needs_avx512  # noqa: E402
+from conftest import needs_avx512  # noqa: E402
 
 from models.kernels import build  # noqa: E402
 from models.kernels import quant_gemm as qg  # noqa: E402
@@ -170,7 +170,7 @@ def test_the_kernel_isa_can_be_chosen(kernel, kernel_isa):
     kernel_isa("avx2")
     assert build.kernel_isa() == "avx2" and kernel.kernel_isa(-1) == 0
     kernel_isa("auto")
-    assert build.kernel_isa() == ("avx512" if has_avx512() else "avx2")
+    assert build.kernel_isa() == ("avx512" if build.has_avx512() else "avx2")
     with pytest.raises(ValueError, match="kernel ISA must be one of auto, avx2"):
         kernel_isa("avx512")
 

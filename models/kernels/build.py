@@ -105,6 +105,11 @@ def cpu_flags() -> set[str] | None:
     return None if flags is None else set(flags.split())
 
 
+def has_avx512() -> bool:
+    """The CPU has AVX-512F, so the quantized kernels' AVX-512 paths can run (they check it themselves as well)."""
+    return "avx512f" in (cpu_flags() or set())
+
+
 def require_cpu_flags(flags: tuple[str, ...], needs: str) -> None:
     """Raise unless the CPU has every one of ``flags`` (/proc/cpuinfo names: "avx2", "fma", "f16c"), without
     importing torch (the torch-free serving path loads kernels too); where the flags cannot be read, torch's
@@ -159,9 +164,13 @@ def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
     changes speed only."""
     lib.kernel_isa.restype = ctypes.c_int
     lib.kernel_isa.argtypes = [ctypes.c_int]
-    lib.kernel_isa(1 if _isa_choice == "auto" else 0)
+    _apply_isa(lib)
     _isa_libs.append(lib)
     return lib
+
+
+def _apply_isa(lib: ctypes.CDLL) -> None:
+    lib.kernel_isa(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
 
 
 def set_kernel_isa(choice: str) -> None:
@@ -172,7 +181,7 @@ def set_kernel_isa(choice: str) -> None:
         raise ValueError(f"kernel ISA must be one of {', '.join(KERNEL_ISAS)} (got {choice!r})")
     _isa_choice = choice
     for lib in _isa_libs:
-        lib.kernel_isa(1 if choice == "auto" else 0)
+        _apply_isa(lib)
 
 
 def kernel_isa() -> str:
@@ -180,5 +189,4 @@ def kernel_isa() -> str:
     kernel loads: what they will run)."""
     if _isa_libs:
         return "avx512" if _isa_libs[-1].kernel_isa(-1) else "avx2"
-    flags = cpu_flags() or set()
-    return "avx512" if _isa_choice == "auto" and "avx512f" in flags else "avx2"
+    return "avx512" if _isa_choice == "auto" and has_avx512() else "avx2"

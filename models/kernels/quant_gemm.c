@@ -449,6 +449,7 @@ static void block_dispatch(const float *const *x, int kn, const float *wbuf, Row
 }
 
 #define BLOCK_ROWS512 12 /* rows per AVX-512 register tile over an L1 block */
+_Static_assert(BLOCK_ROWS512 >= BLOCK_ROWS, "direct_pair sizes its row pointers for either ISA's tile");
 
 /* block_rows with one 16-lane register per row and chain (lanes = the block's 16 columns): the same FMAs in the
  * same order, bit for bit; 12 rows x 16 columns take 13 loads per 12 FMAs. */
@@ -592,6 +593,7 @@ static void tile_kernel(const float *const *x, int K, const float *buf, const fl
 }
 
 #define TILE_ROWS512 12 /* rows per AVX-512 register tile of the tile path */
+_Static_assert(TILE_ROWS512 >= TILE_ROWS, "tile_range sizes its row pointers for either ISA's tile");
 
 /* tile_kernel with one 16-lane register per row and chain: TILE_ROWS512 rows x 16 columns, the same FMAs in the
  * same order (bit for bit); rows past `rows` alias the last real row. */
