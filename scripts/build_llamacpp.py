@@ -72,10 +72,23 @@ def build_dir(version: str = VERSION) -> str:
     return cache_subdir(f"llamacpp-{version}-{cpu_tag()}")
 
 
-def binary_path(version: str = VERSION) -> str | None:
-    """The built ``llama-server``, or None when it has not been built on this machine."""
-    path = os.path.join(build_dir(version), "llama-server")
+# The binaries built beside each other; ``llama-server`` is copied last, so its presence means a finished build.
+TARGETS = ("llama-quantize", "llama-server")
+# What the sdist carries besides the C++ source, kept beside the binaries: llama.cpp's own HF -> GGUF converter and
+# the gguf-py it imports (the way users' GGUF files are made).
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "gguf-py")
+
+
+def binary_path(version: str = VERSION, name: str = "llama-server") -> str | None:
+    """A built binary (``llama-server`` or ``llama-quantize``), or None when it has not been built on this machine."""
+    path = os.path.join(build_dir(version), name)
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def converter_dir(version: str = VERSION) -> str | None:
+    """The directory holding the vendored ``convert_hf_to_gguf.py`` and ``gguf-py``, or None if not built."""
+    path = os.path.join(build_dir(version), "converter")
+    return path if os.path.isfile(os.path.join(path, "convert_hf_to_gguf.py")) else None
 
 
 def _run(cmd: list[str], cwd: str | None = None) -> None:
@@ -120,7 +133,7 @@ def extract_llamacpp(sdist: str, work_dir: str) -> str:
 
 
 def build(version: str, jobs: int) -> str:
-    """Configure and build the ``llama-server`` target; returns the installed binary's path."""
+    """Configure and build ``TARGETS``, keep the converter; returns the installed ``llama-server``'s path."""
     out_dir = build_dir(version)
     os.makedirs(out_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="build-", dir=out_dir)
@@ -142,13 +155,20 @@ def build(version: str, jobs: int) -> str:
             "-DGGML_NATIVE=ON",
         ]
     )
-    _run(["cmake", "--build", cmake_build, "--target", "llama-server", "--config", "Release", "-j", str(jobs)])
-    built = glob.glob(os.path.join(cmake_build, "bin", "llama-server"))
-    if not built:
-        raise SystemExit(f"the build finished but {cmake_build}/bin/llama-server is missing")
-    tmp = os.path.join(out_dir, "llama-server.tmp")
-    shutil.copy2(built[0], tmp)
-    os.replace(tmp, os.path.join(out_dir, "llama-server"))  # last: its presence means a finished build
+    _run(["cmake", "--build", cmake_build, "--target", *TARGETS, "--config", "Release", "-j", str(jobs)])
+    converter = os.path.join(out_dir, "converter")
+    shutil.rmtree(converter, ignore_errors=True)
+    os.makedirs(converter)
+    for name in CONVERTER_FILES:
+        copy = shutil.copytree if os.path.isdir(os.path.join(source, name)) else shutil.copy2
+        copy(os.path.join(source, name), os.path.join(converter, name))
+    for target in TARGETS:
+        built = glob.glob(os.path.join(cmake_build, "bin", target))
+        if not built:
+            raise SystemExit(f"the build finished but {cmake_build}/bin/{target} is missing")
+        tmp = os.path.join(out_dir, f"{target}.tmp")
+        shutil.copy2(built[0], tmp)
+        os.replace(tmp, os.path.join(out_dir, target))
     shutil.rmtree(work, ignore_errors=True)
     return os.path.join(out_dir, "llama-server")
 
