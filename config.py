@@ -39,7 +39,7 @@ class Config:
     device: str = "auto"
     # Longest sequence (prompt + generated tokens). 0 = the model's context window.
     max_model_len: int = 0
-    # --- KV cache: one pool of blocks (see block_manager.py) ---
+    # --- KV cache: one pool of blocks (see core/block_manager.py) ---
     # Tokens per KV block (measured fastest for decode attention: 32; scripts/bench_paged_attention.py).
     kv_block_size: int = 32
     # KV pool size in MiB. 0 = enough for MAX_BATCH_SIZE sequences of MAX_MODEL_LEN tokens, capped at a
@@ -54,7 +54,7 @@ class Config:
     # own. README "Inter-token latency while newcomers join".
     max_prefill_tokens_while_decoding: int = 0
     # Automatic prefix caching: full KV blocks stay cached by the hash of their tokens and prefix, and a new
-    # sequence shares the longest cached prefix of its prompt instead of computing it (block_manager.py).
+    # sequence shares the longest cached prefix of its prompt instead of computing it (core/block_manager.py).
     prefix_caching: bool = True
     # Torch intra-op threads. 0 = the physical cores of this machine (measured fastest at 1 and 8 streams
     # with OpenMP's passive wait, which the engine sets before torch loads; README "Threads").
@@ -91,7 +91,7 @@ class Config:
     max_prompts_per_request: int = 32
     host: str = "127.0.0.1"
     port: int = 8000
-    # --- operations (see ops.py) ---
+    # --- operations (see api/ops.py) ---
     # Level of the server's logs (one key=value line per finished request at INFO).
     log_level: str = "INFO"
     # When set, every endpoint but /health, /ready and /metrics needs "Authorization: Bearer <key>".
@@ -110,7 +110,7 @@ class Config:
     # MODEL_ID=fake only: KV blocks (of KV_BLOCK_SIZE tokens) in the fake's pool, to exercise admission by
     # memory and preemption without a model. 0 = enough for every slot at the fake's context.
     fake_kv_blocks: int = 0
-    # --- slow clients and connections (see ops.py, transport.py) ---
+    # --- slow clients and connections (see api/ops.py, api/transport.py) ---
     # Seconds a request body may take to arrive once its headers have; then 408. 0 = no limit.
     body_timeout_s: float = 10.0
     # Seconds a connection may take to send a request's headers (fresh, or between keep-alive requests); then closed.

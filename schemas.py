@@ -164,7 +164,7 @@ class OpenAIFields(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by structured_output.py
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by guided/grammars.py
     response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -273,7 +273,7 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            from tool_calls import history_tool_calls
+            from guided.tools import history_tool_calls
 
             out["tool_calls"] = history_tool_calls([c.model_dump() for c in self.tool_calls])
         if self.tool_call_id is not None:

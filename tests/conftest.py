@@ -1,4 +1,4 @@
-"""Shared helpers and fixtures: import paths, bounded async runs, the in-process app client
+"""Shared helpers and fixtures: bounded async runs, the in-process app client
 (``serving``), FakeEngine's expected answers (``fake_text``/``fake_ids``), the error-shape check,
 and the test checkpoints built once per session. Real-socket servers are in ``live.py``."""
 
@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
 from contextlib import asynccontextmanager
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from models.kernels.build import has_avx512  # torch-free
 
-from models.kernels.build import has_avx512  # noqa: E402  (torch-free)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(coro):
@@ -146,7 +144,7 @@ def assert_error(r, status: int, kind: str | None = None, contains: str | None =
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer random GPT-2 (initializer_range 0.15) with a trained BPE tokenizer; pad unset."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny")), shape="tiny", seed=0)
 
@@ -154,7 +152,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_pad_model_dir(tmp_path_factory) -> str:
     """Same shape, other weights, and a tokenizer whose pad id differs from EOS."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny_pad")), shape="tiny", seed=1, with_pad=True)
 
@@ -198,7 +196,7 @@ class Reference:
         logits processors applied before the argmax."""
         import torch
 
-        from model_runner import trim
+        from models.hf_baseline import trim
 
         ids = torch.tensor([prompt])
         with torch.inference_mode():
@@ -240,7 +238,7 @@ def drive(engine, batches: list, fused: bool = True) -> None:
 
 
 def seqs_for(ref: Reference, prompts: list[str], budgets: list[int], **kw) -> list:
-    from sequence import Sequence
+    from core.sequence import Sequence
 
     return [Sequence(prompt_token_ids=ref.encode(p), max_new_tokens=n, **kw) for p, n in zip(prompts, budgets)]
 
@@ -284,7 +282,7 @@ def pressure_model(request, tmp_path_factory) -> str:
     """Tiny random GPT-2, and a tiny random Llama (GQA: 4 query heads over 2 K/V heads)."""
     if request.param == "gpt2":
         return request.getfixturevalue("tiny_model_dir")
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
 

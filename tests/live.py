@@ -25,6 +25,7 @@ import threading
 import time
 
 import httpx
+
 from conftest import fake_text  # noqa: F401  (re-exported: tests import it from here with the servers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,9 +9,10 @@ import asyncio
 import json
 
 import pytest
-from conftest import Gate, assert_error, bounded, fake_text, serving, wait_until
 
 from engine import FakeEngine
+
+from conftest import Gate, assert_error, bounded, fake_text, serving, wait_until
 
 BASE = {"max_tokens": 5, "temperature": 0}
 

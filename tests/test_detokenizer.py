@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from detokenizer import Delta, IncrementalDecoder, truncate_at_stop
+from text.detokenizer import Delta, IncrementalDecoder, truncate_at_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FFFD = "\ufffd"
@@ -198,7 +198,7 @@ REAL_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from make_test_model import train_tokenizer
+    from scripts.make_test_model import train_tokenizer
 
     return train_tokenizer(1000, with_pad=False)
 

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from config import Config
+from core.sequence import Sequence, SequenceStatus
 from engine import AdmissionError, FakeEngine, RowFailure, build_engine
-from sequence import Sequence, SequenceStatus
 
 STOP = 999
 

@@ -21,12 +21,13 @@ import threading
 import time
 
 import httpx
-from conftest import TIMEOUT, assert_pool_full, run
-from live import ThreadServer, fake_text, metric
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from conftest import TIMEOUT, assert_pool_full, run
+from live import ThreadServer, fake_text, metric
 
 
 def start(engine: FakeEngine, **config) -> ThreadServer:

@@ -11,6 +11,7 @@ with joins while lean steps really run (the family-generic gates in test_parity.
 from __future__ import annotations
 
 import pytest
+
 from conftest import PROMPTS, Reference, drive, expected, seqs_for
 
 torch = pytest.importorskip("torch")
@@ -139,7 +140,7 @@ def test_rope_write_attend_matches_float64(threads, rope, H, KVH, D, bs, lens):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def family_dir(request, tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     if request.param == "gpt2":
         return request.getfixturevalue("tiny_model_dir")

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import fake_text, run
 from live import ProcessServer, metric
 

@@ -15,16 +15,17 @@ import asyncio
 import random
 
 import pytest
+
 from conftest import PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
+from core.sequence import Sequence  # noqa: E402
 from engine import HFEngine, ModelLoadError  # noqa: E402
-from model_runner import HFModelRunner  # noqa: E402
+from models.hf_baseline import HFModelRunner  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
-from sequence import Sequence  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +35,7 @@ EOS_PROMPTS = [*PROMPTS, "The capital of France is", "import torch; x =", "Price
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(request, tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     if request.param == "gpt2-tiny":
         return request.getfixturevalue("tiny_model_dir")
@@ -202,7 +203,7 @@ def test_unsupported_architecture_fails_at_startup(tmp_path):
         vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=16
     )
     transformers.OPTForCausalLM(cfg).save_pretrained(tmp_path)
-    from make_test_model import train_tokenizer
+    from scripts.make_test_model import train_tokenizer
 
     train_tokenizer(300, with_pad=False).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="'opt'"):
@@ -216,7 +217,7 @@ def test_unsupported_architecture_fails_at_startup(tmp_path):
 def distil_shaped_dir(tmp_path_factory) -> str:
     """A random GPT-2 of distilgpt2's shape (768 x 6, vocab 50257), initializer_range 0.1 (0.02 near-ties
     the logits), with its EOS re-pointed at a token its greedy outputs emit mid-way."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     src = build_checkpoint(str(tmp_path_factory.mktemp("d2src")), shape="distilgpt2", initializer_range=0.1, seed=5)
     out = str(tmp_path_factory.mktemp("d2"))

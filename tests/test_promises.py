@@ -12,11 +12,12 @@ import json
 
 import httpx
 import pytest
-from conftest import Gate, assert_error, bounded, serving, wait_until
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from conftest import Gate, assert_error, bounded, serving, wait_until
 
 KEY = "promise-key-0123456789"
 CHAT = [{"role": "user", "content": "Hello there"}]

@@ -11,10 +11,11 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from conftest import assert_error, bounded
 
 from config import Config
 from server import create_app
+
+from conftest import assert_error, bounded
 
 pytestmark = pytest.mark.model
 

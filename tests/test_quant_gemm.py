@@ -9,10 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import needs_avx512  # noqa: E402
-
 from models.kernels import build  # noqa: E402
 from models.kernels import quant_gemm as qg  # noqa: E402
+
+from conftest import needs_avx512  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import os
 
 import httpx
 import pytest
+
 from conftest import run
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported (as in test_ray_serve)

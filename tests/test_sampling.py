@@ -1,4 +1,4 @@
-"""sampling.py (numpy, no torch): parameter validation, greedy equivalences, seeded reproducibility independent
+"""core/sampling.py (numpy, no torch): parameter validation, greedy equivalences, seeded reproducibility independent
 of batchmates, the top-k/top-p/min-p supports, exact penalty arithmetic, distribution sanity, read-only inputs,
 the top-``width`` selection against a full sort, and logprobs against a float64 log_softmax.
 
@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-import sampling
-from sampling import (
+from core import sampling
+from core.sampling import (
     TOP_P_WINDOWS,
     NonFiniteLogits,
     SamplingParams,

@@ -13,11 +13,12 @@ import random
 import time
 
 import pytest
-from conftest import Gate, bounded, fake_ids, wait_until
 
+from core.sequence import Sequence, SequenceStatus
 from engine import FakeEngine
 from scheduler import QueueFullError, Scheduler, WaitingQueue
-from sequence import Sequence, SequenceStatus
+
+from conftest import Gate, bounded, fake_ids, wait_until
 
 _fake = FakeEngine()
 

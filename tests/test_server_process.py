@@ -15,9 +15,10 @@ import tempfile
 import time
 
 import pytest
-from live import free_port
 
 from config import Config
+
+from live import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_VARS = {f.name.upper() for f in dataclasses.fields(Config)}

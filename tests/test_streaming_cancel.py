@@ -13,12 +13,13 @@ import time
 
 import httpx
 import pytest
-from conftest import RUNTIMES, assert_pool_full, assert_runtime, bounded, runtime_knobs, serving, wait_until
-from live import ThreadServer, poll_until
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from conftest import RUNTIMES, assert_pool_full, assert_runtime, bounded, runtime_knobs, serving, wait_until
+from live import ThreadServer, poll_until
 
 TIMEOUT = 30.0  # seconds any HTTP call may take
 HUGE = 100_000  # a budget no test waits for: such requests end by cancellation or a time limit

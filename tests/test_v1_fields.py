@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import assert_error, bounded, serving
 
 from engine import FakeEngine
+
+from conftest import assert_error, bounded, serving
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 COMPLETION = ("/v1/completions", {"prompt": "fields", "max_tokens": 4})
