@@ -24,22 +24,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
-from engine import HFEngine  # noqa: E402
 from models import loading  # noqa: E402
 from models.loading import convert, fetch  # noqa: E402
 from scripts.make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
 
-from conftest import PROMPTS, Reference, drive, expected, seqs_for  # noqa: E402
+from conftest import PROMPTS, Reference, drive, expected, make_engine, seqs_for  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "weights")  # git-ignored: the fetched GGUF and its conversion persist here
 GGUF_CACHE = os.path.join(MODELS, "cache")
-
-
-def make_engine(model_id: str, capacity: int = 4, max_model_len: int = 0) -> HFEngine:
-    return HFEngine(Config(model_id=model_id, max_batch_size=capacity, max_model_len=max_model_len, num_threads=2))
 
 
 def long_prompt(n_words: int = 400) -> str:
@@ -186,7 +181,6 @@ def test_smollm2_chat_endpoint_applies_its_template_and_knows_paris(smollm2_gguf
 
     import httpx
 
-    from config import Config
     from server import create_app
 
     question = [{"role": "user", "content": "What is the capital of France?"}]

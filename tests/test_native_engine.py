@@ -21,19 +21,11 @@ from config import Config, ConfigError
 from core.sampling import SamplingParams
 from core.sequence import Sequence, group_choices
 
-from conftest import PROMPTS, Reference, expected, pool_mb, seqs_for
+from conftest import PROMPTS, Reference, expected, need_native, pool_mb, seqs_for
 
 pytestmark = pytest.mark.model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def need_native() -> None:
-    from models.native import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"the native runtime cannot run here: {reason}")
 
 
 def engine_config(model_dir: str, weights: str, blocks: int = 64, **config) -> Config:

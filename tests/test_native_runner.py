@@ -30,7 +30,7 @@ from models.kernels import step_abi  # noqa: E402
 from models.loading import ModelLoadError, marker_path  # noqa: E402
 from models.native import NativeModel  # noqa: E402
 
-from conftest import needs_avx512  # noqa: E402
+from conftest import need_kernel, needs_avx512  # noqa: E402
 
 BS = 4  # tokens per KV block: chunks end mid-block and on block boundaries
 NB = 400  # KV blocks in each pool
@@ -39,8 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_kernel():
-    if step_abi.load() is None:
-        pytest.skip(f"decode step kernel unavailable: {step_abi.KERNEL.unavailable_reason}")
+    need_kernel(step_abi, "decode step")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from conftest import PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
+from conftest import PROMPTS, Reference, drive, expected, kernel_unavailable, make_engine, repoint_eos, run, seqs_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -56,12 +56,6 @@ def eos_model_dir(model_dir, tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("eos"))
     repoint_eos(model_dir, out, EOS_PROMPTS)
     return out
-
-
-def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ...] = (), **config) -> HFEngine:
-    return HFEngine(
-        Config(model_id=model_dir, max_batch_size=capacity, stop_token_ids=stop_token_ids, num_threads=2, **config)
-    )
 
 
 def assert_some_stop_by_eos(seqs: list[Sequence], eos: set[int], at_least: int = 2) -> None:
@@ -129,7 +123,7 @@ def test_both_linear_kernels_across_the_small_batch_threshold(model_dir, referen
     if small_gemm and not engine.model.small_gemm:
         from models.kernels import small_gemm as kernel
 
-        pytest.skip(f"the small-batch kernel is unavailable here: {kernel.KERNEL.unavailable_reason}")
+        kernel_unavailable("the small-batch kernel", kernel.KERNEL.unavailable_reason)
     budgets = [1 + (i * 7) % 23 for i in range(26)]
     seqs = seqs_for(reference, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(26)], budgets, ignore_eos=True)
     drive(engine, [(0, seqs[:20]), (3, seqs[20:23]), (9, seqs[23:])])

@@ -8,7 +8,6 @@ on how the server is built inside. Every wait is bounded; nothing asserts on dur
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
@@ -17,43 +16,17 @@ from config import Config
 from engine import FakeEngine
 from server import create_app
 
-from conftest import Gate, assert_error, bounded, serving, wait_until
+from conftest import Gate, assert_error, bounded, metric, scrape, serving, sse_events, wait_until
 
 KEY = "promise-key-0123456789"
 CHAT = [{"role": "user", "content": "Hello there"}]
 
 
-def sample(text: str, name: str, labels: str = "") -> float:
-    """One sample's value from Prometheus text (``labels`` like ``reason="draining"``)."""
-    key = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(key + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(key)
-
-
-async def scrape(c: httpx.AsyncClient, name: str, labels: str = "") -> float:
-    r = await c.get("/metrics")
-    assert r.status_code == 200
-    return sample(r.text, name, labels)
-
-
 async def wait_metric(c: httpx.AsyncClient, name: str, value: float, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
-    while (got := await scrape(c, name)) != value:
+    while (got := metric(await scrape(c), name)) != value:
         assert asyncio.get_running_loop().time() < deadline, f"{name} stayed {got}, expected {value}"
         await asyncio.sleep(0.005)
-
-
-def sse_events(body: str) -> list:
-    """The data payloads of an SSE body: dicts, and the string "[DONE]"."""
-    out = []
-    for block in body.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def completion(r: httpx.Response) -> tuple[str, dict]:
@@ -253,13 +226,13 @@ def test_max_concurrent_requests_0_means_no_limit():
                     return in_flight == n or any(t.done() for t in tasks)
 
                 while not all_in():
-                    in_flight = await scrape(c, "minibatch:num_requests_in_flight")
+                    in_flight = metric(await scrape(c), "minibatch:num_requests_in_flight")
                     await asyncio.sleep(0.01)
                 assert not any(t.done() for t in tasks), [t.result().text for t in tasks if t.done()][:3]
                 gate.open.set()
                 rs = await asyncio.wait_for(asyncio.gather(*tasks), 30)
                 assert {r.status_code for r in rs} == {200}
-                assert await scrape(c, "minibatch:request_rejected_total", 'reason="too_many_connections"') == 0
+                assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="too_many_connections"') == 0
         finally:
             gate.open.set()
 
@@ -284,7 +257,7 @@ def test_time_limits_0_mean_none():
                 gate.open.set()
                 rs = await asyncio.wait_for(asyncio.gather(first, second), 10)
                 assert [r.status_code for r in rs] == [200, 200]
-                assert await scrape(c, "minibatch:request_success_total", 'finished_reason="timeout"') == 0
+                assert metric(await scrape(c), "minibatch:request_success_total", 'finished_reason="timeout"') == 0
         finally:
             gate.open.set()
 
@@ -325,7 +298,7 @@ def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
             for e in events[:-1]:
                 choice = e["choices"][0]
                 assert not choice.get("text") and not choice.get("delta", {}).get("content"), events
-            assert await scrape(c, "minibatch:request_success_total", 'finished_reason="timeout"') == 1
+            assert metric(await scrape(c), "minibatch:request_success_total", 'finished_reason="timeout"') == 1
             assert not long.done()
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
@@ -352,8 +325,8 @@ def test_api_key_is_required_on_chat():
             assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"]) == 3
             r = await c.post("/v1/chat/completions", json={**payload, "stream": True}, headers=auth)
             assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
-            assert await scrape(c, "minibatch:request_rejected_total", 'reason="auth"') == 6
-            assert await scrape(c, "minibatch:generation_tokens_total") == 6
+            assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="auth"') == 6
+            assert metric(await scrape(c), "minibatch:generation_tokens_total") == 6
 
     bounded(body)
 
@@ -373,13 +346,13 @@ def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
             await lifespan.__aenter__()
             shutdown = None
             try:
-                assert await scrape(c, "minibatch:draining") == 0
-                assert await scrape(c, "minibatch:ready") == 1
+                assert metric(await scrape(c), "minibatch:draining") == 0
+                assert metric(await scrape(c), "minibatch:ready") == 1
                 held = asyncio.create_task(c.post("/generate", json={"prompt": "held", "max_new_tokens": 3}))
                 await wait_until(gate.entered.is_set, what="the held step")
                 shutdown = asyncio.create_task(lifespan.__aexit__(None, None, None))
                 await wait_metric(c, "minibatch:draining", 1)
-                assert await scrape(c, "minibatch:ready") == 0
+                assert metric(await scrape(c), "minibatch:ready") == 0
                 assert (await c.get("/ready")).status_code == 503
                 assert_error(await c.post("/generate", json={"prompt": "new"}), 503, "unavailable", "shutting down")
                 gate.open.set()
@@ -388,8 +361,8 @@ def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
                 assert r.status_code in (200, 503), r.text
                 if r.status_code == 503:
                     assert_error(r, 503, "unavailable", "shutting down")
-                assert await scrape(c, "minibatch:draining") == 1
-                assert await scrape(c, "minibatch:request_rejected_total", 'reason="draining"') == 1
+                assert metric(await scrape(c), "minibatch:draining") == 1
+                assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="draining"') == 1
             finally:
                 gate.open.set()
                 if shutdown is None:

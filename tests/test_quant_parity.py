@@ -14,11 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_parity import PROMPTS, Reference, drive, expected, make_engine, seqs_for  # noqa: E402
-
 from models.quality import perplexity  # noqa: E402
 from models.quant import dequantize_hf_model_  # noqa: E402
 from scripts.make_test_model import build_checkpoint  # noqa: E402
+
+from conftest import PROMPTS, Reference, drive, expected, make_engine, seqs_for  # noqa: E402
 
 pytestmark = pytest.mark.model
 

@@ -9,9 +9,7 @@ import logging
 
 import pytest
 
-from engine import FakeEngine
-
-from conftest import assert_error, bounded, serving
+from conftest import RecordingEngine, assert_error, bounded, serving
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 COMPLETION = ("/v1/completions", {"prompt": "fields", "max_tokens": 4})
@@ -151,14 +149,6 @@ def test_unimplemented_message_parts_are_400(message, param, words):
             assert err["param"] == param
 
     bounded(body)
-
-
-class RecordingEngine(FakeEngine):
-    """A FakeEngine that keeps the messages its chat template was given."""
-
-    def apply_chat_template(self, messages):
-        self.seen = messages
-        return super().apply_chat_template(messages)
 
 
 def test_text_parts_and_message_names_reach_the_template():
