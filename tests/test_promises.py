@@ -1,6 +1,7 @@
-"""README promises that no other test pinned down, checked through HTTP on the FakeEngine (no torch).
+"""Documented promises (README and docs/) that no other test pinned down, checked through HTTP on the FakeEngine
+(no torch).
 
-Each test names the README sentence it holds the server to. Everything goes through the ASGI app with
+Each test names the documented sentence it holds the server to. Everything goes through the ASGI app with
 its lifespan (``serving``) and looks only at HTTP answers and ``/metrics``, so the tests do not depend
 on how the server is built inside. Every wait is bounded; nothing asserts on durations.
 """
@@ -39,7 +40,7 @@ def completion(r: httpx.Response) -> tuple[str, dict]:
 
 
 def test_completion_prompt_may_be_a_list_of_strings():
-    """README: "`prompt` may be a string, a list of strings, a list of token ids, or a list of token-id lists";
+    """Docs: "`prompt` may be a string, a list of strings, a list of token ids, or a list of token-id lists";
     several prompts give one choice each, in order."""
 
     async def body():
@@ -57,7 +58,7 @@ def test_completion_prompt_may_be_a_list_of_strings():
 
 
 def test_n_choices_and_best_of_equal_to_n():
-    """README: "`n` (1 to `MAX_N`) choices per prompt, `best_of` only equal to `n`" (beyond MAX_N: 422; 0 is not
+    """Docs: "`n` (1 to `MAX_N`) choices per prompt, `best_of` only equal to `n`" (beyond MAX_N: 422; 0 is not
     a count: 422; `best_of` other than `n`: 400)."""
 
     async def body():
@@ -77,7 +78,7 @@ def test_n_choices_and_best_of_equal_to_n():
 
 
 def test_echo_with_logprobs_scores_the_prompt_too():
-    """README: "`echo` with `logprobs` also returns the prompt's tokens and logprobs (the first one's null)";
+    """Docs: "`echo` with `logprobs` also returns the prompt's tokens and logprobs (the first one's null)";
     the FakeEngine is certain of every token (logprob 0)."""
 
     async def body():
@@ -100,7 +101,7 @@ def test_echo_with_logprobs_scores_the_prompt_too():
 
 
 def test_chat_takes_max_tokens_or_max_completion_tokens():
-    """README: chat "takes `max_tokens` or `max_completion_tokens`"; each is a budget, checked against the limit."""
+    """Docs: chat "takes `max_tokens` or `max_completion_tokens`"; each is a budget, checked against the limit."""
 
     async def body():
         async with serving(max_new_tokens_limit=40) as c:
@@ -118,7 +119,7 @@ def test_chat_takes_max_tokens_or_max_completion_tokens():
 
 @pytest.mark.parametrize("max_context, limit", [(1000, 24), (60, 512)], ids=["capped-by-limit", "rest-of-window"])
 def test_chat_default_budget_is_the_rest_of_the_window_capped_at_the_limit(max_context, limit):
-    """README: without a budget, chat gets "what is left of the context window, capped at MAX_NEW_TOKENS_LIMIT"."""
+    """Docs: without a budget, chat gets "what is left of the context window, capped at MAX_NEW_TOKENS_LIMIT"."""
 
     async def body():
         async with serving(FakeEngine(max_context=max_context), max_new_tokens_limit=limit) as c:
@@ -135,7 +136,7 @@ def test_chat_default_budget_is_the_rest_of_the_window_capped_at_the_limit(max_c
 
 
 def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
-    """README: "Fields OpenAI does not define are ignored on `/v1` ... but rejected on `/generate`"."""
+    """Docs: "Fields OpenAI does not define are ignored on `/v1` ... but rejected on `/generate`"."""
     unknown = {"frobnicate": True, "metadata": {"trace": "x"}, "service_tier": "auto", "parallel_tool_calls": False}
 
     async def body():
@@ -159,7 +160,7 @@ def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
 
 
 def test_max_prompt_chars_counts_the_rendered_chat_template():
-    """README: MAX_PROMPT_CHARS is "counted in characters before tokenizing (for chat: the rendered template)".
+    """Docs: MAX_PROMPT_CHARS is "counted in characters before tokenizing (for chat: the rendered template)".
     The FakeEngine tokenizes bytes, so an ASCII prompt's prompt_tokens is its rendered length."""
 
     def chat(content: str) -> dict:
@@ -184,7 +185,7 @@ def test_max_prompt_chars_counts_the_rendered_chat_template():
 
 
 def test_max_prompt_chars_0_means_no_limit():
-    """README: MAX_PROMPT_CHARS "100000 (0 = none)"."""
+    """Docs: MAX_PROMPT_CHARS "100000 (0 = none)"."""
     prompt = "z" * 150_000  # past the default limit, under the default MAX_BODY_BYTES
 
     async def body():
@@ -208,7 +209,7 @@ def test_max_prompt_chars_0_means_no_limit():
 
 
 def test_max_concurrent_requests_0_means_no_limit():
-    """README: MAX_CONCURRENT_REQUESTS "2048 (0 = none)": 2100 requests in flight at once, none refused."""
+    """Docs: MAX_CONCURRENT_REQUESTS "2048 (0 = none)": 2100 requests in flight at once, none refused."""
     n = 2100  # more than the default, so 0 cannot be read as "the default" either
 
     async def body():
@@ -240,7 +241,7 @@ def test_max_concurrent_requests_0_means_no_limit():
 
 
 def test_time_limits_0_mean_none():
-    """README: MAX_QUEUE_TIME_S / REQUEST_TIMEOUT_S "0 (none)": a request that waits behind a held slot
+    """Docs: MAX_QUEUE_TIME_S / REQUEST_TIMEOUT_S "0 (none)": a request that waits behind a held slot
     and then runs still gets its answer."""
 
     async def body():
@@ -277,7 +278,7 @@ def test_time_limits_0_mean_none():
     ids=["generate", "completions", "chat"],
 )
 def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
-    """README: past MAX_QUEUE_TIME_S "the request ends with a **504** (`"type": "timeout"`), or an error
+    """Docs: past MAX_QUEUE_TIME_S "the request ends with a **504** (`"type": "timeout"`), or an error
     event in a stream"."""
 
     async def body():
@@ -310,7 +311,7 @@ def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
 
 
 def test_api_key_is_required_on_chat():
-    """README: with API_KEY set, "every endpoint except /health, /ready and /metrics requires
+    """Docs: with API_KEY set, "every endpoint except /health, /ready and /metrics requires
     `Authorization: Bearer <key>`" — chat included, streamed or not."""
 
     async def body():
@@ -332,7 +333,7 @@ def test_api_key_is_required_on_chat():
 
 
 def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
-    """README: `minibatch:draining` is "1 while draining". The app's shutdown (what uvicorn runs on
+    """Docs: `minibatch:draining` is "1 while draining". The app's shutdown (what uvicorn runs on
     SIGTERM) starts the drain while a request is still in the engine: the gauge turns 1, readiness
     turns 0, and new requests get a 503."""
 

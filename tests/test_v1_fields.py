@@ -1,5 +1,5 @@
 """Nothing on /v1 is silently ignored: every OpenAI request field is implemented, refused with a 400
-naming it, or ignored because it cannot change the output (README, "What /v1 does with each field").
+naming it, or ignored because it cannot change the output (docs/api.md, "What /v1 does with each field").
 Through the ASGI app on the FakeEngine (no torch); the ``openai`` client's view is in test_openai_api.py.
 """
 
