@@ -263,7 +263,7 @@ def _cpuinfo(path, *processors: tuple[str, str]) -> str:
 def test_llamacpp_builds_are_kept_per_kind_of_cpu(tmp_path, monkeypatch):
     """A native llama-server build (-march=native) is cached under its CPU's tag: another instruction set or model
     means another directory, so a cache shared between machines never hands an AVX-512 binary to an AVX2 one."""
-    from build_llamacpp import VERSION, binary_path, build_dir, cpu_tag
+    from scripts.build_llamacpp import VERSION, binary_path, build_dir, cpu_tag
 
     xeon = cpu_tag(_cpuinfo(tmp_path / "a", ("Xeon", "fma avx2 avx512f"), ("Xeon", "fma")))
     assert len(xeon) == 10
