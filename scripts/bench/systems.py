@@ -347,6 +347,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
     while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up)."""
     import httpx
     import torch
+
     from scripts.build_llamacpp import binary_path
 
     binary = binary_path()
