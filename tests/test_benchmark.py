@@ -16,7 +16,8 @@ pytestmark = pytest.mark.model
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--quick", "--timeout", "300", *args]
+    # As a module from ROOT: the run imports this checkout's files, whichever checkout the environment installed.
+    cmd = [sys.executable, "-m", "scripts.benchmark", "--quick", "--timeout", "300", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

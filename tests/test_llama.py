@@ -284,7 +284,8 @@ def test_smollm2_alias_serves_the_cached_gguf_without_fetching_again(
 def test_smollm2_fetch_script_and_alias_share_the_download(smollm2_gguf, tmp_path):
     """The script puts the same file where asked, with the download progress on stderr only when asked."""
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", os.path.dirname(smollm2_gguf)],
+        [sys.executable, "-m", "scripts.fetch_smollm2", "--dir", os.path.dirname(smollm2_gguf)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
