@@ -25,8 +25,8 @@ MAX_TOKENS = 4096  # KV cache per load: the whole passage fits
 def score(model_id: str, weights: str, ids: list[int] | None, quick: bool) -> dict:
     """Load ``model_id`` at ``weights`` and score the passage (ids: its tokens, None = tokenize it now)."""
     from config import Config
-    from engine import HFEngine
     from models.quality import passage, perplexity
+    from models.runtime import HFEngine
 
     t0 = time.perf_counter()
     config = Config(model_id=model_id, max_batch_size=1, num_threads=0, weights=weights, max_model_len=MAX_TOKENS)
