@@ -254,6 +254,6 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption(model_dir, budget)
     )
     seqs = run_all(tight, prompts)
     assert [s.output_token_ids for s in seqs] == expected
-    assert tight.num_preemptions > 0, tight.stats()
+    assert tight.planner.num_preemptions > 0, tight.stats()
     for s in seqs:
         check_against_hf(model_dir, s.prompt_token_ids, s.prompt_logprobs)
