@@ -173,7 +173,12 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     tokenizer, hf_model, family, model = build_model(model_id, weights)
     plan = model.fused_step
     if plan is None:
-        why = step_abi.KERNEL.unavailable_reason or "a linear has no compiled copy, or the activation is not tanh GELU"
+        gap = getattr(model, "kernel_gap", lambda: None)()
+        why = step_abi.KERNEL.unavailable_reason or (
+            f"the whole-step kernel does not implement {gap}"
+            if gap
+            else "a linear has no compiled copy, or the activation is not tanh GELU"
+        )
         raise ValueError(f"{model_id} at WEIGHTS={weights} cannot run as one compiled step here ({why})")
     os.makedirs(out, exist_ok=True)
     spec, entries, size = _write_buffers(plan.spec, os.path.join(out, WEIGHTS_FILE))

@@ -15,7 +15,7 @@ import asyncio
 import random
 
 import pytest
-from conftest import PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
+from conftest import EOS_PROMPTS, PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,7 +29,6 @@ from sequence import Sequence  # noqa: E402
 pytestmark = pytest.mark.model
 
 FAMILIES = ["gpt2-tiny", "gpt2-tiny-pad", "llama-tied", "llama-untied"]
-EOS_PROMPTS = [*PROMPTS, "The capital of France is", "import torch; x =", "Prices rose by 12%", "café naïve"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -186,10 +186,10 @@ static void attend_item(const Model *m, const Layer *L, const Step *s, const Buf
     const float *row = buf->qkv + (long)b * (H + 2 * m->KVH) * D;
     const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
     Scratch w = scratch_at(buf->priv + t * buf->priv_floats + buf->scratch_at, G, D);
-    rope_queries(row, c, sn, w.acc, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
+    rope_queries(row, c, sn, w.acc, D, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
     for (long i = 0; i < (long)G * D; i++) w.qs[i] = w.acc[i] * L->scale;
     attend_row(&w, L->k_pool + kvh * m->head_stride, L->v_pool + kvh * m->head_stride, m->block_stride,
-               m->token_stride, m->head_stride, table_of(s, b), m->block_size, t0, t1, G, 1, D);
+               m->token_stride, m->head_stride, table_of(s, b), m->block_size, t0, t1, 0, 0.0f, G, 1, D);
     if (s->max_parts == 1) {
         finish_heads(&w, G, D, buf->att + ((long)b * H + h0) * D);
     } else {
@@ -204,7 +204,7 @@ static void write_row(const Model *m, const Layer *L, const Step *s, const Buffe
     const float *row = buf->qkv + (long)b * (H + 2 * KVH) * D;
     const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
     const long slot = s->slot_blocks[b] * m->block_stride + s->slot_offsets[b] * m->token_stride;
-    write_kv(row, c, sn, L->k_pool + slot, L->v_pool + slot, m->head_stride, H, KVH, D, h0, h1);
+    write_kv(row, c, sn, L->k_pool + slot, L->v_pool + slot, m->head_stride, H, KVH, D, D, h0, h1);
 }
 
 /* RoPE + K/V write, then attention over every row's blocks -> buf->att [B, H D]. Ends after a barrier.
