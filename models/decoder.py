@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from .kernels import decode_ops
-from .kernels.decode_step import StepPlan
+from .kernels import decode_ops, step_abi
+from .kernels.decode_step import StepPlan, layer_spec
 from .kernels.quant_gemm import QuantWeight
 from .layers import (
     Linear,
@@ -355,6 +355,12 @@ class Decoder(MixedForward):
         return hf_config.max_position_embeddings
 
     @classmethod
+    def kv_window(cls, hf_config) -> int:
+        """The widest window when every layer slides (Mistral), else 0 (a global layer reads every position)."""
+        windows = cls.spec(hf_config).windows
+        return max(windows) if windows and all(windows) else 0
+
+    @classmethod
     def kv_bytes_per_token(cls, hf_config) -> int:
         """fp32 K and V of one token over every layer (what one KV slot costs)."""
         return 2 * hf_config.num_hidden_layers * kv_heads(hf_config) * head_dim_of(hf_config) * 4
@@ -447,6 +453,8 @@ class Decoder(MixedForward):
         act = self.cfg_spec.act
         if lean and act == "silu":
             return decode_ops.silu_mul(gate_up)
+        if lean and act == "gelu_tanh":
+            return decode_ops.gelu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return _ACT[act](gate) * up
 
@@ -460,23 +468,30 @@ class Decoder(MixedForward):
             return x, self.rope
         return x, {kind: (cos[batch.pos], sin[batch.pos]) for kind, (cos, sin) in self.rope.items()}
 
-    def _qk_norm(self, qkv: torch.Tensor, block: Block) -> torch.Tensor:
-        """qkv [N, (H + 2 KVH) D] with q and k RMS-normalized (per head, or over the whole projection) and clipped."""
+    def _qk_norm(self, qkv: torch.Tensor, block: Block, lean: bool) -> torch.Tensor:
+        """qkv [N, (H + 2 KVH) D] with q and k RMS-normalized (per head, or over the whole projection) and clipped; a
+        lean step normalizes with the compiled RMSNorm (the whole-step kernel's bits)."""
         spec = self.cfg_spec
         if spec.qk_norm is None and spec.clip_qkv is None:
             return qkv
-        N, H, KVH, D = qkv.shape[0], self.n_head, self.n_kv_head, self.head_dim
+        H, KVH, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-        if spec.qk_norm == "head":
-            q = F.rms_norm(q.reshape(N, H, D), (D,), block.q_norm, self.eps).reshape(N, H * D)
-            k = F.rms_norm(k.reshape(N, KVH, D), (D,), block.k_norm, self.eps).reshape(N, KVH * D)
-        elif spec.qk_norm == "full":
-            q = F.rms_norm(q, (H * D,), block.q_norm, self.eps)
-            k = F.rms_norm(k, (KVH * D,), block.k_norm, self.eps)
+        if spec.qk_norm is not None:
+            width = D if spec.qk_norm == "head" else None  # None: the whole projection
+            q = self._norm_rows(q, block.q_norm, width, lean)
+            k = self._norm_rows(k, block.k_norm, width, lean)
         qkv = torch.cat([q, k, v], dim=-1)
         if spec.clip_qkv is not None:
             qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
         return qkv
+
+    def _norm_rows(self, x: torch.Tensor, weight: torch.Tensor, width: int | None, lean: bool) -> torch.Tensor:
+        """x [N, W] RMS-normalized over groups of ``width`` (None: all of W) -> [N, W]."""
+        N, W = x.shape
+        width = width or W
+        if lean:
+            return decode_ops.rms_norm(x.reshape(N * W // width, width), weight, self.eps).view(N, W)
+        return F.rms_norm(x.reshape(N, W // width, width), (width,), weight, self.eps).reshape(N, W)
 
     def _block(self, layer: int, block: Block, x: torch.Tensor, batch: MixedBatch, rope: dict) -> torch.Tensor:
         """x: [N, C] -> the layer's output [N, C] (the module docstring's block)."""
@@ -495,7 +510,7 @@ class Decoder(MixedForward):
         spec = self.cfg_spec
         N, H, KVH, D = x.shape[0], self.n_head, self.n_kv_head, self.head_dim
         window, tables = spec.window(layer), rope[spec.layer_type(layer)]
-        qkv = self._qk_norm(block.qkv(self._norm(x, block.attn_norm, lean)), block)  # [N, (H + 2 KVH) D]
+        qkv = self._qk_norm(block.qkv(self._norm(x, block.attn_norm, lean)), block, lean)  # [N, (H + 2 KVH) D]
         if lean:  # RoPE, the K/V write and paged attention in one call
             pools = self.layer_pools[layer]
             att = lean_attention(qkv, H, tables, pools, batch, self.scale, window, spec.attn_softcap)  # [N, H D]
@@ -526,6 +541,8 @@ class Decoder(MixedForward):
         """x_last: [n, C] final hidden states -> [n, V] logits (divided, soft-capped where the family does)."""
         spec = self.cfg_spec
         logits = self.lm_head(self._norm(x_last, self.norm, lean))
+        if lean and (spec.logits_divisor != 1.0 or spec.final_softcap):  # the whole-step kernel's bits
+            return decode_ops.cap_logits(logits.contiguous(), spec.logits_divisor, spec.final_softcap)
         if spec.logits_divisor != 1.0:
             logits = logits / spec.logits_divisor
         if spec.final_softcap:
@@ -535,46 +552,57 @@ class Decoder(MixedForward):
     # --- the whole-step kernel ---
 
     def kernel_gap(self) -> str | None:
-        """What of this spec ``decode_step.c`` does not implement (the first such feature), or None: the kernel runs a
-        Llama-like block (pre-RMSNorm, SiLU, one RoPE table over every head dim, no window, soft-cap, q/k norm,
-        multiplier or experts)."""
-        spec, names = self.cfg_spec, self.names
-        gaps = {
-            f"the {spec.act} activation": spec.act != "silu",
-            "q/k norms": spec.qk_norm is not None,
-            "clip_qkv": spec.clip_qkv is not None,
-            "an embedding scale": spec.embed_scale != 1.0,
-            "attention soft-capping": bool(spec.attn_softcap),
-            "final logit soft-capping": bool(spec.final_softcap),
-            "a residual multiplier": spec.residual_scale != 1.0,
-            "logits scaling": spec.logits_divisor != 1.0,
-            "a mixture of experts": spec.moe is not None,
-            "sliding windows": any(spec.windows),
-            "per-layer RoPE tables": len(self.rope) > 1,
-            "partial rotary": self.rotary != self.head_dim,
-            "post-norms": bool(names.attn_out_norm or names.ff_out_norm),
-            "blocks without a pre-norm": not (names.attn_norm and names.ff_norm),
-        }
-        return next((f"{self.model_type}'s {what}" for what, gap in gaps.items() if gap), None)
+        """What of this spec ``decode_step.c`` does not implement, or None (it runs every spec but an erf GELU)."""
+        return f"{self.model_type}'s erf GELU" if self.cfg_spec.act == "gelu" else None
 
     def _fused_plan(self) -> StepPlan | None:
-        """Every layer of a lean step in one call, where the kernel implements the spec (``kernel_gap``)."""
+        """Every layer of a step in one call (``decode_step.c``), where the kernel implements the spec."""
         if self.kernel_gap() is not None or not StepPlan.supports(self.linears()):
             return None
-        layers = [
-            ((b.attn_norm, None), (b.ff_norm, None), b.qkv, b.o, b.gate_up, b.down, self.layer_pools[i], self.scale)
-            for i, b in enumerate(self.blocks)
-        ]
-        dims = {"C": self.n_embd, "H": self.n_head, "KVH": self.n_kv_head, "D": self.head_dim}
+        spec = self.cfg_spec
+        layers = []
+        for i, b in enumerate(self.blocks):
+            cos, sin = self.rope[spec.layer_type(i)]
+            moe = None
+            if b.mlp is not None:
+                moe = (b.mlp.router, b.mlp.gate_up, b.mlp.down, b.mlp.spec.top_k, b.mlp.spec.norm_topk)
+            layers.append(
+                layer_spec(
+                    (b.attn_norm, None),
+                    (b.ff_norm, None),
+                    b.qkv,
+                    b.o,
+                    None if moe else b.gate_up,
+                    None if moe else b.down,
+                    self.scale,
+                    moe=moe,
+                    post1_w=b.attn_out_norm,
+                    post2_w=b.ff_out_norm,
+                    q_norm=b.q_norm,
+                    k_norm=b.k_norm,
+                    qk_full=spec.qk_norm == "full",
+                    cos=cos,
+                    sin=sin,
+                    window=spec.window(i),
+                    softcap=spec.attn_softcap,
+                )
+            )
+        act = {"silu": step_abi.ACT_SILU_GATED, "gelu_tanh": step_abi.ACT_GELU_GATED}[spec.act]
         return StepPlan(
-            gelu=False,
-            dims=dims,
+            act=act,
+            dims={"C": self.n_embd, "H": self.n_head, "KVH": self.n_kv_head, "D": self.head_dim},
             eps=self.eps,
             embed=(self.embed, None),
             rope=next(iter(self.rope.values())),
             layers=layers,
+            pools=self.layer_pools,
             final_norm=(self.norm, None),
             lm_head=self.lm_head,
+            embed_scale=spec.embed_scale,
+            residual_scale=spec.residual_scale,
+            logits_divisor=spec.logits_divisor,
+            final_softcap=spec.final_softcap,
+            clip_qkv=spec.clip_qkv or 0.0,
         )
 
 

@@ -44,7 +44,7 @@ from models.cache_dir import cache_subdir
 
 log = logging.getLogger("minibatch.image")
 
-IMAGE_FORMAT = 1  # bumped when image.json's layout changes
+IMAGE_FORMAT = 2  # bumped when image.json's layout changes
 WEIGHTS_FILE = "weights.bin"
 META_FILE = "image.json"
 TOKENIZER_DIR = "tokenizer"
@@ -195,6 +195,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
         "eos_ids": sorted(eos_ids(hf_model, tokenizer)),
         "kv": {"n_layer": model.n_layer, "n_kv_head": spec.KVH, "head_dim": spec.D},
         "kv_bytes_per_token": family.kv_bytes_per_token(cfg),
+        "kv_window": family.kv_window(cfg),  # blocks that left every layer's sliding window are never read
         "max_block_size": paged_attention.MAX_BLOCK_SIZE,
         "max_rows": plan.max_rows,
         "resident_weights": model.resident_weights(),

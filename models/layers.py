@@ -585,6 +585,12 @@ class MixedForward:
         """The family's lookup tables (token, position embeddings): fp32 tensors or ``QuantWeight``s."""
         raise NotImplementedError
 
+    @staticmethod
+    def kv_window(hf_config) -> int:
+        """A sliding window every layer has (keys a query reads at most), or 0: then blocks that left it go back to
+        the pool as a sequence grows (``BlockManager.release_before``)."""
+        return 0
+
     def _init_cache(
         self, n_layer: int, n_kv_head: int, head_dim: int, device, num_blocks: int, block_size: int
     ) -> None:

@@ -7,18 +7,31 @@ its greedy outputs emit mid-way (``conftest.repoint_eos``) so that some sequence
 
 One run per family and runtime exercises everything the engine does to a sequence at once: joins while others
 decode (staggered submissions through the scheduler), EOS mid-batch, chunked prefill (8 tokens a step), preemption
-(a pool of 24 blocks of 4 tokens), prefix-cache hits (prompts that share 3 blocks), and windows crossed (a 60-token
-prompt and 24 decode steps against a 20-key window). Also: the quantized formats against HF on the dequantized
+(a pool of 24 blocks of 4 tokens; 16 where every layer slides and blocks that left the window go back), prefix-cache
+hits (prompts that share 3 blocks), and windows crossed (a 40-token prompt and 24 decode steps against a 20-key
+window). Also: the quantized formats against HF on the dequantized
 weights, the MoE routing against HF's routers (ties, experts no token picks), and the startup errors for what a
 config asks that we do not implement.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
-from conftest import EOS_PROMPTS, PROMPTS, Reference, drive, expected, repointed_reference, runtime_knobs, seqs_for
+from conftest import (
+    EOS_PROMPTS,
+    PROMPTS,
+    RUNTIMES,
+    Reference,
+    assert_runtime,
+    drive,
+    expected,
+    repointed_reference,
+    runtime_knobs,
+    seqs_for,
+)
 from test_prefix_cache import submit_all
 
 torch = pytest.importorskip("torch")
@@ -60,11 +73,32 @@ def family_ref(family) -> Reference:
 
 
 def engine_for(model_dir: str, runtime: str = "torch", blocks: int = POOL_BLOCKS, **config):
+    """An engine on ``runtime`` with a pool of ``blocks`` blocks of ``BLOCK`` tokens. The native runtime's model image
+    is written in this process (``image.write_image``, what the server's child process runs) into a directory of its
+    own, sparing each family a fresh interpreter that imports torch again."""
     from conftest import pool_mb
 
-    knobs = runtime_knobs(runtime) if runtime == "native" else {"runtime": "torch"}
+    from engine import NativeEngine
+
+    knobs = runtime_knobs(runtime) if runtime == "native" else {"runtime": "torch"}  # then WEIGHTS from config
     config = {"max_batch_size": 4, "num_threads": 1, "kv_block_size": BLOCK, **knobs, **config}
-    return build_engine(Config(model_id=model_dir, kv_cache_mb=pool_mb(model_dir, blocks, BLOCK), **config))
+    config = Config(model_id=model_dir, kv_cache_mb=pool_mb(model_dir, blocks, BLOCK), **config)
+    if runtime != "native":
+        return build_engine(config)
+    from models.image import write_image
+
+    image = os.path.join(model_dir + "-images", config.weights)
+    if not os.path.isdir(image):
+        write_image(model_dir, config.weights, image)
+    return NativeEngine(config, image_dir=image)
+
+
+def spec_of(model_dir: str):
+    """The family's ``DecoderSpec`` of a checkpoint (what our forward reads off its config)."""
+    from models import families
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    return families()[cfg.model_type].spec(cfg)
 
 
 def long_prompt(ref: Reference, n: int) -> list[int]:
@@ -73,15 +107,23 @@ def long_prompt(ref: Reference, n: int) -> list[int]:
     return ref.encode(" ".join(rng.choice(words) for _ in range(n)))[:n]
 
 
-def test_greedy_parity_through_the_scheduler(arch, family_dir, family_ref):
-    """Joins, EOS mid-batch, chunked prefill, preemption, prefix-cache hits and windows crossed, in one run."""
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_greedy_parity_through_the_scheduler(arch, family_dir, family_ref, runtime):
+    """Joins, EOS mid-batch, chunked prefill, preemption, prefix-cache hits and windows crossed, in one run, on the
+    torch runtime and on the torch-free one (the model image stepped by decode_step.c), fp32 weights."""
     ref = family_ref
-    engine = engine_for(family_dir, max_num_batched_tokens=8)
-    window = max(engine.model.cfg_spec.windows or (0,))
+    window = max(spec_of(family_dir).windows)
+    # Every layer windowed: the sequences keep at most 7 blocks each (blocks that left the window go back), so a
+    # smaller pool makes the pressure; the first sequence (16 blocks at most) must fit it alone.
+    slides = all(spec_of(family_dir).windows)
+    engine = engine_for(
+        family_dir, runtime, blocks=16 if slides else POOL_BLOCKS, max_num_batched_tokens=8, weights="fp32"
+    )
+    assert_runtime(engine, runtime) and engine.kv_window == (window if slides else 0)
     stem = ref.encode(" ".join(PROMPTS))[:12]  # 3 full blocks two prompts share
     # The long and the prefix-sharing sequences ignore EOS: the pressure they make must not hinge on where this
     # CPU's greedy output meets EOS. The EOS prompts stop where the checkpoint's EOS says.
-    first = [Sequence(prompt_token_ids=long_prompt(ref, 60), max_new_tokens=24, ignore_eos=True)]
+    first = [Sequence(prompt_token_ids=long_prompt(ref, 40), max_new_tokens=24, ignore_eos=True)]
     shared = [
         Sequence(prompt_token_ids=[*stem, *ref.encode(tail)], max_new_tokens=20, ignore_eos=True)
         for tail in (" zebra quilt", " a lazy dog")
@@ -103,15 +145,18 @@ def test_greedy_parity_through_the_scheduler(arch, family_dir, family_ref):
 # --- quantized weights: int8 / int4 against HF on the dequantized weights -------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_quantized_formats_match_hf_on_dequantized_weights(arch, family_dir, fmt):
-    """Every linear (each expert too) quantized; HF runs the same dequantized weights, the router in fp32 as ours."""
+@pytest.mark.parametrize("fmt, runtime", [("int8", "torch"), ("int4", "torch"), ("int4", "native")])
+def test_quantized_formats_match_hf_on_dequantized_weights(arch, family_dir, fmt, runtime):
+    """Every linear (each expert too) quantized; HF runs the same dequantized weights, the router in fp32 as ours.
+    The native runtime at int4 only: its image holds int8 blocks the same way, and the kernel's int8 path is the one
+    ``test_whole_step_call_gives_the_per_layer_calls`` compares bit for bit."""
     from models.quant import dequantize_hf_model_
 
     ref = Reference(family_dir)
     dequantize_hf_model_(ref.model, fmt)
-    engine = engine_for(family_dir, weights=fmt, blocks=64)
-    assert {lin.fmt for lin in engine.model.linears()} == {fmt}
+    engine = engine_for(family_dir, runtime, weights=fmt, blocks=64)
+    assert_runtime(engine, runtime)
+    assert set(engine.model.weight_bytes()) == {fmt}
     first = [Sequence(prompt_token_ids=long_prompt(ref, 40), max_new_tokens=12, ignore_eos=True)]
     first += seqs_for(ref, PROMPTS[:2], [14, 6], ignore_eos=True)
     joiners = seqs_for(ref, PROMPTS[3:5], [9, 5], ignore_eos=True)
@@ -192,3 +237,89 @@ def test_what_we_do_not_implement_fails_at_startup_naming_it(tmp_path, arch, ove
     with pytest.raises(ModelLoadError, match=named) as info:
         engine_for(model_dir)
     assert "\n" not in str(info.value)
+
+
+# --- the whole-step kernel: the families' deltas in decode_step.c ----------------------------------------------
+
+
+def test_the_kernels_top_k_is_torch_topk_ties_included():
+    """decode_step.c routes with torch.topk's rule (libstdc++'s nth_element / partial_sort, as ATen runs them):
+    rows drawn from 3 values (ties everywhere), for the expert counts and top-k of real MoE models."""
+    import ctypes
+
+    import numpy as np
+
+    from models.kernels import step_abi
+
+    lib = step_abi.load()
+    if lib is None:
+        pytest.skip(f"decode step kernel unavailable: {step_abi.KERNEL.unavailable_reason}")
+    gen = torch.Generator().manual_seed(0)
+    for n, k in [(4, 2), (8, 2), (16, 4), (60, 4), (64, 8), (128, 8), (128, 2), (256, 1), (40, 17)]:
+        values = torch.randint(0, 3, (500, n), generator=gen).float() / 4
+        values[::7] = torch.rand(values[::7].shape, generator=gen)  # some rows without ties
+        want_v, want_i = torch.topk(values, k, dim=-1)
+        idx, got = np.zeros((500, k), np.int64), np.zeros((500, k), np.float32)
+        scratch = np.zeros(2 * n, np.float32)
+        v = values.numpy()
+        lib.topk_rows(
+            v.ctypes.data, 500, n, k, idx.ctypes.data, got.ctypes.data, scratch.ctypes.data_as(ctypes.c_void_p)
+        )
+        assert np.array_equal(idx, want_i.numpy()), (n, k)
+        assert np.array_equal(got, want_v.numpy()), (n, k)
+
+
+def test_whole_step_call_gives_the_per_layer_calls(arch, family_dir, weights="int8"):
+    """One ``decode_step`` call against the per-layer lean calls at batch 1 and 5, contexts of 3 to 33 tokens (past
+    the 20-key windows), 1-3 threads, int8 linears (the fp32 panels run in the scheduler gate's lean steps; the
+    kernel's linears are test_fused_decode.py's): the same logits and K/V bit for bit. A mixture of experts routes
+    in C there and through torch per layer (HF's ops): the same tokens, logits within 1e-4."""
+    from test_fused_decode import _runs_from_one_state
+
+    engine = engine_for(family_dir, weights=weights, blocks=256, max_batch_size=5)
+    model = engine.model
+    plan = model.fused_step
+    assert plan is not None, model.kernel_gap()
+    moe = model.cfg_spec.moe is not None
+    per_seq = 12
+    for B in (1, 5):
+        tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
+        prompts = [[(5 * b + 3 * i) % 90 + 3 for i in range(3 + 7 * b)] for b in range(B)]
+        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        runs = _runs_from_one_state(model, plan, lambda: model.decode(tokens, [len(p) for p in prompts], tables))
+        first = runs[0]
+        for logits, k, v in runs[1:-1]:  # the whole-step call at other thread counts
+            assert torch.equal(logits, first[0]) and torch.equal(k, first[1]) and torch.equal(v, first[2])
+        logits, k, v = runs[-1]  # the per-layer calls
+        if moe:
+            assert logits.argmax(-1).tolist() == first[0].argmax(-1).tolist()
+            torch.testing.assert_close(logits, first[0], rtol=1e-4, atol=1e-4)
+        else:
+            assert torch.equal(logits, first[0]) and torch.equal(k, first[1]) and torch.equal(v, first[2])
+
+
+# --- sliding windows in the paged pool: blocks that left every layer's window go back ------------------------
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_blocks_that_left_the_window_go_back_to_the_pool(tmp_path, runtime):
+    """Mistral (a 20-key window on every layer), blocks of 4: two sequences of 30 + 50 tokens would need 40 blocks,
+    the pool has 24; each keeps only what its window reads (at most 7 blocks), so both run to the end together,
+    nothing is preempted, and the tokens are HF's. A window model's pool is all free again afterwards."""
+    model_dir = build_checkpoint(str(tmp_path / "mistral"), arch="mistral", seed=7)
+    ref = Reference(model_dir)
+    engine = engine_for(model_dir, runtime, weights="fp32", max_num_batched_tokens=8)
+    assert engine.kv_window == WINDOW
+    seqs = [Sequence(prompt_token_ids=long_prompt(ref, 30 + i), max_new_tokens=50, ignore_eos=True) for i in range(2)]
+    engine.admit(seqs)
+    live = []
+    while engine.num_active():
+        engine.step()
+        live.append(
+            max((engine.blocks.num_live_blocks(s.seq_id) for s in seqs if s.seq_id in engine.blocks), default=0)
+        )
+        engine.blocks.check()
+    assert engine.num_preemptions == 0 and max(live[10:]) <= WINDOW // BLOCK + 2, live
+    for s in seqs:
+        assert s.output_token_ids == expected(ref, s, set())
+    assert engine.blocks.is_all_free()
