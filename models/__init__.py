@@ -14,7 +14,7 @@ modules when a model loads.
     rope.py        RoPE tables (plain, HF's fixed scalings, partial rotary, per layer type) and their application
     llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, gemma.py, phi3.py, olmo2.py, granite.py, mixtral.py,
     olmoe.py       one family each: its spec from the HF config, its weight names (docs/families.md: adding one)
-    kv_cache.py    the preallocated KV block pool (the block manager, ``block_manager.py``, says who holds what)
+    kv_cache.py    the preallocated KV block pool (the block manager, ``core/block_manager.py``, says who holds what)
     kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
                    decode_ops.c; quant_gemm.c with the int8/int4 packed layout) and the build-once loader
     quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights

@@ -20,6 +20,8 @@ import os
 import random
 
 import pytest
+from test_prefix_cache import submit_all
+
 from conftest import (
     EOS_PROMPTS,
     PROMPTS,
@@ -32,16 +34,14 @@ from conftest import (
     runtime_knobs,
     seqs_for,
 )
-from test_prefix_cache import submit_all
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from make_test_model import FAMILIES, build_checkpoint  # noqa: E402
-
 from config import Config  # noqa: E402
+from core.sequence import Sequence  # noqa: E402
 from engine import ModelLoadError, build_engine  # noqa: E402
-from sequence import Sequence  # noqa: E402
+from scripts.make_test_model import FAMILIES, build_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -76,9 +76,9 @@ def engine_for(model_dir: str, runtime: str = "torch", blocks: int = POOL_BLOCKS
     """An engine on ``runtime`` with a pool of ``blocks`` blocks of ``BLOCK`` tokens. The native runtime's model image
     is written in this process (``image.write_image``, what the server's child process runs) into a directory of its
     own, sparing each family a fresh interpreter that imports torch again."""
-    from conftest import pool_mb
-
     from engine import NativeEngine
+
+    from conftest import pool_mb
 
     knobs = runtime_knobs(runtime) if runtime == "native" else {"runtime": "torch"}  # then WEIGHTS from config
     config = {"max_batch_size": 4, "num_threads": 1, "kv_block_size": BLOCK, **knobs, **config}
