@@ -54,7 +54,7 @@ from .layers import (
     packed_blocks,
     release_file_pages,
 )
-from .quant import cat_rows
+from .quant import LLAMA_BLOCK, LLAMA_TOP, cat_rows
 from .rope import apply_rope, per_layer_type, rope_tables, rotary_dims
 
 log = logging.getLogger("minibatch.decoder")
@@ -155,23 +155,15 @@ class GGUFNames:
 
     arch: str
     layer: dict[str, str]
-    top: dict[str, str] = field(
-        default_factory=lambda: {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-    )
+    top: dict[str, str] = field(default_factory=lambda: dict(LLAMA_TOP))
     permuted_qk: bool = False
     experts: dict[str, str] = field(default_factory=dict)
 
 
+# llama.cpp's Llama-like tensor names (checked against files its converter wrote): quant.py's Llama table plus the
+# q/k norms (Qwen3, Gemma 3, OLMo) and the MoE router.
 LLAMA_GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **LLAMA_BLOCK,
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",

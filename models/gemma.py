@@ -10,7 +10,7 @@ already (``gguf``: the reader takes that into account).
 
 from __future__ import annotations
 
-from .decoder import Decoder, DecoderSpec, GGUFNames, Names, activation, base_spec, sqrt_hidden
+from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, Names, activation, base_spec, sqrt_hidden
 
 GEMMA_NAMES = Names(
     attn_norm="input_layernorm",
@@ -18,20 +18,12 @@ GEMMA_NAMES = Names(
     ff_norm="pre_feedforward_layernorm",
     ff_out_norm="post_feedforward_layernorm",
 )
+# ffn_norm is the pre-feed-forward norm; llama.cpp names the output norms post_attention_norm and post_ffw_norm
 GEMMA_GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_post_norm": "post_attention_layernorm",
+    **{k: v for k, v in LLAMA_GGUF_LAYER.items() if k not in ("ffn_norm", "ffn_gate_inp")},
     "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
 
 

@@ -3,20 +3,13 @@ whole q and k projections (not per head)."""
 
 from __future__ import annotations
 
-from .decoder import Decoder, DecoderSpec, GGUFNames, Names, base_spec
+from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, Names, base_spec
 
+# no pre-norms; llama.cpp names the output norms post_attention_norm and post_ffw_norm
 OLMO2_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_post_norm": "post_attention_layernorm",
-    "ffn_post_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **{k: v for k, v in LLAMA_GGUF_LAYER.items() if k not in ("attn_norm", "ffn_norm", "ffn_gate_inp")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
