@@ -24,6 +24,7 @@ from typing import NamedTuple
 from block_manager import BlockManager, extend_block_hashes
 from checkpoints import ModelLoadError
 from config import Config
+from models.kernels import int_dot
 from models.kernels.build import kernel_isa, set_kernel_isa
 from models.native_memory import HeapTrimmer
 from sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
@@ -1108,6 +1109,7 @@ class HFEngine(ModelEngine):
 
         torch.set_num_threads(engine_threads(config))
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         self.device = resolve_device(config.device)
         self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
@@ -1193,6 +1195,7 @@ class NativeEngine(ModelEngine):
 
         environment = thread_environment()  # before libgomp loads with the kernel
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
         from text_tokenizer import TextTokenizer

@@ -229,6 +229,7 @@ OURS_OPTIONS = {
     "kv": "KV_CACHE_MB",
     "runtime": "RUNTIME",
     "isa": "KERNEL_ISA",
+    "act": "ACTIVATIONS",
 }
 
 
