@@ -167,3 +167,43 @@ def test_activations_setting():
     finally:
         int_dot.set_activations("auto")
     assert "ACTIVATIONS=auto" in int_dot.describe()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
+    """A Llama image's steps (a prompt chunk, then decode rows) under ACTIVATIONS=int8 against fp32: the integer path
+    runs (other logits), stays close (the same greedy tokens nearly everywhere), and gives the same bits at 1 and 3
+    threads and under KERNEL_ISA=avx2 (maddubs) and auto (VNNI)."""
+    from make_test_model import build_checkpoint
+
+    from models import image
+    from models.native import NativeModel
+
+    model_dir = build_checkpoint(str(tmp_path / "llama"), arch="llama", seed=4, tied=False)
+    image.write_image(model_dir, weights, str(tmp_path / "image"))
+    nm = NativeModel(str(tmp_path / "image"), 64, 4, threads=2)
+    prompt = list(range(5, 45))
+    table = list(range(12))
+
+    def run(choice: str, threads: int = 2, isa: str = "auto") -> np.ndarray:
+        int_dot.set_activations(choice)
+        kernel_isa(isa)
+        nm.threads = threads
+        nm.k[...] = 0
+        nm.v[...] = 0
+        first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows
+        step = nm.forward([7, 9], [40, 3], [table, table[:1]])  # 2 decode rows (the second over its own 4 tokens)
+        return np.concatenate([first, step])
+
+    try:
+        exact, approx = run("fp32"), run("int8")
+        assert not np.array_equal(exact, approx)
+        rel = np.linalg.norm(approx - exact) / np.linalg.norm(exact)
+        assert rel < 0.05, rel
+        assert (approx.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+        for threads, isa in ((1, "auto"), (3, "auto"), (2, "avx2")):
+            assert np.array_equal(run("int8", threads, isa), approx), (threads, isa)
+        assert np.array_equal(run("fp32", 3, "avx2"), exact)  # the exact path is untouched by the setting
+    finally:
+        int_dot.set_activations("auto")

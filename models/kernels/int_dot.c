@@ -336,8 +336,9 @@ ID_512 static void range512(int fmt, const QRows *x, const uint8_t *Wp, const fl
     const int bb = id_block_bytes(fmt), G = (K + ID_GROUP - 1) / ID_GROUP;
     const size_t panel_bytes = (size_t)G * bb;
     for (int p = p0; p < p1; p += 2) {
-        const int n0 = p * ID_PANEL, cols = N - n0 < 2 * ID_PANEL ? N - n0 : 2 * ID_PANEL;
-        const uint8_t *a = Wp + (size_t)p * panel_bytes, *b = p + 1 < p1 ? a + panel_bytes : NULL;
+        const int np = p + 1 < p1 ? 2 : 1, n0 = p * ID_PANEL; /* one panel: the next is another thread's, or none */
+        const int cols = N - n0 < np * ID_PANEL ? N - n0 : np * ID_PANEL;
+        const uint8_t *a = Wp + (size_t)p * panel_bytes, *b = np == 2 ? a + panel_bytes : NULL;
         pair512(fmt, x, M, a, b, G, bb, bias ? bias + n0 : NULL, Rr ? Rr + n0 : NULL, ldr, Y + n0, ldy,
                 cols < 0 ? 0 : cols);
     }
@@ -515,7 +516,7 @@ static int int_dot_linear(int fmt, const float *X, int ldx, const uint8_t *Wp, c
     return 0;
 }
 
-/* Y = X W^T (+ bias) (+ R) by integer dot products, on nthreads threads splitting the panels (pairs for AVX-512).
+/* Y = X W^T (+ bias) (+ R) by integer dot products, on nthreads threads splitting the panels.
  * Returns 0, or -1 when a buffer cannot be allocated. */
 int int_dot_gemm(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R, int ldr,
                  float *Y, int ldy, int M, int K, int N, int nthreads) {
@@ -524,19 +525,18 @@ int int_dot_gemm(int fmt, const float *X, int ldx, const uint8_t *Wp, const floa
     if (!mem) return -1;
     QRows x = qrows_carve(mem, M, K);
     quantize_rows(X, ldx, M, K, &x);
-    const int npanels = (N + ID_PANEL - 1) / ID_PANEL, units = (npanels + 1) / 2;
+    const int npanels = (N + ID_PANEL - 1) / ID_PANEL;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > units) nthreads = units;
+    if (nthreads > npanels) nthreads = npanels;
 #pragma omp parallel num_threads(nthreads)
-    {
+    { /* panels split as decode_step.c splits them (a range may start or end mid-pair) */
         int t = 0, nt = 1;
 #ifdef _OPENMP
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        const int u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
-        const int p1 = 2 * u1 < npanels ? 2 * u1 : npanels;
-        if (2 * u0 < p1) id_range(&x, fmt, Wp, bias, R, ldr, Y, ldy, M, K, N, 2 * u0, p1);
+        const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
+        if (p0 < p1) id_range(&x, fmt, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
     }
     free(mem);
     return 0;
