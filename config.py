@@ -78,7 +78,7 @@ class Config:
     # Activations of the int8 / int4 linears: "fp32" multiplies fp32 activations (bit for bit HF's math on the
     # file's weights), "int8" rounds them to int8 per 32-group (as llama.cpp does) for integer dot products (VNNI /
     # AVX2) in every step, "auto" does so per weight format from the step size measured to gain
-    # (models/kernels/int_dot.py AUTO_ROWS). docs/quantization.md "Integer dot products".
+    # (models/kernels/int_dot.py AUTO_ROWS). docs/integer-dot.md.
     activations: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()

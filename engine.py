@@ -1233,6 +1233,7 @@ class NativeEngine(ModelEngine):
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),
         )
+        log.info("quantized linears: %s", int_dot.describe(config.activations))
 
 
 def _needs_prompt_logprobs(seq: Sequence) -> bool:

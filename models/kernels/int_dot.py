@@ -113,11 +113,8 @@ def describe(choice: str | None = None) -> str:
 
 
 def isa() -> str:
-    """The ISA the integer path runs here (the last loaded kernel's), or the best one the CPU has."""
-    if _libs:
-        return ISAS[_libs[-1].int_dot_isa(-1)]
-    lib = load()
-    return ISAS[lib.int_dot_isa(-1)] if lib is not None else "none"
+    """The ISA the integer path runs here (the last loaded kernel's), or "not loaded"."""
+    return ISAS[_libs[-1].int_dot_isa(-1)] if _libs else "not loaded"
 
 
 # --- direct calls (tests, benchmarks) ----------------------------------------------------------------------------
