@@ -207,3 +207,29 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
         assert np.array_equal(run("fp32", 3, "avx2"), exact)  # the exact path is untouched by the setting
     finally:
         int_dot.set_activations("auto")
+
+
+def test_auto_is_the_measured_choice_and_the_tests_run_exact():
+    """ACTIVATIONS=auto maps each format and kind of ISA to the step size docs/integer-dot.md measured, and follows
+    KERNEL_ISA; the suite pins it to the exact path (conftest), and a server started by the tests gets
+    ACTIVATIONS=fp32 (live.ProcessServer)."""
+    lib = int_dot.load()
+    assert all(set(rows) == set(int_dot.FORMATS) for rows in int_dot.MEASURED_AUTO_ROWS.values())
+    assert all(int_dot.rows_for("auto", fmt, isa) is None for fmt in int_dot.FORMATS for isa in int_dot.ISAS)
+    saved = {kind: dict(rows) for kind, rows in int_dot.AUTO_ROWS.items()}
+    try:
+        for kind, rows in int_dot.MEASURED_AUTO_ROWS.items():
+            int_dot.AUTO_ROWS[kind].update(rows)
+        assert int_dot.rows_for("auto", "int4", "avx512vnni") == int_dot.MEASURED_AUTO_ROWS["vnni"]["int4"]
+        assert int_dot.rows_for("auto", "int8", "avx2") == int_dot.MEASURED_AUTO_ROWS["avx2"]["int8"]
+        int_dot.set_activations("auto")
+        vnni = int_dot.MEASURED_AUTO_ROWS["vnni"]["int4"] or 0
+        if CPU_ISAS[-1] != "avx2":  # a VNNI CPU: auto's rows, then KERNEL_ISA=avx2 turns them to AVX2's
+            assert lib.int_dot_set_rows(1, vnni) == vnni
+            build.set_kernel_isa("avx2")
+            assert lib.int_dot_set_rows(1, 0) == (int_dot.MEASURED_AUTO_ROWS["avx2"]["int4"] or 0)
+    finally:
+        build.set_kernel_isa("auto")
+        for kind, rows in saved.items():
+            int_dot.AUTO_ROWS[kind].update(rows)
+        int_dot.set_activations("auto")

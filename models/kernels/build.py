@@ -171,6 +171,13 @@ def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+_isa_hooks: list[Callable[[], None]] = []  # called after set_kernel_isa (int_dot: ACTIVATIONS=auto follows the ISA)
+
+
+def on_isa_change(hook: Callable[[], None]) -> None:
+    _isa_hooks.append(hook)
+
+
 def _apply_isa(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "kernel_isa"):
         lib.kernel_isa(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
@@ -187,6 +194,8 @@ def set_kernel_isa(choice: str) -> None:
     _isa_choice = choice
     for lib in _isa_libs:
         _apply_isa(lib)
+    for hook in _isa_hooks:
+        hook()
 
 
 def kernel_isa() -> str:

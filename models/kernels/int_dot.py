@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
+from .build import KernelLoader, build_and_load, on_isa_change, require_cpu_flags, with_isa
 
 log = logging.getLogger("minibatch.int_dot")
 
@@ -37,8 +37,15 @@ ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32
 
-# ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight format (None: never).
-AUTO_ROWS: dict[str, int | None] = {"int8": None, "int4": None}
+# ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight format and kind of ISA (None:
+# never), chosen by measurement (docs/integer-dot.md): with VNNI the integer path is 1.6-2.3x quant_gemm's from 8
+# rows (int4) and 16 (int8); AVX2's maddubs gains too little (at most 1.2x) for the activations' rounding.
+# AUTO_ROWS is what runs (the tests pin it to None: conftest._exact_activations).
+MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
+    "vnni": {"int8": 16, "int4": 8},
+    "avx2": {"int8": None, "int4": None},
+}
+AUTO_ROWS = {kind: dict(rows) for kind, rows in MEASURED_AUTO_ROWS.items()}
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _choice = "auto"
@@ -77,16 +84,28 @@ def register(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def rows_for(choice: str, fmt: str) -> int | None:
-    """The fewest rows of a step that take int8 activations for weights ``fmt`` under ``choice`` (None: none)."""
+def rows_for(choice: str, fmt: str, isa_name: str = "avx512vnni") -> int | None:
+    """The fewest rows of a step that take int8 activations for weights ``fmt`` under ``choice`` on ISA ``isa_name``
+    (None: none)."""
     if choice not in ACTIVATIONS:
         raise ValueError(f"ACTIVATIONS must be one of {', '.join(ACTIVATIONS)} (got {choice!r})")
-    return {"fp32": None, "int8": 1, "auto": AUTO_ROWS[fmt]}[choice]
+    kind = "avx2" if isa_name == "avx2" else "vnni"
+    return {"fp32": None, "int8": 1, "auto": AUTO_ROWS[kind][fmt]}[choice]
 
 
 def _apply(lib: ctypes.CDLL) -> None:
+    here = ISAS[lib.int_dot_isa(-1)]
     for fmt, code in FORMATS.items():
-        lib.int_dot_set_rows(code, rows_for(_choice, fmt) or 0)
+        lib.int_dot_set_rows(code, rows_for(_choice, fmt, here) or 0)
+
+
+def _reapply() -> None:
+    """After KERNEL_ISA changed a kernel's ISA: ``auto``'s step sizes follow it."""
+    for lib in _libs:
+        _apply(lib)
+
+
+on_isa_change(_reapply)
 
 
 def set_activations(choice: str) -> None:
@@ -103,11 +122,11 @@ def activations() -> str:
 
 
 def describe(choice: str | None = None) -> str:
-    """What ``choice`` (default: the current one) does per format, for the startup log."""
+    """What ``choice`` (default: the current one) does per format on the ISA in use, for the startup log."""
     choice = choice or _choice
     parts = []
     for fmt in FORMATS:
-        rows = rows_for(choice, fmt)
+        rows = rows_for(choice, fmt, isa())
         parts.append(f"{fmt}: " + ("fp32 activations" if rows is None else f"int8 activations from {rows} rows"))
     return f"ACTIVATIONS={choice} ({'; '.join(parts)}; {isa()})"
 
