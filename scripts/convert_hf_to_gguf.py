@@ -23,7 +23,6 @@ import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 
@@ -50,7 +49,7 @@ def main() -> None:
     ap.add_argument("--pre", default="gpt-2", help="tokenizer.ggml.pre for a tokenizer the converter does not know")
     ap.add_argument("--converter", default="", help="directory of convert_hf_to_gguf.py (default: the built one)")
     ours, rest = ap.parse_known_args()
-    from build_llamacpp import ensure_converter
+    from scripts.build_llamacpp import ensure_converter
 
     directory = ours.converter or ensure_converter()
     sys.path[:0] = [directory, os.path.join(directory, "gguf-py")]

@@ -68,9 +68,8 @@ def parse(name: str) -> tuple[str, str] | None:
 
 
 def model_dir(shape: str) -> str:
-    from build_llamacpp import VERSION
-
     from models.cache_dir import cache_subdir
+    from scripts.build_llamacpp import VERSION
 
     key = hashlib.sha256(json.dumps([SHAPES[shape], SEED, VERSION, PRE_TOKENIZER]).encode()).hexdigest()[:12]
     return os.path.join(cache_subdir("bench-models"), f"{shape}-{key}")
@@ -99,7 +98,7 @@ def ensure_gguf(name: str, log=print) -> str:
         os.replace(f16 + ".tmp", f16)
         shutil.rmtree(checkpoint, ignore_errors=True)
     if qtype != "F16":
-        from build_llamacpp import binary_path
+        from scripts.build_llamacpp import binary_path
 
         quantize = binary_path(name="llama-quantize")
         if quantize is None:
@@ -122,7 +121,8 @@ _CHECKPOINT = """
 import json, sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from checkpoints import ALIASES, fetch_gguf, gguf_metadata_dir, saved_tokenizer
+from models.loading import ALIASES, fetch_gguf
+from models.loading.convert import gguf_metadata_dir, saved_tokenizer
 from models.cache_dir import cache_subdir
 
 out, shape, seed = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
