@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import int_dot
 from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
 
 log = logging.getLogger("minibatch.decode_step")
@@ -80,7 +81,7 @@ def _load() -> ctypes.CDLL:
     ]
     lib.topk_rows.restype = None
     lib.topk_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]  # values, rows, n, k, indices, picked, scratch
-    return with_isa(lib)
+    return int_dot.register(with_isa(lib))  # its linears' integer path follows ACTIVATIONS (int_dot.py)
 
 
 KERNEL = KernelLoader("decode step kernel", _load, "decode steps keep the per-layer lean calls", log)
