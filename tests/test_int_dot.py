@@ -175,10 +175,9 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
     """A Llama image's steps (a prompt chunk, then decode rows) under ACTIVATIONS=int8 against fp32: the integer path
     runs (other logits), stays close (the same greedy tokens nearly everywhere), and gives the same bits at 1 and 3
     threads and under KERNEL_ISA=avx2 (maddubs) and auto (VNNI)."""
-    from make_test_model import build_checkpoint
-
     from models import image
     from models.native import NativeModel
+    from scripts.make_test_model import build_checkpoint
 
     model_dir = build_checkpoint(str(tmp_path / "llama"), arch="llama", seed=4, tied=False)
     image.write_image(model_dir, weights, str(tmp_path / "image"))
