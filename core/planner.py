@@ -82,6 +82,7 @@ class Planner:
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
+        self.kv_window = 0  # a sliding window on every layer: blocks that left it go back to the pool
 
     # --- what is admitted ---------------------------------------------------------------------
     def num_active(self) -> int:
@@ -473,10 +474,14 @@ class Planner:
         return cached
 
     def _cache_computed(self, seq: Sequence, computed: int) -> None:
-        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache."""
+        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache;
+        under a sliding window on every layer (``kv_window``), the blocks that left it go back to the pool (its
+        next query, at position ``computed``, reads keys from ``computed - kv_window + 1`` on)."""
         bm = self.blocks
         if bm.enable_caching and computed // bm.block_size > bm.num_hashed_blocks(seq.seq_id):
             bm.cache_blocks(seq.seq_id, self._block_hashes(seq, computed))
+        if self.kv_window and seq.seq_id in bm:
+            bm.release_before(seq.seq_id, computed - self.kv_window + 1)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no sequence holds (``POST /admin/reset_prefix_cache``); returns how many."""

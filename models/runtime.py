@@ -18,6 +18,7 @@ from core.sequence import Sequence
 from core.step import BatchPlan, RowFailure
 from engine import ChatTemplateError, FakeEngine, InferenceEngine
 from model_runner import ModelRunner
+from models.kernels import int_dot
 from models.kernels.build import kernel_isa, set_kernel_isa
 from models.loading import ModelLoadError
 from models.native_memory import HeapTrimmer
@@ -41,8 +42,11 @@ class ModelEngine(InferenceEngine):
     model: ModelRunner
     chat_template: str | None
 
-    def _init_batching(self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int) -> int:
-        """Context, KV pool and batching from ``config`` for a model of ``window`` positions; -> KV pool blocks."""
+    def _init_batching(
+        self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int, kv_window: int = 0
+    ) -> int:
+        """Context, KV pool and batching from ``config`` for a model of ``window`` positions (and a sliding window
+        of ``kv_window`` keys on every layer, 0: none); -> KV pool blocks."""
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         block_size = config.kv_block_size
         num_blocks = kv_pool_blocks(config, max_context, kv_bytes_per_token * block_size)
@@ -58,6 +62,7 @@ class ModelEngine(InferenceEngine):
             config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
+        self.planner.kv_window = kv_window
         self._heap = HeapTrimmer()
         return num_blocks
 
@@ -225,6 +230,7 @@ class HFEngine(ModelEngine):
 
         torch.set_num_threads(engine_threads(config))
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         self.device = resolve_device(config.device)
         self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
@@ -236,8 +242,12 @@ class HFEngine(ModelEngine):
             )
         family = supported[hf_config.model_type]
         stops = eos_ids(hf_model, self.tokenizer)
+        try:
+            kv_window = family.kv_window(hf_config)
+        except ValueError as exc:  # a config option our forward does not implement
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
         num_blocks = self._init_batching(
-            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config)
+            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config), kv_window
         )
         max_context, block_size = self.max_context, self.planner.blocks.block_size
         self.vocab_size = hf_config.vocab_size
@@ -310,6 +320,7 @@ class NativeEngine(ModelEngine):
 
         environment = thread_environment()  # before libgomp loads with the kernel
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
         from text.tokenizer import TextTokenizer
@@ -319,7 +330,7 @@ class NativeEngine(ModelEngine):
             meta = check_image(image_dir)
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
             num_blocks = self._init_batching(
-                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"]
+                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"], meta["kv_window"]
             )
             self.model = NativeModel(image_dir, num_blocks, self.planner.blocks.block_size, engine_threads(config))
         except (ImageError, ValueError, RuntimeError) as exc:
@@ -347,6 +358,7 @@ class NativeEngine(ModelEngine):
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),
         )
+        log.info("quantized linears: %s", int_dot.describe(config.activations))
 
 
 def _scores_prompt(seq: Sequence, start: int) -> bool:

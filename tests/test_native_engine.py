@@ -1,4 +1,4 @@
-"""The torch-free runtime (RUNTIME=native, ``engine.NativeEngine``): a model image run by the whole-step kernel.
+"""The torch-free runtime (RUNTIME=native, ``models.runtime.NativeEngine``): a model image run by the whole-step kernel.
 
 Gates: HF's greedy tokens (on the dequantized weights) through the scheduler with joins, chunked prefill and
 preemption; the torch engine's exact tokens and logprobs for every sampling feature (both run the same kernel on
