@@ -71,7 +71,10 @@ class ShadowEngine(FakeEngine):
 
 
 def engine(**kw) -> ShadowEngine:
+    """A ShadowEngine that also checks the block tables (``check_kv``): with paged KV, compacting the rows only
+    renumbers them, so what a wrong move would break is a sequence reading another's (or a freed) block."""
     kw.setdefault("capacity", 4)
+    kw.setdefault("check_kv", True)
     return ShadowEngine(**kw)
 
 
