@@ -192,7 +192,9 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
         nm.k[...] = 0
         nm.v[...] = 0
         first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows
-        step = nm.forward([7, 9], [40, 3], [table, table[:1]])  # 2 decode rows (the second over its own 4 tokens)
+        # 2 decode rows; the second is another sequence at position 3 in its own block (a block another row of the
+        # step reads would make the result depend on which thread writes first: the planner never builds that step)
+        step = nm.forward([7, 9], [40, 3], [table, [12]])
         return np.concatenate([first, step])
 
     try:
