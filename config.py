@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from core.speculative import MAX_SPEC_TOKENS, SPEC_METHODS, SpecParams  # torch-free
 from models.kernels.build import KERNEL_ISAS  # torch-free
 from models.kernels.int_dot import ACTIVATIONS  # torch-free
 
@@ -57,6 +58,18 @@ class Config:
     # Automatic prefix caching: full KV blocks stay cached by the hash of their tokens and prefix, and a new
     # sequence shares the longest cached prefix of its prompt instead of computing it (core/block_manager.py).
     prefix_caching: bool = True
+    # --- speculative decoding (core/speculative.py, docs/speculative.md) ---
+    # The default of requests that do not choose (the API's `speculative` field): "off", or "ngram" (prompt lookup:
+    # drafts are what followed the sequence's last tokens earlier in its prompt or output, verified in one forward;
+    # the output is the output without drafts, token for token).
+    speculative_method: str = "off"
+    # Most draft tokens a sequence verifies per step, and the n-gram lengths prompt lookup matches (longest first).
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # No drafts while this many sequences or more decode (0 = never off): a busy batch is compute-bound, and a
+    # draft's verify row costs real time there.
+    speculative_disable_by_batch_size: int = 4
     # Torch intra-op threads. 0 = the physical cores of this machine (measured fastest at 1 and 8 streams
     # with OpenMP's passive wait, which the engine sets before torch loads; docs/performance.md "Threads").
     num_threads: int = 0
@@ -154,6 +167,27 @@ class Config:
             "MAX_PREFILL_TOKENS_WHILE_DECODING",
             "must be in [0, 1048576] (0 = no cap while streams decode)",
         )
+        _check(
+            self.speculative_method in SPEC_METHODS,
+            "SPECULATIVE_METHOD",
+            f"must be one of {', '.join(SPEC_METHODS)} (got {self.speculative_method!r})",
+        )
+        _check(
+            1 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS,
+            "NUM_SPECULATIVE_TOKENS",
+            f"must be in [1, {MAX_SPEC_TOKENS}]",
+        )
+        _check(1 <= self.prompt_lookup_min <= 32, "PROMPT_LOOKUP_MIN", "must be in [1, 32]")
+        _check(
+            self.prompt_lookup_min <= self.prompt_lookup_max <= 32,
+            "PROMPT_LOOKUP_MAX",
+            f"must be in [PROMPT_LOOKUP_MIN, 32] (PROMPT_LOOKUP_MIN is {self.prompt_lookup_min})",
+        )
+        _check(
+            0 <= self.speculative_disable_by_batch_size <= 1 << 20,
+            "SPECULATIVE_DISABLE_BY_BATCH_SIZE",
+            "must be >= 0 (0 = never off)",
+        )
         _check(self.fake_kv_blocks >= 0, "FAKE_KV_BLOCKS", "must be >= 0 (0 = enough for every slot)")
         _check(all(t >= 0 for t in self.stop_token_ids), "STOP_TOKEN_IDS", "must be non-negative integers")
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")
@@ -227,6 +261,13 @@ class Config:
     def cors_origins(self) -> list[str]:
         """CORS_ALLOW_ORIGINS as a list (empty: CORS off)."""
         return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
+
+    @property
+    def speculative(self) -> SpecParams:
+        """The server's default speculation (a request's ``speculative`` field overrides it)."""
+        return SpecParams(
+            self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
+        )
 
     @property
     def is_fake(self) -> bool:

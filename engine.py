@@ -24,6 +24,7 @@ call: the driver of tests and benchmarks, which run all three on one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterable
 from core.planner import Planner
 from core.sampling import TokenLogprobs
 from core.sequence import Sequence
+from core.speculative import SpecParams, verify_run
 from core.step import AdmissionError, BatchPlan, RowFailure, StepOutput, StepResult
 
 __all__ = ["AdmissionError", "ChatTemplateError", "FakeEngine", "InferenceEngine", "RowFailure"]
@@ -226,6 +228,7 @@ class FakeEngine(InferenceEngine):
         prefix_caching: bool = True,
         check_kv: bool = False,
         max_prefill_while_decoding: int = 0,
+        speculative: SpecParams | None = None,
     ) -> None:
         super().__init__(
             capacity,
@@ -238,6 +241,8 @@ class FakeEngine(InferenceEngine):
             max_prefill_while_decoding,
         )
         self.kv_slots: dict[int, list[int | None]] | None = {} if check_kv else None  # block -> token per slot
+        if speculative is not None:
+            self.planner.speculative = speculative
         self.model_name = "fake"
         self.vocab_size = 257
         self.token_fn = token_fn or self.letter_token
@@ -261,21 +266,27 @@ class FakeEngine(InferenceEngine):
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t - 1 for t in token_ids if 1 <= t <= 256).decode("utf-8", errors="replace")
 
-    def _forward(self, plan: BatchPlan) -> list[int | RowFailure]:
-        """Decode the decode rows; each chunk that ends its sequence gets its first token, and its forked choices
-        theirs (``_prefill``)."""
+    def _forward(self, plan: BatchPlan) -> list[int | list[int] | RowFailure]:
+        """Decode the decode rows (a row with drafts verifies them: ``_verify``); each chunk that ends its sequence
+        gets its first token, and its forked choices theirs (``_prefill``)."""
         if self.kv_slots is not None:
-            for seq in plan.decode:
-                self._feed(seq, seq.num_tokens - 1, seq.num_tokens)
+            for i, seq in enumerate(plan.decode):
+                drafts = plan.drafts_of(i)
+                self._feed(seq, seq.num_tokens - 1, seq.num_tokens + len(drafts), drafts)
             for seq, start, end in plan.chunks:
                 self._feed(seq, start, end)
-        step = self._decode(plan.decode) if plan.decode else []
+        step = (
+            (self._decode(plan.decode, plan.drafts) if plan.drafts else self._decode(plan.decode))
+            if plan.decode
+            else []
+        )
         done = plan.samples[len(plan.decode) :]
         return step + (self._prefill(done, len(self.planner.rows)) if plan.chunks else [])
 
-    def _feed(self, seq: Sequence, start: int, end: int) -> None:
-        """``check_kv``: the sequence's slots [0, start) must hold its tokens; it writes tokens [start, end)."""
-        tokens, bm = seq.prompt_token_ids + seq.output_token_ids, self.planner.blocks
+    def _feed(self, seq: Sequence, start: int, end: int, drafts: list[int] = ()) -> None:
+        """``check_kv``: the sequence's slots [0, start) must hold its tokens; it writes tokens [start, end) (past
+        its tokens, its ``drafts``)."""
+        tokens, bm = seq.prompt_token_ids + seq.output_token_ids + list(drafts), self.planner.blocks
         waiting = {c.seq_id for c in self.planner.forks_of(seq.seq_id)}
         for pos in range(end):
             block, offset = bm.slot(seq.seq_id, pos)
@@ -302,14 +313,36 @@ class FakeEngine(InferenceEngine):
                 seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, [(t, 0.0)][:k]) for t in seq.prompt_token_ids[1:]]
         return self._next_tokens(seqs)
 
-    def _decode(self, seqs: list[Sequence]) -> list[int]:
-        """Next tokens for the decode rows [0, len(seqs)) (a spy or fault point for tests)."""
+    def _decode(self, seqs: list[Sequence], drafts: list[list[int]] = ()) -> list[int | list[int] | RowFailure]:
+        """Next tokens for the decode rows [0, len(seqs)), a run for each row with drafts (a spy or fault point for
+        tests)."""
         self.step_calls += 1
         if self.step_fault:
             self.step_fault(self.step_calls)
         if self.step_delay:
             time.sleep(self.step_delay)
-        return self._next_tokens(seqs)
+        if not any(drafts):
+            return self._next_tokens(seqs)
+        return [self._verify(seq, d) if d else self._next_tokens([seq])[0] for seq, d in zip(seqs, drafts)]
+
+    def _verify(self, seq: Sequence, drafts: list[int]) -> list[int] | RowFailure:
+        """The run a row verifying ``drafts`` emits: ``token_fn`` at each position, as if the drafts before it were
+        accepted (it reads a copy of the sequence with them appended), up to the first that differs."""
+        sampled = []
+        for i in range(len(drafts) + 1):
+            view = seq if i == 0 else dataclasses.replace(seq, output_token_ids=seq.output_token_ids + drafts[:i])
+            token = self.token_fn(view)
+            if isinstance(token, RowFailure):
+                if not sampled:
+                    return token
+                break
+            sampled.append(token)
+            if i < len(drafts) and token != drafts[i]:
+                break
+        run = verify_run(sampled, drafts)
+        if seq.logprobs is not None:
+            seq.output_logprobs += [TokenLogprobs(t, 0.0, [(t, 0.0)][: seq.logprobs]) for t in run]
+        return run
 
     def _next_tokens(self, seqs: list[Sequence]) -> list[int | RowFailure]:
         """token_fn per sequence (a RowFailure fails that row alone); a requested logprob is 0.0 (the fake

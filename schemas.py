@@ -18,6 +18,20 @@ def _valid_unicode(value):
     return value
 
 
+class SpeculativeFields(BaseModel):
+    """A request's speculative decoding (docs/speculative.md); what it leaves out is the server's default
+    (SPECULATIVE_METHOD, NUM_SPECULATIVE_TOKENS, PROMPT_LOOKUP_MIN / _MAX). It never changes the output, only how
+    many tokens a step may emit."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: Literal["off", "ngram", "draft_model"] | None = None
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=32)
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=32)
+    draft_model: str | None = Field(default=None, min_length=1, max_length=256, description="method draft_model")
+
+
 class SamplingFields(BaseModel):
     """Sampling and stopping fields shared by /generate and the OpenAI endpoints."""
 
@@ -34,6 +48,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(default=None, description="up to 8 stop strings; not returned")
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     ignore_eos: bool = False
+    speculative: SpeculativeFields | None = None
     logit_bias: dict[str, float] | None = Field(
         default=None, description="token id (as a string) -> bias in [-100, 100] added to its logit; at most 300"
     )

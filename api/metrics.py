@@ -260,12 +260,41 @@ class _LiveCollector:
             "Of those, tokens found in the cache (their K/V shared, not computed).",
             value=float(values.get("prefix_cache_hits", 0)),
         )
+        yield from _spec_metrics(values.get("spec"))
         yield CounterMetricFamily(
             "minibatch:prefill_tokens_computed",
             "Tokens the engine's prefill really computed: prompts (and recomputed preempted sequences), without "
             "prefix-cache hits or the prompt's copies for the forked choices of an n > 1 request.",
             value=float(values.get("prefill_tokens_computed", 0)),
         )
+
+
+def _spec_metrics(spec):
+    """Speculative decoding's counters (vLLM's ``spec_decode_*`` names; ``core.speculative.SpecStats``)."""
+    if spec is None:
+        return
+    p = "minibatch:spec_decode_"
+    for name, doc, value in (
+        ("num_drafts", "Decode rows that carried draft tokens into a step.", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens proposed (and verified).", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+        (
+            "num_emitted_tokens",
+            "Tokens the rows with drafts emitted (accepted drafts + one each).",
+            spec.num_emitted_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(p + name, doc, value=float(value))
+    per_pos = CounterMetricFamily(
+        p + "num_accepted_tokens_per_pos", "Draft tokens accepted, by their position in the draft.", labels=["position"]
+    )
+    last = max((i for i, n in enumerate(spec.accepted_per_pos) if n), default=-1)
+    for pos in range(last + 1):
+        per_pos.add_metric([str(pos)], float(spec.accepted_per_pos[pos]))
+    yield per_pos
+    yield GaugeMetricFamily(
+        p + "draft_acceptance_rate", "Accepted draft tokens per proposed one, so far.", value=spec.acceptance_rate
+    )
 
 
 _BARE = re.compile(r"[A-Za-z0-9_.:/@+-]+")

@@ -67,7 +67,7 @@ class Operations:
             return "dead"
         return "ready"
 
-    def live(self) -> dict[str, float]:
+    def live(self) -> dict[str, object]:
         runtime = self.get_runtime()
         values: dict[str, float] = {
             "num_requests_in_flight": self.in_flight,
@@ -93,6 +93,7 @@ class Operations:
                 prefix_cache_queries=stats.get("prefix_cache_queries", 0),
                 prefix_cache_hits=stats.get("prefix_cache_hits", 0),
                 prefill_tokens_computed=stats.get("prefill_tokens_computed", 0),
+                spec=runtime.engine.planner.spec,
             )
         return values
 

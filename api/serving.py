@@ -21,10 +21,11 @@ from config import Config
 from core.generation import Generation
 from core.sampling import SamplingParams
 from core.sequence import Sequence, group_choices
+from core.speculative import SpecParams
 from engine import ChatTemplateError, InferenceEngine
 from guided.grammars import GrammarError, GrammarState, compiler_for
 from scheduler import QueueFullError, Scheduler
-from schemas import SamplingFields
+from schemas import SamplingFields, SpeculativeFields
 
 
 class Runtime:
@@ -150,6 +151,7 @@ def make_sequence(
         raise APIError(422, str(exc)) from None
     now = time.perf_counter()
     seq = Sequence(
+        speculation=speculation(runtime, fields.speculative),
         prompt_token_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id,
@@ -166,6 +168,32 @@ def make_sequence(
     if reason:
         raise APIError(422, reason, param="prompt")
     return seq
+
+
+def speculation(runtime: Runtime, fields: SpeculativeFields | None) -> SpecParams | None:
+    """The request's speculative decoding over the server's default (None: the default as it is); 400 naming
+    ``speculative`` for a draft model this server does not serve, or lookup lengths out of order."""
+    if fields is None:
+        return None
+    default = runtime.config.speculative
+    if fields.method == "draft_model" or fields.draft_model is not None:
+        name = fields.draft_model or ""
+        raise APIError(
+            400,
+            f"draft model {name!r} is not served here: this server has no draft model"
+            if name
+            else "`speculative.method` draft_model needs `speculative.draft_model`, a model this server serves",
+            param="speculative.draft_model",
+        )
+    try:
+        return SpecParams(
+            fields.method or default.method,
+            fields.num_speculative_tokens or default.num_tokens,
+            fields.prompt_lookup_min or min(default.lookup_min, fields.prompt_lookup_max or default.lookup_min),
+            fields.prompt_lookup_max or max(default.lookup_max, fields.prompt_lookup_min or default.lookup_max),
+        )
+    except ValueError as exc:
+        raise APIError(400, f"`speculative`: {exc}", param="speculative") from None
 
 
 def start_generation(runtime: Runtime, seq: Sequence, stop: list[str] | None) -> Generation:

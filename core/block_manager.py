@@ -284,6 +284,33 @@ class BlockManager:
         self._num_tokens[seq_id] = used + num_tokens
         return new
 
+    def append_lookahead(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Reserve up to ``num_tokens`` more slots for speculative draft tokens, from plain free blocks only (a
+        lookahead never evicts a cached block); returns how many were reserved. ``rollback`` gives them back."""
+        table, used = self._tables[seq_id], self._num_tokens[seq_id]
+        room = (len(table) + len(self._free)) * self.block_size - used
+        num_tokens = max(0, min(num_tokens, room))
+        if num_tokens:
+            self.append_slots(seq_id, num_tokens)
+        return num_tokens
+
+    def rollback(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Shrink the sequence's reserved slots to ``num_tokens`` (rejected draft tokens' slots): the blocks past
+        them go back to the front of the free list, last first, so that after rolling back this step's lookaheads
+        in the reverse order they were taken the pool is exactly as if they had never been. They were taken
+        fresh for the lookahead, so nothing else holds or caches them."""
+        table = self._tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        if num_tokens > self._num_tokens[seq_id]:
+            raise ValueError(f"sequence {seq_id!r}: cannot roll back to {num_tokens} of {self._num_tokens[seq_id]}")
+        for block in reversed(table[keep:]):
+            assert self.ref_counts[block] == 1 and self._hash_of[block] is None, f"block {block} is not a lookahead"
+            self.ref_counts[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        del table[keep:]
+        self._num_tokens[seq_id] = num_tokens
+
     # --- release and sharing ----------------------------------------------------------------------
     def free(self, seq_id: Hashable) -> None:
         """Drop the sequence's table; its blocks return to the pool once no one else holds them, the

@@ -10,13 +10,14 @@ HTTP layers (``api/streaming.py`` and the API modules) only format what comes ou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from core.sequence import Sequence, SequenceStatus
 from scheduler import Scheduler
-from text.detokenizer import IncrementalDecoder
+from text.detokenizer import Delta, IncrementalDecoder
 
 
 @dataclass
@@ -56,14 +57,14 @@ class Generation:
             self.scheduler.abort(self.seq.seq_id)
 
     def _on_tokens(self, seq: Sequence) -> None:
-        new = seq.output_token_ids[self._fed :]
+        new, base = seq.output_token_ids[self._fed :], self._fed
         if not new or self.decoder.finished:
             return
         self._fed = len(seq.output_token_ids)
         text_ids = new
         if seq.status is SequenceStatus.FINISHED_STOPPED and new[-1] in seq.stop_token_ids:
             text_ids = new[:-1]  # a stop token ends the answer; its text is not part of it
-        delta = self.decoder.push(text_ids)
+        delta = self._push(seq, text_ids, base)
         if delta.stopped:
             self.scheduler.stop_string_matched(seq)
         text = delta.text
@@ -76,6 +77,24 @@ class Generation:
             self.chunks.put_nowait(
                 Chunk(text, seq.output_token_ids[start : self._fed], seq.output_logprobs[start : self._fed])
             )
+
+    def _push(self, seq: Sequence, token_ids: list[int], base: int) -> Delta:
+        """Feed the decoder; several tokens of one step (speculative decoding) one at a time, so that a stop string
+        ends the answer at the token that completed it, as it would one token a step: the tokens after it are
+        dropped from the sequence (with their logprobs) before it ends. ``base``: the index of ``token_ids[0]``."""
+        if len(token_ids) <= 1:
+            return self.decoder.push(token_ids)
+        text = ""
+        for i, token in enumerate(token_ids):
+            delta = self.decoder.push([token])
+            text += delta.text
+            if delta.stopped:
+                keep = base + i + 1
+                del seq.output_token_ids[keep:]
+                del seq.output_logprobs[keep:]
+                self._fed = keep
+                break
+        return dataclasses.replace(delta, text=text)
 
     async def result(self, disconnected: asyncio.Future | None = None) -> Sequence | None:
         """Wait until finished; None (and the sequence cancelled) if ``disconnected`` fires first."""

@@ -28,6 +28,13 @@ prompt takes no prompt of its own. It shares every block of that parent (``Block
 parent prefills, and when the parent's last chunk is computed it gets a copy of the parent's partial block (the
 plan's ``copies``), the parent's prompt logprobs, and its first token sampled from the parent's logits row. A
 parent that leaves before its prompt is complete hands its place to its first child (``_hand_over``).
+
+Speculative decoding (``core/speculative.py``): after the newcomers are placed and the chunks planned, each decode
+row may get draft tokens from its proposer (``_propose``), within what the token budget has left and from plain
+free blocks only (a lookahead never
+evicts a cached block or preempts anyone); the plan's ``drafts`` carry them. When the output is applied, each row
+takes the run it verified and the slots of the drafts it rejected are rolled back (``_roll_back_lookahead``), so
+between steps no sequence holds a lookahead and the books are what they would be without drafts.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from collections.abc import Iterable
 
 from core.block_manager import BlockManager, extend_block_hashes
 from core.sequence import Sequence, SequenceStatus
+from core.speculative import NgramProposer, SpecParams, SpecStats
 from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
 log = logging.getLogger("minibatch.engine")
@@ -83,6 +91,13 @@ class Planner:
         self._peak_batch = 0
         self._tokens = 0
         self.kv_window = 0  # a sliding window on every layer: blocks that left it go back to the pool
+        # Speculative decoding (core/speculative.py): the server's default (a request's own SpecParams wins), no
+        # drafts while ``spec_disable_batch_size`` or more rows decode (0: never off: a busy batch is compute-bound
+        # and verify rows cost real time there), the proposers by method, and the counters.
+        self.speculative = SpecParams()
+        self.spec_disable_batch_size = 0
+        self.proposers = {"ngram": NgramProposer()}
+        self.spec = SpecStats()
 
     # --- what is admitted ---------------------------------------------------------------------
     def num_active(self) -> int:
@@ -178,6 +193,7 @@ class Planner:
                 self._admitted.setdefault(seq.seq_id, next(self._serial))
             rows = list(self.rows) if decode else []
             chunks = self._plan_chunks(len(rows))
+            drafts = self._propose(rows, sum(c.end - c.start for c in chunks))
         except BaseException:
             self._unplace_all(newcomers)
             raise
@@ -199,8 +215,60 @@ class Planner:
             preempted=preempted,
             samples=rows + [x for p in ending for x in (p, *forks.get(p.seq_id, ()))],
             copies=copies,
+            drafts=drafts,
             start=start,
         )
+
+    # --- speculative decoding ------------------------------------------------------------------
+    def _propose(self, rows: list[Sequence], chunk_tokens: int) -> list[list[int]]:
+        """Draft tokens for each decode row (``[]`` when none has any), within the step's token budget left by the
+        decode rows and the ``chunk_tokens`` of prompt chunks (a prompt loading is never slowed by drafts), with KV
+        slots reserved for them (``BlockManager.append_lookahead``: plain free blocks only, so a draft never
+        evicts a cached block nor preempts anyone); none while ``spec_disable_batch_size`` rows or more decode."""
+        if not rows or (self.spec_disable_batch_size and len(rows) >= self.spec_disable_batch_size):
+            return []
+        budget = self.max_context
+        if self.max_num_batched_tokens:
+            budget = self.max_num_batched_tokens - len(rows) - chunk_tokens
+        drafts = []
+        for seq in rows:
+            tokens = self._drafts_for(seq, budget) if budget > 0 else []
+            if tokens:
+                tokens = tokens[: self.blocks.append_lookahead(seq.seq_id, len(tokens))]
+            budget -= len(tokens)
+            drafts.append(tokens)
+        return drafts if any(drafts) else []
+
+    def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposer's drafts for ``seq``: never past its ``max_tokens`` (the run's last token is sampled, not a
+        draft), the context or ``budget``; cut after a stop token (the sequence ends there) and where its grammar
+        would reject them."""
+        params = seq.speculation or self.speculative
+        if not params.enabled:
+            return []
+        k = min(params.num_tokens, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
+        k = min(k, self.max_context - seq.num_tokens)
+        if k <= 0:
+            return []
+        drafts = self.proposers[params.method].propose(seq, params, k)[:k]
+        for i, token in enumerate(drafts):
+            if token in seq.stop_token_ids:
+                drafts = drafts[: i + 1]
+                break
+        if seq.grammar is not None and drafts:
+            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
+        return drafts
+
+    def _roll_back_lookahead(self, rows: list[Sequence], drafts: list[list[int]], runs: list | None = None) -> None:
+        """Give back the slots of the drafts no row keeps, last row first (the reverse of ``_propose``'s taking, so
+        the free list is restored exactly): a row that took tokens keeps slots for all but its newest (as after a
+        step without drafts), one that took none (failed, or ``runs`` None: the step did not run) its last token's."""
+        for i in reversed(range(len(drafts))):
+            seq = rows[i]
+            if not drafts[i] or seq.seq_id not in self.blocks:
+                continue
+            took = runs is not None and not isinstance(runs[i], RowFailure)
+            self.blocks.rollback(seq.seq_id, seq.num_tokens - 1 if took else seq.num_tokens)
 
     def _plan_chunks(self, n_decode: int) -> list[Chunk]:
         """A chunk per prefilling sequence, oldest first, within the budget left after the decode rows (and, when
@@ -221,7 +289,9 @@ class Planner:
         return chunks
 
     def abandon(self, plan: BatchPlan) -> None:
-        """The engine failed on ``plan``: its newcomers hold nothing again (its preemptions stand)."""
+        """The engine failed on ``plan``: its decode rows give back their drafts' slots and its newcomers hold nothing
+        again (its preemptions, and the rows' slots for their next token, stand)."""
+        self._roll_back_lookahead(plan.decode, plan.drafts)
         self._unplace_all(plan.newcomers)
 
     # --- applying a step's output ----------------------------------------------------------------
@@ -236,7 +306,7 @@ class Planner:
             if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
                 seq.admit_time = plan.start
         if plan.decode:
-            self._commit_step(plan.decode, tokens[:n], now)
+            self._commit_step(plan.decode, tokens[:n], now, plan.drafts)
         done = []
         for seq, begin, end in plan.chunks:
             self._computed[seq.seq_id] = end
@@ -253,12 +323,20 @@ class Planner:
         self._evict(finished)
         return StepResult(finished=finished, preempted=list(plan.preempted))
 
-    def _commit_step(self, rows: list[Sequence], tokens: list[int | RowFailure], now: float) -> None:
-        for seq, token in zip(rows, tokens):
-            _take(seq, token, now)
+    def _commit_step(self, rows: list[Sequence], tokens: list, now: float, drafts: list[list[int]]) -> None:
+        """Decode rows take their tokens (a verified row its run, cut where the sequence finishes), the rejected
+        drafts' slots go back, and the blocks their verified tokens filled enter the cache."""
+        taken = [_take(seq, token, now) for seq, token in zip(rows, tokens)]
+        if drafts:
+            self._roll_back_lookahead(rows, drafts, tokens)
+            for draft, run, n in zip(drafts, tokens, taken):
+                if draft:
+                    accepted = len(run) - 1 if isinstance(run, list) else 0
+                    self.spec.record(len(draft), accepted, n)
+        for seq in rows:
             self._cache_fed(seq)
         self._steps += 1
-        self._tokens += len(rows)
+        self._tokens += sum(taken)
         self._peak_batch = max(self._peak_batch, len(self.rows))
 
     def _commit_newcomers(self, seqs: list[Sequence], first_tokens: list[int | RowFailure], now: float) -> None:
@@ -550,15 +628,31 @@ class Planner:
             "prefix_cache_queries": self.blocks.queried_tokens,
             "prefix_cache_hits": self.blocks.hit_tokens,
             "prefill_tokens_computed": self.prefill_tokens_computed,
+            "spec_num_drafts": self.spec.num_drafts,
+            "spec_num_draft_tokens": self.spec.num_draft_tokens,
+            "spec_num_accepted_tokens": self.spec.num_accepted_tokens,
+            "spec_num_emitted_tokens": self.spec.num_emitted_tokens,
         }
 
 
-def _take(seq: Sequence, token: int | RowFailure, now: float) -> None:
-    """A row's result: its next token, or its failure (it finishes with the error; the caller evicts it)."""
+def _take(seq: Sequence, token: int | list[int] | RowFailure, now: float) -> int:
+    """A row's result: its next token, the run of tokens a verified row emits (those past the one that finishes the
+    sequence are dropped, with their logprobs), or its failure (it finishes with the error; the caller evicts it).
+    Returns how many tokens it took."""
     if isinstance(token, RowFailure):
         seq.finish(SequenceStatus.FINISHED_ERROR, now, error=token.reason)
-    else:
+        return 0
+    if not isinstance(token, list):
         seq.append_token(token, now)
+        return 1
+    before = len(seq.output_token_ids)
+    for t in token:
+        if seq.is_finished:
+            break
+        seq.append_token(t, now)
+    if seq.logprobs is not None:
+        del seq.output_logprobs[len(seq.output_token_ids) :]
+    return len(seq.output_token_ids) - before
 
 
 def needs_prompt_logprobs(seq: Sequence) -> bool:

@@ -53,8 +53,10 @@ class BatchPlan:
     After the forward, ``copies`` (src, dst) give each completing fork its own copy of the parent's partial
     last block.
 
-    Speculative decoding has its place here: draft tokens per decode row would extend that row's fed tokens
-    and its sampled positions (verify rows), and ``StepOutput`` would carry the accepted run per row.
+    Speculative decoding (``core/speculative.py``): ``drafts[i]`` (empty, or one list per decode row) are the draft
+    tokens decode row ``i`` feeds after its last token, at positions ``num_tokens .. num_tokens + k - 1``, its block
+    table covering them; the forward computes logits at every one of its positions and returns the row's emitted
+    run (a list of tokens) instead of one token.
     """
 
     decode: list[Sequence] = field(default_factory=list)
@@ -65,12 +67,21 @@ class BatchPlan:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to the queue before this step
     samples: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per decode row (empty: no row carries drafts)
     start: float = 0.0  # when the plan was made (a newcomer's admit_time)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to run: no decode row, no chunk."""
         return not self.decode and not self.chunks
+
+    def drafts_of(self, row: int) -> list[int]:
+        """The draft tokens decode row ``row`` verifies ([] for none)."""
+        return self.drafts[row] if self.drafts else []
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts))
 
     @property
     def ending(self) -> list[Chunk]:
@@ -80,9 +91,11 @@ class BatchPlan:
 
 @dataclass
 class StepOutput:
-    """What the engine computed for a plan: one token id (or ``RowFailure``) per ``BatchPlan.samples`` entry."""
+    """What the engine computed for a plan: one token id (or ``RowFailure``) per ``BatchPlan.samples`` entry; for a
+    decode row that verified drafts, the list of tokens it emits (its accepted drafts, then the token sampled after
+    them: ``core.speculative.verify_run``)."""
 
-    tokens: list[int | RowFailure]
+    tokens: list[int | list[int] | RowFailure]
 
 
 @dataclass

@@ -131,6 +131,19 @@ class GrammarState:
         """Advance past ``token_id`` (sampled under this grammar's mask)."""
         self.matcher.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` the grammar would accept from here (speculative drafts are cut
+        there); the state does not move."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def advance(self, token_ids: list[int]) -> None:
+        """Accept ``token_ids`` tentatively (to mask the positions after speculative drafts); ``rollback`` undoes."""
+        self.matcher.consume_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and allows nothing more (then the sequence stops)."""

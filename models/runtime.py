@@ -15,6 +15,7 @@ import os
 from config import Config
 from core.sampling import NonFiniteLogits, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from core.sequence import Sequence
+from core.speculative import verify_run
 from core.step import BatchPlan, RowFailure
 from engine import ChatTemplateError, FakeEngine, InferenceEngine
 from model_runner import ModelRunner
@@ -63,6 +64,7 @@ class ModelEngine(InferenceEngine):
         )
         self.model_name = config.model_id
         self.planner.kv_window = kv_window
+        configure_speculation(self.planner, config)
         self._heap = HeapTrimmer()
         return num_blocks
 
@@ -102,95 +104,143 @@ class ModelEngine(InferenceEngine):
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _forward(self, plan: BatchPlan) -> list[int | RowFailure]:
+    def _forward(self, plan: BatchPlan) -> list[int | list[int] | RowFailure]:
         """Decode rows and prompt chunks in one forward (the weights stream once: a decode step alone is bound by
         that); tokens only where a chunk ends its sequence.
 
-        A chunk whose sequence asked for prompt logprobs gets logits at every position (scored into
-        ``seq.prompt_logprobs``); every other chunk only at its last, and only when it ends the sequence.
+        A decode row with draft tokens (speculative decoding) is fed as a chunk of its last token and its drafts,
+        with logits at every position, and gets the run it verified (``_verify``). A chunk whose sequence asked for
+        prompt logprobs gets logits at every position (scored into ``seq.prompt_logprobs``); every other chunk only
+        at its last, and only when it ends the sequence.
         """
         decode, chunks, n = plan.decode, plan.chunks, len(plan.decode)
+        drafts = [plan.drafts_of(i) for i in range(n)]
+        plain = [i for i in range(n) if not drafts[i]]
+        verify = [i for i in range(n) if drafts[i]]
         every = [_scores_prompt(seq, start) for seq, start, _ in chunks]
+        full = [True] * len(verify) + every
         logits = self._logits(
-            [s.last_token_id for s in decode],
-            [s.num_tokens - 1 for s in decode],
-            plan.tables[:n],
-            [(s.prompt_token_ids + s.output_token_ids)[start:end] for s, start, end in chunks],
-            plan.tables[n:],
-            [start for _, start, _ in chunks],
-            every if any(every) else (),
-        )  # [len(decode) + one row per chunk (every position of a scoring chunk), V]
+            [decode[i].last_token_id for i in plain],
+            [decode[i].num_tokens - 1 for i in plain],
+            [plan.tables[i] for i in plain],
+            [[decode[i].last_token_id, *drafts[i]] for i in verify]
+            + [(s.prompt_token_ids + s.output_token_ids)[start:end] for s, start, end in chunks],
+            [plan.tables[i] for i in verify] + plan.tables[n:],
+            [decode[i].num_tokens - 1 for i in verify] + [start for _, start, _ in chunks],
+            full if any(full) else (),
+        )  # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
         if chunks:  # prompt chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
-        keep, row = list(range(n)), n
-        for (seq, start, end), full in zip(chunks, every):
-            k = end - start if full else 1
-            if full:
+        first = dict(zip(plain, range(len(plain))))  # decode row -> its first logits row
+        row = len(plain)
+        for i in verify:
+            first[i], row = row, row + len(drafts[i]) + 1
+        keep = [first[i] for i in range(n)]
+        for (seq, start, end), scored in zip(chunks, every):
+            k = end - start if scored else 1
+            if scored:
                 _score_prompt(seq, logits[row : row + k], start, end)
             if end == seq.num_tokens:  # its forked choices sample from its last row too
                 keep += [row + k - 1] * (1 + len(plan.forks.get(seq.seq_id, ())))
             row += k
+        if verify:
+            return self._verify(logits, plan.samples, keep, drafts)
         if keep != list(range(logits.shape[0])):
             logits = logits[keep]
-        return self._next_tokens(logits, plan.samples)
+        tokens = self._next_tokens(logits, plan.samples)
+        self._add_logprobs(logits, plan.samples, tokens)
+        return tokens
+
+    def _verify(self, logits, samples: list[Sequence], first: list[int], drafts: list[list[int]]) -> list:
+        """Speculative decoding: ``samples[i]`` samples from logits row ``first[i]``, and a decode row with ``k``
+        drafts from its ``k + 1`` rows from there, position ``j`` as if its first ``j`` drafts were accepted (its
+        penalties, seed step and grammar mask after them). One token (or RowFailure) per plain sample; the run
+        (``core.speculative.verify_run``) per verified row, cut before a position that failed (a RowFailure if
+        the first did). Logprobs for the emitted tokens only."""
+        drafts = drafts + [[]] * (len(samples) - len(drafts))
+        rows = [r + j for r, d in zip(first, drafts) for j in range(len(d) + 1)]
+        owners = [s for s, d in zip(samples, drafts) for _ in range(len(d) + 1)]
+        before = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        raw = logits[rows]
+        sampled = self._next_tokens(raw, owners, before)
+        out: list = []
+        emitted_rows: list[int] = []
+        at = 0
+        for d in drafts:
+            mine = sampled[at : at + len(d) + 1]
+            if not d:
+                out.append(mine[0])
+                emitted_rows.append(at)
+            else:
+                good = next((j for j, t in enumerate(mine) if isinstance(t, RowFailure)), len(mine))
+                run = verify_run(mine[:good], d) if good else mine[0]
+                out.append(run)
+                emitted_rows += range(at, at + len(run)) if good else [at]
+            at += len(d) + 1
+        tokens = [t for r in out for t in (r if isinstance(r, list) else [r])]
+        self._add_logprobs(raw[emitted_rows], [owners[r] for r in emitted_rows], tokens)
+        return out
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.model.copy_block(src, dst)
 
-    def _next_tokens(self, logits, seqs: list[Sequence]) -> list[int | RowFailure]:
-        """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams.
+    def _next_tokens(self, logits, seqs: list[Sequence], drafted: list[list[int]] | None = None) -> list:
+        """logits: [N, V] for seqs -> one token id each, under each sequence's SamplingParams; ``drafted[i]``: the
+        draft tokens row i comes after (sampled as if they were accepted).
 
         A row whose logits are not finite, or whose sampling fails, gets a ``RowFailure``; the others
-        are sampled as if it were not there. Logprobs, where asked for, come from the raw logits
-        (before penalties and temperature).
+        are sampled as if it were not there. Logprobs are the caller's (``_add_logprobs``, from the raw logits:
+        before penalties and temperature).
         """
+        outputs = [
+            s.output_token_ids + d if drafted and d else s.output_token_ids for s, d in zip(seqs, drafted or seqs)
+        ]
         results: list[int | RowFailure] = [RowFailure(SAMPLING_FAILED)] * len(seqs)
         rows = list(range(len(seqs)))
-        raw, logits = logits, self._constrain(logits, seqs)
+        logits = self._constrain(logits, seqs, drafted)
         try:
-            tokens = self._sample(logits, seqs)
+            tokens = self._sample(logits, seqs, outputs)
         except NonFiniteLogits as exc:
             log.error("non-finite logits for sequences %s", [seqs[i].seq_id for i in exc.rows])
             for i in exc.rows:
                 results[i] = RowFailure(NON_FINITE_LOGITS)
             rows = [i for i in rows if i not in set(exc.rows)]
-            tokens = self._sample_rows(logits, seqs, rows)
+            tokens = self._sample_rows(logits, seqs, rows, outputs)
         except Exception:  # a bug or an edge no range check foresaw: find the rows it belongs to
             log.exception("sampling a batch of %d failed; sampling its rows one at a time", len(seqs))
-            tokens = self._sample_rows(logits, seqs, rows)
+            tokens = self._sample_rows(logits, seqs, rows, outputs)
         vocab = logits.shape[-1]
         for i, token in zip(rows, tokens):
             if isinstance(token, int) and not 0 <= token < vocab:
                 log.error("sampling gave token %d outside [0, %d) for sequence %d", token, vocab, seqs[i].seq_id)
                 token = RowFailure(SAMPLING_FAILED)
             results[i] = token
-        self._add_logprobs(raw, seqs, results)
         return results
 
     @staticmethod
-    def _constrain(logits, seqs: list[Sequence]):
+    def _constrain(logits, seqs: list[Sequence], drafted: list[list[int]] | None = None):
         """Structured output: the logits with each grammar row's disallowed tokens at -inf (a copy), or
         ``logits`` itself when no row has a grammar (an unconstrained batch pays nothing). The masks are
-        computed here, in the engine thread, one row at a time."""
+        computed here, in the engine thread, one row at a time; a row after drafts gets the mask of the
+        grammar's state after them."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return logits
-        mask = grammar_bitmask([seqs[i].grammar for i in rows], logits.shape[-1])
+        grammars = [_AfterDrafts(seqs[i].grammar, drafted[i] if drafted else []) for i in rows]
+        mask = grammar_bitmask(grammars, logits.shape[-1])
         return apply_token_bitmask(logits, rows, mask)
 
     @staticmethod
-    def _sample(logits, seqs: list[Sequence]) -> list[int]:
-        """logits: [n, V] -> one token per sequence (``sampling.sample``)."""
-        return sample(
-            logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]
-        )
+    def _sample(logits, seqs: list[Sequence], outputs: list[list[int]]) -> list[int]:
+        """logits: [n, V] -> one token per sequence (``sampling.sample``), ``outputs[i]`` its tokens so far."""
+        return sample(logits, [s.sampling for s in seqs], [s.prompt_token_ids for s in seqs], outputs)
 
-    def _sample_rows(self, logits, seqs: list[Sequence], rows: list[int]) -> list[int | RowFailure]:
+    def _sample_rows(self, logits, seqs: list[Sequence], rows: list[int], outputs) -> list[int | RowFailure]:
         """Each of ``rows`` alone: a row that still fails gets a RowFailure, the others their token."""
         out: list[int | RowFailure] = []
         for i in rows:
             try:
-                out.append(self._sample(logits[i : i + 1], [seqs[i]])[0])
+                out.append(self._sample(logits[i : i + 1], [seqs[i]], [outputs[i]])[0])
             except NonFiniteLogits:
                 out.append(RowFailure(NON_FINITE_LOGITS))
             except Exception:
@@ -361,6 +411,23 @@ class NativeEngine(ModelEngine):
         log.info("quantized linears: %s", int_dot.describe(config.activations))
 
 
+class _AfterDrafts:
+    """A grammar as it stands after ``drafts`` (``GrammarState.fill_mask`` advanced, then rolled back)."""
+
+    def __init__(self, grammar, drafts: list[int]) -> None:
+        self.grammar, self.drafts = grammar, drafts
+
+    def fill_mask(self, address: int, nbytes: int) -> None:
+        if not self.drafts:
+            self.grammar.fill_mask(address, nbytes)
+            return
+        self.grammar.advance(self.drafts)
+        try:
+            self.grammar.fill_mask(address, nbytes)
+        finally:
+            self.grammar.rollback(len(self.drafts))
+
+
 def _scores_prompt(seq: Sequence, start: int) -> bool:
     """Whether a chunk of ``seq`` from ``start`` computes prompt logprobs: the sequence asked for them, the
     chunk has a position that predicts a prompt token, and they are not complete already (a sequence
@@ -471,7 +538,7 @@ def build_engine(config: Config) -> InferenceEngine:
     Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
     """
     if config.is_fake:
-        return FakeEngine(
+        engine = FakeEngine(
             capacity=config.max_batch_size,
             stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
             num_blocks=config.fake_kv_blocks,
@@ -480,7 +547,15 @@ def build_engine(config: Config) -> InferenceEngine:
             prefix_caching=config.prefix_caching,
             max_prefill_while_decoding=config.max_prefill_tokens_while_decoding,
         )
+        configure_speculation(engine.planner, config)
+        return engine
     return NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+
+
+def configure_speculation(planner, config: Config) -> None:
+    """The planner's speculative decoding from the config: the requests' default and the batch size it stops at."""
+    planner.speculative = config.speculative
+    planner.spec_disable_batch_size = config.speculative_disable_by_batch_size
 
 
 def uses_native_runtime(config: Config) -> bool:

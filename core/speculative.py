@@ -1,0 +1,134 @@
+"""Speculative decoding: what a step proposes ahead of a sequence, and the books of what it accepted. No torch.
+
+A decode row may carry ``k`` draft tokens into a step (vLLM v1's scheme, inside the planner's token budget). The
+planner (``core/planner.py``) asks the sequence's proposer for them when it plans the step, reserves KV slots for
+them, and the row feeds its last token and the drafts at positions ``n - 1 .. n - 1 + k``, causally, with logits at
+every position: one forward verifies them all. The engine samples each position as if the drafts before it had been
+accepted (its penalties, seed step and grammar state after them) and emits the sampled tokens up to and including
+the first one that differs from its draft (``verify_run``); the planner appends them, then rolls the rejected
+drafts' slots back, so the block manager's books are what they would be without speculation.
+
+Exactness: position ``i``'s token is exactly the token decoding without drafts would sample at that step (the same
+logits up to the rounding of a batched row, the same penalties, the same seeded uniform, the same grammar mask), and
+a draft only decides how many of those positions one forward computes. So greedy output is the output without
+speculation token for token, and a sampled row keeps the target distribution and, seeded, its very tokens: for a
+proposer without probabilities (n-gram) accepting draft ``d`` exactly when the target samples ``d`` is rejection
+sampling with acceptance ``p(d)``. What a draft never changes: ``max_tokens`` (the run stops at it), stop tokens,
+the prefix cache (only verified tokens' blocks enter it), logprobs (of the emitted tokens only).
+
+Proposers: ``NgramProposer`` (prompt lookup, vLLM's ``ngram`` method / llama.cpp's ``ngram-simple``). Each request
+may choose its own (``SpecParams``), with the server's default otherwise (config ``SPECULATIVE_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPEC_METHODS = ("off", "ngram")
+MAX_SPEC_TOKENS = 16  # most draft tokens per row and step
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """One request's speculation: ``method`` ("off" or "ngram"), up to ``num_tokens`` drafts per step, looked up as
+    the continuation of the sequence's last ``lookup_max`` .. ``lookup_min`` tokens found earlier in it."""
+
+    method: str = "off"
+    num_tokens: int = 4
+    lookup_min: int = 2
+    lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+        if not 1 <= self.num_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPEC_TOKENS}] (got {self.num_tokens})")
+        if not 1 <= self.lookup_min <= self.lookup_max <= 32:
+            raise ValueError(
+                f"prompt lookup needs 1 <= min <= max <= 32 (got min {self.lookup_min}, max {self.lookup_max})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+class NgramIndex:
+    """Where each n-gram (``min_n <= n <= max_n``) of one sequence's tokens last occurred, extended as tokens come:
+    a lookup costs a dict probe per n, not a scan of the context."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # the n-grams ending before this position are in ``after``
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` (of
+        ``max_n`` down to ``min_n`` tokens); [] when no suffix occurred before."""
+        last = len(tokens) - 1
+        for end in range(self.indexed, last):  # n-grams ending at ``end``, followed by tokens[end + 1]
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.after[n][tuple(tokens[end - n + 1 : end + 1])] = end + 1
+        self.indexed = max(self.indexed, last)
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            start = self.after[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's ``ngram``): drafts are what followed the sequence's current suffix the last time it
+    occurred in its prompt or output. Free to compute; it wins where the answer repeats the prompt."""
+
+    def propose(self, seq, params: SpecParams, k: int) -> list[int]:
+        index = seq.draft_index
+        if index is None or (index.min_n, index.max_n) != (params.lookup_min, params.lookup_max):
+            index = seq.draft_index = NgramIndex(params.lookup_min, params.lookup_max)
+        return index.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+
+
+def verify_run(sampled: list[int], drafts: list[int]) -> list[int]:
+    """The tokens a verified row emits: ``sampled[i]`` is what position ``i`` sampled given the drafts before it
+    accepted (``len(drafts) + 1`` of them); each is kept up to and including the first that differs from its
+    draft (the last position's, past every draft, is the bonus token)."""
+    run = []
+    for i, token in enumerate(sampled):
+        run.append(token)
+        if i >= len(drafts) or token != drafts[i]:
+            break
+    return run
+
+
+@dataclass
+class SpecStats:
+    """Counters of the drafts verified so far (vLLM's ``spec_decode_*``): rows that carried drafts, draft tokens
+    proposed, accepted, accepted at each position, and the tokens those rows emitted (accepted + one each)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=lambda: [0] * MAX_SPEC_TOKENS)
+
+    def record(self, proposed: int, accepted: int, emitted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += emitted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed one (0 when none was proposed)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "spec_num_drafts": self.num_drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_emitted_tokens": self.num_emitted_tokens,
+            "spec_accepted_per_pos": list(self.accepted_per_pos),
+        }

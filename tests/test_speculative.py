@@ -1,0 +1,432 @@
+"""Speculative decoding (core/speculative.py, the planner's drafts, the engines' verification): the n-gram
+proposer, and output with drafts token for token the output without them, through the planner's loop, with the
+block manager's books and the KV pool as they would be without drafts.
+
+The fake-engine half here runs anywhere, fast; the model half (GPT-2 and Llama, both runtimes) is in
+``test_speculative_model.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from core.sequence import Sequence, SequenceStatus, group_choices
+from core.speculative import NgramIndex, SpecParams, verify_run
+from engine import FakeEngine, RowFailure
+
+from conftest import schedule_all
+
+NGRAM = SpecParams("ngram", num_tokens=4, lookup_min=2, lookup_max=3)
+
+
+# --- the proposer ------------------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
+    index = NgramIndex(2, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # the suffix 1 2 3 (n = 3) occurred at 0; 2 3 (n = 2) later, at 6: the longest suffix wins
+    assert index.propose(tokens, 3) == [4, 5, 9]
+    tokens += [4, 5]
+    assert index.propose(tokens, 2) == [9, 2]  # 3 4 5 occurred at 2: what followed it
+    assert index.propose(tokens + [6, 6, 6], 4) == [6]  # 6 6 at the end: the earlier 6 6 overlaps, then the end
+    assert NgramIndex(2, 3).propose([1, 2, 3, 4], 4) == []  # nothing occurred before
+    assert NgramIndex(1, 1).propose([5], 4) == []
+
+
+def test_ngram_index_extends_incrementally():
+    """Indexing as tokens come gives what indexing all at once gives."""
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    growing = NgramIndex(1, 4)
+    for n in range(1, len(tokens) + 1):
+        assert growing.propose(tokens[:n], 5) == NgramIndex(1, 4).propose(tokens[:n], 5), n
+
+
+def test_verify_run_stops_at_the_first_difference():
+    assert verify_run([7], []) == [7]
+    assert verify_run([1, 2, 3], [1, 2]) == [1, 2, 3]  # all accepted, then the bonus token
+    assert verify_run([1, 5, 3], [1, 2]) == [1, 5]
+    assert verify_run([4, 2, 3], [1, 2]) == [4]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"method": "eagle"}, {"num_tokens": 0}, {"num_tokens": 17}, {"lookup_min": 0}, {"lookup_min": 3, "lookup_max": 2}],
+)
+def test_spec_params_are_validated(kw):
+    with pytest.raises(ValueError):
+        SpecParams(**{"method": "ngram", **kw})
+
+
+# --- through the planner, on the fake engine ------------------------------------------------------------------
+def copy_token(seq: Sequence) -> int:
+    """The fake model of a copy task: it repeats its prompt cyclically (what prompt lookup predicts), except at
+    positions its prompt picks, where it says something else (a draft is rejected there)."""
+    n, prompt = len(seq.output_token_ids), seq.prompt_token_ids
+    salt = sum(prompt) + n
+    if salt % 7 == 0:
+        return 100 + salt % 150
+    return prompt[n % len(prompt)]
+
+
+def workload(rng: random.Random, count: int, logprobs: bool = False) -> list[Sequence]:
+    """Prompts of repeating phrases (some sharing a prefix), budgets from 1 to 40, some with a stop token from
+    their phrase (it lands mid-draft), some choices of one prompt (n > 1)."""
+    seqs, shared = [], [rng.randrange(2, 90) for _ in range(40)]
+    while len(seqs) < count:
+        phrase = [rng.randrange(2, 90) for _ in range(rng.randrange(3, 9))]
+        prompt = (shared[: rng.choice([0, 0, 33, 40])] + phrase * rng.randrange(1, 5))[:120]
+        stops = frozenset([phrase[rng.randrange(len(phrase))]]) if rng.random() < 0.3 else frozenset()
+        n = rng.choice([1, 1, 1, 2, 3])
+        group = [
+            Sequence(
+                prompt_token_ids=list(prompt),
+                max_new_tokens=rng.randrange(1, 41),
+                stop_token_ids=stops,
+                logprobs=1 if logprobs else None,
+            )
+            for _ in range(n)
+        ]
+        if n > 1:
+            for s in group[1:]:
+                s.max_new_tokens = group[0].max_new_tokens
+            group_choices(group)
+        seqs += group
+    return seqs
+
+
+def fresh_copies(seqs: list[Sequence]) -> list[Sequence]:
+    """The same requests, not run yet (and grouped as they were)."""
+    out, groups = [], {}
+    for s in seqs:
+        c = Sequence(
+            prompt_token_ids=list(s.prompt_token_ids),
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=s.stop_token_ids,
+            logprobs=s.logprobs,
+            speculation=s.speculation,
+        )
+        out.append(c)
+        if s.group is not None:
+            groups.setdefault(id(s.group), []).append(c)
+    for group in groups.values():
+        group_choices(group)
+    return out
+
+
+def checked_engine(**kw) -> FakeEngine:
+    """A FakeEngine whose shadow KV pool checks every read (``check_kv``), and whose books are checked after every
+    step: consistent, and no sequence holding a slot past its newest token (no lookahead survives a step)."""
+    kw.setdefault("capacity", 4)
+    kw.setdefault("token_fn", copy_token)
+    eng = FakeEngine(check_kv=True, **kw)
+    update = eng.planner.update_from_output
+
+    def checked(plan, output, now=None):
+        result = update(plan, output, now)
+        bm = eng.blocks
+        bm.check()
+        for seq in eng.planner.rows:
+            assert bm.num_tokens(seq.seq_id) == seq.num_tokens - 1, (seq.seq_id, bm.num_tokens(seq.seq_id))
+            assert len(bm.block_table(seq.seq_id)) == bm.blocks_for(seq.num_tokens - 1)
+        return result
+
+    eng.planner.update_from_output = checked
+    return eng
+
+
+def run_both(seqs: list[Sequence], spec: SpecParams, **kw) -> tuple[FakeEngine, FakeEngine, list[Sequence]]:
+    """``seqs`` without drafts, and copies of them with ``spec``, through the planner's loop on fresh engines."""
+    off, on = checked_engine(**kw), checked_engine(speculative=spec, **kw)
+    copies = fresh_copies(seqs)
+    schedule_all(off, seqs)
+    schedule_all(on, copies)
+    return off, on, copies
+
+
+def assert_same_output(a: list[Sequence], b: list[Sequence]) -> None:
+    for x, y in zip(a, b):
+        assert y.output_token_ids == x.output_token_ids, (x.prompt_token_ids, x.max_new_tokens)
+        assert y.status is x.status
+        assert len(y.output_token_ids) <= y.max_new_tokens
+        if x.logprobs is not None:
+            assert [lp.token_id for lp in y.output_logprobs] == y.output_token_ids
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # whole prompts, roomy pool
+        {"max_num_batched_tokens": 24},  # chunked prefill beside verifying rows, drafts in the token budget
+        {"num_blocks": 14, "block_size": 8, "max_num_batched_tokens": 32},  # pressure: preemption, evictions
+        {"prefix_caching": False, "block_size": 4},
+    ],
+    ids=["whole", "chunked", "pressure", "nocache"],
+)
+def test_drafts_change_no_token(kw):
+    """Joins (more requests than rows), stop tokens and max_tokens landing mid-draft, chunked prefill, prefix-cache
+    hits, preemption, n > 1, logprobs: the same tokens, statuses and logprobs with n-gram drafts as without."""
+    seqs = workload(random.Random(1), 40, logprobs=True)
+    off, on, copies = run_both(seqs, NGRAM, **kw)
+    assert_same_output(seqs, copies)
+    stats = on.planner.spec
+    assert stats.num_accepted_tokens > 50 and stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert on.planner.stats()["steps"] < off.planner.stats()["steps"], "drafts saved no step"
+    assert on.planner.stats()["generated_tokens"] == off.planner.stats()["generated_tokens"]
+    for eng in (off, on):
+        assert eng.blocks.is_all_free() and not eng.num_active()
+    if "num_blocks" not in kw:  # no eviction: the prefix cache holds the same blocks (only verified tokens)
+        assert set(on.blocks._cached) == set(off.blocks._cached)
+    else:
+        assert on.planner.num_preemptions and off.planner.num_preemptions
+
+
+def test_rejected_drafts_leave_the_books_as_without_them():
+    """A proposer whose every draft is wrong: each step's books (tables, reserved slots, the free list in its order,
+    the prefix cache) are exactly those of the same step without drafts."""
+
+    class Wrong:
+        def propose(self, seq, params, k):
+            return [300] * k  # never a token copy_token says
+
+    def snapshots(eng, seqs):
+        shots, update = [], eng.planner.update_from_output
+        name = {s.seq_id: i for i, s in enumerate(seqs)}  # the runs' sequences have other ids
+
+        def snap(plan, output, now=None):
+            result = update(plan, output, now)
+            bm = eng.blocks
+            shots.append(
+                (
+                    {name[k]: list(v) for k, v in bm._tables.items()},
+                    {name[k]: v for k, v in bm._num_tokens.items()},
+                    list(bm._free),
+                    list(bm._evictable),
+                    dict(bm._cached),
+                    [name[s.seq_id] for s in eng.planner.rows],
+                )
+            )
+            return result
+
+        eng.planner.update_from_output = snap
+        schedule_all(eng, seqs)
+        return shots
+
+    seqs = workload(random.Random(2), 24)
+    kw = {"num_blocks": 40, "block_size": 4}
+    on = checked_engine(speculative=NGRAM, **kw)
+    on.planner.proposers["ngram"] = Wrong()
+    copies = fresh_copies(seqs)
+    off_shots = snapshots(checked_engine(**kw), seqs)
+    on_shots = snapshots(on, copies)
+    assert_same_output(seqs, copies)
+    assert on.planner.spec.num_draft_tokens > 100 and on.planner.spec.num_accepted_tokens == 0
+    assert len(on_shots) == len(off_shots)
+    for i, (a, b) in enumerate(zip(off_shots, on_shots)):
+        assert a == b, f"step {i}"
+
+
+def test_drafts_stay_within_the_token_budget_and_free_blocks():
+    """The drafts of a step fit the token budget left by the decode rows and the prompt chunks."""
+    eng = checked_engine(speculative=SpecParams("ngram", num_tokens=8, lookup_min=1, lookup_max=2))
+    eng.planner.max_num_batched_tokens = 10
+    seqs = [Sequence(prompt_token_ids=[5, 6] * 10, max_new_tokens=30) for _ in range(4)]
+    waiting = list(seqs)
+    seen = 0
+    while not all(s.is_finished for s in seqs):
+        plan = eng.planner.schedule(waiting)
+        waiting = [s for s in waiting if s not in plan.newcomers]
+        chunked = sum(c.end - c.start for c in plan.chunks)
+        assert not plan.drafts or len(plan.decode) + plan.num_draft_tokens + chunked <= 10
+        seen += plan.num_draft_tokens
+        eng.planner.update_from_output(plan, eng.execute(plan))
+    assert seen
+
+
+def test_no_drafts_at_or_past_the_disable_batch_size():
+    eng = checked_engine(speculative=NGRAM, capacity=4)
+    eng.planner.spec_disable_batch_size = 3
+    seqs = [Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=n) for n in (4, 6, 30, 30)]
+    waiting = list(seqs)
+    while not all(s.is_finished for s in seqs):
+        plan = eng.planner.schedule(waiting)
+        waiting = [s for s in waiting if s not in plan.newcomers]
+        if len(plan.decode) >= 3:
+            assert not plan.drafts
+        eng.planner.update_from_output(plan, eng.execute(plan))
+    assert eng.planner.spec.num_drafts  # the last two rows, alone, did draft
+
+
+def test_a_request_chooses_its_own_speculation():
+    """A sequence's SpecParams win over the server's default, either way."""
+    seqs = [Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=12, speculation=NGRAM)]
+    eng = checked_engine()
+    schedule_all(eng, seqs)
+    assert eng.planner.spec.num_drafts
+    off = Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=12, speculation=SpecParams("off"))
+    eng = checked_engine(speculative=NGRAM)
+    schedule_all(eng, [off])
+    assert not eng.planner.spec.num_drafts
+    assert off.output_token_ids == seqs[0].output_token_ids
+
+
+def test_a_failed_step_gives_the_lookahead_back():
+    """The engine raises on a step with drafts: the rows keep only their next token's slot, as without drafts."""
+    failing = []
+
+    def fault(step_no):
+        if failing:
+            raise RuntimeError("boom")
+
+    class Always:
+        def propose(self, seq, params, k):
+            return seq.prompt_token_ids[:k]
+
+    eng = checked_engine(speculative=NGRAM, step_fault=fault)
+    eng.planner.proposers["ngram"] = Always()
+    seqs = [Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=20) for _ in range(2)]
+    eng.run_step(seqs, decode=False)
+    eng.run_step()
+    plan = eng.planner.schedule([])
+    assert plan.num_draft_tokens == 8
+    failing.append(True)
+    with pytest.raises(RuntimeError):
+        eng.execute(plan)
+    failing.clear()
+    eng.planner.abandon(plan)
+    for s in seqs:
+        assert eng.blocks.num_tokens(s.seq_id) == s.num_tokens
+    eng.blocks.check()
+    while eng.num_active():
+        eng.step()
+    assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in seqs)
+
+
+def test_a_row_failing_while_it_verifies_fails_alone():
+    def fn(seq):
+        if seq.prompt_token_ids[0] == 9 and len(seq.output_token_ids) == 5:
+            return RowFailure("bad row")
+        return copy_token(seq)
+
+    eng = checked_engine(speculative=NGRAM, token_fn=fn)
+    bad = Sequence(prompt_token_ids=[9, 6, 7] * 6, max_new_tokens=20)
+    good = Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=20)
+    schedule_all(eng, [bad, good])
+    assert bad.status is SequenceStatus.FINISHED_ERROR and len(bad.output_token_ids) <= 5
+    assert good.status is SequenceStatus.FINISHED_LENGTH and len(good.output_token_ids) == 20
+    assert eng.blocks.is_all_free()
+
+
+# --- through the server ---------------------------------------------------------------------------------------
+def copying_engine() -> FakeEngine:
+    """A fake model that answers with its prompt, from its first byte on, cyclically: n-gram drafts are accepted
+    from the second token on."""
+
+    def fn(seq: Sequence) -> int:
+        prompt, n = seq.prompt_token_ids, len(seq.output_token_ids)
+        return prompt[n % len(prompt)]
+
+    return FakeEngine(capacity=4, token_fn=fn, check_kv=True)
+
+
+PASTE = "Fix this text: the quick brown fox jumps over the lazy dog, then naps under an old oak tree by the river."
+
+
+def test_speculative_requests_answer_as_without(monkeypatch):
+    """/generate and /v1/chat/completions (streamed and not) with n-gram drafts answer the text, tokens,
+    finish reasons, usage and logprobs they answer without, a stop string landing mid-draft included; /metrics
+    counts the drafts."""
+    from conftest import metric, run, scrape, serving, sse_events
+
+    async def answers(spec):
+        extra = {"speculative": spec} if spec else {}
+        out = []
+        async with serving(copying_engine(), max_new_tokens_limit=200) as c:
+            for body in (
+                {"prompt": PASTE, "max_new_tokens": 90},
+                {"prompt": PASTE, "max_new_tokens": 90, "stop": ["old oak"]},
+                {"prompt": PASTE, "max_new_tokens": 37},
+            ):
+                r = await c.post("/generate", json={**body, **extra})
+                assert r.status_code == 200, r.text
+                j = r.json()
+                out.append((j["text"], j["token_ids"], j["finish_reason"], j["usage"]))
+            body = {"prompt": PASTE, "max_tokens": 50, "temperature": 0, "logprobs": 1, "stop": ["lazy"], **extra}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            out.append((choice["text"], choice["logprobs"], r.json()["usage"]))
+            chat = {"messages": [{"role": "user", "content": PASTE}], "max_tokens": 60, "temperature": 0, **extra}
+            r = await c.post("/v1/chat/completions", json={**chat, "stop": ["brown fox"]})
+            assert r.status_code == 200, r.text
+            j = r.json()
+            out.append((j["choices"][0]["message"]["content"], j["choices"][0]["finish_reason"], j["usage"]))
+            r = await c.post(
+                "/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}}
+            )
+            events = [e for e in sse_events(r.text) if e != "[DONE]"]
+            text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+            out.append((text, events[-1]["usage"]))
+            drafts = metric(await scrape(c), "minibatch:spec_decode_num_draft_tokens_total")
+            accepted = metric(await scrape(c), "minibatch:spec_decode_num_accepted_tokens_total")
+        return out, drafts, accepted
+
+    off, none, _ = run(answers(None))
+    on, drafts, accepted = run(answers({"method": "ngram", "num_speculative_tokens": 5}))
+    assert none == 0 and drafts > 100 and accepted > 0.8 * drafts, (drafts, accepted)
+    assert on == off
+    assert off[1][2] == "stop" and off[1][0].endswith("then naps under an ")  # the stop string, mid-draft
+
+
+def test_speculative_field_is_validated():
+    from conftest import assert_error, run, serving
+
+    async def go():
+        async with serving() as c:
+            r = await c.post(
+                "/generate",
+                json={"prompt": "hi", "speculative": {"method": "draft_model", "draft_model": "tiny-draft"}},
+            )
+            assert_error(r, 400, contains="tiny-draft")
+            r = await c.post("/v1/completions", json={"prompt": "hi", "speculative": {"draft_model": "x"}})
+            assert_error(r, 400, contains="'x'")
+            r = await c.post("/generate", json={"prompt": "hi", "speculative": {"method": "eagle"}})
+            assert r.status_code == 422
+            r = await c.post("/generate", json={"prompt": "hi", "speculative": {"num_speculative_tokens": 99}})
+            assert r.status_code == 422
+            r = await c.post(
+                "/generate", json={"prompt": "hi", "speculative": {"prompt_lookup_min": 5, "prompt_lookup_max": 3}}
+            )
+            assert_error(r, 400, contains="lookup")
+            r = await c.post("/generate", json={"prompt": "hi", "speculative": {"method": "ngram"}})
+            assert r.status_code == 200
+
+    run(go())
+
+
+def test_config_knobs():
+    from config import Config, ConfigError
+    from models.runtime import build_engine
+
+    cfg = Config.from_env(
+        {
+            "MODEL_ID": "fake",
+            "SPECULATIVE_METHOD": "ngram",
+            "NUM_SPECULATIVE_TOKENS": "6",
+            "PROMPT_LOOKUP_MIN": "1",
+            "PROMPT_LOOKUP_MAX": "5",
+            "SPECULATIVE_DISABLE_BY_BATCH_SIZE": "3",
+        }
+    )
+    eng = build_engine(cfg)
+    assert eng.planner.speculative == SpecParams("ngram", 6, 1, 5)
+    assert eng.planner.spec_disable_batch_size == 3
+    for env in (
+        {"SPECULATIVE_METHOD": "eagle"},
+        {"NUM_SPECULATIVE_TOKENS": "0"},
+        {"PROMPT_LOOKUP_MIN": "4", "PROMPT_LOOKUP_MAX": "2"},
+        {"SPECULATIVE_DISABLE_BY_BATCH_SIZE": "-1"},
+    ):
+        with pytest.raises(ConfigError, match=next(iter(env)) if len(env) == 1 else "PROMPT_LOOKUP_MAX"):
+            Config.from_env({"MODEL_ID": "fake", **env})
