@@ -70,6 +70,9 @@ class Config:
     # No drafts while this many sequences or more decode (0 = never off): a busy batch is compute-bound, and a
     # draft's verify row costs real time there.
     speculative_disable_by_batch_size: int = 4
+    # Each sequence's draft length follows its measured acceptance (up to NUM_SPECULATIVE_TOKENS), and a busier batch
+    # asks more of a draft (core/speculative.py DraftLength); false: always NUM_SPECULATIVE_TOKENS where a draft exists.
+    speculative_adaptive: bool = True
     # Torch intra-op threads. 0 = the physical cores of this machine (measured fastest at 1 and 8 streams
     # with OpenMP's passive wait, which the engine sets before torch loads; docs/performance.md "Threads").
     num_threads: int = 0

@@ -46,7 +46,7 @@ from collections.abc import Iterable
 
 from core.block_manager import BlockManager, extend_block_hashes
 from core.sequence import Sequence, SequenceStatus
-from core.speculative import NgramProposer, SpecParams, SpecStats
+from core.speculative import NgramProposer, SpecParams, SpecStats, draft_state
 from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
 log = logging.getLogger("minibatch.engine")
@@ -96,6 +96,7 @@ class Planner:
         # and verify rows cost real time there), the proposers by method, and the counters.
         self.speculative = SpecParams()
         self.spec_disable_batch_size = 0
+        self.spec_adaptive = True  # each sequence's draft length follows its acceptance (``DraftLength``)
         self.proposers = {"ngram": NgramProposer()}
         self.spec = SpecStats()
 
@@ -232,21 +233,25 @@ class Planner:
             budget = self.max_num_batched_tokens - len(rows) - chunk_tokens
         drafts = []
         for seq in rows:
-            tokens = self._drafts_for(seq, budget) if budget > 0 else []
+            tokens = self._drafts_for(seq, budget, len(rows)) if budget > 0 else []
             if tokens:
                 tokens = tokens[: self.blocks.append_lookahead(seq.seq_id, len(tokens))]
             budget -= len(tokens)
             drafts.append(tokens)
         return drafts if any(drafts) else []
 
-    def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
-        """The proposer's drafts for ``seq``: never past its ``max_tokens`` (the run's last token is sampled, not a
-        draft), the context or ``budget``; cut after a stop token (the sequence ends there) and where its grammar
-        would reject them."""
+    def _drafts_for(self, seq: Sequence, budget: int, rows: int) -> list[int]:
+        """The proposer's drafts for ``seq`` in a step of ``rows`` decode rows: as many as its measured acceptance
+        makes worth verifying there (``spec_adaptive``; else ``num_tokens``), never past its ``max_tokens`` (the
+        run's last token is sampled, not a draft), the context or ``budget``; cut after a stop token (the sequence
+        ends there) and where its grammar would reject them."""
         params = seq.speculation or self.speculative
         if not params.enabled:
             return []
-        k = min(params.num_tokens, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
+        k = params.num_tokens
+        if self.spec_adaptive:
+            k = draft_state(seq).length.length(k, rows)
+        k = min(k, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
         k = min(k, self.max_context - seq.num_tokens)
         if k <= 0:
             return []
@@ -329,10 +334,11 @@ class Planner:
         taken = [_take(seq, token, now) for seq, token in zip(rows, tokens)]
         if drafts:
             self._roll_back_lookahead(rows, drafts, tokens)
-            for draft, run, n in zip(drafts, tokens, taken):
+            for seq, draft, run, n in zip(rows, drafts, tokens, taken):
                 if draft:
                     accepted = len(run) - 1 if isinstance(run, list) else 0
                     self.spec.record(len(draft), accepted, n)
+                    draft_state(seq).length.update(len(draft), accepted)
         for seq in rows:
             self._cache_fed(seq)
         self._steps += 1

@@ -61,10 +61,11 @@ class Sequence:
     # Structured output: a guided.grammars.GrammarState (None: unconstrained). The engine masks the row's
     # logits with it; append_token advances it, so it always matches output_token_ids (preemption included).
     grammar: Any = None
-    # Speculative decoding: a core.speculative.SpecParams (None: the server's default), and the proposer's state
-    # over this sequence's tokens (its n-gram index), kept across steps and preemptions (tokens only append).
+    # Speculative decoding: a core.speculative.SpecParams (None: the server's default), and its state over this
+    # sequence (core.speculative.DraftState: the n-gram index, the measured acceptance), kept across steps and
+    # preemptions (tokens only append).
     speculation: Any = None
-    draft_index: Any = field(default=None, repr=False)
+    draft_state: Any = field(default=None, repr=False)
     # perf_counter() deadlines; None = no limit. Past them the scheduler ends it as FINISHED_TIMEOUT.
     queue_deadline: float | None = None
     deadline: float | None = None

@@ -77,14 +77,76 @@ class NgramIndex:
         return []
 
 
+class DraftLength:
+    """How many drafts one sequence's next step verifies (adaptive speculation), from its measured acceptance.
+
+    Drafts are accepted in a run that ends at the first rejection, so with a per-token acceptance ``a`` the k-th
+    draft is kept with probability ``a**k`` (its expected gain, in tokens), while it costs one more query row in
+    the step. A row is nearly free while a step is bound by streaming the weights (a few rows) and costs its share
+    of the step once the batch is compute-bound, so the bar a draft must clear grows with the rows the step
+    decodes: ``a**k >= ROW_COST * rows``. ``a`` is estimated from the sequence's verified steps (accepted drafts
+    are successes, the rejection ending a run a failure), decayed so it follows the text (a paragraph copied, then
+    new prose), from a prior of ``PRIOR``. A sequence that stopped drafting drifts back to the prior, so it is
+    probed again after a while. ``k_max`` (``NUM_SPECULATIVE_TOKENS``) caps it. ``ROW_COST`` is a heuristic, not
+    a measurement of this machine; ``SPECULATIVE_DISABLE_BY_BATCH_SIZE`` is the hard stop."""
+
+    PRIOR = 0.6  # per-token acceptance assumed before any verification, over PRIOR_WEIGHT pseudo-trials
+    PRIOR_WEIGHT = 2.0
+    DECAY = 0.8  # weight of the earlier trials at each verified step (about the last 5 steps count)
+    IDLE_DRIFT = 0.05  # at each step that did not draft, the estimate moves this far towards the prior
+    ROW_COST = 0.08  # the bar per decoding row: 1 row drafts while a**k >= 0.08, 8 rows while a**k >= 0.64
+
+    def __init__(self) -> None:
+        self.successes = self.PRIOR * self.PRIOR_WEIGHT
+        self.trials = self.PRIOR_WEIGHT
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated per-token acceptance."""
+        return self.successes / self.trials
+
+    def length(self, k_max: int, rows: int) -> int:
+        """Drafts worth verifying next step in a step of ``rows`` decode rows (0: none; the estimate then drifts
+        back towards the prior, so that the sequence is probed again after a while)."""
+        bar, a = min(0.95, self.ROW_COST * max(rows, 1)), self.acceptance
+        k = 0
+        while k < k_max and a ** (k + 1) >= bar:
+            k += 1
+        if not k:
+            self.successes += (self.PRIOR * self.PRIOR_WEIGHT - self.successes) * self.IDLE_DRIFT
+            self.trials += (self.PRIOR_WEIGHT - self.trials) * self.IDLE_DRIFT
+        return k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """A verified step: ``accepted`` of ``proposed`` drafts kept (a run, so ``accepted < proposed`` means one
+        rejection)."""
+        self.successes = self.successes * self.DECAY + accepted
+        self.trials = self.trials * self.DECAY + accepted + (accepted < proposed)
+
+
+class DraftState:
+    """A sequence's speculative state: its n-gram index (built for one pair of lookup lengths) and draft length."""
+
+    def __init__(self) -> None:
+        self.index: NgramIndex | None = None
+        self.length = DraftLength()
+
+
+def draft_state(seq) -> DraftState:
+    if seq.draft_state is None:
+        seq.draft_state = DraftState()
+    return seq.draft_state
+
+
 class NgramProposer:
     """Prompt lookup (vLLM's ``ngram``): drafts are what followed the sequence's current suffix the last time it
     occurred in its prompt or output. Free to compute; it wins where the answer repeats the prompt."""
 
     def propose(self, seq, params: SpecParams, k: int) -> list[int]:
-        index = seq.draft_index
+        state = draft_state(seq)
+        index = state.index
         if index is None or (index.min_n, index.max_n) != (params.lookup_min, params.lookup_max):
-            index = seq.draft_index = NgramIndex(params.lookup_min, params.lookup_max)
+            index = state.index = NgramIndex(params.lookup_min, params.lookup_max)
         return index.propose(seq.prompt_token_ids + seq.output_token_ids, k)
 
 

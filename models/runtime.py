@@ -556,6 +556,7 @@ def configure_speculation(planner, config: Config) -> None:
     """The planner's speculative decoding from the config: the requests' default and the batch size it stops at."""
     planner.speculative = config.speculative
     planner.spec_disable_batch_size = config.speculative_disable_by_batch_size
+    planner.spec_adaptive = config.speculative_adaptive
 
 
 def uses_native_runtime(config: Config) -> bool:

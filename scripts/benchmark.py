@@ -9,10 +9,13 @@
     python scripts/benchmark.py --systems ours:tree=/tmp/before,ours  # another checkout's engine beside this one
     python scripts/benchmark.py --model llama-1b:Q4_K_M --workload seed,single --systems ours,llamacpp
                                               # a Llama-3.2-1B-shaped file made once by llama.cpp's own tools
+    python scripts/benchmark.py --model smollm2 --workload copy,single \
+        --systems ours,ours:spec=off,llamacpp,llamacpp:spec=ngram-simple:n=3:m=16   # speculative decoding (issue 28)
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
-prefill, against ours:fork=off). See scripts/bench/workloads.py.
+prefill, against ours:fork=off); copy (one user pasting text to repeat or fix: speculative decoding, ours with
+n-gram drafts, against ours:spec=off and llama.cpp with and without its --spec-type). See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, models/hf_baseline.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the

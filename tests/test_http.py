@@ -217,6 +217,10 @@ def test_health_ok():
                 "prefix_cache_queries": 1,
                 "prefix_cache_hits": 0,
                 "prefill_tokens_computed": 1,
+                "spec_num_drafts": 0,
+                "spec_num_draft_tokens": 0,
+                "spec_num_accepted_tokens": 0,
+                "spec_num_emitted_tokens": 0,
             }  # the fake's default pool: 5 slots x 1024 tokens in blocks of 32, all free again
 
     bounded(body)

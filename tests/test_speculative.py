@@ -258,6 +258,42 @@ def test_no_drafts_at_or_past_the_disable_batch_size():
     assert eng.planner.spec.num_drafts  # the last two rows, alone, did draft
 
 
+def test_the_draft_length_follows_the_acceptance():
+    """Adaptive speculation: drafts that keep being accepted grow to NUM_SPECULATIVE_TOKENS; drafts that keep being
+    rejected stop (with a probe now and then), and they stop sooner in a busier batch."""
+    from core.speculative import DraftLength
+
+    good = DraftLength()
+    for _ in range(10):
+        k = good.length(8, 1)
+        good.update(k, k)
+    assert good.length(8, 1) == 8 and good.length(8, 8) >= 4
+    bad = DraftLength()
+    lengths = []
+    for _ in range(60):
+        k = bad.length(8, 1)
+        lengths.append(k)
+        if k:
+            bad.update(k, 0)
+    assert lengths[0] >= 3 and lengths[-30:].count(0) >= 18 and any(lengths[10:]), lengths  # stopped, probed again
+    assert DraftLength().length(8, 8) < DraftLength().length(8, 1)
+
+    class Wrong:
+        def propose(self, seq, params, k):
+            return [300] * k
+
+    seqs = workload(random.Random(3), 12)
+    wasted = {}
+    for adaptive in (False, True):
+        eng = checked_engine(speculative=NGRAM)
+        eng.planner.proposers["ngram"] = Wrong()
+        eng.planner.spec_adaptive = adaptive
+        copies = fresh_copies(seqs)
+        schedule_all(eng, copies)
+        wasted[adaptive] = eng.planner.spec.num_draft_tokens
+    assert wasted[True] < wasted[False] / 3, wasted
+
+
 def test_a_request_chooses_its_own_speculation():
     """A sequence's SpecParams win over the server's default, either way."""
     seqs = [Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=12, speculation=NGRAM)]
@@ -285,6 +321,7 @@ def test_a_failed_step_gives_the_lookahead_back():
 
     eng = checked_engine(speculative=NGRAM, step_fault=fault)
     eng.planner.proposers["ngram"] = Always()
+    eng.planner.spec_adaptive = False
     seqs = [Sequence(prompt_token_ids=[5, 6, 7] * 6, max_new_tokens=20) for _ in range(2)]
     eng.run_step(seqs, decode=False)
     eng.run_step()
@@ -417,9 +454,11 @@ def test_config_knobs():
             "PROMPT_LOOKUP_MIN": "1",
             "PROMPT_LOOKUP_MAX": "5",
             "SPECULATIVE_DISABLE_BY_BATCH_SIZE": "3",
+            "SPECULATIVE_ADAPTIVE": "false",
         }
     )
     eng = build_engine(cfg)
+    assert eng.planner.spec_adaptive is False
     assert eng.planner.speculative == SpecParams("ngram", 6, 1, 5)
     assert eng.planner.spec_disable_batch_size == 3
     for env in (

@@ -143,6 +143,25 @@ def print_prefill(results: dict) -> None:
         print(f"  {name:<22} prompt tokens sent {r['prompt_tokens']}{extra}")
 
 
+def print_spec(results: dict) -> None:
+    """Speculative decoding, where a system drafted: draft tokens proposed and accepted in the median run, the
+    acceptance rate, and (ours) the accepted drafts by position and the tokens per drafting step."""
+    rows = [(n, r["run_stats"]["spec"]) for n, r in results.items() if r.get("run_stats", {}).get("spec")]
+    rows = [(n, s) for n, s in rows if s.get("spec_num_draft_tokens")]
+    if not rows:
+        return
+    print("\nspeculative decoding (median run): draft tokens proposed, accepted, acceptance rate")
+    for name, s in rows:
+        proposed, accepted = s["spec_num_draft_tokens"], s["spec_num_accepted_tokens"]
+        line = f"  {name:<22} proposed {proposed:6d}, accepted {accepted:6d} ({accepted / proposed:5.1%})"
+        if s.get("spec_num_drafts"):
+            per_pos = [n for n in s.get("spec_accepted_per_pos", []) if n]
+            each = s["spec_num_emitted_tokens"] / s["spec_num_drafts"]
+            line += f"; {s['spec_num_drafts']} drafting steps emitted {each:.2f} tokens each"
+            line += f"; accepted by position {per_pos}"
+        print(line)
+
+
 def print_memory(results: dict) -> None:
     """memory: peak RSS and KV MiB per capacity against the old per-slot reservation."""
     caps = sorted({int(c) for sys_r in results.values() for c in sys_r})
@@ -252,6 +271,7 @@ def report(results: dict) -> None:
             print_by_turn(results[w])
         if w in ("shared-prefix", "multi-turn", "n-choices"):
             print_prefill(results[w])
+        print_spec(results[w])
         for name, r in results[w].items():
             if name.startswith("ours") and "overhead" in r:
                 print(f"\n-- {name} --")

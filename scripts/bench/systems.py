@@ -230,6 +230,8 @@ OURS_OPTIONS = {
     "runtime": "RUNTIME",
     "isa": "KERNEL_ISA",
     "act": "ACTIVATIONS",
+    "spec": "SPECULATIVE_METHOD",
+    "k": "NUM_SPECULATIVE_TOKENS",
 }
 
 
@@ -243,7 +245,8 @@ def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict
         env["MAX_MODEL_LEN"] = str(slot_context(workload.requests))
     env.update(workload.ours_env)
     for key, value in options.items():
-        env[OURS_OPTIONS[key]] = {"on": "true", "off": "false"}.get(value, value)
+        flag = {"on": "true", "off": "false"} if key not in ("spec",) else {}  # SPECULATIVE_METHOD=off is a method
+        env[OURS_OPTIONS[key]] = flag.get(value, value)
     return env
 
 
@@ -273,6 +276,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     def once() -> list[dict]:
         engine.reset_prefix_cache()  # every run starts cold: the warm-up must not serve the timed runs' prompts
         before = engine.planner.prefill_tokens_computed
+        spec_before = dict(engine.planner.spec.as_dict()) if hasattr(engine.planner, "spec") else None
         peak_used = 0
 
         async def main():
@@ -282,7 +286,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
             async def send(r: Request, prompt: list[int]):
                 """The request's ``n`` choices (sampled, choice j seeded j, when ``n`` > 1): all their tokens and
                 the times they arrived."""
-                seqs = [Sequence(prompt, r.max_new_tokens, ignore_eos=True) for _ in range(r.n)]
+                seqs = [Sequence(prompt, r.max_new_tokens, ignore_eos=r.ignore_eos) for _ in range(r.n)]
                 if r.n > 1:
                     for j, seq in enumerate(seqs):
                         seq.sampling = SamplingParams(temperature=1.0, seed=j)
@@ -314,6 +318,12 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         stats["num_preemptions"] = engine.planner.num_preemptions
         after = engine.planner.prefill_tokens_computed
         stats["prefill_tokens_computed"] = after - before
+        if spec_before is not None:  # this run's speculative decoding: drafts proposed, accepted, per position
+            now = engine.planner.spec.as_dict()
+            stats["spec"] = {
+                k: [a - b for a, b in zip(v, spec_before[k])] if isinstance(v, list) else v - spec_before[k]
+                for k, v in now.items()
+            }
         return out
 
     once.engine = engine
@@ -338,13 +348,25 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     }
 
 
-def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: str = "off", repack: str = "auto"):
+def system_llamacpp(
+    model_dir: str,
+    workload: Workload,
+    gguf: str = "",
+    cache: str = "off",
+    repack: str = "auto",
+    spec: str = "",
+    n: str = "",
+    m: str = "",
+):
     """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
     same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
     ids of each chunk (``return_tokens``: token times, and the output a continued turn resends).
     ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default). ``repack``: its
     weight repacking (``on``, ``off`` = ``--no-repack``, ``auto``: on, and off again where the server dies
-    while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up)."""
+    while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up). ``spec``: its
+    ``--spec-type`` (``ngram-simple``, ``ngram-map-k``, ``ngram-mod`` ...), ``n`` / ``m`` that type's lookup and
+    draft lengths (``--spec-ngram-<type>-size-n`` / ``-size-m``; ``ngram-mod``: ``--spec-ngram-mod-n-match`` /
+    ``-n-max``); its drafts and accepted drafts per run come from each answer's ``timings``."""
     import httpx
     import torch
 
@@ -374,7 +396,15 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         str(capacity * context),
         "--no-webui",
     ]
+    if spec:
+        cmd += ["--spec-type", spec]
+        kind = spec.removeprefix("ngram-")
+        names = ("n-match", "n-max") if kind == "mod" else ("size-n", "size-m")
+        for name, value in zip(names, (n, m)):
+            if value:
+                cmd += [f"--spec-ngram-{kind}-{name}", value]
     log_path = _log_path(f"llamacpp-{port}.log")
+    drafts = {"spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0}
     proc, log_file, repacked = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, repack)
 
     async def send(client, r: Request, prompt: list[int]):
@@ -382,7 +412,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
             "prompt": prompt,
             "n_predict": r.max_new_tokens,
             "temperature": 0,
-            "ignore_eos": True,
+            "ignore_eos": r.ignore_eos,
             "stream": True,
             "cache_prompt": cache == "on",
             "return_tokens": True,
@@ -398,9 +428,15 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
                 new = chunk.get("tokens") or []
                 ids += new
                 times += [time.perf_counter()] * len(new)
+                timings = chunk.get("timings") or {}
+                if chunk.get("stop") and "draft_n" in timings:
+                    drafts["spec_num_draft_tokens"] += timings["draft_n"]
+                    drafts["spec_num_accepted_tokens"] += timings.get("draft_n_accepted", 0)
         return ids, times
 
     def once() -> list[dict]:
+        drafts.update(dict.fromkeys(drafts, 0))
+
         async def main():
             # No keep-alive: a request sent in turn after an idle gap must not meet a connection the server closed.
             limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=0)
@@ -410,9 +446,12 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         return asyncio.run(main())
 
     once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 10)
+    if spec:
+        once.run_stats = {"spec": drafts}
     return once, {
         "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}"
-        + ("" if repacked else ", --no-repack"),
+        + ("" if repacked else ", --no-repack")
+        + (f", {' '.join(cmd[cmd.index('--spec-type') :])}" if spec else ""),
         "capacity": capacity,
         "cache_prompt": cache == "on",
         "repack": repacked,
@@ -445,7 +484,7 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     _wait_healthy(proc, f"http://127.0.0.1:{port}/ready", 600, log_path, "the server")  # a first start builds an image
 
     async def stream(client, prompt: list[int], r: Request, seed: int | None):
-        body = {"prompt": prompt, "max_new_tokens": r.max_new_tokens, "ignore_eos": True, "stream": True}
+        body = {"prompt": prompt, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos, "stream": True}
         if seed is not None:
             body.update({"temperature": 1.0, "seed": seed})
         ids: list[int] = []
@@ -565,7 +604,7 @@ def parse_system(name: str) -> tuple[str, dict]:
     allowed = {
         "ours": {"weights", "fork", *OURS_OPTIONS},
         "ours_server": {"weights", *OURS_OPTIONS},
-        "llamacpp": {"cache"},
+        "llamacpp": {"cache", "spec", "n", "m"},
     }.get(base, set())
     kwargs = {}
     for part in parts:
@@ -577,7 +616,9 @@ def parse_system(name: str) -> tuple[str, dict]:
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
-            "ours:runtime=torch|native (RUNTIME), ours_server: as ours but fork; llamacpp:cache=on)"
+            "ours:runtime=torch|native (RUNTIME), ours:spec=off|ngram (SPECULATIVE_METHOD), ours:k=N "
+            "(NUM_SPECULATIVE_TOKENS), ours_server: as ours but fork; llamacpp:cache=on, "
+            "llamacpp:spec=ngram-simple|ngram-map-k|ngram-mod...[:n=N][:m=M])"
         )
     return base, kwargs
 

@@ -59,6 +59,7 @@ class Request:
     continues: bool = False  # prompt = the `after` request's prompt + output, then prompt_ids
     tag: str = ""  # a group the report breaks figures down by ("stream", "long", "turn2" ...)
     n: int = 1  # choices of this prompt (ours: one group, forked from one prefill); its tokens count all of them
+    ignore_eos: bool = True  # False: the answer ends at the model's EOS (the copy workload: answers end by themselves)
 
 
 @dataclass
@@ -213,6 +214,65 @@ def n_choices_workload(tok, seed: int, quick: bool) -> Workload:
     return Workload(reqs, 16, only=("ours",))
 
 
+# What people paste for a local model to repeat or fix: paragraphs with typos, and code to refactor.
+PASTED = [
+    (
+        "Correct the spelling mistakes in this paragraph and return the corrected paragraph only:",
+        "The commitee met on tuesday to discus the new budjet. Everyone agreed that the library needs more "
+        "computers, longer opening hours and a quiet room for students who want to study in the evening. "
+        "The mayor promissed to find the money before the end of the year.",
+    ),
+    (
+        "Repeat the following text exactly, word for word:",
+        "To install the package, open a terminal and run the installer. When it asks for a folder, accept the "
+        "default one unless you already keep your tools somewhere else. Restart the terminal afterwards so that "
+        "the new commands are found, then type the version command to check that everything works.",
+    ),
+    (
+        "Refactor this function to use a list comprehension. Return the whole function:",
+        "def squares_of_evens(numbers):\n    result = []\n    for n in numbers:\n        if n % 2 == 0:\n"
+        "            result.append(n * n)\n    return result\n",
+    ),
+    (
+        "Fix the grammar of this email and return it:",
+        "Hi Sarah, I hope you is doing well. I wanted to ask if we can moved the meeting to thursday afternoon, "
+        "because I has a doctor appointment in the morning. Please let me knows if that work for you. Thanks, Tom",
+    ),
+    (
+        "Add a docstring to this function and return the whole function:",
+        "def average(values):\n    total = 0\n    count = 0\n    for v in values:\n        total += v\n"
+        "        count += 1\n    if count == 0:\n        return 0.0\n    return total / count\n",
+    ),
+    (
+        "Repeat this list exactly:",
+        "1. Preheat the oven to 180 degrees. 2. Mix the flour, the sugar and the butter in a large bowl. "
+        "3. Add two eggs and a cup of milk, and stir until smooth. 4. Pour the batter into a tin and bake for "
+        "forty minutes.",
+    ),
+]
+
+
+def copy_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 28: one user, requests in turn, each a pasted paragraph or function to repeat, correct or refactor,
+    through the chat template (the chat endpoint's prompt, sent as token ids to both systems); greedy, answers
+    end at EOS, up to the pasted text's length + 48 tokens. 12 requests (quick: 3). What speculation wins on:
+    the answer is mostly a copy of the prompt. Ours runs SPECULATIVE_METHOD=ngram here (``ours:spec=off`` without)."""
+    rng = random.Random(seed)
+    n = 3 if quick else 12
+    order = [PASTED[i % len(PASTED)] for i in range(n)]
+    rng.shuffle(order)
+    reqs = [
+        Request(
+            chat_prompt(tok, "You are a helpful assistant.", f"{ask}\n\n{text}"),
+            len(tok.encode(text)) + 48,
+            after=i - 1 if i else None,
+            ignore_eos=False,
+        )
+        for i, (ask, text) in enumerate(order)
+    ]
+    return Workload(reqs, 1, ours_env={"SPECULATIVE_METHOD": "ngram"})
+
+
 WORKLOADS = {
     "seed": seed_workload,
     "scale": scale_workload,
@@ -221,6 +281,7 @@ WORKLOADS = {
     "shared-prefix": shared_prefix_workload,
     "multi-turn": multi_turn_workload,
     "n-choices": n_choices_workload,
+    "copy": copy_workload,
 }
 
 
