@@ -48,7 +48,8 @@ class EngineCall:
 
     seconds: float  # wall time of the call
     prefilled: list[Sequence] = field(default_factory=list)  # newcomers that got their first token
-    decoded: list[Sequence] = field(default_factory=list)  # running sequences that got one more token
+    decoded: list[Sequence] = field(default_factory=list)  # running sequences that got one more token (or several)
+    tokens: int | None = None  # tokens the call generated (a row verifying drafts may emit several); None: unknown
 
     @property
     def phase(self) -> str:
@@ -294,6 +295,7 @@ class Scheduler:
         plan both admitted and decoded, admission and step run again apart, so that an admission failure fails
         only the newcomers and a step failure only the batch."""
         batch = list(self.running.values())
+        before = sum(len(s.output_token_ids) for s in batch) + sum(len(s.output_token_ids) for s in plan.newcomers)
         start = time.perf_counter()
         self._in_flight = plan
         try:
@@ -311,7 +313,8 @@ class Scheduler:
             return
         self._in_flight = None
         result = self.planner.update_from_output(plan, output)
-        call = EngineCall(time.perf_counter() - start, prefilled=plan.newcomers, decoded=batch)
+        after = sum(len(s.output_token_ids) for s in batch) + sum(len(s.output_token_ids) for s in plan.newcomers)
+        call = EngineCall(time.perf_counter() - start, prefilled=plan.newcomers, decoded=batch, tokens=after - before)
         self._hook(self.on_engine_call, call)
         self._deliver_tokens(batch + plan.newcomers, result.finished)
 

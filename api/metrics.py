@@ -165,7 +165,7 @@ class ServerMetrics:
     def on_engine_call(self, call: EngineCall) -> None:
         now = time.perf_counter()
         self.step_time.labels(call.phase).observe(call.seconds)
-        self.generation_tokens.inc(len(call.prefilled) + len(call.decoded))
+        self.generation_tokens.inc(call.tokens if call.tokens is not None else len(call.prefilled) + len(call.decoded))
         self.prompt_tokens.inc(sum(s.prompt_len for s in call.prefilled))
         for seq in call.prefilled:
             self._last_token[seq.seq_id] = seq.first_token_time or now

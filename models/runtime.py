@@ -129,7 +129,7 @@ class ModelEngine(InferenceEngine):
             [decode[i].num_tokens - 1 for i in verify] + [start for _, start, _ in chunks],
             full if any(full) else (),
         )  # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
-        if chunks:  # prompt chunks bring new shapes, whose scratch the heap would otherwise keep
+        if chunks or verify:  # chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
         first = dict(zip(plain, range(len(plain))))  # decode row -> its first logits row
         row = len(plain)

@@ -373,7 +373,7 @@ PASTE = "Fix this text: the quick brown fox jumps over the lazy dog, then naps u
 def test_speculative_requests_answer_as_without(monkeypatch):
     """/generate and /v1/chat/completions (streamed and not) with n-gram drafts answer the text, tokens,
     finish reasons, usage and logprobs they answer without, a stop string landing mid-draft included; /metrics
-    counts the drafts."""
+    counts the drafts, and every generated token."""
     from conftest import metric, run, scrape, serving, sse_events
 
     async def answers(spec):
@@ -405,6 +405,7 @@ def test_speculative_requests_answer_as_without(monkeypatch):
             events = [e for e in sse_events(r.text) if e != "[DONE]"]
             text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
             out.append((text, events[-1]["usage"]))
+            out.append(metric(await scrape(c), "minibatch:generation_tokens_total"))  # every token of a run counts
             drafts = metric(await scrape(c), "minibatch:spec_decode_num_draft_tokens_total")
             accepted = metric(await scrape(c), "minibatch:spec_decode_num_accepted_tokens_total")
         return out, drafts, accepted
