@@ -49,7 +49,8 @@ class EngineCall:
     seconds: float  # wall time of the call
     prefilled: list[Sequence] = field(default_factory=list)  # newcomers that got their first token
     decoded: list[Sequence] = field(default_factory=list)  # running sequences that got one more token (or several)
-    tokens: int | None = None  # tokens the call generated (a row verifying drafts may emit several); None: unknown
+    tokens: int | None = None  # tokens the call generated (a row verifying drafts may emit several, a stop string may
+    # cut some of them afterwards); None: unknown
 
     @property
     def phase(self) -> str:

@@ -373,7 +373,7 @@ PASTE = "Fix this text: the quick brown fox jumps over the lazy dog, then naps u
 def test_speculative_requests_answer_as_without(monkeypatch):
     """/generate and /v1/chat/completions (streamed and not) with n-gram drafts answer the text, tokens,
     finish reasons, usage and logprobs they answer without, a stop string landing mid-draft included; /metrics
-    counts the drafts, and every generated token."""
+    counts the drafts, and every token the engine generated."""
     from conftest import metric, run, scrape, serving, sse_events
 
     async def answers(spec):
@@ -405,15 +405,17 @@ def test_speculative_requests_answer_as_without(monkeypatch):
             events = [e for e in sse_events(r.text) if e != "[DONE]"]
             text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
             out.append((text, events[-1]["usage"]))
-            out.append(metric(await scrape(c), "minibatch:generation_tokens_total"))  # every token of a run counts
+            generated = metric(await scrape(c), "minibatch:generation_tokens_total")
             drafts = metric(await scrape(c), "minibatch:spec_decode_num_draft_tokens_total")
             accepted = metric(await scrape(c), "minibatch:spec_decode_num_accepted_tokens_total")
-        return out, drafts, accepted
+        return out, drafts, accepted, generated
 
-    off, none, _ = run(answers(None))
-    on, drafts, accepted = run(answers({"method": "ngram", "num_speculative_tokens": 5}))
+    off, none, _, generated_off = run(answers(None))
+    on, drafts, accepted, generated_on = run(answers({"method": "ngram", "num_speculative_tokens": 5}))
     assert none == 0 and drafts > 100 and accepted > 0.8 * drafts, (drafts, accepted)
     assert on == off
+    # every token of a run counts, those a stop string cuts after the run too (at most 5 per stop-string request)
+    assert generated_off <= generated_on <= generated_off + 3 * 5
     assert off[1][2] == "stop" and off[1][0].endswith("then naps under an ")  # the stop string, mid-draft
 
 
