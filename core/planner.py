@@ -30,11 +30,11 @@ plan's ``copies``), the parent's prompt logprobs, and its first token sampled fr
 parent that leaves before its prompt is complete hands its place to its first child (``_hand_over``).
 
 Speculative decoding (``core/speculative.py``): after the newcomers are placed and the chunks planned, each decode
-row may get draft tokens from its proposer (``_propose``), within what the token budget has left and from plain
-free blocks only (a lookahead never
-evicts a cached block or preempts anyone); the plan's ``drafts`` carry them. When the output is applied, each row
-takes the run it verified and the slots of the drafts it rejected are rolled back (``_roll_back_lookahead``), so
-between steps no sequence holds a lookahead and the books are what they would be without drafts.
+row may get draft tokens from its proposer (``_propose``), as many as its measured acceptance makes worth it, within
+what the token budget has left and from plain free blocks only (a lookahead never evicts a cached block or preempts
+anyone); the plan's ``drafts`` carry them. When the output is applied, each row takes the run it verified and the
+slots of the drafts it rejected are rolled back (``_roll_back_lookahead``), so between steps no sequence holds a
+lookahead and the books are what they would be without drafts.
 """
 
 from __future__ import annotations
