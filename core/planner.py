@@ -97,6 +97,9 @@ class Planner:
         self.speculative = SpecParams()
         self.spec_disable_batch_size = 0
         self.spec_adaptive = True  # each sequence's draft length follows its acceptance (``DraftLength``)
+        # Rows at which the engine's step changes its arithmetic (int8 activations from this many rows under
+        # ACTIVATIONS=auto; 0: none): drafts never take a step across it, so every token is computed as without them.
+        self.spec_row_limit = 0
         self.proposers = {"ngram": NgramProposer()}
         self.spec = SpecStats()
 
@@ -231,6 +234,8 @@ class Planner:
         budget = self.max_context
         if self.max_num_batched_tokens:
             budget = self.max_num_batched_tokens - len(rows) - chunk_tokens
+        if self.spec_row_limit and len(rows) + chunk_tokens < self.spec_row_limit:
+            budget = min(budget, self.spec_row_limit - 1 - len(rows) - chunk_tokens)
         drafts = []
         for seq in rows:
             tokens = self._drafts_for(seq, budget, len(rows)) if budget > 0 else []

@@ -321,6 +321,7 @@ class HFEngine(ModelEngine):
         del hf_model
         self._heap.trim()  # the load's transient copies (state dict, unfused parts) back to the OS
         resident = self.model.resident_weights()
+        self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
         memory = memory_mib()
         log.info(
             "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
@@ -388,6 +389,7 @@ class NativeEngine(ModelEngine):
         self.vocab_size = meta["vocab_size"]
         self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
         resident = self.model.resident_weights()
+        self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
         memory = memory_mib()
         log.info(
             "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %d blocks x %d "
@@ -550,6 +552,15 @@ def build_engine(config: Config) -> InferenceEngine:
         configure_speculation(engine.planner, config)
         return engine
     return NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+
+
+def exact_row_limit(activations: str, resident: dict[str, int]) -> int:
+    """The fewest rows of a step at which the quantized linears of these weights switch to int8 activations
+    (ACTIVATIONS=auto, ``int_dot.rows_for``), or 0 where the step size changes nothing: drafts never take a step
+    across it, so that a token's logits are rounded the same with drafts as without (speculation stays exact)."""
+    limits = [int_dot.rows_for(activations, fmt, int_dot.isa()) for fmt in int_dot.FORMATS if fmt in resident]
+    limits = [n for n in limits if n and n > 1]  # None: fp32 always; 1: int8 always
+    return min(limits, default=0)
 
 
 def configure_speculation(planner, config: Config) -> None:

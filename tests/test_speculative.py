@@ -244,6 +244,29 @@ def test_drafts_stay_within_the_token_budget_and_free_blocks():
     assert seen
 
 
+def test_drafts_never_take_a_step_across_the_row_limit():
+    """Where the engine's arithmetic changes with the step's rows (int8 activations from 8 rows under
+    ACTIVATIONS=auto), drafts never take a step from below the limit to it: a token is rounded as without drafts."""
+    from models.runtime import exact_row_limit
+
+    assert exact_row_limit("auto", {"int4": 1, "fp32": 1}) in (0, 8)  # 0 where the integer path is AVX2's
+    assert exact_row_limit("fp32", {"int4": 1}) == exact_row_limit("int8", {"int8": 1}) == 0
+    assert exact_row_limit("auto", {"fp32": 1}) == 0
+    eng = checked_engine(speculative=SpecParams("ngram", num_tokens=16, lookup_min=1, lookup_max=2))
+    eng.planner.spec_row_limit, eng.planner.spec_adaptive = 8, False
+    seqs = [Sequence(prompt_token_ids=[5, 6] * 20, max_new_tokens=40) for _ in range(2)]
+    waiting, most = list(seqs), 0
+    while not all(s.is_finished for s in seqs):
+        plan = eng.planner.schedule(waiting)
+        waiting = [s for s in waiting if s not in plan.newcomers]
+        base = len(plan.decode) + sum(c.end - c.start for c in plan.chunks)
+        if plan.drafts and base < 8:  # (a step of 8 rows or more without drafts is rounded so anyway)
+            assert base + plan.num_draft_tokens < 8
+            most = max(most, plan.num_draft_tokens)
+        eng.planner.update_from_output(plan, eng.execute(plan))
+    assert most == 5
+
+
 def test_no_drafts_at_or_past_the_disable_batch_size():
     eng = checked_engine(speculative=NGRAM, capacity=4)
     eng.planner.spec_disable_batch_size = 3
