@@ -108,7 +108,7 @@ def test_greedy_output_with_drafts_is_the_output_without(pressure_model, runtime
         stopped[i].ignore_eos = False
     for proposer in ("oracle", "ngram"):
         engine = engine_for(pressure_model, runtime, blocks=30, **kw)
-        engine.planner.speculative = SPEC
+        engine.planner.speculative, engine.planner.spec_disable_batch_size = SPEC, 0  # drafts at any batch
         if proposer == "oracle":
             engine.planner.proposers["ngram"] = Oracle(answers, engine.vocab_size)
         on = copies(seqs)
@@ -124,7 +124,7 @@ def test_greedy_output_with_drafts_is_the_output_without(pressure_model, runtime
     engine = engine_for(pressure_model, runtime, blocks=30, **kw)
     schedule_all(engine, stopped)
     engine = engine_for(pressure_model, runtime, blocks=30, **kw)
-    engine.planner.speculative = SPEC
+    engine.planner.speculative, engine.planner.spec_disable_batch_size = SPEC, 0  # drafts at any batch
     engine.planner.proposers["ngram"] = Oracle(answers, engine.vocab_size)
     again = copies(stopped)
     for a, b in zip(stopped, again):
@@ -154,7 +154,7 @@ def test_seeded_sampling_with_drafts_keeps_its_tokens(tiny_model_dir, runtime):
     for spec in (None, SPEC):
         engine = engine_for(tiny_model_dir, runtime, blocks=64)
         if spec:
-            engine.planner.speculative = spec
+            engine.planner.speculative, engine.planner.spec_disable_batch_size = spec, 0
             engine.planner.proposers["ngram"] = Oracle(answers, engine.vocab_size)
         seqs = [
             Sequence(prompt_token_ids=p, max_new_tokens=24, ignore_eos=True, sampling=sp, logprobs=1)
@@ -190,7 +190,7 @@ def test_a_grammar_cuts_the_drafts_it_rejects(tmp_path_factory):
     for spec in (None, SPEC):
         engine = HFEngine(cfg)
         if spec:
-            engine.planner.speculative = spec
+            engine.planner.speculative, engine.planner.spec_disable_batch_size = spec, 0
             oracle = Oracle(answers, engine.vocab_size)
             validated = []
 
