@@ -71,8 +71,8 @@ class Config:
     # a fraction of the memory), or "auto": native for quantized weights (a GGUF at WEIGHTS=auto, or int8 / int4)
     # where the kernel builds, else torch. README "Memory".
     runtime: str = "auto"
-    # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512F (1.3-1.7x
-    # at 4-64 rows, the same bits as AVX2), "avx2" their AVX2 paths everywhere. README "Quantized weights".
+    # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512 F/BW/VL
+    # (the same bits as AVX2), "avx2" their AVX2 paths everywhere. docs/quantization.md.
     kernel_isa: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()

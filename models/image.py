@@ -44,7 +44,7 @@ from models.cache_dir import cache_subdir
 
 log = logging.getLogger("minibatch.image")
 
-IMAGE_FORMAT = 1  # bumped when image.json's layout changes
+IMAGE_FORMAT = 2  # bumped when image.json's layout changes (2: linears of parts, GGUF-typed weights)
 WEIGHTS_FILE = "weights.bin"
 META_FILE = "image.json"
 TOKENIZER_DIR = "tokenizer"
