@@ -282,6 +282,8 @@ def ensure_image(model_id: str, weights: str = "fp32") -> str:
     complete one. Torch-free. Raises ``ModelLoadError`` (the child's last error line) when it cannot be built.
     Stamps the image as used and prunes the cache (``prune_images``)."""
     source, out = image_dir(model_id, weights)
+    if source.lower().endswith(".gguf") and weights != "fp32":
+        check_gguf(source)  # before any child process: a file we cannot serve fails in one line, now
     if not _usable(out):
         log.info("building the model image of %s (WEIGHTS=%s) once into %s", model_id, weights, out)
         marker = {"source": source, "weights": weights, "format": IMAGE_FORMAT, "code": code_hash()}
@@ -293,6 +295,18 @@ def ensure_image(model_id: str, weights: str = "fp32") -> str:
     _stamp(out)
     prune_images(keep=out)
     return out
+
+
+def check_gguf(path: str) -> None:
+    """``ModelLoadError`` (one line, torch-free) when the GGUF file ``path`` cannot be served at its own precision:
+    missing, corrupt or truncated, an unknown type id, or a tensor of a type no kernel serves (named with its
+    type)."""
+    from models.gguf.reader import check_servable, open_gguf
+
+    try:
+        check_servable(path, open_gguf(path))
+    except ValueError as exc:
+        raise ModelLoadError(f"MODEL_ID {path}: {_one_line(exc)}") from None
 
 
 def _usable(out: str) -> bool:

@@ -38,3 +38,26 @@ def test_random_blocks_are_valid(kind):
     raw = random_blocks(kind, 64, np.random.default_rng(0), 0.1)
     assert raw.shape == (64, TYPES[kind].nbytes) and raw.dtype == np.uint8
     assert np.isfinite(dequantize(raw.reshape(1, -1), kind)).all()
+
+
+def transformers_dequantizer():
+    """transformers' own GGUF dequantization (torch), what ``from_pretrained(gguf_file=...)`` loads with, or None."""
+    try:
+        from transformers.integrations.gguf import dequant
+    except ImportError:
+        return None
+    return dequant
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_transformers_dequantizes_to_the_same_bits(kind):
+    """Where transformers dequantizes a type itself (not F32 / F16 / BF16, nor Q5_0 / Q5_1, which it lacks), its values
+    are gguf-py's and ours bit for bit: HF on transformers' load of a file is the reference our kernels match."""
+    torch = pytest.importorskip("torch")
+    dequant = transformers_dequantizer()
+    t = TYPES[kind]
+    if dequant is None or t.type_id not in dequant.GGML_BLOCK:
+        pytest.skip(f"transformers has no dequantizer of its own for {kind}")
+    raw = random_blocks(kind, 64, np.random.default_rng(t.type_id), 0.5)
+    theirs = dequant.dequantize(torch.from_numpy(raw.reshape(-1).copy()), t.type_id).numpy()
+    assert np.array_equal(theirs.view(np.uint32), dequantize(raw.reshape(1, -1), kind).reshape(-1).view(np.uint32))
