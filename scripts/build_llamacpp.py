@@ -34,11 +34,10 @@ import sys
 import tarfile
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from models.cache_dir import cache_subdir  # torch-free
+from models.kernels.build import cpuinfo  # torch-free
 
-from models.cache_dir import cache_subdir  # noqa: E402  (torch-free)
-from models.kernels.build import cpuinfo  # noqa: E402  (torch-free)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same

@@ -25,11 +25,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from conftest import Reference, pool_mb  # noqa: E402
 from gguf_files import cache_key, write_gguf  # noqa: E402
-from live import ThreadServer, metric  # noqa: E402
 
 from models.gguf.blocks import TYPES  # noqa: E402
+
+from conftest import Reference, pool_mb  # noqa: E402
+from live import ThreadServer, metric  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -86,7 +87,7 @@ def reference_dir(path: str, out: str) -> str:
 
 def gguf_case(arch: str, variant: int) -> tuple[str, str]:
     """(the GGUF file, its reference checkpoint directory), made once and cached."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     key = cache_key(arch, variant, CHECKPOINTS[arch], ORDER, source_hash())
     out = os.path.join(CACHE, f"{arch}-{variant}-{key}")

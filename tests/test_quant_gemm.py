@@ -20,11 +20,11 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 gguf = pytest.importorskip("gguf")
 
-from conftest import needs_avx512  # noqa: E402
-
 from models.gguf.blocks import TYPES, random_blocks  # noqa: E402
 from models.kernels import build  # noqa: E402
 from models.kernels import quant_gemm as qg  # noqa: E402
+
+from conftest import need_kernel, needs_avx512  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = list(TYPES)
@@ -34,10 +34,7 @@ FLOATS = ("F32", "F16", "BF16")
 @pytest.fixture(scope="module")
 def kernel():
     """Builds the kernel on first use (never at collection); skips the kernel tests where it cannot build."""
-    lib = qg.load()
-    if lib is None:
-        pytest.skip(f"kernel unavailable: {qg.KERNEL.unavailable_reason}")
-    return lib
+    return need_kernel(qg, "quantized GEMM")
 
 
 def isas() -> list[str]:
