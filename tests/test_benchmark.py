@@ -182,7 +182,7 @@ def small_gemm_builds() -> bool:
 
 
 def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_model_dir, tmp_path):
-    """ours:int8 streams packed int8 weights, on the native runtime (RUNTIME=auto) and on torch, where the linears'
+    """ours:int8 streams Q8_0 blocks, on the native runtime (RUNTIME=auto) and on torch, where the linears'
     kernel rates are measured too; llamacpp on a non-GGUF model (or unbuilt) fails saying why."""
     out = tmp_path / "bench.json"
     systems = "ours:int8,ours:int8:runtime=torch,llamacpp"
@@ -191,13 +191,13 @@ def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_mo
     native, ours = seed["ours:int8"], seed["ours:int8:runtime=torch"]
     for r, engine in ((native, "NativeEngine"), (ours, "HFEngine")):
         assert not r.get("failed") and r["tokens_per_s"] > 0 and r["config"]["weights"] == "int8"
-        assert set(r["config"]["resident_weight_mb"]) >= {"int8"} and r["config"]["engine"].startswith(engine)
+        assert set(r["config"]["resident_weight_mb"]) >= {"Q8_0"} and r["config"]["engine"].startswith(engine)
     assert [k["rows"] for k in ours["linear_kernels"]] == [1, 8]
-    assert all(k["quant_gemm_gb_s"] > 0 and k["fmt"] == "int8" for k in ours["linear_kernels"])
+    assert all(k["quant_gemm_gb_s"] > 0 and k["fmt"] == "Q8_0" for k in ours["linear_kernels"])
     assert seed["llamacpp"]["failed"] and (
         "llama-server" in seed["llamacpp"]["error"] or ".gguf" in seed["llamacpp"]["error"]
     )
-    assert "quant_gemm (int8)" in proc.stdout
+    assert "quant_gemm (Q8_0)" in proc.stdout
 
 
 def _fake_llama_server(path, behaviour: str) -> str:
