@@ -1,0 +1,533 @@
+/* Quantized linears by integer dot products: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]) for W of GGUF
+ * type Q8_0, Q4_0 or Q4_1 in the file's own blocks, with X quantized per 32-block to int8 first, as llama.cpp
+ * quantizes its activations (Q8_0 / Q8_1 blocks) for vec_dot_q8_0_q8_0, vec_dot_q4_0_q8_0 and vec_dot_q4_1_q8_1.
+ *
+ * Why: quant_gemm.c multiplies fp32 activations by weights dequantized to fp32, one FMA per weight and row (16
+ * multiply-adds an instruction with AVX-512). Here a weight stays an integer: VNNI's vpdpbusd does 64 u8 x s8
+ * multiply-adds an instruction (4 per 32-bit lane), so a batch's linears do ~4x fewer instructions per weight.
+ * The cost is the activations' rounding to 8 bits (docs/integer-dot.md has the perplexity and speed figures): this
+ * path is NOT bit-exact against HF; the fp32-activation path (quant_gemm.c) stays the exact one.
+ *
+ * Weights: W is N rows of GGUF blocks, as quant_gemm.c reads them (models/gguf/blocks.py), never copied:
+ *   Q8_0 (34 bytes / 32): d fp16 | q[32] int8              w = d q
+ *   Q4_0 (18 bytes / 32): d fp16 | qs[16]                  w = d (q - 8),  q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
+ *   Q4_1 (20 bytes / 32): d fp16 | m fp16 | qs[16]         w = d q + m
+ * A panel is 8 consecutive output rows (the last one's missing rows read its last row again; their outputs are
+ * dropped). Each 32-block of a panel's 8 rows is turned in registers into the kernels' operand form: 8 k-quads,
+ * each a register of 8 columns x 4 k (an 8 x 8 transpose of 32-bit words), once per block for all of a step's rows.
+ *
+ * Activations: row x, group g (32 k, the last zero-padded): a = max |x_k|, dx = a / 127, q_k = round(x_k 127 / a)
+ * (nearest, ties to even: the vector rounding), all 0 when a = 0; s = sum q_k (int). Then per output n:
+ *   Q8_0: y = sum_g dx_g d_gn S_gn                    S = sum_k q_k w_k (exact, int32; w the int8 q)
+ *   Q4_0: the same with S = sum_k q_k (w_k - 8)       (exact: sum q_k w_k - 8 s)
+ *   Q4_1: y = sum_g dx_g d_gn S_gn + m_gn (s_g dx_g)  S = sum_k q_k w_k, w in 0..15
+ * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (Q4_1: first y = fma(m, s dx, y)); then
+ * y (+ bias) (+ r). S is exact and the order is fixed, so results do not depend on M, the thread count, the path
+ * or the ISA (every ISA computes the same S and the same fp32 operations). tests/test_int_dot.py checks this
+ * against a float64 evaluation of the same quantized math.
+ *
+ * Kernels (chosen when the library loads, ``int_dot_isa``; a call reads the choice once):
+ *   avx512vnni (AVX-512 VNNI + BW + VL): a panel pair = 16 columns per 512-bit register, one vpdpbusd per k-quad
+ *     and row, x's 4 bytes broadcast. Q8_0 is offset by 128 to u8 (S starts at -128 s).
+ *   avxvnni (AVX-VNNI, 256-bit vpdpbusd): the same per panel, 8 columns a register.
+ *   avx2 (vpmaddubsw): u8 x s8 pairs to int16, vpmaddwd to int32, as llama.cpp's AVX2 path; Q8_0 takes the sign
+ *     trick (|w| as u8 times x with w's sign: no int16 overflow, as |w| <= 128, |q| <= 127).
+ * Up to 8 rows each block's operands are made in registers and used by every row at once; more rows make a panel
+ * (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
+ *
+ * Built by int_dot.py on its own (tests, and its entry int_dot_gemm) and included by decode_step.c, whose linears
+ * call int_dot_linear for the types and row counts int_dot_set_rows enables (ACTIVATIONS, int_dot.py).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ID_PANEL 8
+#define ID_GROUP 32
+#define ID_TILE 8 /* rows per register tile */
+enum { IDF_Q8_0 = 0, IDF_Q4_0 = 1, IDF_Q4_1 = 2, IDF_KINDS = 3 }; /* the types this path takes */
+enum { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512VNNI = 2 };
+
+#define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define ID_VNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+#define ID_INLINE static inline __attribute__((always_inline))
+
+/* GGUF type id -> this path's kind, or -1 (ggml's ids: Q4_0 2, Q4_1 3, Q8_0 8) */
+static inline int id_kind(int type) { return type == 8 ? IDF_Q8_0 : type == 2 ? IDF_Q4_0 : type == 3 ? IDF_Q4_1 : -1; }
+static inline int id_block_bytes(int f) { return f == IDF_Q8_0 ? 34 : f == IDF_Q4_0 ? 18 : 20; }
+
+/* ---------------- ISA choice and the per-type switch ---------------- */
+
+static int id_best_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return ISA_AVX512VNNI;
+    if (__builtin_cpu_supports("avxvnni")) return ISA_AVXVNNI;
+    return ISA_AVX2;
+}
+
+static int id_isa = -1; /* set when the library loads; read atomically */
+static int id_rows[IDF_KINDS]; /* per kind: calls of at least this many rows take this path; 0: never */
+
+__attribute__((constructor)) static void id_pick_isa(void) { __atomic_store_n(&id_isa, id_best_isa(), __ATOMIC_RELAXED); }
+
+/* want < 0: report; else use ISA `want` (0 avx2, 1 avxvnni, 2 avx512vnni), or the best one the CPU has below it.
+ * Returns the ISA now in use. */
+int int_dot_isa(int want) {
+    if (want >= 0) {
+        const int best = id_best_isa();
+        int isa = want < best ? want : best;
+        if (isa == ISA_AVXVNNI && !__builtin_cpu_supports("avxvnni")) isa = ISA_AVX2; /* AVX-512 VNNI, no AVX-VNNI */
+        __atomic_store_n(&id_isa, isa, __ATOMIC_RELAXED);
+    }
+    return __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
+}
+
+/* Calls on weights of GGUF type `type` with at least min_rows rows take this path (min_rows <= 0: none). Returns
+ * the old value, or -1 for a type this path does not take. */
+int int_dot_set_rows(int type, int min_rows) {
+    const int f = id_kind(type);
+    if (f < 0) return -1;
+    return __atomic_exchange_n(&id_rows[f], min_rows > 0 ? min_rows : 0, __ATOMIC_RELAXED);
+}
+
+static inline int int_dot_wants(int type, int M) {
+    const int f = id_kind(type);
+    if (f < 0) return 0;
+    const int rows = __atomic_load_n(&id_rows[f], __ATOMIC_RELAXED);
+    return rows > 0 && M >= rows;
+}
+
+/* ---------------- activations ---------------- */
+
+/* The quantized rows of X: q [M][G * 32] int8, d [M][G] (dx), sd [M][G] (s dx), s [M][G]. */
+typedef struct {
+    int8_t *q;
+    float *d, *sd;
+    int32_t *s;
+    int G;
+} QRows;
+
+/* One row's groups (scalar: the same bits as any vector form; the rounding is nearest-even, rintf). */
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, int32_t *s) {
+    const int G = (K + ID_GROUP - 1) / ID_GROUP;
+    for (int g = 0; g < G; g++) {
+        const int k0 = g * ID_GROUP, kn = K - k0 < ID_GROUP ? K - k0 : ID_GROUP;
+        float a = 0.0f;
+        for (int k = 0; k < kn; k++) {
+            const float v = x[k0 + k] < 0 ? -x[k0 + k] : x[k0 + k];
+            a = v > a ? v : a;
+        }
+        const float dx = a / 127.0f, inv = a != 0.0f ? 127.0f / a : 0.0f;
+        int32_t sum = 0;
+        for (int k = 0; k < ID_GROUP; k++) {
+            int v = 0;
+            if (k < kn) v = (int)__builtin_rintf(x[k0 + k] * inv);
+            q[k0 + k] = (int8_t)v;
+            sum += v;
+        }
+        d[g] = dx;
+        s[g] = sum;
+        sd[g] = (float)sum * dx;
+    }
+}
+
+/* Bytes of a QRows of M rows of K. */
+static size_t qrows_bytes(int M, int K) {
+    const size_t G = (size_t)(K + ID_GROUP - 1) / ID_GROUP;
+    return (size_t)M * G * (ID_GROUP + 3 * sizeof(float)) + 64;
+}
+
+static QRows qrows_carve(void *mem, int M, int K) {
+    QRows r;
+    r.G = (K + ID_GROUP - 1) / ID_GROUP;
+    const size_t n = (size_t)M * r.G;
+    r.q = (int8_t *)mem;
+    r.d = (float *)(r.q + n * ID_GROUP);
+    r.sd = r.d + n;
+    r.s = (int32_t *)(r.sd + n);
+    return r;
+}
+
+static void quantize_rows(const float *X, int ldx, int M, int K, QRows *r) {
+    for (int i = 0; i < M; i++)
+        quantize_row(X + (size_t)i * ldx, K, r->q + (size_t)i * r->G * ID_GROUP, r->d + (size_t)i * r->G,
+                     r->sd + (size_t)i * r->G, r->s + (size_t)i * r->G);
+}
+
+/* For tests: X's quantized rows into q [M][G*32], d [M][G], s [M][G]. */
+void int_dot_quantize(const float *X, int ldx, int M, int K, int8_t *q, float *d, int32_t *s) {
+    const int G = (K + ID_GROUP - 1) / ID_GROUP;
+    float *sd = malloc(sizeof(float) * (size_t)M * G + 1);
+    for (int i = 0; i < M; i++)
+        quantize_row(X + (size_t)i * ldx, K, q + (size_t)i * G * ID_GROUP, d + (size_t)i * G, sd + (size_t)i * G,
+                     s + (size_t)i * G);
+    free(sd);
+}
+
+/* A per-thread scratch buffer that grows (OpenMP's pool threads keep theirs between calls). */
+typedef struct {
+    void *p;
+    size_t n;
+} Scratch_;
+
+static void *scratch_get(Scratch_ *s, size_t n) {
+    if (n > s->n) {
+        free(s->p);
+        s->p = aligned_alloc(64, (n + 63) / 64 * 64);
+        s->n = s->p ? n : 0;
+    }
+    return s->p;
+}
+
+static __thread Scratch_ id_act_scratch, id_w_scratch;
+
+/* y[0..cols) = acc (+ bias) (+ r), in that order. */
+static inline void id_store(const float *acc, const float *bias, const float *r, float *y, int cols) {
+    for (int j = 0; j < cols; j++) {
+        float v = acc[j];
+        if (bias) v += bias[j];
+        if (r) v += r[j];
+        y[j] = v;
+    }
+}
+
+/* ---------------- a panel's block in operand form ---------------- */
+
+/* The 32 weights of one block as k-ordered bytes: Q8_0 its int8 q, Q4_0 / Q4_1 the nibbles 0..15. */
+ID_INLINE __m256i id_values(int f, const uint8_t *blk) {
+    if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_Q4_1 ? 4 : 2))), lo4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
+}
+
+/* Block g of a panel's 8 rows -> the 8 k-quads w[j]: 32-bit word c of w[j] = row c's k 4j .. 4j + 3. */
+ID_INLINE void id_operands(int f, const uint8_t *const *rows, size_t at, __m256i w[8]) {
+    __m256i r[8], t[8], u[8];
+    for (int c = 0; c < 8; c++) {
+        _mm_prefetch((const char *)rows[c] + at + 768, _MM_HINT_T0);
+        r[c] = id_values(f, rows[c] + at);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* rows 4h .. 4h + 3: u[4h + e] holds their word e of each lane */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        w[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
+        w[4 + e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+    }
+}
+
+/* The fp16 at byte offset `off` of block g of each of n rows -> fp32 lanes. */
+ID_INLINE __m256 id_halves8(const uint8_t *const *rows, size_t at, int off) {
+    uint16_t h[8];
+    for (int c = 0; c < 8; c++) memcpy(&h[c], rows[c] + at + off, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, else 0. */
+ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
+    return f == IDF_Q4_0 ? -8 * s : f == IDF_Q8_0 && offset8 ? -128 * s : 0;
+}
+
+/* ================ AVX-512 VNNI: a panel pair per register ================ */
+
+typedef struct {
+    __m512i w[8];
+    __m512 d, m;
+} Prep512;
+
+/* [a | b] as one 16-lane register */
+ID_512 ID_INLINE __m512 join512(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+/* Block g (byte offset at) of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: Q8_0
+ * offset to u8. */
+ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, size_t at, Prep512 *p) {
+    __m256i a[8], b[8];
+    id_operands(f, rows, at, a);
+    id_operands(f, rows + 8, at, b);
+    for (int j = 0; j < 8; j++) {
+        p->w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a[j]), b[j], 1);
+        if (f == IDF_Q8_0) p->w[j] = _mm512_xor_si512(p->w[j], _mm512_set1_epi8((char)0x80));
+    }
+    p->d = join512(id_halves8(rows, at, 0), id_halves8(rows + 8, at, 0));
+    p->m = f == IDF_Q4_1 ? join512(id_halves8(rows, at, 2), id_halves8(rows + 8, at, 2)) : _mm512_setzero_ps();
+}
+
+/* R rows (constant after inlining) x group g: acc[i] += the group's contribution (see the header). */
+ID_512 ID_INLINE void rows512(int f, const QRows *x, int m0, int g, const Prep512 *p, __m512 *acc, int R) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
+        const size_t at = (size_t)(m0 + i) * x->G + g;
+        const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);
+        __m512i s0 = _mm512_set1_epi32(id_start(f, 1, x->s[at])), s1 = _mm512_setzero_si512();
+        s0 = _mm512_dpbusd_epi32(s0, p->w[0], _mm512_set1_epi32(xq[0]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[1], _mm512_set1_epi32(xq[1]));
+        s0 = _mm512_dpbusd_epi32(s0, p->w[2], _mm512_set1_epi32(xq[2]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[3], _mm512_set1_epi32(xq[3]));
+        s0 = _mm512_dpbusd_epi32(s0, p->w[4], _mm512_set1_epi32(xq[4]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[5], _mm512_set1_epi32(xq[5]));
+        s0 = _mm512_dpbusd_epi32(s0, p->w[6], _mm512_set1_epi32(xq[6]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[7], _mm512_set1_epi32(xq[7]));
+        const __m512 S = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        __m512 y = acc[i];
+        if (f == IDF_Q4_1) y = _mm512_fmadd_ps(p->m, _mm512_set1_ps(x->sd[at]), y);
+        acc[i] = _mm512_fmadd_ps(S, _mm512_mul_ps(p->d, _mm512_set1_ps(x->d[at])), y);
+    }
+}
+
+ID_512 static inline void store512(const __m512 *acc, int R, const float *bias, const float *Rr, int ldr, float *Y,
+                                   int ldy, int m0, int cols) {
+    float tmp[16];
+    for (int i = 0; i < R; i++) {
+        _mm512_storeu_ps(tmp, acc[i]);
+        const size_t m = (size_t)(m0 + i);
+        id_store(tmp, bias, Rr ? Rr + m * ldr : NULL, Y + m * ldy, cols);
+    }
+}
+
+/* R rows x every group, the operands made per group in registers (R <= ID_TILE) or read from prep. */
+ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_t *const *rows, int bb,
+                              const Prep512 *prep, __m512 *acc) {
+    for (int g = 0; g < x->G; g++) {
+        Prep512 one;
+        if (!prep) prep512(f, rows, (size_t)g * bb, &one);
+        rows512(f, x, m0, g, prep ? &prep[g] : &one, acc, R);
+    }
+}
+
+ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,
+                           const float *Rr, int ldr, float *Y, int ldy, int cols) {
+    const int bb = id_block_bytes(f), G = x->G;
+    Prep512 *prep = NULL;
+    if (M > ID_TILE) {
+        prep = scratch_get(&id_w_scratch, sizeof(Prep512) * (size_t)G);
+        if (!prep) return; /* cannot happen for any K a model has (G * 640 bytes); Y is left as it was */
+        for (int g = 0; g < G; g++) prep512(f, rows, (size_t)g * bb, &prep[g]);
+    }
+    __m512 acc[ID_TILE];
+    for (int m0 = 0; m0 < M; m0 += ID_TILE) {
+        const int R = M - m0 < ID_TILE ? M - m0 : ID_TILE;
+        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+#define TILE(N)                                                                                              \
+    case N:                                                                                                  \
+        if (f == IDF_Q8_0) tile512(IDF_Q8_0, x, m0, N, rows, bb, prep, acc);                                 \
+        else if (f == IDF_Q4_0) tile512(IDF_Q4_0, x, m0, N, rows, bb, prep, acc);                            \
+        else tile512(IDF_Q4_1, x, m0, N, rows, bb, prep, acc);                                               \
+        break;
+        switch (R) { TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) }
+#undef TILE
+        store512(acc, R, bias, Rr, ldr, Y, ldy, m0, cols);
+    }
+}
+
+/* The 8 row pointers of panel p (rows past N: its last row again). */
+static inline void id_panel_rows(const uint8_t *W, size_t row_bytes, int N, int p, const uint8_t **rows) {
+    for (int c = 0; c < ID_PANEL; c++) {
+        const int n = p * ID_PANEL + c < N ? p * ID_PANEL + c : N - 1;
+        rows[c] = W + (size_t)n * row_bytes;
+    }
+}
+
+ID_512 static void range512(int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
+                            float *Y, int ldy, int M, int N, int p0, int p1) {
+    const size_t row_bytes = (size_t)x->G * id_block_bytes(f);
+    for (int p = p0; p < p1; p += 2) {
+        const int np = p + 1 < p1 ? 2 : 1, n0 = p * ID_PANEL; /* one panel: the next is another thread's, or none */
+        const int cols = N - n0 < np * ID_PANEL ? N - n0 : np * ID_PANEL;
+        const uint8_t *rows[2 * ID_PANEL];
+        id_panel_rows(W, row_bytes, N, p, rows);
+        id_panel_rows(W, row_bytes, N, np == 2 ? p + 1 : p, rows + ID_PANEL); /* a lone panel: its rows twice */
+        pair512(f, x, M, rows, bias ? bias + n0 : NULL, Rr ? Rr + n0 : NULL, ldr, Y + n0, ldy, cols < 0 ? 0 : cols);
+    }
+}
+
+/* ================ 256-bit: a panel per register (AVX-VNNI, or AVX2 maddubs) ================ */
+
+typedef struct {
+    __m256i w[8], sgn[8];
+    __m256 d, m;
+} Prep256;
+
+/* Block g's operands for the chosen step: VNNI offsets Q8_0 to u8; AVX2 keeps Q8_0's signed weights for the sign
+ * and multiplies their magnitudes. */
+ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, size_t at, Prep256 *p) {
+    id_operands(f, rows, at, p->w);
+    if (f == IDF_Q8_0)
+        for (int j = 0; j < 8; j++) {
+            if (vnni) {
+                p->w[j] = _mm256_xor_si256(p->w[j], _mm256_set1_epi8((char)0x80));
+            } else {
+                p->sgn[j] = p->w[j];
+                p->w[j] = _mm256_abs_epi8(p->w[j]);
+            }
+        }
+    p->d = id_halves8(rows, at, 0);
+    p->m = f == IDF_Q4_1 ? id_halves8(rows, at, 2) : _mm256_setzero_ps();
+}
+
+/* One dot-product step: s += sum over each lane's 4 (u8 w, s8 x) pairs. */
+ID_VNNI ID_INLINE __m256i dot_vnni(__m256i s, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
+
+ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+/* R rows x one block; VNNI: the AVX-VNNI step, else maddubs (Q8_0: w = |w|, the sign moved onto x). */
+#define ROWS256(NAME, ATTR, DOT, VNNI)                                                                            \
+    ATTR ID_INLINE void NAME(int f, const QRows *x, int m0, int g, const Prep256 *p, __m256 *acc, int R) {        \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                    \
+            const size_t at = (size_t)(m0 + i) * x->G + g;                                                       \
+            const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);                                         \
+            __m256i s0 = _mm256_set1_epi32(id_start(f, VNNI, x->s[at])), s1 = _mm256_setzero_si256();            \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2) {                                             \
+                __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);                        \
+                if (!VNNI && f == IDF_Q8_0)                                                                      \
+                    x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 1]);              \
+                s0 = DOT(s0, p->w[j], x0);                                                                       \
+                s1 = DOT(s1, p->w[j + 1], x1);                                                                   \
+            }                                                                                                    \
+            const __m256 S = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));                                       \
+            __m256 y = acc[i];                                                                                   \
+            if (f == IDF_Q4_1) y = _mm256_fmadd_ps(p->m, _mm256_set1_ps(x->sd[at]), y);                          \
+            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(p->d, _mm256_set1_ps(x->d[at])), y);                       \
+        }                                                                                                        \
+    }
+
+ROWS256(rows_vnni, ID_VNNI, dot_vnni, 1)
+ROWS256(rows_avx2, , dot_avx2, 0)
+#undef ROWS256
+
+#define PANEL256(NAME, ATTR, ROWS, VNNI)                                                                          \
+    ATTR ID_INLINE void NAME##_tile(int f, const QRows *x, int m0, int R, const uint8_t *const *rows, int bb,     \
+                                    const Prep256 *prep, __m256 *acc) {                                          \
+        for (int g = 0; g < x->G; g++) {                                                                         \
+            Prep256 one;                                                                                         \
+            if (!prep) prep256(f, VNNI, rows, (size_t)g * bb, &one);                                             \
+            ROWS(f, x, m0, g, prep ? &prep[g] : &one, acc, R);                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    ATTR static void NAME(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,           \
+                          const float *Rr, int ldr, float *Y, int ldy, int cols) {                               \
+        const int bb = id_block_bytes(f), G = x->G;                                                              \
+        Prep256 *prep = NULL;                                                                                    \
+        if (M > ID_TILE) {                                                                                       \
+            prep = scratch_get(&id_w_scratch, sizeof(Prep256) * (size_t)G);                                      \
+            if (!prep) return;                                                                                   \
+            for (int g = 0; g < G; g++) prep256(f, VNNI, rows, (size_t)g * bb, &prep[g]);                        \
+        }                                                                                                        \
+        __m256 acc[ID_TILE];                                                                                     \
+        float tmp[8];                                                                                            \
+        for (int m0 = 0; m0 < M; m0 += ID_TILE) {                                                                \
+            const int R = M - m0 < ID_TILE ? M - m0 : ID_TILE;                                                   \
+            for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();                                            \
+            switch (R) {                                                                                         \
+            case 1: NAME##_TILES(1) break;                                                                       \
+            case 2: NAME##_TILES(2) break;                                                                       \
+            case 3: NAME##_TILES(3) break;                                                                       \
+            case 4: NAME##_TILES(4) break;                                                                       \
+            case 5: NAME##_TILES(5) break;                                                                       \
+            case 6: NAME##_TILES(6) break;                                                                       \
+            case 7: NAME##_TILES(7) break;                                                                       \
+            default: NAME##_TILES(8)                                                                             \
+            }                                                                                                    \
+            for (int i = 0; i < R; i++) {                                                                        \
+                _mm256_storeu_ps(tmp, acc[i]);                                                                   \
+                const size_t mm = (size_t)(m0 + i);                                                              \
+                id_store(tmp, bias, Rr ? Rr + mm * ldr : NULL, Y + mm * ldy, cols);                              \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+#define panel_vnni_TILES(N)                                                                                       \
+    if (f == IDF_Q8_0) panel_vnni_tile(IDF_Q8_0, x, m0, N, rows, bb, prep, acc);                                  \
+    else if (f == IDF_Q4_0) panel_vnni_tile(IDF_Q4_0, x, m0, N, rows, bb, prep, acc);                             \
+    else panel_vnni_tile(IDF_Q4_1, x, m0, N, rows, bb, prep, acc);
+#define panel_avx2_TILES(N)                                                                                       \
+    if (f == IDF_Q8_0) panel_avx2_tile(IDF_Q8_0, x, m0, N, rows, bb, prep, acc);                                  \
+    else if (f == IDF_Q4_0) panel_avx2_tile(IDF_Q4_0, x, m0, N, rows, bb, prep, acc);                             \
+    else panel_avx2_tile(IDF_Q4_1, x, m0, N, rows, bb, prep, acc);
+
+PANEL256(panel_vnni, ID_VNNI, rows_vnni, 1)
+PANEL256(panel_avx2, , rows_avx2, 0)
+#undef PANEL256
+#undef panel_vnni_TILES
+#undef panel_avx2_TILES
+
+static void range256(int isa, int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
+                     float *Y, int ldy, int M, int N, int p0, int p1) {
+    const size_t row_bytes = (size_t)x->G * id_block_bytes(f);
+    for (int p = p0; p < p1; p++) {
+        const int n0 = p * ID_PANEL, cols = N - n0 < ID_PANEL ? N - n0 : ID_PANEL;
+        const uint8_t *rows[ID_PANEL];
+        id_panel_rows(W, row_bytes, N, p, rows);
+        const float *b = bias ? bias + n0 : NULL, *r = Rr ? Rr + n0 : NULL;
+        if (isa == ISA_AVXVNNI) panel_vnni(f, x, M, rows, b, r, ldr, Y + n0, ldy, cols);
+        else panel_avx2(f, x, M, rows, b, r, ldr, Y + n0, ldy, cols);
+    }
+}
+
+/* ---------------- entry points ---------------- */
+
+static void id_range(const QRows *x, int f, const uint8_t *W, const float *bias, const float *R, int ldr, float *Y,
+                     int ldy, int M, int N, int p0, int p1) {
+    const int isa = __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
+    if (isa == ISA_AVX512VNNI) range512(f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    else range256(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+}
+
+/* Panels [p0, p1) of Y = X W^T (+ bias) (+ R) for W of GGUF type `type` (K whole blocks), X quantized here into
+ * this thread's own buffer (every thread of a step quantizes the same rows the same way: no barrier).
+ * decode_step.c's linears call this. Returns -1 when the buffer cannot be allocated or the type or K is not this
+ * path's (Y untouched), else 0. */
+static int int_dot_linear(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R,
+                          int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
+    const int f = id_kind(type);
+    if (f < 0 || K % ID_GROUP) return -1;
+    void *mem = scratch_get(&id_act_scratch, qrows_bytes(M, K));
+    if (!mem) return -1;
+    QRows x = qrows_carve(mem, M, K);
+    quantize_rows(X, ldx, M, K, &x);
+    id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    return 0;
+}
+
+/* Y = X W^T (+ bias) (+ R) by integer dot products, on nthreads threads splitting the panels.
+ * Returns 0, or -1 when a buffer cannot be allocated or the type or K is not this path's. */
+int int_dot_gemm(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R, int ldr,
+                 float *Y, int ldy, int M, int K, int N, int nthreads) {
+    const int f = id_kind(type);
+    if (f < 0 || K % ID_GROUP) return -1;
+    if (M <= 0 || N <= 0) return 0;
+    void *mem = malloc(qrows_bytes(M, K));
+    if (!mem) return -1;
+    QRows x = qrows_carve(mem, M, K);
+    quantize_rows(X, ldx, M, K, &x);
+    const int npanels = (N + ID_PANEL - 1) / ID_PANEL;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > npanels) nthreads = npanels;
+#pragma omp parallel num_threads(nthreads)
+    { /* panels split as decode_step.c splits them (a range may start or end mid-pair) */
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
+        if (p0 < p1) id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    }
+    free(mem);
+    return 0;
+}
