@@ -84,8 +84,13 @@ def quantize_q4_1(w: torch.Tensor) -> QuantWeight:
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
-    """fp32 [N, K] -> a QuantWeight of ``fmt``: "int8" / "Q8_0" or "int4" / "Q4_1"."""
+    """fp32 [N, K] -> a QuantWeight of ``fmt``: "int8" / "Q8_0" or "int4" / "Q4_1". A weight whose rows are not whole
+    32-weight blocks (K % 32: a small MoE expert's down projection) becomes F16 instead, as llama-quantize falls back
+    for such tensors: no 32-block type can hold it."""
     kind = WEIGHTS_TYPES.get(fmt, fmt)
+    if kind in ("Q8_0", "Q4_1") and w.shape[1] % GROUP:
+        half = w.detach().to(torch.float16).contiguous()
+        return QuantWeight("F16", half.view(torch.uint8).reshape(w.shape[0], -1), *w.shape)
     if kind == "Q8_0":
         return quantize_q8_0(w)
     if kind == "Q4_1":

@@ -1,5 +1,5 @@
-"""The integer-dot path (models/kernels/int_dot.c): int8 activations times GGUF Q8_0 / Q4_0 / Q4_1 weights in their
-own blocks (random valid blocks written with numpy in each type's layout, as quant_gemm reads them).
+"""The integer-dot path (models/kernels/int_dot.c): int8 activations times GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+weights in their own blocks (random valid blocks written with numpy in each type's layout, as quant_gemm reads them).
 
 Each ISA the CPU has (AVX2 maddubs always; AVX-VNNI and AVX-512 VNNI where present, else the test says which it
 could not run and why: never a silent skip) against a float64 evaluation of the same quantized math: the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from models.gguf.blocks import TYPES as GGUF_TYPES
-from models.gguf.blocks import random_blocks
+from models.gguf.blocks import _k4_nibbles, k4_scale_min, random_blocks
 from models.kernels import build, int_dot, quant_gemm
 
 pytestmark = pytest.mark.skipif(int_dot.load() is None, reason=f"int_dot kernel: {int_dot.KERNEL.unavailable_reason}")
@@ -77,23 +77,37 @@ def reference(x, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np.ndar
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int):
-    """[n, k] random valid blocks of GGUF type ``fmt`` (fp16 scales and Q4_1 mins of both signs) -> the weight and its
-    integers q [n, k] (Q4_0: q - 8), d [n, G] and m [n, G] (None but for Q4_1) as the blocks hold them."""
-    g = k // 32
-    raw = random_blocks(fmt, n * g, np.random.default_rng(seed), 0.01)  # [n G, block bytes]
-    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, g)
+    """[n, k] random valid blocks of GGUF type ``fmt`` (fp16 scales and mins of both signs) -> the weight and, as the
+    blocks hold them, its integers q [n, k] (Q4_0: q - 8; Q6_K: sc (q - 32)) and each 32-group's factors d [n, G]
+    and m [n, G] (None without a min): weight = d q (+ m) in fp32, gguf-py's values."""
+    t, g = GGUF_TYPES[fmt], k // 32
+    raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(seed), 0.01)  # [blocks, block bytes]
+    w = quant_gemm.from_blocks(fmt, raw.reshape(n, -1), k)
+    half = lambda at: raw[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731  [blocks, 1]
     m = None
     if fmt == "Q8_0":
-        q = raw[:, 2:34].view(np.int8).astype(np.int32)
-    else:
+        q, d = raw[:, 2:34].view(np.int8).astype(np.int32), half(0)
+    elif fmt in ("Q4_0", "Q4_1"):
         qs = raw[:, 4:20] if fmt == "Q4_1" else raw[:, 2:18]
-        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32)  # k 0-15: low nibbles, 16-31: high
-        if fmt == "Q4_0":
-            q = q - 8
-        else:
-            m = raw[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, g)
-    w = quant_gemm.from_blocks(fmt, raw.reshape(n, -1), k)
-    return w, q.reshape(n, k), d, m
+        q, d = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32), half(0)  # k 0-15 low nibbles, 16-31 high
+        q, m = (q, half(2)) if fmt == "Q4_1" else (q - 8, None)
+    elif fmt == "Q4_K":
+        sc, mn = k4_scale_min(raw[:, 4:16])  # [blocks, 8 sub-blocks]
+        q = _k4_nibbles(raw[:, 16:144]).astype(np.int32)
+        d, m = half(0) * sc.astype(np.float32), -(half(2) * mn.astype(np.float32))
+    else:  # Q6_K: 16 sub-blocks of 16, each (d sc) (q - 32); the integers carry sc
+        b = len(raw)
+        ql = raw[:, 0:128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = raw[:, 128:192].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q6 = ((ql & 15).reshape(b, 8, 32) | (qh & 3).reshape(b, 8, 32) << 4).astype(np.int32) - 32
+        sc = raw[:, 192:208].view(np.int8).astype(np.int32)
+        q, d = (sc[:, :, None] * q6.reshape(b, 16, 16)).reshape(b, 256), np.repeat(half(208), 8, axis=1)
+    d = d.astype(np.float32).reshape(n, g)
+    m = None if m is None else m.astype(np.float32).reshape(n, g)
+    q = q.reshape(n, k)
+    values = np.repeat(d, 32, axis=1) * q + (0 if m is None else np.repeat(m, 32, axis=1))
+    assert np.array_equal(values.astype(np.float32), quant_gemm.dequantize(w).numpy()), fmt  # the file's weights
+    return w, q, d, m
 
 
 def check(out: torch.Tensor, y: np.ndarray, scale: np.ndarray) -> None:
@@ -117,13 +131,18 @@ def test_activation_rounding_is_the_references():
 
 
 SHAPES = [(1, 32, 8), (1, 64, 17), (2, 96, 15), (3, 128, 40), (5, 64, 7), (8, 224, 33), (9, 64, 24), (17, 96, 16)]
-SHAPES += [(33, 160, 9), (100, 64, 23)]  # rows, K, N
+SHAPES += [(33, 160, 9), (100, 64, 23)]  # rows, K, N (K: whole 32-blocks)
+SUPER_SHAPES = [(1, 256, 8), (3, 512, 17), (8, 256, 33), (9, 768, 16), (33, 256, 9), (100, 512, 23)]  # 256-blocks
 TYPES = list(int_dot.FORMATS)
+
+
+def shapes(fmt: str) -> list[tuple[int, int, int]]:
+    return SUPER_SHAPES if GGUF_TYPES[fmt].block == 256 else SHAPES
 
 
 @pytest.mark.parametrize("fmt", TYPES)
 def test_each_isa_matches_the_float64_reference(isa, fmt):
-    for i, (rows, k, n) in enumerate(SHAPES):
+    for i, (rows, k, n) in enumerate(shapes(fmt)):
         w, q, d, m = random_weight(fmt, n, k, seed=10 + i)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i))
         bias = torch.randn(n) if i % 2 else None
@@ -136,8 +155,9 @@ def test_each_isa_matches_the_float64_reference(isa, fmt):
 
 @pytest.mark.parametrize("fmt", TYPES)
 def test_results_do_not_depend_on_isa_batch_or_threads(fmt):
-    w, *_ = random_weight(fmt, 45, 160, seed=3)
-    x = torch.randn(20, 160, generator=torch.Generator().manual_seed(4))
+    k = 512 if GGUF_TYPES[fmt].block == 256 else 160
+    w, *_ = random_weight(fmt, 45, k, seed=3)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))
     outs = {}
     for name in CPU_ISAS:
         int_dot.force_isa(name)
@@ -164,14 +184,14 @@ def test_close_to_the_exact_fp32_path():
 
 
 def test_other_types_keep_fp32_activations():
-    """The integer path takes Q8_0, Q4_0 and Q4_1 only: any other type is refused by its switch (the whole-step
-    kernel then runs quant_gemm's exact path for it) and by ``gemm``."""
+    """The integer path takes Q8_0, Q4_0, Q4_1, Q4_K and Q6_K only: any other type is refused by its switch (the
+    whole-step kernel then runs quant_gemm's exact path for it) and by ``gemm``."""
     lib = int_dot.load()
-    for name in ("F32", "F16", "Q4_K", "Q6_K", "Q5_0", "IQ4_NL"):
+    for name in ("F32", "F16", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "IQ4_NL", "IQ4_XS"):
         assert lib.int_dot_set_rows(GGUF_TYPES[name].type_id, 1) == -1, name
-    raw = random_blocks("Q4_K", 8 * 2, np.random.default_rng(0), 0.01).reshape(8, -1)
-    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1"):
-        int_dot.gemm(torch.randn(2, 512), quant_gemm.from_blocks("Q4_K", raw, 512))
+    raw = random_blocks("Q5_K", 8 * 2, np.random.default_rng(0), 0.01).reshape(8, -1)
+    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        int_dot.gemm(torch.randn(2, 512), quant_gemm.from_blocks("Q5_K", raw, 512))
 
 
 def test_activations_setting():

@@ -64,11 +64,13 @@ def test_constant_and_zero_blocks_quantize_exactly():
         assert torch.equal(qg.dequantize(quantize(w, fmt)), w)
 
 
-def test_unknown_format_and_partial_blocks_are_refused():
+def test_unknown_format_is_refused_and_partial_blocks_fall_back_to_f16():
     with pytest.raises(ValueError, match="int3"):
         quantize(torch.zeros(8, 32), "int3")
-    with pytest.raises(ValueError, match="whole 32-weight blocks; this weight has 70 inputs"):
-        quantize(torch.zeros(8, 70), "int8")
+    w = torch.randn(8, 70, generator=torch.Generator().manual_seed(0))
+    for fmt in ("int8", "int4"):  # rows of 70: no 32-block type holds them (llama-quantize's fallback: F16)
+        q = quantize(w, fmt)
+        assert q.fmt == "F16" and torch.equal(qg.dequantize(q), w.half().float())
 
 
 # ---------------------------------------------------------------- GGUF

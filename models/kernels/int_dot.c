@@ -1,6 +1,6 @@
 /* Quantized linears by integer dot products: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]) for W of GGUF
- * type Q8_0, Q4_0 or Q4_1 in the file's own blocks, with X quantized per 32-block to int8 first, as llama.cpp
- * quantizes its activations (Q8_0 / Q8_1 blocks) for vec_dot_q8_0_q8_0, vec_dot_q4_0_q8_0 and vec_dot_q4_1_q8_1.
+ * type Q8_0, Q4_0, Q4_1, Q4_K or Q6_K in the file's own blocks, with X quantized per 32-block to int8 first, as
+ * llama.cpp quantizes its activations (Q8_0 / Q8_1 / Q8_K blocks) for its vec_dot_<type>_q8_* kernels.
  *
  * Why: quant_gemm.c multiplies fp32 activations by weights dequantized to fp32, one FMA per weight and row (16
  * multiply-adds an instruction with AVX-512). Here a weight stays an integer: VNNI's vpdpbusd does 64 u8 x s8
@@ -12,16 +12,24 @@
  *   Q8_0 (34 bytes / 32): d fp16 | q[32] int8              w = d q
  *   Q4_0 (18 bytes / 32): d fp16 | qs[16]                  w = d (q - 8),  q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
  *   Q4_1 (20 bytes / 32): d fp16 | m fp16 | qs[16]         w = d q + m
+ *   Q4_K (144 bytes / 256): 8 sub-blocks of 32, each w = (d sc) q - (dmin m), q a nibble (quants/q4_k.h)
+ *   Q6_K (210 bytes / 256): 16 sub-blocks of 16, each w = (d sc) (q - 32), q 6 bits (quants/q6_k.h)
+ * Every 32 weights of a row (a "group": a Q8_0 / Q4_0 / Q4_1 block, a Q4_K sub-block, two Q6_K sub-blocks) meet one
+ * 32-block of the activations.
  * A panel is 8 consecutive output rows (the last one's missing rows read its last row again; their outputs are
  * dropped). Each 32-block of a panel's 8 rows is turned in registers into the kernels' operand form: 8 k-quads,
  * each a register of 8 columns x 4 k (an 8 x 8 transpose of 32-bit words), once per block for all of a step's rows.
  *
  * Activations: row x, group g (32 k, the last zero-padded): a = max |x_k|, dx = a / 127, q_k = round(x_k 127 / a)
- * (nearest, ties to even: the vector rounding), all 0 when a = 0; s = sum q_k (int). Then per output n:
- *   Q8_0: y = sum_g dx_g d_gn S_gn                    S = sum_k q_k w_k (exact, int32; w the int8 q)
- *   Q4_0: the same with S = sum_k q_k (w_k - 8)       (exact: sum q_k w_k - 8 s)
+ * (nearest, ties to even: the vector rounding), all 0 when a = 0; s = sum q_k (int), s' the sum of its first 16.
+ * Then per output n, the group's integers S exact in int32 and its factors d (and m) in fp32:
+ *   Q8_0: y = sum_g dx_g d_gn S_gn                    S = sum_k q_k w_k (w the int8 q)
+ *   Q4_0: the same with S = sum_k q_k (w_k - 8)       (sum q_k w_k - 8 s)
  *   Q4_1: y = sum_g dx_g d_gn S_gn + m_gn (s_g dx_g)  S = sum_k q_k w_k, w in 0..15
- * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (Q4_1: first y = fma(m, s dx, y)); then
+ *   Q4_K: as Q4_1 with d = d sc, m = -(dmin m) of the group's sub-block (each product exact in fp32)
+ *   Q6_K: as Q8_0 with d the super-block's d, S = sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')), S_a / S_b the
+ *         sums of q_k w_k over the group's two sub-blocks of 16, sc_a / sc_b their int8 scales
+ * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (Q4_1, Q4_K: first y = fma(m, s dx, y)); then
  * y (+ bias) (+ r). S is exact and the order is fixed, so results do not depend on M, the thread count, the path
  * or the ISA (every ISA computes the same S and the same fp32 operations). tests/test_int_dot.py checks this
  * against a float64 evaluation of the same quantized math.
@@ -46,19 +54,51 @@
 #include <omp.h>
 #endif
 
+#include "quants/q4_k.h" /* k4_scale_min */
+
 #define ID_PANEL 8
 #define ID_GROUP 32
 #define ID_TILE 8 /* rows per register tile */
-enum { IDF_Q8_0 = 0, IDF_Q4_0 = 1, IDF_Q4_1 = 2, IDF_KINDS = 3 }; /* the types this path takes */
+enum { IDF_Q8_0 = 0, IDF_Q4_0 = 1, IDF_Q4_1 = 2, IDF_Q4_K = 3, IDF_Q6_K = 4, IDF_KINDS = 5 }; /* the types it takes */
 enum { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512VNNI = 2 };
 
 #define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define ID_VNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
 #define ID_INLINE static inline __attribute__((always_inline))
 
-/* GGUF type id -> this path's kind, or -1 (ggml's ids: Q4_0 2, Q4_1 3, Q8_0 8) */
-static inline int id_kind(int type) { return type == 8 ? IDF_Q8_0 : type == 2 ? IDF_Q4_0 : type == 3 ? IDF_Q4_1 : -1; }
-static inline int id_block_bytes(int f) { return f == IDF_Q8_0 ? 34 : f == IDF_Q4_0 ? 18 : 20; }
+/* GGUF type id -> this path's kind, or -1 (ggml's ids: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14) */
+static inline int id_kind(int type) {
+    switch (type) {
+    case 8: return IDF_Q8_0;
+    case 2: return IDF_Q4_0;
+    case 3: return IDF_Q4_1;
+    case 12: return IDF_Q4_K;
+    case 14: return IDF_Q6_K;
+    default: return -1;
+    }
+}
+
+static inline int id_super(int f) { return f == IDF_Q4_K || f == IDF_Q6_K; } /* 256-weight blocks of 8 groups */
+static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q4_K; }
+
+/* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1) or a super-block's (8 groups). */
+static inline int id_block_bytes(int f) {
+    switch (f) {
+    case IDF_Q8_0: return 34;
+    case IDF_Q4_0: return 18;
+    case IDF_Q4_1: return 20;
+    case IDF_Q4_K: return 144;
+    default: return 210;
+    }
+}
+
+/* The block holding group g of a row, and the group's index in it. */
+static inline const uint8_t *id_block(int f, const uint8_t *row, int g, int *sub) {
+    *sub = id_super(f) ? g & 7 : 0;
+    return row + (size_t)(id_super(f) ? g >> 3 : g) * id_block_bytes(f);
+}
+
+static inline size_t id_row_bytes(int f, int G) { return (size_t)(id_super(f) ? G / 8 : G) * id_block_bytes(f); }
 
 /* ---------------- ISA choice and the per-type switch ---------------- */
 
@@ -105,16 +145,17 @@ static inline int int_dot_wants(int type, int M) {
 
 /* ---------------- activations ---------------- */
 
-/* The quantized rows of X: q [M][G * 32] int8, d [M][G] (dx), sd [M][G] (s dx), s [M][G]. */
+/* The quantized rows of X: q [M][G * 32] int8, d [M][G] (dx), sd [M][G] (s dx), s [M][G], s16 [M][G] (the sum
+ * of a group's first 16 q: Q6_K's sub-blocks). */
 typedef struct {
     int8_t *q;
     float *d, *sd;
-    int32_t *s;
+    int32_t *s, *s16;
     int G;
 } QRows;
 
 /* One row's groups (scalar: the same bits as any vector form; the rounding is nearest-even, rintf). */
-static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, int32_t *s) {
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, int32_t *s, int32_t *s16) {
     const int G = (K + ID_GROUP - 1) / ID_GROUP;
     for (int g = 0; g < G; g++) {
         const int k0 = g * ID_GROUP, kn = K - k0 < ID_GROUP ? K - k0 : ID_GROUP;
@@ -130,6 +171,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, 
             if (k < kn) v = (int)__builtin_rintf(x[k0 + k] * inv);
             q[k0 + k] = (int8_t)v;
             sum += v;
+            if (k == 15) s16[g] = sum;
         }
         d[g] = dx;
         s[g] = sum;
@@ -140,7 +182,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, 
 /* Bytes of a QRows of M rows of K. */
 static size_t qrows_bytes(int M, int K) {
     const size_t G = (size_t)(K + ID_GROUP - 1) / ID_GROUP;
-    return (size_t)M * G * (ID_GROUP + 3 * sizeof(float)) + 64;
+    return (size_t)M * G * (ID_GROUP + 4 * sizeof(float)) + 64;
 }
 
 static QRows qrows_carve(void *mem, int M, int K) {
@@ -151,23 +193,26 @@ static QRows qrows_carve(void *mem, int M, int K) {
     r.d = (float *)(r.q + n * ID_GROUP);
     r.sd = r.d + n;
     r.s = (int32_t *)(r.sd + n);
+    r.s16 = r.s + n;
     return r;
 }
 
 static void quantize_rows(const float *X, int ldx, int M, int K, QRows *r) {
     for (int i = 0; i < M; i++)
         quantize_row(X + (size_t)i * ldx, K, r->q + (size_t)i * r->G * ID_GROUP, r->d + (size_t)i * r->G,
-                     r->sd + (size_t)i * r->G, r->s + (size_t)i * r->G);
+                     r->sd + (size_t)i * r->G, r->s + (size_t)i * r->G, r->s16 + (size_t)i * r->G);
 }
 
 /* For tests: X's quantized rows into q [M][G*32], d [M][G], s [M][G]. */
 void int_dot_quantize(const float *X, int ldx, int M, int K, int8_t *q, float *d, int32_t *s) {
     const int G = (K + ID_GROUP - 1) / ID_GROUP;
     float *sd = malloc(sizeof(float) * (size_t)M * G + 1);
+    int32_t *s16 = malloc(sizeof(int32_t) * (size_t)M * G + 1);
     for (int i = 0; i < M; i++)
         quantize_row(X + (size_t)i * ldx, K, q + (size_t)i * G * ID_GROUP, d + (size_t)i * G, sd + (size_t)i * G,
-                     s + (size_t)i * G);
+                     s + (size_t)i * G, s16 + (size_t)i * G);
     free(sd);
+    free(s16);
 }
 
 /* A per-thread scratch buffer that grows (OpenMP's pool threads keep theirs between calls). */
@@ -199,19 +244,36 @@ static inline void id_store(const float *acc, const float *bias, const float *r,
 
 /* ---------------- a panel's block in operand form ---------------- */
 
-/* The 32 weights of one block as k-ordered bytes: Q8_0 its int8 q, Q4_0 / Q4_1 the nibbles 0..15. */
-ID_INLINE __m256i id_values(int f, const uint8_t *blk) {
+/* The 32 weights of group g of a row as k-ordered bytes: Q8_0 its int8 q, the others their unsigned q (Q4_0 / Q4_1 /
+ * Q4_K nibbles 0..15, Q6_K 0..63). */
+ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
+    int sub;
+    const uint8_t *blk = id_block(f, row, g, &sub);
+    const __m256i lo4 = _mm256_set1_epi8(15);
     if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_Q4_1 ? 4 : 2))), lo4 = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo4), _mm_and_si128(v, lo4));
+    if (f == IDF_Q4_K) { /* sub-block 2p + i: nibble i of qs[32 p ..] */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (sub >> 1)));
+        return _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
+    }
+    if (f == IDF_Q6_K) { /* half h = sub / 4, quarter c = sub % 4 (quants/q6_k.h) */
+        const int h = sub >> 2, c = sub & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (c & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i low = _mm256_and_si256(c < 2 ? ql : _mm256_srli_epi16(ql, 4), lo4);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_Q4_1 ? 4 : 2))), l4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
 }
 
-/* Block g of a panel's 8 rows -> the 8 k-quads w[j]: 32-bit word c of w[j] = row c's k 4j .. 4j + 3. */
-ID_INLINE void id_operands(int f, const uint8_t *const *rows, size_t at, __m256i w[8]) {
+/* Group g of a panel's 8 rows -> the 8 k-quads w[j]: 32-bit word c of w[j] = row c's k 4j .. 4j + 3. */
+ID_INLINE void id_operands(int f, const uint8_t *const *rows, int g, __m256i w[8]) {
     __m256i r[8], t[8], u[8];
     for (int c = 0; c < 8; c++) {
-        _mm_prefetch((const char *)rows[c] + at + 768, _MM_HINT_T0);
-        r[c] = id_values(f, rows[c] + at);
+        int sub;
+        _mm_prefetch((const char *)id_block(f, rows[c], g, &sub) + 768, _MM_HINT_T0);
+        r[c] = id_values(f, rows[c], g);
     }
     for (int i = 0; i < 4; i++) {
         t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -229,14 +291,38 @@ ID_INLINE void id_operands(int f, const uint8_t *const *rows, size_t at, __m256i
     }
 }
 
-/* The fp16 at byte offset `off` of block g of each of n rows -> fp32 lanes. */
-ID_INLINE __m256 id_halves8(const uint8_t *const *rows, size_t at, int off) {
-    uint16_t h[8];
-    for (int c = 0; c < 8; c++) memcpy(&h[c], rows[c] + at + off, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+/* Group g's factors in each of a panel's 8 rows: d, m (0 without a min) and, for Q6_K, its two sub-block scales. */
+typedef struct {
+    __m256 d, m;
+    __m256i sca, scb;
+} Factors8;
+
+ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
+    float d[8], m[8];
+    int32_t sa[8], sb[8];
+    for (int c = 0; c < 8; c++) {
+        int sub;
+        const uint8_t *blk = id_block(f, rows[c], g, &sub);
+        sa[c] = sb[c] = 0, m[c] = 0.0f;
+        if (f == IDF_Q4_K) {
+            int sc, mn;
+            k4_scale_min(blk + 4, sub, &sc, &mn);
+            d[c] = f16_at(blk) * (float)sc, m[c] = -(f16_at(blk + 2) * (float)mn);
+        } else if (f == IDF_Q6_K) {
+            d[c] = f16_at(blk + 208);
+            sa[c] = (int8_t)blk[192 + 2 * sub], sb[c] = (int8_t)blk[193 + 2 * sub];
+        } else {
+            d[c] = f16_at(blk);
+            if (f == IDF_Q4_1) m[c] = f16_at(blk + 2);
+        }
+    }
+    Factors8 r = {_mm256_loadu_ps(d), _mm256_loadu_ps(m), _mm256_loadu_si256((const __m256i *)sa),
+                  _mm256_loadu_si256((const __m256i *)sb)};
+    return r;
 }
 
-/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, else 0. */
+/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, else 0 (Q6_K's offsets come with
+ * its scales). */
 ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
     return f == IDF_Q4_0 ? -8 * s : f == IDF_Q8_0 && offset8 ? -128 * s : 0;
 }
@@ -246,6 +332,7 @@ ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
 typedef struct {
     __m512i w[8];
     __m512 d, m;
+    __m512i sca, scb;
 } Prep512;
 
 /* [a | b] as one 16-lane register */
@@ -253,18 +340,20 @@ ID_512 ID_INLINE __m512 join512(__m256 a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
 
-/* Block g (byte offset at) of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: Q8_0
- * offset to u8. */
-ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, size_t at, Prep512 *p) {
+ID_512 ID_INLINE __m512i join512i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+
+/* Group g of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: Q8_0 offset to u8. */
+ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, Prep512 *p) {
     __m256i a[8], b[8];
-    id_operands(f, rows, at, a);
-    id_operands(f, rows + 8, at, b);
+    id_operands(f, rows, g, a);
+    id_operands(f, rows + 8, g, b);
     for (int j = 0; j < 8; j++) {
-        p->w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a[j]), b[j], 1);
+        p->w[j] = join512i(a[j], b[j]);
         if (f == IDF_Q8_0) p->w[j] = _mm512_xor_si512(p->w[j], _mm512_set1_epi8((char)0x80));
     }
-    p->d = join512(id_halves8(rows, at, 0), id_halves8(rows + 8, at, 0));
-    p->m = f == IDF_Q4_1 ? join512(id_halves8(rows, at, 2), id_halves8(rows + 8, at, 2)) : _mm512_setzero_ps();
+    const Factors8 fa = id_factors(f, rows, g), fb = id_factors(f, rows + 8, g);
+    p->d = join512(fa.d, fb.d), p->m = join512(fa.m, fb.m);
+    p->sca = join512i(fa.sca, fb.sca), p->scb = join512i(fa.scb, fb.scb);
 }
 
 /* R rows (constant after inlining) x group g: acc[i] += the group's contribution (see the header). */
@@ -272,18 +361,29 @@ ID_512 ID_INLINE void rows512(int f, const QRows *x, int m0, int g, const Prep51
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
         const size_t at = (size_t)(m0 + i) * x->G + g;
         const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);
+        /* s0: k 0-15 (quads 0-3), s1: k 16-31, two chains each (integer sums: exact in any order) */
         __m512i s0 = _mm512_set1_epi32(id_start(f, 1, x->s[at])), s1 = _mm512_setzero_si512();
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
         s0 = _mm512_dpbusd_epi32(s0, p->w[0], _mm512_set1_epi32(xq[0]));
-        s1 = _mm512_dpbusd_epi32(s1, p->w[1], _mm512_set1_epi32(xq[1]));
+        t0 = _mm512_dpbusd_epi32(t0, p->w[1], _mm512_set1_epi32(xq[1]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[4], _mm512_set1_epi32(xq[4]));
+        t1 = _mm512_dpbusd_epi32(t1, p->w[5], _mm512_set1_epi32(xq[5]));
         s0 = _mm512_dpbusd_epi32(s0, p->w[2], _mm512_set1_epi32(xq[2]));
-        s1 = _mm512_dpbusd_epi32(s1, p->w[3], _mm512_set1_epi32(xq[3]));
-        s0 = _mm512_dpbusd_epi32(s0, p->w[4], _mm512_set1_epi32(xq[4]));
-        s1 = _mm512_dpbusd_epi32(s1, p->w[5], _mm512_set1_epi32(xq[5]));
-        s0 = _mm512_dpbusd_epi32(s0, p->w[6], _mm512_set1_epi32(xq[6]));
-        s1 = _mm512_dpbusd_epi32(s1, p->w[7], _mm512_set1_epi32(xq[7]));
-        const __m512 S = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        t0 = _mm512_dpbusd_epi32(t0, p->w[3], _mm512_set1_epi32(xq[3]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[6], _mm512_set1_epi32(xq[6]));
+        t1 = _mm512_dpbusd_epi32(t1, p->w[7], _mm512_set1_epi32(xq[7]));
+        s0 = _mm512_add_epi32(s0, t0), s1 = _mm512_add_epi32(s1, t1);
+        __m512i Si;
+        if (f == IDF_Q6_K) { /* sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')) */
+            const int32_t sa = x->s16[at], sb = x->s[at] - sa;
+            Si = _mm512_add_epi32(_mm512_mullo_epi32(p->sca, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * sa))),
+                                  _mm512_mullo_epi32(p->scb, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * sb))));
+        } else {
+            Si = _mm512_add_epi32(s0, s1);
+        }
+        const __m512 S = _mm512_cvtepi32_ps(Si);
         __m512 y = acc[i];
-        if (f == IDF_Q4_1) y = _mm512_fmadd_ps(p->m, _mm512_set1_ps(x->sd[at]), y);
+        if (id_has_min(f)) y = _mm512_fmadd_ps(p->m, _mm512_set1_ps(x->sd[at]), y);
         acc[i] = _mm512_fmadd_ps(S, _mm512_mul_ps(p->d, _mm512_set1_ps(x->d[at])), y);
     }
 }
@@ -299,23 +399,23 @@ ID_512 static inline void store512(const __m512 *acc, int R, const float *bias, 
 }
 
 /* R rows x every group, the operands made per group in registers (R <= ID_TILE) or read from prep. */
-ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_t *const *rows, int bb,
+ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,
                               const Prep512 *prep, __m512 *acc) {
     for (int g = 0; g < x->G; g++) {
         Prep512 one;
-        if (!prep) prep512(f, rows, (size_t)g * bb, &one);
+        if (!prep) prep512(f, rows, g, &one);
         rows512(f, x, m0, g, prep ? &prep[g] : &one, acc, R);
     }
 }
 
 ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,
                            const float *Rr, int ldr, float *Y, int ldy, int cols) {
-    const int bb = id_block_bytes(f), G = x->G;
+    const int G = x->G;
     Prep512 *prep = NULL;
     if (M > ID_TILE) {
         prep = scratch_get(&id_w_scratch, sizeof(Prep512) * (size_t)G);
-        if (!prep) return; /* cannot happen for any K a model has (G * 640 bytes); Y is left as it was */
-        for (int g = 0; g < G; g++) prep512(f, rows, (size_t)g * bb, &prep[g]);
+        if (!prep) return; /* cannot happen for any K a model has (G * 768 bytes); Y is left as it was */
+        for (int g = 0; g < G; g++) prep512(f, rows, g, &prep[g]);
     }
     __m512 acc[ID_TILE];
     for (int m0 = 0; m0 < M; m0 += ID_TILE) {
@@ -323,9 +423,13 @@ ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *r
         for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
 #define TILE(N)                                                                                              \
     case N:                                                                                                  \
-        if (f == IDF_Q8_0) tile512(IDF_Q8_0, x, m0, N, rows, bb, prep, acc);                                 \
-        else if (f == IDF_Q4_0) tile512(IDF_Q4_0, x, m0, N, rows, bb, prep, acc);                            \
-        else tile512(IDF_Q4_1, x, m0, N, rows, bb, prep, acc);                                               \
+        switch (f) {                                                                                         \
+        case IDF_Q8_0: tile512(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                  \
+        case IDF_Q4_0: tile512(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                  \
+        case IDF_Q4_1: tile512(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                  \
+        case IDF_Q4_K: tile512(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                  \
+        default: tile512(IDF_Q6_K, x, m0, N, rows, prep, acc);                                               \
+        }                                                                                                    \
         break;
         switch (R) { TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) }
 #undef TILE
@@ -343,7 +447,7 @@ static inline void id_panel_rows(const uint8_t *W, size_t row_bytes, int N, int 
 
 ID_512 static void range512(int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
                             float *Y, int ldy, int M, int N, int p0, int p1) {
-    const size_t row_bytes = (size_t)x->G * id_block_bytes(f);
+    const size_t row_bytes = id_row_bytes(f, x->G);
     for (int p = p0; p < p1; p += 2) {
         const int np = p + 1 < p1 ? 2 : 1, n0 = p * ID_PANEL; /* one panel: the next is another thread's, or none */
         const int cols = N - n0 < np * ID_PANEL ? N - n0 : np * ID_PANEL;
@@ -358,13 +462,13 @@ ID_512 static void range512(int f, const QRows *x, const uint8_t *W, const float
 
 typedef struct {
     __m256i w[8], sgn[8];
-    __m256 d, m;
+    Factors8 k;
 } Prep256;
 
 /* Block g's operands for the chosen step: VNNI offsets Q8_0 to u8; AVX2 keeps Q8_0's signed weights for the sign
  * and multiplies their magnitudes. */
-ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, size_t at, Prep256 *p) {
-    id_operands(f, rows, at, p->w);
+ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, int g, Prep256 *p) {
+    id_operands(f, rows, g, p->w);
     if (f == IDF_Q8_0)
         for (int j = 0; j < 8; j++) {
             if (vnni) {
@@ -374,8 +478,7 @@ ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, size_t at, P
                 p->w[j] = _mm256_abs_epi8(p->w[j]);
             }
         }
-    p->d = id_halves8(rows, at, 0);
-    p->m = f == IDF_Q4_1 ? id_halves8(rows, at, 2) : _mm256_setzero_ps();
+    p->k = id_factors(f, rows, g);
 }
 
 /* One dot-product step: s += sum over each lane's 4 (u8 w, s8 x) pairs. */
@@ -391,18 +494,28 @@ ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                    \
             const size_t at = (size_t)(m0 + i) * x->G + g;                                                       \
             const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);                                         \
+            /* s0: k 0-15 (quads 0-3), s1: k 16-31 (4-7); integer sums: exact in any order */                    \
             __m256i s0 = _mm256_set1_epi32(id_start(f, VNNI, x->s[at])), s1 = _mm256_setzero_si256();            \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2) {                                             \
-                __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);                        \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                \
+                __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 4]);                        \
                 if (!VNNI && f == IDF_Q8_0)                                                                      \
-                    x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 1]);              \
+                    x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 4]);              \
                 s0 = DOT(s0, p->w[j], x0);                                                                       \
-                s1 = DOT(s1, p->w[j + 1], x1);                                                                   \
+                s1 = DOT(s1, p->w[j + 4], x1);                                                                   \
             }                                                                                                    \
-            const __m256 S = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));                                       \
+            __m256i Si;                                                                                          \
+            if (f == IDF_Q6_K) {                                                                                 \
+                const int32_t sa = x->s16[at], sb = x->s[at] - sa;                                               \
+                Si = _mm256_add_epi32(                                                                           \
+                    _mm256_mullo_epi32(p->k.sca, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * sa))),              \
+                    _mm256_mullo_epi32(p->k.scb, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * sb))));             \
+            } else {                                                                                             \
+                Si = _mm256_add_epi32(s0, s1);                                                                   \
+            }                                                                                                    \
+            const __m256 S = _mm256_cvtepi32_ps(Si);                                                             \
             __m256 y = acc[i];                                                                                   \
-            if (f == IDF_Q4_1) y = _mm256_fmadd_ps(p->m, _mm256_set1_ps(x->sd[at]), y);                          \
-            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(p->d, _mm256_set1_ps(x->d[at])), y);                       \
+            if (id_has_min(f)) y = _mm256_fmadd_ps(p->k.m, _mm256_set1_ps(x->sd[at]), y);                        \
+            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(p->k.d, _mm256_set1_ps(x->d[at])), y);                     \
         }                                                                                                        \
     }
 
@@ -411,22 +524,22 @@ ROWS256(rows_avx2, , dot_avx2, 0)
 #undef ROWS256
 
 #define PANEL256(NAME, ATTR, ROWS, VNNI)                                                                          \
-    ATTR ID_INLINE void NAME##_tile(int f, const QRows *x, int m0, int R, const uint8_t *const *rows, int bb,     \
+    ATTR ID_INLINE void NAME##_tile(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,             \
                                     const Prep256 *prep, __m256 *acc) {                                          \
         for (int g = 0; g < x->G; g++) {                                                                         \
             Prep256 one;                                                                                         \
-            if (!prep) prep256(f, VNNI, rows, (size_t)g * bb, &one);                                             \
+            if (!prep) prep256(f, VNNI, rows, g, &one);                                                          \
             ROWS(f, x, m0, g, prep ? &prep[g] : &one, acc, R);                                                   \
         }                                                                                                        \
     }                                                                                                            \
     ATTR static void NAME(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,           \
                           const float *Rr, int ldr, float *Y, int ldy, int cols) {                               \
-        const int bb = id_block_bytes(f), G = x->G;                                                              \
+        const int G = x->G;                                                                                      \
         Prep256 *prep = NULL;                                                                                    \
         if (M > ID_TILE) {                                                                                       \
             prep = scratch_get(&id_w_scratch, sizeof(Prep256) * (size_t)G);                                      \
             if (!prep) return;                                                                                   \
-            for (int g = 0; g < G; g++) prep256(f, VNNI, rows, (size_t)g * bb, &prep[g]);                        \
+            for (int g = 0; g < G; g++) prep256(f, VNNI, rows, g, &prep[g]);                                     \
         }                                                                                                        \
         __m256 acc[ID_TILE];                                                                                     \
         float tmp[8];                                                                                            \
@@ -452,13 +565,21 @@ ROWS256(rows_avx2, , dot_avx2, 0)
     }
 
 #define panel_vnni_TILES(N)                                                                                       \
-    if (f == IDF_Q8_0) panel_vnni_tile(IDF_Q8_0, x, m0, N, rows, bb, prep, acc);                                  \
-    else if (f == IDF_Q4_0) panel_vnni_tile(IDF_Q4_0, x, m0, N, rows, bb, prep, acc);                             \
-    else panel_vnni_tile(IDF_Q4_1, x, m0, N, rows, bb, prep, acc);
+    switch (f) {                                                                                                  \
+    case IDF_Q8_0: panel_vnni_tile(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_0: panel_vnni_tile(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_1: panel_vnni_tile(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_K: panel_vnni_tile(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                   \
+    default: panel_vnni_tile(IDF_Q6_K, x, m0, N, rows, prep, acc);                                                \
+    }
 #define panel_avx2_TILES(N)                                                                                       \
-    if (f == IDF_Q8_0) panel_avx2_tile(IDF_Q8_0, x, m0, N, rows, bb, prep, acc);                                  \
-    else if (f == IDF_Q4_0) panel_avx2_tile(IDF_Q4_0, x, m0, N, rows, bb, prep, acc);                             \
-    else panel_avx2_tile(IDF_Q4_1, x, m0, N, rows, bb, prep, acc);
+    switch (f) {                                                                                                  \
+    case IDF_Q8_0: panel_avx2_tile(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_0: panel_avx2_tile(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_1: panel_avx2_tile(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_K: panel_avx2_tile(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                   \
+    default: panel_avx2_tile(IDF_Q6_K, x, m0, N, rows, prep, acc);                                                \
+    }
 
 PANEL256(panel_vnni, ID_VNNI, rows_vnni, 1)
 PANEL256(panel_avx2, , rows_avx2, 0)
@@ -468,7 +589,7 @@ PANEL256(panel_avx2, , rows_avx2, 0)
 
 static void range256(int isa, int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
                      float *Y, int ldy, int M, int N, int p0, int p1) {
-    const size_t row_bytes = (size_t)x->G * id_block_bytes(f);
+    const size_t row_bytes = id_row_bytes(f, x->G);
     for (int p = p0; p < p1; p++) {
         const int n0 = p * ID_PANEL, cols = N - n0 < ID_PANEL ? N - n0 : ID_PANEL;
         const uint8_t *rows[ID_PANEL];
@@ -495,7 +616,7 @@ static void id_range(const QRows *x, int f, const uint8_t *W, const float *bias,
 static int int_dot_linear(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R,
                           int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
     const int f = id_kind(type);
-    if (f < 0 || K % ID_GROUP) return -1;
+    if (f < 0 || K % (id_super(f) ? 8 * ID_GROUP : ID_GROUP)) return -1;
     void *mem = scratch_get(&id_act_scratch, qrows_bytes(M, K));
     if (!mem) return -1;
     QRows x = qrows_carve(mem, M, K);
@@ -509,7 +630,7 @@ static int int_dot_linear(int type, const float *X, int ldx, const uint8_t *W, c
 int int_dot_gemm(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R, int ldr,
                  float *Y, int ldy, int M, int K, int N, int nthreads) {
     const int f = id_kind(type);
-    if (f < 0 || K % ID_GROUP) return -1;
+    if (f < 0 || K % (id_super(f) ? 8 * ID_GROUP : ID_GROUP)) return -1;
     if (M <= 0 || N <= 0) return 0;
     void *mem = malloc(qrows_bytes(M, K));
     if (!mem) return -1;

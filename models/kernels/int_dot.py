@@ -5,12 +5,13 @@ Which steps use it is the ``ACTIVATIONS`` setting (config.py), applied to every 
 (``decode_step.c`` includes ``int_dot.c``; this module's own build serves the tests and ``gemm``):
 
     fp32   every linear multiplies fp32 activations (quant_gemm.c): bit for bit HF's math on the weights
-    int8   every Q8_0 / Q4_0 / Q4_1 linear of every step takes int8 activations and integer dot products
+    int8   every Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linear of every step takes int8 activations and integer dot products
     auto   per type, steps of at least ``AUTO_ROWS[kind][type]`` rows take int8 activations (measured, below)
 
-The weights are the GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks as quant_gemm reads them (``WEIGHTS=int8`` / ``int4``
-make Q8_0 / Q4_1), so the path costs no memory. Every other GGUF type (the K-quants, Q5_*, IQ4_*, the floats) always
-multiplies fp32 activations: this path has no kernel for them (docs/integer-dot.md). It is not exact against HF:
+The weights are the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks as quant_gemm reads them (``WEIGHTS=int8``
+/ ``int4`` make Q8_0 / Q4_1; a Q4_K_M file is Q4_K and Q6_K), so the path costs no memory. Every other GGUF type
+(Q2_K, Q3_K, Q5_K, Q5_*, IQ4_*, the floats) always multiplies fp32 activations: this path has no kernel for them
+(docs/integer-dot.md). It is not exact against HF:
 the activations' rounding changes the logits slightly (perplexity figures in docs/integer-dot.md);
 ``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the thread count or the ISA
 (``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation of the same quantized math.
@@ -33,7 +34,7 @@ log = logging.getLogger("minibatch.int_dot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int_dot.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}  # the GGUF types this path takes -> their ids (models/gguf/blocks.py)
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # the GGUF types it takes -> ids (gguf/blocks.py)
 ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32
@@ -42,8 +43,8 @@ GROUP = 32
 # never), chosen by measurement (docs/integer-dot.md, "The default"). AUTO_ROWS is what runs (the tests pin it to
 # None: conftest._exact_activations).
 MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
-    "vnni": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8},
-    "avx2": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8},
+    "vnni": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
+    "avx2": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
 }
 AUTO_ROWS = {kind: dict(rows) for kind, rows in MEASURED_AUTO_ROWS.items()}
 
@@ -161,7 +162,7 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def gemm(x, w, bias=None, residual=None, threads: int = 1):
-    """x [M, K] fp32 (torch) @ W^T (+ bias) (+ residual) for a Q8_0 / Q4_0 / Q4_1 ``quant_gemm.QuantWeight`` by
+    """x [M, K] fp32 (torch) @ W^T (+ bias) (+ residual) for a ``quant_gemm.QuantWeight`` of one of ``FORMATS`` by
     integer dot products."""
     import torch
 
