@@ -182,8 +182,8 @@ def test_resident_bytes_are_the_files_tensor_bytes(case):
     """Every matrix is held in the file's own blocks: the model holds what the file stores (GPT-2's position table
     aside, which is looked up in fp32), nothing widened or re-rounded."""
     from config import Config
-    from engine import HFEngine
     from models.gguf.reader import open_gguf
+    from models.runtime import HFEngine
 
     path, ref_dir = case
     engine = HFEngine(Config(model_id=path, weights="auto", max_batch_size=1, kv_cache_mb=pool_mb(ref_dir, 8, 4)))
