@@ -138,6 +138,12 @@ class InferenceEngine(ABC):
         the caller queues them again at the front. Each is returned once."""
         return []
 
+    def preempt(self, seq_id: int) -> bool:
+        """Send an active sequence back to waiting: its KV freed, its tokens kept, handed back by ``take_preempted``
+        and recomputed on readmission, as when the KV pool runs out (the scheduler's fair share). False when it is
+        not active here, or this engine cannot preempt."""
+        return False
+
     def check_admissible(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never be admitted, or None. Cheap; called before queueing."""
         if seq.prompt_len == 0:
@@ -476,6 +482,13 @@ class BatchEngine(InferenceEngine):
         preempted, self._preempted = self._preempted, []
         return preempted
 
+    def preempt(self, seq_id: int) -> bool:
+        seq = next((s for s in self.active_sequences() if s.seq_id == seq_id), None)
+        if seq is None:
+            return False
+        self._preempt(seq, "fair share")
+        return True
+
     def admit(self, seqs: list[Sequence]) -> list[int]:
         if not seqs:
             return []
@@ -625,7 +638,7 @@ class BatchEngine(InferenceEngine):
             else:
                 self.blocks.append_slots(seq.seq_id, need)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, why: str = "KV cache full") -> None:
         """Free the sequence's blocks and row; it waits again with its tokens (recomputed on readmission)."""
         if seq.seq_id in self._parent_of:
             self._drop_fork(seq)
@@ -636,7 +649,7 @@ class BatchEngine(InferenceEngine):
         seq.status = SequenceStatus.WAITING
         self._preempted.append(seq)
         self.num_preemptions += 1
-        log.info("preempted sequence %d (%d tokens): KV cache full", seq.seq_id, seq.num_tokens)
+        log.info("preempted sequence %d (%d tokens): %s", seq.seq_id, seq.num_tokens, why)
 
     def _check_newcomers(self, seqs: list[Sequence]) -> None:
         if self.num_active() + len(seqs) > self.capacity:

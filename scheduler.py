@@ -1,9 +1,11 @@
 """The continuous batcher: decides who runs, between engine steps, on the event loop.
 
-Each iteration: apply pending aborts, admit waiting sequences FCFS while the engine has
+Each iteration: apply pending aborts, give a slot to a client or request owed its fair share
+(preempting one sequence of the most-served one), admit waiting sequences in the queue's order
+(``core/fair_queue.py``: fair between clients and requests, or FCFS) while the engine has
 room for them (a free slot, and KV blocks for the tokens they do not find in the prefix cache
 plus a watermark: ``can_admit``, which also holds back a sequence whose prefix is being computed
-right now, so that it shares it instead; the queue never skips its oldest), and advance every
+right now, so that it shares it instead; the queue never skips its next), and advance every
 running sequence by one token: one ``engine.admit_and_step()`` call when there are both
 (newcomers' prefill rides in the decode step's forward, so the weights stream once), else
 ``engine.admit()`` or ``engine.step()``. Engine calls run in a single worker thread, never on
@@ -29,18 +31,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from core.fair_queue import FairQueue, QueueFullError
 from core.sequence import Sequence, SequenceStatus
 from engine import InferenceEngine
 
+__all__ = ["EngineCall", "QueueFullError", "Scheduler", "engine_thread"]
+
 log = logging.getLogger("minibatch.scheduler")
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at MAX_QUEUE_DEPTH."""
 
 
 @dataclass
@@ -57,42 +58,6 @@ class EngineCall:
         if self.prefilled and self.decoded:
             return "mixed"
         return "prefill" if self.prefilled else "decode"
-
-
-class WaitingQueue:
-    """FIFO of waiting sequences, indexed by seq_id: append, popleft and remove are all O(1), so
-    ending many queued sequences at once (expiry, aborts) is linear, not quadratic."""
-
-    def __init__(self) -> None:
-        self._seqs: dict[int, Sequence] = {}  # insertion order is arrival order
-
-    def append(self, seq: Sequence) -> None:
-        self._seqs[seq.seq_id] = seq
-
-    def popleft(self) -> Sequence:
-        return self._seqs.pop(next(iter(self._seqs)))
-
-    def peek(self) -> Sequence:
-        return next(iter(self._seqs.values()))
-
-    def extendleft(self, seqs: list[Sequence]) -> None:
-        """Put ``seqs`` (in this order) before everything waiting (O(queue); preemption is rare)."""
-        self._seqs = {**{s.seq_id: s for s in seqs}, **self._seqs}
-
-    def remove(self, seq_id: int) -> Sequence | None:
-        return self._seqs.pop(seq_id, None)
-
-    def clear(self) -> None:
-        self._seqs.clear()
-
-    def __contains__(self, seq: object) -> bool:
-        return isinstance(seq, Sequence) and self._seqs.get(seq.seq_id) is seq
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(list(self._seqs.values()))
-
-    def __len__(self) -> int:
-        return len(self._seqs)
 
 
 def engine_thread() -> ThreadPoolExecutor:
@@ -114,14 +79,16 @@ class Scheduler:
         max_queue_depth: int,
         stop_wait_s: float = 10.0,
         executor: ThreadPoolExecutor | None = None,
+        waiting: FairQueue | None = None,
     ) -> None:
         """``stop_wait_s``: how long ``stop()`` waits for an engine call in flight. ``executor``: the
         ``engine_thread()`` that built ``engine``, which stays its caller's to shut down (by default the
-        scheduler makes one of its own, and shuts it down in ``stop``)."""
+        scheduler makes one of its own, and shuts it down in ``stop``). ``waiting``: the queue and its admission
+        policy (``core/fair_queue.py``; by default fair, with no per-client limit)."""
         self.engine = engine
         self.max_queue_depth = max_queue_depth
         self.stop_wait_s = stop_wait_s
-        self.waiting = WaitingQueue()
+        self.waiting = waiting if waiting is not None else FairQueue()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
         # Hooks; one that raises is logged and never stops the loop.
         # on_tokens(seqs) after each engine call that gave seqs a token each (benchmarks);
@@ -144,7 +111,8 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self.failed_admits = 0  # sequences failed by admit errors
         self.failed_steps = 0  # step calls that raised
-        self.num_preemptions = 0  # sequences sent back to the queue by the engine (KV cache full)
+        self.num_preemptions = 0  # sequences sent back to the queue by the engine (KV cache full, or fair share)
+        self.fair_preemptions = 0  # of those, preempted for another client's or request's fair share
 
     # --- public API (event loop only) ----------------------------------------------------------
     def start(self) -> None:
@@ -166,11 +134,11 @@ class Scheduler:
         """
         if len(self.waiting) >= self.max_queue_depth:
             raise QueueFullError(f"queue is full ({self.max_queue_depth} waiting)")
+        self.waiting.append(seq)  # raises QueueFullError past the client's share of the queue
         future: asyncio.Future[Sequence] = asyncio.get_running_loop().create_future()
         self._pending[seq.seq_id] = (seq, future)
         if listener is not None:
             self._listeners[seq.seq_id] = listener
-        self.waiting.append(seq)
         self._wakeup.set()
         return future
 
@@ -229,6 +197,7 @@ class Scheduler:
             try:
                 self._expire(time.perf_counter())
                 await self._apply_aborts()
+                await self._preempt_for_fair_share()
                 newcomers = self._schedule()
                 if not newcomers and not self.running and self.waiting:
                     self._refuse_head()  # an empty engine cannot take it: it would wait forever
@@ -255,16 +224,38 @@ class Scheduler:
                 self.finish(seq.seq_id, SequenceStatus.FINISHED_TIMEOUT, _timeout_message(seq, now))
 
     def _schedule(self) -> list[Sequence]:
-        """FCFS: take the oldest waiting sequences while the engine has room for them (slots and KV blocks)."""
+        """Take waiting sequences in the queue's admission order while the engine has room for them (slots and KV
+        blocks); the first that does not fit stops it (never skipped)."""
         chosen: list[Sequence] = []
-        while self.waiting and self.engine.can_admit([*chosen, self.waiting.peek()]):
-            chosen.append(self.waiting.popleft())
+        for seq in self.waiting.admission_order(self.running.values()):
+            if not self.engine.can_admit([*chosen, seq]):
+                break
+            chosen.append(seq)
+        for seq in chosen:
+            self.waiting.remove(seq.seq_id)
         return chosen
 
+    async def _preempt_for_fair_share(self) -> None:
+        """Every slot taken: if the next to admit is owed a slot (``FairQueue.preemption_victim``), one sequence
+        of the most-served client or request goes back to the queue, and the next ``_schedule`` admits it."""
+        if not self.waiting or not self.running or self.engine.num_active() < self.engine.capacity:
+            return
+        head = next(self.waiting.admission_order(self.running.values()))
+        victim = self.waiting.preemption_victim(head, self.running.values())
+        if victim is None:
+            return
+        try:
+            await self._call_engine(self.engine.preempt, victim.seq_id)
+        except Exception as exc:  # engine state is suspect: treat like a failed step
+            log.error("engine preempt of sequence %d failed: %s", victim.seq_id, exc, exc_info=True)
+            await self._fail_running("engine preempt failed")
+            return
+        self.fair_preemptions += len(self._requeue_preempted())
+
     def _refuse_head(self) -> None:
-        """The oldest waiting sequence does not fit even in an idle engine (callers that skipped
+        """The next waiting sequence does not fit even in an idle engine (callers that skipped
         ``check_admissible``): it ends with the engine's reason instead of blocking the queue."""
-        seq = self.waiting.popleft()
+        seq = self.waiting.remove(next(self.waiting.admission_order(())).seq_id)
         reason = self.engine.check_admissible(seq) or "does not fit in the KV cache"
         self.failed_admits += 1
         log.error("sequence %d can never be admitted: %s", seq.seq_id, reason)

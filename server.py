@@ -33,6 +33,7 @@ from api.ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
 from api.serving import Runtime
 from api.transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
 from config import Config
+from core.fair_queue import FairQueue
 from engine import FakeEngine, InferenceEngine, build_engine
 from scheduler import Scheduler, engine_thread
 from schemas import ErrorResponse
@@ -58,7 +59,7 @@ def create_app(
             logging.basicConfig(format=LOG_FORMAT)
         executor = thread or engine_thread()
         eng = engine or await asyncio.wrap_future(executor.submit(load_engine, cfg))
-        scheduler = Scheduler(eng, cfg.max_queue_depth, executor=executor)
+        scheduler = Scheduler(eng, cfg.max_queue_depth, executor=executor, waiting=waiting_queue(cfg))
         scheduler.on_engine_call = operations.metrics.on_engine_call
         scheduler.on_resolved = operations.metrics.on_resolved
         scheduler.start()
@@ -112,6 +113,15 @@ def _add_error_handlers(app: FastAPI, operations: Operations) -> None:
             # FastAPI's bare answer to a body json.loads raised on: say what the parser refused.
             return answer(APIError(422, describe_unparsable_body(exc.__cause__)))
         return answer(APIError(exc.status_code, str(exc.detail)))
+
+
+def waiting_queue(config: Config) -> FairQueue:
+    """The scheduler's queue under SCHEDULING_POLICY, each client's share of it MAX_CLIENT_QUEUE_SHARE (never less than
+    MAX_SEQUENCES_PER_REQUEST: any one request fits)."""
+    share = config.max_client_queue_share
+    per_client = int(share * config.max_queue_depth)
+    per_client = 0 if share >= 1 else max(per_client, min(config.max_sequences_per_request, config.max_queue_depth))
+    return FairQueue(config.scheduling_policy, max_client_waiting=per_client)
 
 
 def load_engine(config: Config) -> InferenceEngine:

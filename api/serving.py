@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,32 +169,68 @@ def make_sequence(
     return seq
 
 
-def start_generation(runtime: Runtime, seq: Sequence, stop: list[str] | None) -> Generation:
-    """Queue ``seq``; 503 with Retry-After when the queue is full."""
-    gen = Generation(seq, runtime.engine.decode, runtime.scheduler, stop)
-    try:
-        gen.start()
-    except QueueFullError as exc:
-        raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
-    return gen
+# --- fair scheduling: who sent a request, and how much it may queue ----------------------------------------------
+_request_keys = itertools.count(1)  # one per HTTP request: its sequences' Sequence.request_key
 
 
-def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | None, n: int = 1) -> list[Generation]:
-    """Queue all of ``seqs`` at once (no await between them: the scheduler sees them together), or
-    none: if the queue fills part way, the ones already queued are cancelled and the answer is 503.
-    ``n`` > 1: each run of ``n`` consecutive sequences holds the choices of one prompt (``group_choices``),
-    so the engine prefills that prompt once and forks it to the other choices."""
+def client_id(runtime: Runtime, request: Request | None) -> str:
+    """Who sent ``request``, as fair scheduling tells clients apart (``core/fair_queue.py``): the CLIENT_ID_HEADER
+    a trusted proxy sets, else the peer's address. (API_KEY is one key for every client: it tells no one apart.)"""
+    if request is None:
+        return ""
+    header = runtime.config.client_id_header
+    if header:
+        value = request.headers.get(header, "").strip()
+        if value:
+            return "h:" + value[:256]
+    peer = request.client
+    return "a:" + peer.host if peer is not None else ""
+
+
+def check_sequence_count(runtime: Runtime, count: int, param: str = "n") -> None:
+    """MAX_SEQUENCES_PER_REQUEST: the sequences (prompts x n) one request would queue; 422 beyond it, before any
+    prompt is tokenized."""
+    limit = runtime.config.max_sequences_per_request
+    if count > limit:
+        raise APIError(
+            422,
+            f"this request asks for {count} sequences (prompts x n); the limit is {limit} (MAX_SEQUENCES_PER_REQUEST)",
+            param=param,
+            reason="too_large",
+        )
+
+
+def start_generation(
+    runtime: Runtime, seq: Sequence, stop: list[str] | None, request: Request | None = None
+) -> Generation:
+    """Queue ``seq`` as its own request; 503 with Retry-After when the queue (or the client's share of it) is full."""
+    return start_generations(runtime, [seq], stop, request=request)[0]
+
+
+def start_generations(
+    runtime: Runtime, seqs: list[Sequence], stop: list[str] | None, n: int = 1, request: Request | None = None
+) -> list[Generation]:
+    """Queue all of ``seqs`` at once, as one request of the client that sent ``request`` (no await between them:
+    the scheduler sees them together), or none: if the queue fills part way, the ones already queued are cancelled
+    and the answer is 503. ``n`` > 1: each run of ``n`` consecutive sequences holds the choices of one prompt
+    (``group_choices``), so the engine prefills that prompt once and forks it to the other choices."""
+    check_sequence_count(runtime, len(seqs))
     if n > 1:
         for i in range(0, len(seqs), n):
             group_choices(seqs[i : i + n])
+    key, client = next(_request_keys), client_id(runtime, request)
+    for seq in seqs:
+        seq.request_key, seq.client_id = key, client
     gens: list[Generation] = []
     try:
         for seq in seqs:
-            gens.append(start_generation(runtime, seq, stop))
-    except APIError:
+            gen = Generation(seq, runtime.engine.decode, runtime.scheduler, stop)
+            gen.start()
+            gens.append(gen)
+    except QueueFullError as exc:
         for gen in gens:
             gen.cancel()
-        raise
+        raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
     return gens
 
 

@@ -48,6 +48,10 @@ class Sequence:
     prompt_token_ids: list[int]
     max_new_tokens: int
     request_id: str = ""
+    # Fair scheduling (core/fair_queue.py): who sent it (api.serving.client_id) and which HTTP request it is part of
+    # (one key for a request's prompts x n choices; 0 = a request of its own).
+    client_id: str = ""
+    request_key: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False  # when True the engine's EOS/stop ids are not added
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -17,6 +17,7 @@ from api.serving import (
     Runtime,
     attach_grammar,
     check_max_tokens,
+    check_sequence_count,
     current_runtime,
     make_sequence,
     render_chat,
@@ -37,6 +38,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(422, "top_logprobs requires logprobs: true", param="top_logprobs")
     n = check_n(runtime, req)
+    check_sequence_count(runtime, n)
     asked = req.max_completion_tokens or req.max_tokens
     if asked:
         check_max_tokens(runtime, asked, "max_completion_tokens")
@@ -61,7 +63,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         for j in range(n)
     ]
     await attach_grammar(runtime, seqs, grammar, grammar_param)
-    gens = start_generations(runtime, seqs, req.stop, n)
+    gens = start_generations(runtime, seqs, req.stop, n, request)
     names = [t["function"]["name"] for t in tools or []] if mode not in (None, "none") else []
     if req.stream:
         frames = ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n, tool_names=names)

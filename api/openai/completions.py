@@ -19,6 +19,7 @@ from api.serving import (
     Runtime,
     attach_grammar,
     check_max_tokens,
+    check_sequence_count,
     check_token_ids,
     current_runtime,
     detokenize,
@@ -44,7 +45,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
     max_tokens = 1 if score_only else check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
     prompt_k = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
     n = check_n(runtime, req)
-    prompts = await completion_prompts(runtime, req.prompt, req.echo)
+    prompts = await completion_prompts(runtime, req.prompt, req.echo, n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     seqs = []
     for i, (ids, _) in enumerate(prompts):  # every prompt is checked before any is queued
@@ -57,7 +58,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
         with field_errors():
             grammar = response_format_grammar(req.response_format)
         await attach_grammar(runtime, seqs, grammar, "response_format")
-    gens = start_generations(runtime, seqs, req.stop, n)
+    gens = start_generations(runtime, seqs, req.stop, n, request)
     echoes = [text for _, text in prompts for _ in range(n)]
     if req.stream:
         frames = CompletionFrames(
@@ -85,11 +86,12 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
     }
 
 
-async def completion_prompts(runtime: Runtime, prompt, echo: bool) -> list[tuple[list[int], str]]:
+async def completion_prompts(runtime: Runtime, prompt, echo: bool, n: int = 1) -> list[tuple[list[int], str]]:
     """Each prompt of a completions request as (token ids, the text ``echo`` prepends: "" without it).
     ``prompt`` is a text, a list of texts, a list of token ids or a list of such lists (OpenAI's four
-    forms). Every prompt is checked (count first, then each one, tokenized concurrently off the
-    loop); the first bad one, in order, fails the whole request before anything is queued."""
+    forms), ``n`` choices each. Every prompt is checked (the count first, and MAX_SEQUENCES_PER_REQUEST, then each
+    one, tokenized concurrently off the loop); the first bad one, in order, fails the whole request before anything
+    is queued."""
     several = not (isinstance(prompt, str) or isinstance(prompt[0], int))
     items = prompt if several else [prompt]
     limit = runtime.config.max_prompts_per_request
@@ -100,6 +102,7 @@ async def completion_prompts(runtime: Runtime, prompt, echo: bool) -> list[tuple
             param="prompt",
             reason="too_large",
         )
+    check_sequence_count(runtime, len(items) * n, "prompt" if n == 1 else "n")
 
     async def one(i: int, item: str | list[int]) -> tuple[list[int], str]:
         with prompt_errors(i, len(items)):
