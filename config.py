@@ -101,6 +101,9 @@ class Config:
     client_id_header: str = ""
     # Most top logprobs a request may ask for.
     max_logprobs: int = 5
+    # Most logprob entries (tokens x (1 + alternatives), prompt and output, all choices) one answer may carry; beyond
+    # it, 422. 500,000: ~13 MB of JSON.
+    max_logprob_entries: int = 500_000
     # Most choices (n) one /v1 request may ask for; beyond it, 422.
     max_n: int = 8
     # Most prompts one /v1/completions request may carry (a list of texts or of token-id lists); beyond it, 422.
@@ -182,6 +185,7 @@ class Config:
             f"must be an HTTP header name (got {self.client_id_header!r})",
         )
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
+        _check(1 <= self.max_logprob_entries <= 100_000_000, "MAX_LOGPROB_ENTRIES", "must be in [1, 100000000]")
         _check(1 <= self.max_n <= 128, "MAX_N", "must be in [1, 128]")
         _check(1 <= self.max_prompts_per_request <= 1024, "MAX_PROMPTS_PER_REQUEST", "must be in [1, 1024]")
         _check(

@@ -891,7 +891,8 @@ class FakeEngine(BatchEngine):
         for seq in seqs:  # the fake is certain of every prompt token too
             if seq.prompt_logprobs_k is not None:
                 k = seq.prompt_logprobs_k
-                seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, [(t, 0.0)][:k]) for t in seq.prompt_token_ids[1:]]
+                rest = seq.prompt_token_ids[1:]
+                seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, ((t, 0.0),)[:k]) for t in rest]
         return self._next_tokens(seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
@@ -909,7 +910,7 @@ class FakeEngine(BatchEngine):
         tokens = [self.token_fn(s) for s in seqs]
         for seq, token in zip(seqs, tokens):
             if seq.logprobs is not None and not isinstance(token, RowFailure):
-                seq.output_logprobs.append(TokenLogprobs(token, 0.0, [(token, 0.0)][: seq.logprobs]))
+                seq.output_logprobs.append(TokenLogprobs(token, 0.0, ((token, 0.0),)[: seq.logprobs]))
         return tokens
 
     def _reset_state(self) -> None:

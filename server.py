@@ -15,6 +15,7 @@ Run:  python server.py            (reads the environment; see config.py)
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -201,6 +202,7 @@ def main() -> int:
     except Exception as exc:  # ConfigError, a model that cannot load: the message says which
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    freeze_startup_heap()
     soft, hard = raise_file_limit()
     log.info("open-file limit %d (hard %d)", soft, hard)
     app = create_app(config, engine, thread)
@@ -210,6 +212,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     return 0 if server.started else 3  # 3: the lifespan's startup failed (uvicorn's own code for it)
+
+
+def freeze_startup_heap() -> None:
+    """Leave what startup built (the model, torch, the tokenizer: millions of objects) out of every later garbage
+    collection: a full collection walks every tracked object while holding the GIL, and one over that heap stalled
+    the event loop for 1-2 s while a large logprobs answer was being built (docs/operations.md "Reliability")."""
+    gc.collect()
+    gc.freeze()
 
 
 def _one_line(exc: BaseException) -> str:

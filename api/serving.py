@@ -34,6 +34,15 @@ class Runtime:
     def __init__(self, config: Config, engine: InferenceEngine, scheduler: Scheduler) -> None:
         self.config, self.engine, self.scheduler = config, engine, scheduler
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (``engine.decode([id])``; U+FFFD for part of a character), decoded once per server:
+        a logprobs answer names up to MAX_LOGPROB_ENTRIES tokens, mostly the same few thousand. Any thread."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.decode([token_id])
+        return text
 
     async def off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` in the tokenizer pool: the loop keeps serving meanwhile."""
@@ -200,6 +209,31 @@ def check_sequence_count(runtime: Runtime, count: int, param: str = "n") -> None
         )
 
 
+def logprob_entries(seq: Sequence) -> int:
+    """The most logprob entries (a token or one of its alternatives) ``seq``'s answer can carry."""
+    total = 0
+    if seq.logprobs is not None:
+        total += seq.max_new_tokens * (1 + seq.logprobs)
+    if seq.prompt_logprobs_k is not None:
+        total += seq.prompt_len * (1 + seq.prompt_logprobs_k)
+    return total
+
+
+def check_logprob_entries(runtime: Runtime, seqs: list[Sequence]) -> None:
+    """MAX_LOGPROB_ENTRIES: what one answer may carry over all its sequences, counted before anything is queued;
+    422 beyond it."""
+    limit = runtime.config.max_logprob_entries
+    entries = sum(logprob_entries(s) for s in seqs)
+    if entries > limit:
+        raise APIError(
+            422,
+            f"this answer could carry {entries} logprob entries (tokens x (1 + alternatives), prompt and output, over "
+            f"{len(seqs)} sequences); the limit is {limit} (MAX_LOGPROB_ENTRIES)",
+            param="logprobs",
+            reason="too_large",
+        )
+
+
 def start_generation(
     runtime: Runtime, seq: Sequence, stop: list[str] | None, request: Request | None = None
 ) -> Generation:
@@ -215,6 +249,7 @@ def start_generations(
     and the answer is 503. ``n`` > 1: each run of ``n`` consecutive sequences holds the choices of one prompt
     (``group_choices``), so the engine prefills that prompt once and forks it to the other choices."""
     check_sequence_count(runtime, len(seqs))
+    check_logprob_entries(runtime, seqs)
     if n > 1:
         for i in range(0, len(seqs), n):
             group_choices(seqs[i : i + n])

@@ -50,4 +50,4 @@ async def detokenize_endpoint(
 
 def _token_strs(runtime: Runtime, ids: list[int]) -> list[str]:
     """Each token's own text (a token that is part of a multi-byte character decodes to U+FFFD)."""
-    return [runtime.engine.decode([t]) for t in ids]
+    return [runtime.token_text(t) for t in ids]

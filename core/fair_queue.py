@@ -6,9 +6,9 @@ own). Under policy ``"fair"`` (SCHEDULING_POLICY, the default):
 
 * **Admission order.** The client holding the fewest batch slots goes first, then, within that client, the
   request holding the fewest; ties go to the oldest. A request's own sequences keep their order (preempted ones
-  first). So a request's 256 sequences do not all go ahead of a later arrival: each request's next sequence takes
-  its turn. Sequences of one client and one-sequence requests (every benchmark, every plain ``/generate``) come
-  out first come, first served, as before.
+  first). So a request's 256 sequences do not all go ahead of a later arrival: each request's next turn comes in
+  its order (a turn: one sequence, or the choices of one prompt, which share its prefill). Sequences of one client
+  and one-sequence requests (every benchmark, every plain ``/generate``) come out first come, first served.
 * **Fair share of the slots.** When every slot is taken and the next in that order belongs to a client (or, within
   one client, a request) that holds at least two slots fewer than another, the scheduler preempts one sequence of
   the most-served one (``preemption_victim``; it waits again with its tokens and is recomputed later, as after a
@@ -37,6 +37,11 @@ POLICIES = ("fair", "fcfs")
 
 class QueueFullError(Exception):
     """The waiting queue is at MAX_QUEUE_DEPTH, or this client holds its share of it."""
+
+
+def _siblings(a: Sequence, b: Sequence) -> bool:
+    """Choices of one prompt (``Sequence.group``), neither with output yet (a preempted choice is recomputed alone)."""
+    return a.group is not None and b.group is a.group and not a.output_token_ids and not b.output_token_ids
 
 
 def request_of(seq: Sequence) -> object:
@@ -140,7 +145,7 @@ class FairQueue:
         by_client = Counter(s.client_id for s in running)
         by_request = Counter(request_of(s) for s in running)
         taken: Counter[object] = Counter()  # per request: its sequences yielded so far
-        cursors: dict[object, Iterator[Sequence]] = {}
+        cursors: dict[object, list[Sequence]] = {}
         while True:
             best = None  # (client's slots, request's slots, arrival, client, request)
             for client, requests in self._clients.items():
@@ -155,12 +160,17 @@ class FairQueue:
                 return
             key = best[1]
             if key not in cursors:
-                cursors[key] = iter(list(self._requests[key].values()))
-            seq = next(cursors[key])
-            taken[key] += 1
-            by_client[seq.client_id] += 1
-            by_request[key] += 1
-            yield seq
+                cursors[key] = list(self._requests[key].values())
+            waiting = cursors[key]
+            # A turn is one sequence, or the choices of one prompt waiting together (an n > 1 group): admitted
+            # in one call, they share its prefill (the engine forks the first one's prompt to the others).
+            first = waiting[taken[key]]
+            while taken[key] < len(waiting) and (waiting[taken[key]] is first or _siblings(first, waiting[taken[key]])):
+                seq = waiting[taken[key]]
+                taken[key] += 1
+                by_client[seq.client_id] += 1
+                by_request[key] += 1
+                yield seq
 
     def _best_request(
         self, requests: dict[object, None], by_request: Counter, taken: Counter

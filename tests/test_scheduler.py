@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from core.fair_queue import FairQueue
 from core.sequence import Sequence, SequenceStatus
 from engine import FakeEngine
-from core.fair_queue import FairQueue
 from scheduler import QueueFullError, Scheduler
 
 from conftest import Boom, Gate, RecordingEngine, bounded, fake_ids, wait_until

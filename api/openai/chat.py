@@ -8,6 +8,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
 from api.errors import APIError, field_errors
 from api.openai.fields import ERRORS, check_fields, check_n, choice_fields, include_usage, openai_usage
@@ -24,7 +25,8 @@ from api.serving import (
     start_generations,
     tokenize,
 )
-from api.streaming import run_all, sse_response
+from api.streaming import json_answer, run_all, sse_response
+from core.sequence import Sequence
 from guided.grammars import response_format_grammar
 from guided.tools import parse_tool_calls, tool_call_grammar, tool_mode
 from schemas import ChatCompletionRequest
@@ -69,23 +71,40 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         frames = ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n, tool_names=names)
         return sse_response(gens, request, frames)
     done = await run_all(gens, request)
-    answers = [chat_message(gen.text, names, seq.finish_reason) for gen, seq in zip(gens, done)]
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": [
-            {
-                "index": j,
-                "message": message,
-                "logprobs": chat_logprobs(runtime, seq.output_logprobs) if k is not None else None,
-                "finish_reason": finish,
-            }
-            for j, (seq, (message, finish)) in enumerate(zip(done, answers))
-        ],
-        "usage": openai_usage(done, n),
-    }
+    texts = [gen.text for gen in gens]
+    return await runtime.off_loop(chat_answer, runtime, rid, name, done, texts, names, k is not None, n)
+
+
+def chat_answer(
+    runtime: Runtime,
+    rid: str,
+    name: str,
+    done: list[Sequence],
+    texts: list[str],
+    names: list[str],
+    with_logprobs: bool,
+    n: int,
+) -> Response:
+    """The whole ``chat.completion`` answer over the finished sequences, encoded (``json_answer``). Any thread."""
+    answers = [chat_message(text, names, seq.finish_reason) for text, seq in zip(texts, done)]
+    return json_answer(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": chat_logprobs(runtime, seq.output_logprobs) if with_logprobs else None,
+                    "finish_reason": finish,
+                }
+                for j, (seq, (message, finish)) in enumerate(zip(done, answers))
+            ],
+            "usage": openai_usage(done, n),
+        }
+    )
 
 
 def check_tools(runtime: Runtime, req: ChatCompletionRequest, tools: list[dict] | None) -> str | None:

@@ -10,6 +10,7 @@ import uuid
 from contextlib import contextmanager
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
 from api.errors import APIError, field_errors
 from api.openai.fields import ERRORS, check_fields, check_n, choice_fields, include_usage, openai_usage
@@ -27,7 +28,8 @@ from api.serving import (
     start_generations,
     tokenize,
 )
-from api.streaming import run_all, sse_response
+from api.streaming import json_answer, run_all, sse_response
+from core.sequence import Sequence
 from guided.grammars import response_format_grammar
 from schemas import CompletionRequest
 
@@ -66,24 +68,43 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
         )
         return sse_response(gens, request, frames)
     done = await run_all(gens, request)
+    texts = [gen.text for gen in gens]
+    # Off the loop: a scored answer can name 500,000 tokens (MAX_LOGPROB_ENTRIES), ~13 MB of JSON.
+    return await runtime.off_loop(completion_answer, runtime, req, rid, name, done, texts, echoes, n)
+
+
+def completion_answer(
+    runtime: Runtime,
+    req: CompletionRequest,
+    rid: str,
+    name: str,
+    done: list[Sequence],
+    texts: list[str],
+    echoes: list[str],
+    n: int,
+) -> Response:
+    """The whole ``text_completion`` answer over the finished sequences, encoded (``json_answer``). Any thread."""
+    score_only = req.max_tokens == 0
     choices = []
-    for i, (gen, seq, echo) in enumerate(zip(gens, done, echoes)):
-        text = echo if score_only else echo + gen.text
+    for i, (seq, generated, echo) in enumerate(zip(done, texts, echoes)):
+        text = echo if score_only else echo + generated
         lps = None
         if req.logprobs is not None:
             lps = completion_logprobs(runtime, [] if score_only else seq.output_logprobs, len(echo))
-            if prompt_k is not None:
+            if req.echo:
                 lps = join_logprobs(prompt_logprobs(runtime, seq), lps)
         finish = "length" if score_only else seq.finish_reason  # the budget, 0, was reached
         choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": choices,
-        "usage": openai_usage(done, n, count_output=not score_only),
-    }
+    return json_answer(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": openai_usage(done, n, count_output=not score_only),
+        }
+    )
 
 
 async def completion_prompts(runtime: Runtime, prompt, echo: bool, n: int = 1) -> list[tuple[list[int], str]]:
