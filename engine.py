@@ -26,6 +26,7 @@ from core.block_manager import BlockManager, extend_block_hashes
 from core.sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from core.sequence import Sequence, SequenceStatus
 from model_runner import ModelRunner
+from models.kernels import int_dot
 from models.kernels.build import kernel_isa, set_kernel_isa
 from models.loading import ModelLoadError
 from models.native_memory import HeapTrimmer
@@ -1123,6 +1124,7 @@ class HFEngine(ModelEngine):
 
         torch.set_num_threads(engine_threads(config))
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         self.device = resolve_device(config.device)
         self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
@@ -1208,6 +1210,7 @@ class NativeEngine(ModelEngine):
 
         environment = thread_environment()  # before libgomp loads with the kernel
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
         from text.tokenizer import TextTokenizer
@@ -1245,6 +1248,7 @@ class NativeEngine(ModelEngine):
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),
         )
+        log.info("quantized linears: %s", int_dot.describe(config.activations))
 
 
 def _needs_prompt_logprobs(seq: Sequence) -> bool:

@@ -21,6 +21,23 @@ from models.kernels.build import has_avx512  # torch-free
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _exact_activations():
+    """Under ACTIVATIONS=auto the tests run every quantized linear on fp32 activations (the exact path): the parity
+    gates compare with HF token for token, which int8 activations are not (docs/integer-dot.md). The integer path
+    and the measured defaults are tested where they are asked for (tests/test_int_dot.py); servers started by
+    ``live.ProcessServer`` get ACTIVATIONS=fp32 unless a test sets it."""
+    from models.kernels import int_dot  # torch-free
+
+    saved = {kind: dict(rows) for kind, rows in int_dot.AUTO_ROWS.items()}
+    for rows in int_dot.AUTO_ROWS.values():
+        rows.update(dict.fromkeys(rows))
+    int_dot.set_activations(int_dot.activations())  # kernels loaded already follow too
+    yield
+    for kind, rows in saved.items():
+        int_dot.AUTO_ROWS[kind].update(rows)
+
+
 def run(coro):
     """Run a coroutine to completion on a fresh event loop (no pytest-asyncio needed)."""
     return asyncio.run(coro)

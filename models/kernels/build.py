@@ -159,18 +159,30 @@ class KernelLoader:
 
 
 def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Register a kernel with AVX-512 paths (quant_gemm.c, and decode_step.c which includes it) and apply the
-    chosen instruction set to it. Its AVX2 and AVX-512 paths give the same bits (quant_gemm.c), so the choice
-    changes speed only."""
-    lib.kernel_isa.restype = ctypes.c_int
-    lib.kernel_isa.argtypes = [ctypes.c_int]
+    """Register a kernel with AVX-512 paths (quant_gemm.c, and decode_step.c which includes it; int_dot.c's
+    integer path) and apply the chosen instruction set to it. quant_gemm's AVX2 and AVX-512 paths give the same
+    bits (quant_gemm.c), and so do int_dot's (int_dot.c), so the choice changes speed only."""
+    for name in ("kernel_isa", "int_dot_isa"):
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ctypes.c_int]
     _apply_isa(lib)
     _isa_libs.append(lib)
     return lib
 
 
+_isa_hooks: list[Callable[[], None]] = []  # called after set_kernel_isa (int_dot: ACTIVATIONS=auto follows the ISA)
+
+
+def on_isa_change(hook: Callable[[], None]) -> None:
+    _isa_hooks.append(hook)
+
+
 def _apply_isa(lib: ctypes.CDLL) -> None:
-    lib.kernel_isa(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
+    if hasattr(lib, "kernel_isa"):
+        lib.kernel_isa(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
+    if hasattr(lib, "int_dot_isa"):
+        lib.int_dot_isa(2 if _isa_choice == "auto" else 0)  # 2: the best VNNI path the CPU has; 0: AVX2 maddubs
 
 
 def set_kernel_isa(choice: str) -> None:
@@ -182,11 +194,14 @@ def set_kernel_isa(choice: str) -> None:
     _isa_choice = choice
     for lib in _isa_libs:
         _apply_isa(lib)
+    for hook in _isa_hooks:
+        hook()
 
 
 def kernel_isa() -> str:
     """What the quantized kernels run: "avx512" when they take their AVX-512 paths, else "avx2" (before any
     kernel loads: what they will run)."""
-    if _isa_libs:
-        return "avx512" if _isa_libs[-1].kernel_isa(-1) else "avx2"
+    libs = [lib for lib in _isa_libs if hasattr(lib, "kernel_isa")]
+    if libs:
+        return "avx512" if libs[-1].kernel_isa(-1) else "avx2"
     return "avx512" if _isa_choice == "auto" and has_avx512() else "avx2"

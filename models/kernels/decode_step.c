@@ -32,6 +32,7 @@
  * included kernels' flags; contraction off as paged_attention.c and decode_ops.c are built).
  */
 #include "quant_gemm.c"
+#include "int_dot.c"
 #include "small_gemm.c"
 #include "decode_ops.c"
 #include "paged_attention.c"
@@ -147,6 +148,9 @@ static void linear_part(const Lin *L, const float *X, int ldx, const float *R, i
     const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
     if (p0 >= p1) return;
     if (L->fmt == FMT_FP32) panels(X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
+    else if (int_dot_wants(L->fmt, M) && int_dot_linear(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N,
+                                                        p0, p1) == 0)
+        ; /* int8 activations and integer dot products (int_dot.c; ACTIVATIONS) */
     else direct_range(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
 }
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import int_dot
 from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
 
 log = logging.getLogger("minibatch.decode_step")
@@ -70,7 +71,7 @@ def _load() -> ctypes.CDLL:
         *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
         *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
     ]
-    return with_isa(lib)
+    return int_dot.register(with_isa(lib))  # its linears' integer path follows ACTIVATIONS (int_dot.py)
 
 
 KERNEL = KernelLoader("decode step kernel", _load, "decode steps keep the per-layer lean calls", log)
