@@ -648,6 +648,8 @@ class BatchEngine(InferenceEngine):
         else:
             self._evict([seq])
         seq.status = SequenceStatus.WAITING
+        if seq.grammar is not None:
+            seq.grammar.release()  # replayed from its tokens on readmission
         self._preempted.append(seq)
         self.num_preemptions += 1
         log.info("preempted sequence %d (%d tokens): %s", seq.seq_id, seq.num_tokens, why)

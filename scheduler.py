@@ -231,8 +231,10 @@ class Scheduler:
             if not self.engine.can_admit([*chosen, seq]):
                 break
             chosen.append(seq)
+        now = time.perf_counter()
         for seq in chosen:
             self.waiting.remove(seq.seq_id)
+            seq.slot_since = now
         return chosen
 
     async def _preempt_for_fair_share(self) -> None:
@@ -241,7 +243,7 @@ class Scheduler:
         if not self.waiting or not self.running or self.engine.num_active() < self.engine.capacity:
             return
         head = next(self.waiting.admission_order(self.running.values()))
-        victim = self.waiting.preemption_victim(head, self.running.values())
+        victim = self.waiting.preemption_victim(head, self.running.values(), time.perf_counter())
         if victim is None:
             return
         try:

@@ -96,7 +96,7 @@ def _add_error_handlers(app: FastAPI, operations: Operations) -> None:
     """Every error in the API's shape, counted in minibatch:request_rejected_total by its reason."""
 
     def answer(error: APIError) -> JSONResponse:
-        if error.reason is not None:
+        if error.reason:
             operations.metrics.rejected(error.reason)
         return error.response()
 

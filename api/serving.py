@@ -23,7 +23,7 @@ from core.generation import Generation
 from core.sampling import SamplingParams
 from core.sequence import Sequence, group_choices
 from engine import ChatTemplateError, InferenceEngine
-from guided.grammars import GrammarError, GrammarState, compiler_for
+from guided.grammars import CompiledGrammar, GrammarBusyError, GrammarError, GrammarState, compiler_for
 from scheduler import QueueFullError, Scheduler
 from schemas import SamplingFields
 
@@ -271,18 +271,20 @@ def start_generations(
 
 # --- structured output ----------------------------------------------------------------------------
 async def attach_grammar(runtime: Runtime, seqs: list[Sequence], grammar: str | None, param: str) -> None:
-    """Compile ``grammar`` (off the event loop) into one matcher per sequence; 400 naming ``param`` when the
-    grammar is not supported. Nothing happens without a grammar: an unconstrained request pays nothing."""
+    """Compile ``grammar`` once (off the event loop; a grammar compiled before comes from the cache) and give every
+    sequence its own state over it; 400 naming ``param`` when the grammar is not supported, 503 while too many
+    distinct grammars are in use. Nothing happens without a grammar: an unconstrained request pays nothing."""
     if grammar is None:
         return
 
-    def build() -> list[GrammarState]:
-        compiler = compiler_for(runtime.engine)
-        return [compiler.matcher(grammar) for _ in seqs]
+    def build() -> CompiledGrammar:
+        return compiler_for(runtime.engine).compile(grammar)
 
     try:
-        states = await runtime.off_loop(build)
+        compiled = await runtime.off_loop(build)
+    except GrammarBusyError as exc:
+        raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
     except GrammarError as exc:
         raise APIError(400, f"`{param}`: {exc}", param=param) from None
-    for seq, state in zip(seqs, states):
-        seq.grammar = state
+    for seq in seqs:
+        seq.grammar = GrammarState(compiled)

@@ -11,9 +11,9 @@ own). Under policy ``"fair"`` (SCHEDULING_POLICY, the default):
   and one-sequence requests (every benchmark, every plain ``/generate``) come out first come, first served.
 * **Fair share of the slots.** When every slot is taken and the next in that order belongs to a client (or, within
   one client, a request) that holds at least two slots fewer than another, the scheduler preempts one sequence of
-  the most-served one (``preemption_victim``; it waits again with its tokens and is recomputed later, as after a
-  KV preemption). The gap narrows by two, so the slot never moves back (no thrashing); a lone client, or requests
-  of one sequence each, never preempt anyone.
+  the most-served one that has held its slot a second or more (``preemption_victim``; it waits again with its
+  tokens and is recomputed later, as after a KV preemption). The gap narrows by two, so the slot never moves back
+  (no thrashing); a lone client, requests of one sequence each, or short answers never preempt anyone.
 * **A client's share of the queue.** One client's waiting sequences are at most ``max_client_waiting``
   (MAX_CLIENT_QUEUE_SHARE x MAX_QUEUE_DEPTH): beyond it that client gets ``QueueFullError`` (a 503) while the
   others still get in.
@@ -52,12 +52,14 @@ def request_of(seq: Sequence) -> object:
 class FairQueue:
     """The waiting sequences, indexed by seq_id (append, remove: O(1)) and grouped by client and request."""
 
-    def __init__(self, policy: str = "fair", max_client_waiting: int = 0) -> None:
-        """``max_client_waiting``: most sequences one client may have waiting (0 = no limit of its own)."""
+    def __init__(self, policy: str = "fair", max_client_waiting: int = 0, min_slot_s: float = 1.0) -> None:
+        """``max_client_waiting``: most sequences one client may have waiting (0 = no limit of its own).
+        ``min_slot_s``: how long a sequence holds its slot before fair share may preempt it."""
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)} (got {policy!r})")
         self.policy = policy
         self.max_client_waiting = max_client_waiting
+        self.min_slot_s = min_slot_s
         self._seqs: dict[int, Sequence] = {}  # arrival order, preempted ones in front: the fcfs order
         self._requests: dict[object, dict[int, Sequence]] = {}  # request -> its waiting sequences, in order
         self._clients: dict[str, dict[object, None]] = {}  # client -> its waiting requests, oldest first
@@ -189,19 +191,24 @@ class FairQueue:
                     break
         return best
 
-    def preemption_victim(self, head: Sequence, running: Iterable[Sequence]) -> Sequence | None:
+    def preemption_victim(self, head: Sequence, running: Iterable[Sequence], now: float) -> Sequence | None:
         """The running sequence to preempt so that ``head`` (the next to admit, for whom no slot is free) gets its
         share, or None. A sequence of another client qualifies when that client holds at least two slots more than
-        ``head``'s; of ``head``'s own client, when its request holds at least two more than ``head``'s request.
-        The most-served client's, then request's, most recently admitted sequence goes (the least work lost)."""
+        ``head``'s; of ``head``'s own client, when its request holds at least two more than ``head``'s request; and
+        only once it has held its slot ``min_slot_s`` (a short answer finishes instead: no churn among many small
+        requests, and the choices of a prompt admitted together stay together while they fork). The most-served
+        client's, then request's, most recently admitted sequence goes (the least work lost)."""
         if self.policy != "fair":
             return None
         running = list(running)
+        old = [s for s in running if s.slot_since is not None and now - s.slot_since >= self.min_slot_s]
+        if not old:
+            return None
         by_client = Counter(s.client_id for s in running)
         by_request = Counter(request_of(s) for s in running)
         client, key = head.client_id, request_of(head)
         best, victim = None, None
-        for seq in running:
+        for seq in old:
             other = request_of(seq)
             if seq.client_id != client:
                 if by_client[seq.client_id] < by_client[client] + 2:

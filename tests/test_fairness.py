@@ -32,8 +32,11 @@ def seq(prompt: str = "p", client: str = "", key: int = 0, max_new: int = 4) -> 
 
 
 def running(*owners: tuple[str, int]) -> list[Sequence]:
-    """Sequences holding slots, one per (client, request key)."""
-    return [seq(client=c, key=k) for c, k in owners]
+    """Sequences holding slots, one per (client, request key), each for 10 s."""
+    out = [seq(client=c, key=k) for c, k in owners]
+    for s in out:
+        s.slot_since = -10.0
+    return out
 
 
 # --- the policy -----------------------------------------------------------------------------------------------------
@@ -66,7 +69,7 @@ def test_fcfs_is_arrival_order_and_never_preempts():
     for s in seqs:
         q.append(s)
     assert list(q.admission_order(running(*[("", 1)] * 8))) == seqs
-    assert q.preemption_victim(seqs[3], running(*[("", 1)] * 8)) is None
+    assert q.preemption_victim(seqs[3], running(*[("", 1)] * 8), 0.0) is None
 
 
 def test_preempted_sequences_go_first_within_their_request():
@@ -84,16 +87,17 @@ def test_a_victim_only_from_an_owner_two_slots_ahead():
     q = FairQueue()
     head = seq("victim", "x", 2)
     eight = running(*[("x", 1)] * 8)
-    victim = q.preemption_victim(head, eight)
+    victim = q.preemption_victim(head, eight, 0.0)
     assert victim is not None and victim.request_key == 1
-    assert q.preemption_victim(head, running(("x", 1), ("x", 1), ("x", 2))) is None  # 2 vs 1: the gap is 1
-    assert q.preemption_victim(seq("more", "x", 1), eight) is None  # a request never preempts itself
+    assert q.preemption_victim(head, running(("x", 1), ("x", 1), ("x", 2)), 0.0) is None  # 2 vs 1: the gap is 1
+    assert q.preemption_victim(seq("more", "x", 1), eight, 0.0) is None  # a request never preempts itself
+    assert q.preemption_victim(head, eight, -9.5) is None  # none has held its slot a second yet
     # Another client: clients share before requests do.
     mixed = running(*[("x", 1)] * 5, ("y", 3), ("y", 3), ("y", 4))
-    assert q.preemption_victim(seq("z", "z", 9), mixed).client_id == "x"
+    assert q.preemption_victim(seq("z", "z", 9), mixed, 0.0).client_id == "x"
     four_three = running(*[("x", 1)] * 4, ("y", 3), ("y", 3), ("y", 3))
-    assert q.preemption_victim(seq("y", "y", 3), four_three) is None  # clients 4 vs 3; its own request
-    assert q.preemption_victim(seq("y", "y", 5), four_three).request_key == 3  # y's other request: 3 vs 0
+    assert q.preemption_victim(seq("y", "y", 3), four_three, 0.0) is None  # clients 4 vs 3; its own request
+    assert q.preemption_victim(seq("y", "y", 5), four_three, 0.0).request_key == 3  # y's other request: 3 vs 0
 
 
 def test_the_latest_admitted_of_the_most_served_goes():
@@ -101,7 +105,10 @@ def test_the_latest_admitted_of_the_most_served_goes():
     slots = running(*[("x", 1)] * 3, *[("x", 2)] * 5)
     for i, s in enumerate(slots):
         s.admit_time = float(i)
-    victim = q.preemption_victim(seq("v", "x", 3), slots)
+    slots[-1].slot_since = -0.5  # (re)admitted half a second ago: not yet
+    assert q.preemption_victim(seq("v", "x", 3), slots, 0.0) is slots[-2]
+    slots[-1].slot_since = -10.0
+    victim = q.preemption_victim(seq("v", "x", 3), slots, 0.0)
     assert victim is slots[-1]
 
 
@@ -119,17 +126,19 @@ def test_a_client_gets_its_share_of_the_queue():
 
 # --- the scheduler ------------------------------------------------------------------------------------------------
 def test_a_late_request_gets_a_slot_at_once_and_every_preempted_answer_is_exact():
-    """One request of 40 sequences fills the 4 slots; a later 1-sequence request preempts one of them at the next
-    step (not after 10 waves). Every sequence, preempted or not, ends with exactly its own tokens."""
+    """One request of 40 sequences fills the 4 slots; a later 1-sequence request preempts one of them (they have held
+    their slots min_slot_s) at the next step, not after 10 waves. Every sequence, preempted or not, ends with exactly
+    its own tokens."""
 
     async def body():
         engine = FakeEngine(capacity=4, step_delay=0.002)
-        sched = Scheduler(engine, max_queue_depth=1024)
+        sched = Scheduler(engine, max_queue_depth=1024, waiting=FairQueue(min_slot_s=0.05))
         sched.start()
         try:
-            flood = [seq(f"flood {i}", "x", 1, max_new=30) for i in range(40)]
+            flood = [seq(f"flood {i}", "x", 1, max_new=200) for i in range(40)]
             futures = [sched.submit(s) for s in flood]
             await wait_until(lambda: engine.num_active() == 4 and len(flood[0].output_token_ids) >= 3)
+            await asyncio.sleep(0.05)  # they have held their slots min_slot_s
             victim = seq("victim", "x", 2, max_new=5)
             steps = engine.step_calls
             done = await asyncio.wait_for(sched.submit(victim), 10)
@@ -138,7 +147,7 @@ def test_a_late_request_gets_a_slot_at_once_and_every_preempted_answer_is_exact(
             assert sched.fair_preemptions == 1
             for s in await asyncio.wait_for(asyncio.gather(*futures), 30):
                 assert s.status is SequenceStatus.FINISHED_LENGTH
-                assert s.output_token_ids == fake_ids(s.request_id or _fake.decode(s.prompt_token_ids), 30)
+                assert s.output_token_ids == fake_ids(_fake.decode(s.prompt_token_ids), 200)
         finally:
             await sched.stop()
         assert_pool_full(engine)
