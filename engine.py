@@ -13,6 +13,7 @@ imports it when built.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -120,6 +121,15 @@ class InferenceEngine(ABC):
         """Render chat messages (and the tools the model may call) into a prompt that ends where the
         assistant's answer begins."""
         raise ChatTemplateError(f"model {self.model_name!r} has no chat template")
+
+    def control_tokens(self) -> list[str]:
+        """The tokenizer's special tokens as text (``<|im_start|>``, EOS...): a chat message that types one keeps it
+        as text (``text/chat_prompt.py``). None for an engine without them."""
+        return []
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """``text`` -> token ids with special-token strings in it tokenized as plain text, no BOS/EOS added."""
+        return self.encode(text, add_special_tokens=False)
 
     def grammar_vocabulary(self) -> tuple | None:
         """Structured output: (HF tokenizer, vocabulary size, stop token ids) that grammars are compiled against,
@@ -968,6 +978,23 @@ class ModelEngine(BatchEngine):
 
     def grammar_vocabulary(self) -> tuple:
         return self.tokenizer, self.vocab_size, self.stop_token_ids
+
+    def control_tokens(self) -> list[str]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return []
+        return [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+
+    def encode_as_text(self, text: str) -> list[int]:
+        backend = getattr(self, "_as_text", None)
+        if backend is None:  # a copy of the tokenizer's pipeline that reads special-token strings as text
+            source = getattr(self.tokenizer, "backend_tokenizer", None)
+            if source is None:
+                return self.encode(text, add_special_tokens=False)
+            backend = copy.copy(source)
+            backend.encode_special_tokens = True
+            self._as_text = backend
+        return backend.encode(text, add_special_tokens=False).ids
 
     def supports_tools(self) -> bool:
         from text.chat_template import template_supports_tools

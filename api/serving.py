@@ -26,6 +26,7 @@ from engine import ChatTemplateError, InferenceEngine
 from guided.grammars import CompiledGrammar, GrammarBusyError, GrammarError, GrammarState, compiler_for
 from scheduler import QueueFullError, Scheduler
 from schemas import SamplingFields
+from text.chat_prompt import ChatPrompt, encode_chat_prompt, render_chat_prompt
 
 
 class Runtime:
@@ -35,6 +36,7 @@ class Runtime:
         self.config, self.engine, self.scheduler = config, engine, scheduler
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
+        self.control_tokens = engine.control_tokens()  # kept as text where a chat message types them
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (``engine.decode([id])``; U+FFFD for part of a character), decoded once per server:
@@ -109,13 +111,31 @@ async def detokenize(runtime: Runtime, ids: list[int]) -> str:
     return await runtime.off_loop(runtime.engine.decode, ids)
 
 
-async def render_chat(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The chat template applied to ``messages`` and ``tools`` (400 if the model has none or it fails on them)."""
+async def render_chat(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
+    """The chat template applied to ``messages`` and ``tools``, special-token strings the messages type kept as data
+    (``text/chat_prompt.py``); 400 if the model has no template or it fails on them."""
+    engine = runtime.engine
+
+    def apply(msgs: list[dict], tls: list[dict] | None) -> str:
+        return engine.apply_chat_template(msgs) if tls is None else engine.apply_chat_template(msgs, tls)
+
     try:
-        args = (messages,) if tools is None else (messages, tools)
-        return await runtime.off_loop(runtime.engine.apply_chat_template, *args)
+        return await runtime.off_loop(render_chat_prompt, apply, messages, tools, runtime.control_tokens)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+async def chat_prompt_ids(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The token ids of a conversation: rendered (``render_chat``), MAX_PROMPT_CHARS checked on the text, tokenized
+    off the loop with the template's control tokens matched and the messages' typed ones as plain text."""
+    prompt = await render_chat(runtime, messages, tools)
+    check_prompt_chars(runtime, prompt.text)
+    engine = runtime.engine
+
+    def encode(text: str) -> list[int]:
+        return engine.encode(text, add_special_tokens=False)  # the template holds BOS and the turn markers
+
+    return await runtime.off_loop(encode_chat_prompt, prompt, encode, engine.encode_as_text)
 
 
 def logit_bias(runtime: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

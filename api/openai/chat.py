@@ -17,13 +17,12 @@ from api.openai.logprobs import chat_logprobs
 from api.serving import (
     Runtime,
     attach_grammar,
+    chat_prompt_ids,
     check_max_tokens,
     check_sequence_count,
     current_runtime,
     make_sequence,
-    render_chat,
     start_generations,
-    tokenize,
 )
 from api.streaming import json_answer, run_all, sse_response
 from core.sequence import Sequence
@@ -54,8 +53,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
                     400, "response_format cannot be combined with tool_choice " + repr(mode), param="tool_choice"
                 )
             grammar, grammar_param = tool_call_grammar(tools, mode), "tools"
-    prompt_text = await render_chat(runtime, [m.template_dict() for m in req.messages], tools)
-    prompt_ids = await tokenize(runtime, prompt_text, add_special_tokens=False)  # the template holds them
+    prompt_ids = await chat_prompt_ids(runtime, [m.template_dict() for m in req.messages], tools)
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
     k = (req.top_logprobs or 0) if req.logprobs else None
