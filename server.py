@@ -32,7 +32,14 @@ from api import admin, generate, openai, probes, tokenize
 from api.errors import APIError, describe_unparsable_body, describe_validation
 from api.ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
 from api.serving import Runtime
-from api.transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
+from api.transport import (
+    AcceptErrorLog,
+    DrainingServer,
+    defend_uvicorn,
+    loading_uvicorn_config,
+    raise_file_limit,
+    uvicorn_config,
+)
 from config import Config
 from core.fair_queue import FairQueue
 from engine import FakeEngine, InferenceEngine, build_engine
@@ -186,9 +193,31 @@ def __getattr__(name: str):
     """``server.app`` for ``uvicorn server:app``, built on first access (``python server.py`` never
     touches it, so it builds its app once, in ``main``)."""
     if name == "app":
-        app = globals()["app"] = create_app()
+        app = globals()["app"] = app_for_uvicorn()
         return app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def app_for_uvicorn() -> FastAPI:
+    """The app ``uvicorn server:app`` imports, built as ``main`` builds it: the config and the engine first (a bad
+    configuration or a model that cannot load ends the process with one line, ``error: <why>``, and exit status 1,
+    before any socket is opened), then the transport defences (``api/transport.py``) onto the uvicorn that is
+    importing it, so they hold under either way of running."""
+    try:
+        config = Config.from_env()
+        thread = engine_thread()
+        engine = thread.submit(load_engine, config).result()
+    except Exception as exc:  # ConfigError, a model that cannot load: the message says which
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    uv = loading_uvicorn_config()
+    if uv is not None:
+        log.warning("uvicorn server:app: %s", defend_uvicorn(uv, config))
+    else:
+        log.warning("server.app built outside uvicorn's loader: python server.py's transport defences are not applied")
+    raise_file_limit()
+    freeze_startup_heap()
+    return create_app(config, engine, thread)
 
 
 def main() -> int:
