@@ -178,6 +178,10 @@ def make_sequence(
         )
     except ValueError as exc:
         raise APIError(422, str(exc)) from None
+    vocab = runtime.engine.vocab_size
+    bad = next((t for t in fields.stop_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(422, f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})", param="stop_token_ids")
     now = time.perf_counter()
     seq = Sequence(
         prompt_token_ids=prompt_ids,

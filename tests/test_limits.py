@@ -31,3 +31,22 @@ def test_max_logprob_entries_is_a_422_naming_it():
             assert r.status_code == 200  # no logprobs asked: nothing counted
 
     bounded(body)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_422():
+    """Before: 10**12 was accepted silently (a stop that can never match)."""
+
+    async def body():
+        async with serving() as client:
+            for path, budget in (("/generate", "max_new_tokens"), ("/v1/completions", "max_tokens")):
+                for bad in (10**12, 257, -1):
+                    r = await client.post(path, json={"prompt": "hi", budget: 2, "stop_token_ids": [5, bad]})
+                    assert r.status_code == 422, (path, bad, r.text)
+                    if bad >= 0:  # (a negative one is refused by the field's own check)
+                        assert r.json()["error"]["param"] == "stop_token_ids" and str(bad) in r.text
+                r = await client.post(path, json={"prompt": "hi", budget: 2, "stop_token_ids": [0, 256]})
+                assert r.status_code == 200, r.text
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stop_token_ids": [10**12]}
+            assert (await client.post("/v1/chat/completions", json=chat)).status_code == 422
+
+    bounded(body)
