@@ -256,6 +256,7 @@ class BatchEngine(InferenceEngine):
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
+        self.kv_window = 0  # a sliding window on every layer: blocks that left it go back to the pool
 
     # --- tensor work, supplied by subclasses -------------------------------------------------
     @abstractmethod
@@ -480,10 +481,14 @@ class BatchEngine(InferenceEngine):
         return cached
 
     def _cache_computed(self, seq: Sequence, computed: int) -> None:
-        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache."""
+        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache;
+        under a sliding window on every layer (``kv_window``), the blocks that left it go back to the pool (its
+        next query, at position ``computed``, reads keys from ``computed - kv_window + 1`` on)."""
         bm = self.blocks
         if bm.enable_caching and computed // bm.block_size > bm.num_hashed_blocks(seq.seq_id):
             bm.cache_blocks(seq.seq_id, self._block_hashes(seq, computed))
+        if self.kv_window and seq.seq_id in bm:
+            bm.release_before(seq.seq_id, computed - self.kv_window + 1)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no sequence holds (``POST /admin/reset_prefix_cache``); returns how many."""
@@ -945,8 +950,11 @@ class ModelEngine(BatchEngine):
     model: ModelRunner
     chat_template: str | None
 
-    def _init_batching(self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int) -> int:
-        """Context, KV pool and batching from ``config`` for a model of ``window`` positions; -> KV pool blocks."""
+    def _init_batching(
+        self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int, kv_window: int = 0
+    ) -> int:
+        """Context, KV pool and batching from ``config`` for a model of ``window`` positions (and a sliding window
+        of ``kv_window`` keys on every layer, 0: none); -> KV pool blocks."""
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         block_size = config.kv_block_size
         num_blocks = kv_pool_blocks(config, max_context, kv_bytes_per_token * block_size)
@@ -961,6 +969,7 @@ class ModelEngine(BatchEngine):
             config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
+        self.kv_window = kv_window
         self._heap = HeapTrimmer()
         return num_blocks
 
@@ -1165,8 +1174,12 @@ class HFEngine(ModelEngine):
             )
         family = supported[hf_config.model_type]
         stops = eos_ids(hf_model, self.tokenizer)
+        try:
+            kv_window = family.kv_window(hf_config)
+        except ValueError as exc:  # a config option our forward does not implement
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
         num_blocks = self._init_batching(
-            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config)
+            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config), kv_window
         )
         max_context, block_size = self.max_context, self.blocks.block_size
         self.vocab_size = hf_config.vocab_size
@@ -1249,7 +1262,7 @@ class NativeEngine(ModelEngine):
             meta = check_image(image_dir)
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
             num_blocks = self._init_batching(
-                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"]
+                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"], meta["kv_window"]
             )
             self.model = NativeModel(image_dir, num_blocks, self.blocks.block_size, engine_threads(config))
         except (ImageError, ValueError, RuntimeError) as exc:

@@ -62,11 +62,14 @@ class PagedKVCache:
         """This layer's pools in the attention kernel's logical shape [num_blocks, block_size, KVH, D] (views)."""
         return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
 
-    def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [0, length) of a sequence with block table ``table`` ([>= ceil(length /
-        block_size)] long): each [KVH, length, D], a copy (prefill chunks read their earlier blocks once)."""
-        n = -(-length // self.block_size)
-        blocks = table[:n]
-        k = self.k[layer][blocks].transpose(0, 1).reshape(self.k.shape[2], n * self.block_size, -1)  # [KVH, n*bs, D]
-        v = self.v[layer][blocks].transpose(0, 1).reshape(self.v.shape[2], n * self.block_size, -1)
-        return k[:, :length], v[:, :length]
+    def gather(self, layer: int, table: torch.Tensor, length: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [first, length) of a sequence with block table ``table`` ([>= ceil(length /
+        block_size)] long; entries before ``first``'s block are not read: a sliding window's released blocks): each
+        [KVH, length - first, D], a copy (prefill chunks read their earlier blocks once)."""
+        b0, n = first // self.block_size, -(-length // self.block_size)
+        blocks = table[b0:n]
+        span = (n - b0) * self.block_size
+        k = self.k[layer][blocks].transpose(0, 1).reshape(self.k.shape[2], span, -1)  # [KVH, (n - b0) bs, D]
+        v = self.v[layer][blocks].transpose(0, 1).reshape(self.v.shape[2], span, -1)
+        lo = first - b0 * self.block_size
+        return k[:, lo : lo + length - first], v[:, lo : lo + length - first]

@@ -43,6 +43,19 @@ def patch_pre_tokenizer(fallback: str) -> None:
 
     TextModel.get_vocab_base_pre = get_vocab_base_pre
 
+    # A checkpoint without a SentencePiece model (a BPE tokenizer.json, as every tokenizer made here) falls through to
+    # the converter's BPE path, as it does with sentencepiece installed: without this, the converter imports
+    # sentencepiece before it looks for tokenizer.model. (sentencepiece ships its own libgomp, which the kernels' tests
+    # check is never loaded beside torch's.)
+    sentencepiece_vocab = TextModel._create_vocab_sentencepiece
+
+    def create_vocab_sentencepiece(self):
+        if not (self.dir_model / "tokenizer.model").is_file():
+            raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
+        return sentencepiece_vocab(self)
+
+    TextModel._create_vocab_sentencepiece = create_vocab_sentencepiece
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(add_help=False)

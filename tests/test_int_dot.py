@@ -175,10 +175,9 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
     """A Llama image's steps (a prompt chunk, then decode rows) under ACTIVATIONS=int8 against fp32: the integer path
     runs (other logits), stays close (the same greedy tokens nearly everywhere), and gives the same bits at 1 and 3
     threads and under KERNEL_ISA=avx2 (maddubs) and auto (VNNI)."""
-    from make_test_model import build_checkpoint
-
     from models import image
     from models.native import NativeModel
+    from scripts.make_test_model import build_checkpoint
 
     model_dir = build_checkpoint(str(tmp_path / "llama"), arch="llama", seed=4, tied=False)
     image.write_image(model_dir, weights, str(tmp_path / "image"))
@@ -193,7 +192,9 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
         nm.k[...] = 0
         nm.v[...] = 0
         first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows
-        step = nm.forward([7, 9], [40, 3], [table, table[:1]])  # 2 decode rows (the second over its own 4 tokens)
+        # 2 decode rows; the second is another sequence at position 3 in its own block (a block another row of the
+        # step reads would make the result depend on which thread writes first: the planner never builds that step)
+        step = nm.forward([7, 9], [40, 3], [table, [12]])
         return np.concatenate([first, step])
 
     try:

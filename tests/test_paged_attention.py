@@ -43,8 +43,9 @@ def make_case(lens, H, KVH, D, block_size, head_major=False, seed=0, spare_block
     return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def reference(q, k, v, tables, lens, scale):
-    """float64 softmax attention per row over its tokens, read through the block table one by one."""
+def reference(q, k, v, tables, lens, scale, window=0, softcap=0.0):
+    """float64 softmax attention per row over its tokens (its last ``window``, when set; scores soft-capped when
+    ``softcap`` is set), read through the block table one by one."""
     B, H, D = q.shape
     block_size, KVH = k.shape[1], k.shape[2]
     out = torch.zeros(B, H, D, dtype=torch.float64)
@@ -52,12 +53,16 @@ def reference(q, k, v, tables, lens, scale):
         n = int(lens[b])
         if n == 0:
             continue
-        blocks = tables[b, torch.arange(n) // block_size].long()
-        offsets = torch.arange(n) % block_size
+        first = max(0, n - window) if window else 0
+        at = torch.arange(first, n)
+        blocks = tables[b, at // block_size].long()
+        offsets = at % block_size
         keys = k[blocks, offsets].double()  # [n, KVH, D]
         values = v[blocks, offsets].double()
         qg = q[b].double().view(KVH, H // KVH, D)  # query head h = kv * G + g
         scores = torch.einsum("kgd,nkd->kgn", qg, keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out[b] = torch.einsum("kgn,nkd->kgd", scores.softmax(-1), values).reshape(H, D)
     return out
 
@@ -143,6 +148,91 @@ def test_mismatched_shapes_are_a_clear_error():
         pa.paged_attention(q, k, v[:-1], tables, lens, 1.0)
     with pytest.raises(ValueError, match="block_tables"):
         pa.paged_attention(q, k, v, tables, lens.repeat(2), 1.0)
+
+
+def release_before_windows(tables, lens, window, block_size):
+    """Table entries of blocks wholly before each row's window set to -1 (a released block: a read of one would
+    fault or read garbage)."""
+    tables = tables.clone()
+    for b, n in enumerate(lens.tolist()):
+        tables[b, : max(0, n - window) // block_size] = -1
+    return tables
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_sliding_window_reads_only_the_window(kernel, window, block_size):
+    """A row attends its last ``window`` tokens: windows inside a block, on block boundaries, across partitions;
+    every block before the window is released (-1 in the table) and never read."""
+    q, k, v, tables, lens = make_case(RAGGED, 8, 2, 64, block_size, head_major=True, seed=window + block_size)
+    tables = release_before_windows(tables, lens, window, block_size)
+    out = kernel.paged_attention(q, k, v, tables, lens, 0.125, window=window)
+    assert_matches(out, reference(q, k, v, tables.clamp(min=0), lens, 0.125, window))
+
+
+@pytest.mark.parametrize("softcap", [0.5, 3.0, 50.0])
+def test_soft_capped_scores(kernel, softcap):
+    q, k, v, tables, lens = make_case(RAGGED, 8, 4, 32, 16, seed=int(softcap * 10))
+    q = q * 4  # scores well past the cap
+    out = kernel.paged_attention(q, k, v, tables, lens, 0.25, softcap=softcap)
+    assert_matches(out, reference(q, k, v, tables, lens, 0.25, softcap=softcap))
+
+
+def test_window_and_soft_cap_do_not_depend_on_thread_count(kernel):
+    q, k, v, tables, lens = make_case([5, 1300, 64, 513, 2], 12, 4, 64, 16, seed=9)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(kernel.paged_attention(q, k, v, tables, lens, 0.125, window=700, softcap=2.0))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_matches(outs[0], reference(q, k, v, tables, lens, 0.125, 700, 2.0))
+
+
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (0, 2.0), (40, 1.5)])
+def test_torch_fallback_windows_and_soft_caps(window, softcap):
+    q, k, v, tables, lens = make_case([0, *RAGGED], 12, 3, 64, 16, True, seed=13)
+    tables = release_before_windows(tables, lens, window, 16) if window else tables
+    out = pa.paged_attention_torch(q, k, v, tables, lens, 0.125, window, softcap)
+    assert_matches(out, reference(q, k, v, tables.clamp(min=0), lens, 0.125, window, softcap))
+
+
+def rope_reference(x, cos, sin):
+    """HF's rotation of each head's first R dims (R = cos.shape[-1]), the rest passed through: x [B, h, D]."""
+    R = cos.shape[-1]
+    rot, rest = x[..., :R], x[..., R:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    return torch.cat([rot * cos + torch.cat([-x2, x1], dim=-1) * sin, rest], dim=-1)
+
+
+@pytest.mark.parametrize("rotary", [64, 32, 16])
+@pytest.mark.parametrize("window", [0, 9])
+def test_rope_write_attend_partial_rotary_and_window(kernel, rotary, window):
+    """One decode step's fused call with a partial rotary (Phi-3: the first R of D dims rotate) and a window: the
+    rotated k lands in its slot, the rest of the head is copied, and attention matches float64."""
+    B, H, KVH, D, bs = 3, 4, 2, 64, 8
+    gen = torch.Generator().manual_seed(rotary + window)
+    lens = [1, 13, 30]
+    q0, k, v, tables, lens_t = make_case(lens, H, KVH, D, bs, head_major=True, seed=rotary)
+    pos = torch.tensor([n - 1 for n in lens])
+    slot_blocks = tables[torch.arange(B), pos // bs].long()
+    slot_offsets = pos % bs
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=gen)
+    angles = torch.randn(64, rotary // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :].contiguous()  # [P, 1, R]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :].contiguous()
+    out = kernel.rope_write_attend(
+        qkv, H, (cos, sin), pos, k, v, slot_blocks, slot_offsets, tables, lens_t, 0.125, window, 0.0
+    )
+    c, s_ = cos[pos], sin[pos]  # [B, 1, R]
+    q = rope_reference(qkv[:, : H * D].view(B, H, D), c, s_)
+    new_k = rope_reference(qkv[:, H * D : (H + KVH) * D].view(B, KVH, D), c, s_)
+    torch.testing.assert_close(k[slot_blocks, slot_offsets], new_k)
+    torch.testing.assert_close(v[slot_blocks, slot_offsets], qkv[:, (H + KVH) * D :].view(B, KVH, D))
+    assert_matches(out, reference(q, k, v, tables, lens_t, 0.125, window))
 
 
 @pytest.fixture

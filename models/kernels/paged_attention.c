@@ -10,8 +10,10 @@
  *   k/v pool     [num_blocks, block_size, KVH, D] logically; any strides (block_stride,
  *                token_stride, head_stride), so the engine picks the physical layout
  *   block_tables [B, table_stride] int32: row b's token t is in block block_tables[b][t / block_size]
- *   context_lens [B] int32: row b attends tokens [0, context_lens[b])
+ *   context_lens [B] int32: row b attends tokens [0, context_lens[b]), or only the last `window` of them
+ *                (a sliding-window layer: keys in (q - window, q], HF's mask; window 0 = all)
  *   out          [B, H, D] contiguous
+ * softcap > 0: every score s (q k^T * scale) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
  * GQA without expanding heads: query head h reads KV head h / G (G = H / KVH), and the G query heads
  * of one KV head share each K row and V row loaded.
  *
@@ -134,11 +136,13 @@ typedef struct {
     float *qs, *acc, *s, *m, *l, *corr;
 } Scratch;
 
-/* Tokens [t0, t1) of one row (t0 on a block boundary), every head: acc [H, D] unnormalized, m [H] running
- * max, l [H] running sum of exp(s - m). Per block: the scores of all heads (one pass over the block's K,
- * which is one contiguous region in the pool), the online-softmax update, then one pass over its V. */
+/* Tokens [max(t0, lo), t1) of one row (t0 on a block boundary; lo: the first token a sliding window keeps, tokens
+ * before it are skipped, not masked), every head: acc [H, D] unnormalized, m [H] running max, l [H] running sum of
+ * exp(s - m). Per block: the scores of all heads (one pass over the block's K, which is one contiguous region in the
+ * pool), the soft-cap (softcap > 0), the online-softmax update, then one pass over its V. */
 static void attend_row(const Scratch *w, const float *k_pool, const float *v_pool, long bstride, long ts, long hs,
-                       const int *table, int block_size, int t0, int t1, int H, int KVH, int D) {
+                       const int *table, int block_size, int t0, int t1, int lo, float softcap, int H, int KVH,
+                       int D) {
     const int G = H / KVH;
     for (int h = 0; h < H; h++) {
         w->m[h] = -INFINITY;
@@ -146,18 +150,22 @@ static void attend_row(const Scratch *w, const float *k_pool, const float *v_poo
     }
     for (long i = 0; i < (long)H * D; i++) w->acc[i] = 0.0f;
     for (int t = t0; t < t1; t += block_size) {
-        int n = t1 - t < block_size ? t1 - t : block_size;
-        long block = table[t / block_size];
-        prefetch_pages(v_pool + block * bstride, (long)n * KVH * D);
+        const int j0 = lo > t ? lo - t : 0; /* the block's first token in the window */
+        const int n = (t1 - t < block_size ? t1 - t : block_size) - j0;
+        if (n <= 0) continue;
+        const long block = table[t / block_size], at = block * bstride + j0 * ts;
+        prefetch_pages(v_pool + at, (long)n * KVH * D);
         if (t + block_size < t1) prefetch_pages(k_pool + table[t / block_size + 1] * bstride, (long)block_size * KVH * D);
         for (int kvh = 0; kvh < KVH; kvh++)
             for (int g0 = 0; g0 < G; g0 += GMAX) {
                 int h0 = kvh * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
-                scores_gc(w->qs + (long)h0 * D, D, k_pool + block * bstride + kvh * hs, ts, n, w->s + (long)h0 * SSTRIDE, gc);
+                scores_gc(w->qs + (long)h0 * D, D, k_pool + at + kvh * hs, ts, n, w->s + (long)h0 * SSTRIDE, gc);
             }
         for (int h = 0; h < H; h++) {
             float *sh = w->s + (long)h * SSTRIDE, mx = w->m[h];
             int j;
+            if (softcap > 0.0f)
+                for (j = 0; j < n; j++) sh[j] = tanhf(sh[j] / softcap) * softcap;
             for (j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
             w->corr[h] = expf(w->m[h] - mx); /* 0 on the first block (m = -inf) */
             w->m[h] = mx;
@@ -171,8 +179,8 @@ static void attend_row(const Scratch *w, const float *k_pool, const float *v_poo
         for (int kvh = 0; kvh < KVH; kvh++)
             for (int g0 = 0; g0 < G; g0 += GMAX) {
                 int h0 = kvh * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
-                values_gc(w->acc + (long)h0 * D, w->corr + h0, w->s + (long)h0 * SSTRIDE, n,
-                          v_pool + block * bstride + kvh * hs, ts, D, gc);
+                values_gc(w->acc + (long)h0 * D, w->corr + h0, w->s + (long)h0 * SSTRIDE, n, v_pool + at + kvh * hs,
+                          ts, D, gc);
             }
     }
 }
@@ -220,10 +228,21 @@ static int part_tokens_for(int block_size) {
     return part_blocks * block_size;
 }
 
-static int max_parts_of(const int *context_lens, int B, int part_tokens) {
+/* The first token a row of context ctx attends: ctx - window in a sliding-window layer (window > 0), else 0. */
+static int window_first(int ctx, int window) { return window > 0 && ctx > window ? ctx - window : 0; }
+
+/* Where a row's partitions start: the block holding its first attended token. */
+static int parts_base(int ctx, int window, int block_size) { return window_first(ctx, window) / block_size * block_size; }
+
+/* Partitions of a row: its attended tokens from parts_base on, part_tokens at a time (0 for an empty context). */
+static int parts_of(int ctx, int window, int block_size, int part_tokens) {
+    return (ctx - parts_base(ctx, window, block_size) + part_tokens - 1) / part_tokens;
+}
+
+static int max_parts_of(const int *context_lens, int B, int window, int block_size, int part_tokens) {
     int max_parts = 1;
     for (int b = 0; b < B; b++) {
-        int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
+        int parts = parts_of(context_lens[b], window, block_size, part_tokens);
         max_parts = parts > max_parts ? parts : max_parts;
     }
     return max_parts;
@@ -242,9 +261,9 @@ static Scratch scratch_at(float *base, int H, int D) {
 int paged_attention(const float *q, long q_row_stride, const float *k_pool, const float *v_pool, long block_stride,
                     long token_stride, long head_stride, const int *block_tables, int table_stride,
                     const int *context_lens, float *out, int B, int H, int KVH, int D, int block_size, float scale,
-                    int nthreads) {
+                    int window, float softcap, int nthreads) {
     const int part_tokens = part_tokens_for(block_size);
-    const int max_parts = max_parts_of(context_lens, B, part_tokens);
+    const int max_parts = max_parts_of(context_lens, B, window, block_size, part_tokens);
     if (nthreads < 1) nthreads = 1;
     /* Partial results of every partition when a context spans several: acc [B, P, H, D], m, l [B, P, H];
      * and one Scratch per thread. */
@@ -263,13 +282,14 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
 #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < items; it++) {
             int b = (int)(it / max_parts), part = (int)(it % max_parts);
-            int ctx = context_lens[b], t0 = part * part_tokens;
+            int ctx = context_lens[b], t0 = parts_base(ctx, window, block_size) + part * part_tokens;
             if (t0 >= ctx && part > 0) continue;
             int t1 = t0 + part_tokens < ctx ? t0 + part_tokens : ctx;
             const float *qrow = q + b * q_row_stride;
             for (long i = 0; i < (long)H * D; i++) w.qs[i] = qrow[i] * scale;
             attend_row(&w, k_pool, v_pool, block_stride, token_stride, head_stride,
-                       block_tables + (long)b * table_stride, block_size, t0, t1, H, KVH, D);
+                       block_tables + (long)b * table_stride, block_size, t0, t1, window_first(ctx, window), softcap,
+                       H, KVH, D);
             if (max_parts == 1) finish_heads(&w, H, D, out + (long)b * H * D);
             else save_partial(&w, H, D, ws_acc + it * H * D, ws_m + it * H, ws_l + it * H);
         }
@@ -278,7 +298,7 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (long bh = 0; bh < (long)B * H; bh++) {
             long b = bh / H, h = bh % H;
-            int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
+            int parts = parts_of(context_lens[b], window, block_size, part_tokens);
             combine_head(ws_acc, ws_m, ws_l, b, h, H, D, parts, max_parts, out + bh * D);
         }
     }
@@ -291,55 +311,59 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
  * per-layer torch ops of the lean decode path (rotate, two index_put writes, slicing, the attention call).
  *
  *   qkv          [B, ldqkv] rows of the fused QKV linear: q [H, D] at 0, k [KVH, D] at H D, v at (H + KVH) D
- *   cos, sin     [max_len, D] RoPE tables (row p for position p), or NULL for no rotation (GPT-2)
+ *   cos, sin     [max_len, R] RoPE tables (row p for position p) over each head's first R dims (R = D, or fewer:
+ *                partial rotary, the rest passed through), or NULL for no rotation (GPT-2)
  *   pos          [B] int64 positions; slot_blocks, slot_offsets [B] int64 KV slot of each row's token
  *   q_buf        [B, H, D] scratch for the rotated queries; out [B, H, D]
  * RoPE is HF's: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), two products then one add
  * (the file is built with -ffp-contract=off, so these are torch's bits exactly). */
-static void rope_row(const float *x, float *y, const float *c, const float *s, int D) {
-    const int half = D / 2;
+static void rope_row(const float *x, float *y, const float *c, const float *s, int R, int D) {
+    const int half = R / 2;
     for (int d = 0; d < half; d++) {
         float a = x[d] * c[d], b = -x[d + half] * s[d];
         y[d] = a + b;
     }
-    for (int d = half; d < D; d++) {
+    for (int d = half; d < R; d++) {
         float a = x[d] * c[d], b = x[d - half] * s[d];
         y[d] = a + b;
     }
+    for (int d = R; d < D; d++) y[d] = x[d];
 }
 
-/* Query heads [h0, h1) of one qkv row, rotated (c, s: the row's cos, sin) or copied when c is NULL
- * -> q [h1 - h0, D]. */
-static void rope_queries(const float *row, const float *c, const float *s, float *q, int D, int h0, int h1) {
+/* Query heads [h0, h1) of one qkv row, rotated over their first R dims (c, s: the row's cos, sin) or copied when c
+ * is NULL -> q [h1 - h0, D]. */
+static void rope_queries(const float *row, const float *c, const float *s, float *q, int R, int D, int h0, int h1) {
     for (int h = h0; h < h1; h++) {
         float *qh = q + (long)(h - h0) * D;
-        if (c) rope_row(row + (long)h * D, qh, c, s, D);
+        if (c) rope_row(row + (long)h * D, qh, c, s, R, D);
         else for (int d = 0; d < D; d++) qh[d] = row[(long)h * D + d];
     }
 }
 
-/* One qkv row's new k (rotated when c is not NULL) and v of KV heads [h0, h1) into their slot of the pools. */
+/* One qkv row's new k (rotated over its first R dims when c is not NULL) and v of KV heads [h0, h1) into their slot
+ * of the pools. */
 static void write_kv(const float *row, const float *c, const float *s, float *kslot, float *vslot, long head_stride,
-                     int H, int KVH, int D, int h0, int h1) {
+                     int H, int KVH, int R, int D, int h0, int h1) {
     for (int h = h0; h < h1; h++) {
         const float *k = row + (long)(H + h) * D, *v = row + (long)(H + KVH + h) * D;
-        if (c) rope_row(k, kslot + h * head_stride, c, s, D);
+        if (c) rope_row(k, kslot + h * head_stride, c, s, R, D);
         else for (int d = 0; d < D; d++) kslot[h * head_stride + d] = k[d];
         for (int d = 0; d < D; d++) vslot[h * head_stride + d] = v[d];
     }
 }
 
-int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, const long *pos,
+int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, int R, const long *pos,
                       float *k_pool, float *v_pool, long block_stride, long token_stride, long head_stride,
                       const long *slot_blocks, const long *slot_offsets, const int *block_tables, int table_stride,
                       const int *context_lens, float *q_buf, float *out, int B, int H, int KVH, int D,
-                      int block_size, float scale, int nthreads) {
+                      int block_size, float scale, int window, float softcap, int nthreads) {
     for (int b = 0; b < B; b++) {
-        const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * D : 0, *s = sin ? sin + pos[b] * D : 0;
+        const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * R : 0, *s = sin ? sin + pos[b] * R : 0;
         long slot = slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
-        rope_queries(row, c, s, q_buf + (long)b * H * D, D, 0, H);
-        write_kv(row, c, s, k_pool + slot, v_pool + slot, head_stride, H, KVH, D, 0, KVH);
+        rope_queries(row, c, s, q_buf + (long)b * H * D, R, D, 0, H);
+        write_kv(row, c, s, k_pool + slot, v_pool + slot, head_stride, H, KVH, R, D, 0, KVH);
     }
     return paged_attention(q_buf, (long)H * D, k_pool, v_pool, block_stride, token_stride, head_stride, block_tables,
-                           table_stride, context_lens, out, B, H, KVH, D, block_size, scale, nthreads);
+                           table_stride, context_lens, out, B, H, KVH, D, block_size, scale, window, softcap,
+                           nthreads);
 }
