@@ -42,7 +42,8 @@ from api.transport import (
 )
 from config import Config
 from core.fair_queue import FairQueue
-from engine import FakeEngine, InferenceEngine, build_engine
+from engine import FakeEngine, InferenceEngine
+from models.runtime import build_engine
 from scheduler import Scheduler, engine_thread
 from schemas import ErrorResponse
 

@@ -86,7 +86,7 @@ class Sequence:
     # perf_counter() timestamps; None until the event happens.
     arrival_time: float = field(default_factory=time.perf_counter)
     admit_time: float | None = None
-    slot_since: float | None = None  # when it last took a batch slot (the scheduler sets it at every admission)
+    slot_since: float | None = None  # when it last took a batch slot (the planner sets it at every admission)
     first_token_time: float | None = None
     finish_time: float | None = None
 

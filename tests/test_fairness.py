@@ -124,6 +124,47 @@ def test_a_client_gets_its_share_of_the_queue():
     assert q.waiting_of("x") == 3 and q.waiting_of("y") == 1 and len(q) == 4
 
 
+# --- the planner: fair share is a decision of the plan ----------------------------------------------------------
+class _Matcher:
+    """A grammar's per-sequence state, as far as preemption sees it."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_the_plan_names_the_fair_share_preemption_and_admits_the_head_in_its_slot():
+    engine = FakeEngine(capacity=4)
+    planner, q = engine.planner, FairQueue(min_slot_s=0.0)
+    flood = [seq(f"flood {i}", "x", 1, max_new=50) for i in range(6)]
+    for s in flood:
+        q.append(s)
+    plan = planner.schedule(q)  # a lone request: it takes every row, nobody is owed anything
+    assert plan.newcomers == flood[:4] and plan.preempted == []
+    for s in plan.newcomers:
+        q.remove(s.seq_id)
+    planner.update_from_output(plan, engine.execute(plan))
+    assert all(s.slot_since == plan.start for s in flood[:4])
+    flood[3].grammar = _Matcher()
+    late = seq("late", "x", 2)
+    q.append(late)
+    plan = planner.schedule(q)
+    # request 1 holds 4 rows, request 2 none: its newest admitted goes back, the late one takes the row
+    assert plan.preempted == [flood[3]] and plan.newcomers == [late]
+    assert flood[3].status is SequenceStatus.WAITING and flood[3].grammar.released == 1
+    assert planner.num_fair_preemptions == 1 and planner.num_preemptions == 1
+    assert plan.decode == flood[:3]
+    # a plain list is FCFS and never preempts for fairness
+    other = FakeEngine(capacity=1)
+    first, second = seq("a", "x", 1), seq("b", "y", 2)
+    plan = other.planner.schedule([first])
+    other.planner.update_from_output(plan, other.execute(plan))
+    plan = other.planner.schedule([second])
+    assert plan.preempted == [] and plan.newcomers == [] and other.planner.num_fair_preemptions == 0
+
+
 # --- the scheduler ------------------------------------------------------------------------------------------------
 def test_a_late_request_gets_a_slot_at_once_and_every_preempted_answer_is_exact():
     """One request of 40 sequences fills the 4 slots; a later 1-sequence request preempts one of them (they have held

@@ -121,9 +121,9 @@ def test_the_engine_is_built_and_stepped_on_one_thread(monkeypatch):
     threads: dict[str, set[int]] = {"build": set(), "step": set()}
 
     class Recording(FakeEngine):
-        def step(self):
+        def execute(self, plan):
             threads["step"].add(threading.get_ident())
-            return super().step()
+            return super().execute(plan)
 
     def load(config):
         threads["build"].add(threading.get_ident())
@@ -212,6 +212,7 @@ def test_health_ok():
                 "kv_free_blocks": 160,
                 "kv_block_size": 32,
                 "num_preemptions": 0,
+                "num_fair_preemptions": 0,
                 "num_prefilling": 0,
                 "kv_cached_blocks": 0,
                 "prefix_cache_queries": 1,
