@@ -161,6 +161,8 @@ def _queue_wait(answer: dict) -> float | None:
     return (answer.get("metrics") or {}).get("queue_wait_ms")
 
 
+# GET /health every 20 ms until a file appears, in a process of its own (a client in the attacker's process would
+# share its GIL with the reading of the answers): prints each probe's latency.
 PINGER = """
 import json, os, sys, time
 import httpx
@@ -168,33 +170,40 @@ url, stop, lat = sys.argv[1], sys.argv[2], []
 with httpx.Client(timeout=60) as c:
     while not os.path.exists(stop) and len(lat) < 20000:
         start = time.monotonic()
-        c.get(url + "/health")
+        assert c.get(url + "/health").status_code == 200
         lat.append(time.monotonic() - start)
         time.sleep(0.02)
 print(json.dumps(lat))
 """
 
 
-def loop(tree: str, models: dict) -> dict:
-    """/health every 20 ms (another process) while two ~10 MB logprob answers are built."""
+def health_while_scoring(url: str, timeout: float = 600) -> tuple[list[float], list[httpx.Response]]:
+    """The two scoring answers (``SCORING`` over 32 prompts of 90 random token ids each) built at once by the server
+    at ``url`` while another process probes its ``/health``: (each probe's latency in seconds, the two answers)."""
     rng = random.Random(0)
     prompts = [[[rng.randrange(5, 600) for _ in range(90)] for _ in range(32)] for _ in range(2)]
-    with Server(tree, {"MODEL_ID": models["gpt2"], "MAX_LOGPROBS": "20"}) as srv, tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d:
         stop = os.path.join(d, "stop")
-        pinger = subprocess.Popen([sys.executable, "-c", PINGER, srv.url, stop], stdout=subprocess.PIPE, text=True)
+        pinger = subprocess.Popen([sys.executable, "-c", PINGER, url, stop], stdout=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.0)
+            time.sleep(0.5)
 
             async def both():
-                async with httpx.AsyncClient(timeout=600) as c:
-                    posts = (c.post(f"{srv.url}/v1/completions", json={"prompt": p, **SCORING}) for p in prompts)
+                async with httpx.AsyncClient(timeout=timeout) as c:
+                    posts = (c.post(f"{url}/v1/completions", json={"prompt": p, **SCORING}) for p in prompts)
                     return await asyncio.gather(*posts)
 
             answers = asyncio.run(both())
         finally:
             open(stop, "w").close()
             out, _ = pinger.communicate(timeout=120)
-    lat = json.loads(out)
+    return json.loads(out), answers
+
+
+def loop(tree: str, models: dict) -> dict:
+    """/health every 20 ms (another process) while two ~10 MB logprob answers are built."""
+    with Server(tree, {"MODEL_ID": models["gpt2"], "MAX_LOGPROBS": "20"}) as srv:
+        lat, answers = health_while_scoring(srv.url)
     return {
         "health_max_ms": round(max(lat) * 1e3),
         "health_p50_ms": round(statistics.median(lat) * 1e3, 1),

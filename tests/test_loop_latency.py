@@ -13,12 +13,12 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from scripts.reliability_attacks import health_while_scoring
 
 from conftest import run
 from live import ProcessServer
@@ -113,52 +113,17 @@ def test_a_stream_stays_smooth_while_another_client_sends_oversized_prompts(tiny
     assert max(loud) < WORST_GAP_S, max(loud)
 
 
-# Two answers of 32 prompts x 90 tokens x n 8, echoed and scored with 20 alternatives per token (max_tokens 0): 490k
-# logprob entries, ~10 MB of JSON each (the issue's attack had 250 tokens and 5 alternatives: about as many entries, a
-# 3x longer prefill).
-SCORING = {"n": 8, "echo": True, "logprobs": 20, "max_tokens": 0}
 HEALTH_BOUND_S = 0.25
 
-# GET /health every 20 ms until a file appears, in a process of its own (a client in this one would share its GIL
-# with the test's reading of the two answers): prints each probe's latency.
-PINGER = """
-import json, os, sys, time
-import httpx
-url, stop, lat = sys.argv[1], sys.argv[2], []
-with httpx.Client(timeout=30) as c:
-    while not os.path.exists(stop) and len(lat) < 20000:
-        start = time.monotonic()
-        assert c.get(url + "/health").status_code == 200
-        lat.append(time.monotonic() - start)
-        time.sleep(0.02)
-print(json.dumps(lat))
-"""
 
-
-def test_health_answers_within_250ms_while_two_10mb_logprob_answers_are_built(tiny_model_dir, tmp_path):
+def test_health_answers_within_250ms_while_two_10mb_logprob_answers_are_built(tiny_model_dir):
     """Decoding the tokens and alternatives of a logprobs answer and encoding it run off the event loop (the JSON in
     one bounded piece per choice, each token's text decoded once per server, startup's heap left out of garbage
     collections): /health's worst latency stays under 250 ms while two ~10 MB answers are built (before: 4,125 ms on
     the issue's run, everything on the loop)."""
     env = {"MODEL_ID": tiny_model_dir, "LOG_LEVEL": "WARNING", "MAX_LOGPROBS": "20"}
-    rng = random.Random(0)
-    prompts = [[[rng.randrange(5, 600) for _ in range(90)] for _ in range(32)] for _ in range(2)]
-    stop = tmp_path / "stop"
     with ProcessServer(env, ready_timeout=120) as srv:
-        pinger = subprocess.Popen([sys.executable, "-c", PINGER, srv.url, str(stop)], stdout=subprocess.PIPE, text=True)
-        try:
-            time.sleep(0.5)
-
-            async def scenario():
-                async with httpx.AsyncClient(timeout=120) as c:
-                    posts = (c.post(f"{srv.url}/v1/completions", json={"prompt": p, **SCORING}) for p in prompts)
-                    return await asyncio.gather(*posts)
-
-            answers = run(scenario())
-        finally:
-            stop.touch()
-            out, _ = pinger.communicate(timeout=60)
-        latencies = json.loads(out)
+        latencies, answers = health_while_scoring(srv.url, timeout=120)  # the attack of scripts/reliability_attacks.py
     sizes = [len(r.content) for r in answers]
     print(
         f"\n/health while two logprob answers ({sizes} bytes) were built: max {max(latencies) * 1e3:.0f} ms, "

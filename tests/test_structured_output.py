@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,6 +20,7 @@ from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-
 from config import Config
 from core.sampling import SamplingParams, apply_token_bitmask
 from core.sequence import Sequence, SequenceStatus
+from scripts.reliability_attacks import big_enum_format
 from server import create_app
 
 from conftest import run, schedule_all, sse_events
@@ -386,15 +386,6 @@ def test_a_grammar_compiles_once_and_matchers_live_only_in_slots(tiny_llama_dir)
         compiler.compile(grammars.regex_grammar("one too many"))
     del held  # requests done: their grammars can go
     compiler.compile(grammars.regex_grammar("one too many"))
-
-
-def big_enum_format(words: int = 5000) -> dict:
-    """The issue's grammar: a ~60,000-character enum (5,000 random words) as the one required property."""
-    rng = random.Random(0)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = sorted({"".join(rng.choice(letters) for _ in range(rng.randint(4, 12))) for _ in range(words)})
-    schema = {"type": "object", "properties": {"w": {"enum": vocab}}, "required": ["w"]}
-    return {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
 
 
 def test_rss_stays_bounded_under_50_concurrent_grammar_requests_of_256_sequences(tiny_llama_dir):
