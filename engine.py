@@ -25,6 +25,8 @@ from block_manager import BlockManager, extend_block_hashes
 from checkpoints import ModelLoadError
 from config import Config
 from models.kernels.build import kernel_isa, set_kernel_isa
+from models.kv_dtype import bytes_per_token as bytes_per_kv_token
+from models.kv_dtype import unavailable_reason as kv_dtype_unavailable
 from models.native_memory import HeapTrimmer
 from sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from sequence import Sequence, SequenceStatus
@@ -199,6 +201,8 @@ class BatchEngine(InferenceEngine):
     preempted) hands its place to its first child (``_hand_over``). A choice that can no longer fork (its
     parent already decodes, or it was preempted after its first token) is admitted like any sequence.
     """
+
+    kv_cache_dtype = "none"  # a model engine's pool elements (KV_CACHE_DTYPE); the fake's pool holds no K/V
 
     def __init__(
         self,
@@ -741,6 +745,7 @@ class BatchEngine(InferenceEngine):
             "kv_blocks": self.blocks.num_blocks,
             "kv_free_blocks": self.blocks.num_free_blocks,
             "kv_block_size": self.blocks.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "num_preemptions": self.num_preemptions,
             "num_prefilling": len(self._prefilling) + len(self._parent_of),  # forked choices wait for a prefill
             "kv_cached_blocks": self.blocks.num_cached_blocks,
@@ -933,6 +938,7 @@ class ModelEngine(BatchEngine):
             config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
+        self.kv_cache_dtype = config.kv_cache_dtype
         self._heap = HeapTrimmer()
         return num_blocks
 
@@ -1119,9 +1125,10 @@ class HFEngine(ModelEngine):
             )
         family = supported[hf_config.model_type]
         stops = eos_ids(hf_model, self.tokenizer)
-        num_blocks = self._init_batching(
-            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config)
-        )
+        if self.device.type == "cpu":
+            _check_kv_dtype(config)
+        bytes_per_token = family.kv_bytes_per_token(hf_config, config.kv_cache_dtype)
+        num_blocks = self._init_batching(config, family.context_window(hf_config), stops, bytes_per_token)
         max_context, block_size = self.max_context, self.blocks.block_size
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
@@ -1136,6 +1143,7 @@ class HFEngine(ModelEngine):
                 num_blocks=num_blocks,
                 block_size=block_size,
                 weights=weights,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
@@ -1146,13 +1154,14 @@ class HFEngine(ModelEngine):
         resident = self.model.resident_weights()
         memory = memory_mib()
         log.info(
-            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
+            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %s, %d blocks x %d tokens = %d tokens, "
             "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, quantized kernels %s, "
             "%d threads; RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             self.device,
             self.capacity,
             max_context,
+            self.kv_cache_dtype,
             num_blocks,
             block_size,
             num_blocks * block_size,
@@ -1200,11 +1209,14 @@ class NativeEngine(ModelEngine):
         image_dir = image_dir or ensure_image(config.model_id, config.weights)
         try:
             meta = check_image(image_dir)
+            _check_kv_dtype(config)
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
-            num_blocks = self._init_batching(
-                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"]
+            kv = meta["kv"]
+            bytes_per_token = bytes_per_kv_token(config.kv_cache_dtype, kv["n_layer"], kv["n_kv_head"], kv["head_dim"])
+            num_blocks = self._init_batching(config, meta["context_window"], set(meta["eos_ids"]), bytes_per_token)
+            self.model = NativeModel(
+                image_dir, num_blocks, self.blocks.block_size, engine_threads(config), config.kv_cache_dtype
             )
-            self.model = NativeModel(image_dir, num_blocks, self.blocks.block_size, engine_threads(config))
         except (ImageError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
         self.vocab_size = meta["vocab_size"]
@@ -1212,13 +1224,14 @@ class NativeEngine(ModelEngine):
         resident = self.model.resident_weights()
         memory = memory_mib()
         log.info(
-            "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %d blocks x %d "
+            "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %s, %d blocks x %d "
             "tokens, %.1f MiB; weights resident (mapped), one copy each: %s (%.1f MiB); quantized kernels %s; "
             "%d threads (%s); RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             image_dir,
             self.capacity,
             self.max_context,
+            self.kv_cache_dtype,
             num_blocks,
             self.blocks.block_size,
             self.model.kv_nbytes / 2**20,
@@ -1256,6 +1269,13 @@ def _score_prompt(seq: Sequence, logits, start: int, end: int) -> None:
     stop = min(end, seq.prompt_len - 1)  # the last prompt position predicts the first output token
     predicted = seq.prompt_token_ids[start + 1 : stop + 1]
     seq.prompt_logprobs += logprobs(logits[: stop - start], predicted, seq.prompt_logprobs_k)
+
+
+def _check_kv_dtype(config: Config) -> None:
+    """KV_CACHE_DTYPE must be one this CPU runs (fp16 needs F16C): a one-line startup error otherwise."""
+    reason = kv_dtype_unavailable(config.kv_cache_dtype)
+    if reason:
+        raise ModelLoadError(reason)
 
 
 def kv_pool_blocks(config: Config, max_context: int, block_bytes: int) -> int:

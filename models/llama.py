@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import kv_dtype
 from .kernels import decode_ops
 from .kernels.decode_step import StepPlan
 from .layers import (
@@ -123,12 +124,12 @@ class Llama(MixedForward):
         return hf_config.max_position_embeddings
 
     @staticmethod
-    def kv_bytes_per_token(hf_config) -> int:
-        """fp32 K and V of one token over every layer (what one KV slot costs)."""
+    def kv_bytes_per_token(hf_config, kv_cache_dtype: str = "fp32") -> int:
+        """K and V of one token over every layer in a pool of ``kv_cache_dtype`` (what one KV slot costs)."""
         n_head = hf_config.num_attention_heads
         n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_head
-        return 2 * hf_config.num_hidden_layers * n_kv_head * head_dim * 4
+        return kv_dtype.bytes_per_token(kv_cache_dtype, hf_config.num_hidden_layers, n_kv_head, head_dim)
 
     def __init__(
         self,
@@ -140,8 +141,10 @@ class Llama(MixedForward):
         num_blocks: int = 0,
         block_size: int = 32,
         weights: str = "fp32",
+        kv_cache_dtype: str = "fp32",
     ) -> None:
-        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
+        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``) of
+        ``kv_cache_dtype`` elements."""
         cfg = hf_model.config
         if cfg.hidden_act != "silu":
             raise ValueError(f"Llama activation {cfg.hidden_act!r} is not supported by the fast engine (only silu)")
@@ -167,7 +170,7 @@ class Llama(MixedForward):
         self.embed = self.lm_head.table() if tied else self.embed  # tied: the lm_head's one copy serves the lookups
         release_file_pages(sd.values())  # the embedding and lm_head tables, packed now
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
-        self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size)
+        self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size, kv_cache_dtype)
 
     def _fused_plan(self) -> StepPlan | None:
         """Every layer of a lean step in one call: RMSNorm (no bias), RoPE from the full tables, SiLU(gate) * up."""

@@ -1,36 +1,48 @@
-/* Paged decode attention, fp32: one query token per row against K/V read in place from a block pool.
+/* Paged decode attention: one query token per row against K/V read in place from a block pool, the pool's
+ * elements fp32, fp16, bf16 or int8 (KV_CACHE_DTYPE), converted to fp32 in registers as they are loaded.
  *
  * Why: with the KV cache managed as a pool of fixed-size blocks, a sequence's keys and values sit in
  * blocks scattered over the pool. Gathering them into a contiguous buffer each step costs a copy of the
  * whole context per layer (measured up to 4.6x slower attention); this kernel follows each row's block
- * table instead and streams every block once.
+ * table instead and streams every block once. A step at long contexts reads more KV bytes than weight
+ * bytes, so a narrower element is also the speed: each dtype is read as it is stored, never dequantized
+ * into a copy.
  *
- * Shapes (floats; strides in floats, the head dimension D always unit stride):
- *   q            [B, H, D]       row b at q + b * q_row_stride, head h at + h * D
- *   k/v pool     [num_blocks, block_size, KVH, D] logically; any strides (block_stride,
- *                token_stride, head_stride), so the engine picks the physical layout
+ * Shapes (strides in elements of the pool's dtype, the head dimension D always unit stride):
+ *   q            [B, H, D] fp32  row b at q + b * q_row_stride, head h at + h * D
+ *   k/v pool     [num_blocks, block_size, KVH, D] logically; any strides (block_stride, token_stride,
+ *                head_stride), so the engine picks the physical layout (KVPool)
  *   block_tables [B, table_stride] int32: row b's token t is in block block_tables[b][t / block_size]
  *   context_lens [B] int32: row b attends tokens [0, context_lens[b])
- *   out          [B, H, D] contiguous
+ *   out          [B, H, D] fp32 contiguous
  * GQA without expanding heads: query head h reads KV head h / G (G = H / KVH), and the G query heads
  * of one KV head share each K row and V row loaded.
  *
- * Work item = (row, partition): a long context is split into partitions of PART_TOKENS tokens (rounded
- * to whole blocks), combined at the end in partition order. Per block, every head's scores (one pass
- * over the block's K), an online-softmax update (rescale each head's running sum and accumulator
- * once), then one pass over its V. Measured (scripts/bench_paged_attention.py): reading a whole block
- * for all heads, with the pool head-major ([blocks, KVH, block_size, D] physically) so each block is
- * one contiguous region per KV head, streams best; one item per (row, KV head) was 1.3-1.5x slower.
- * The partitioning depends only on the context length and each item is one thread's work, so results
- * do not depend on the thread count.
+ * Element types (KVPool.dtype): KV_FP32; KV_FP16 (IEEE half, F16C's vcvtph2ps); KV_BF16 (the top 16 bits of
+ * an fp32: a shift); KV_INT8 (q8_0-like: each token's D values of one head are q * d, q in [-127, 127] and
+ * one fp32 scale d = max |x| / 127 per (block, token, head), stored in k_scale / v_scale at the element
+ * offset of the head's row divided by D). A new token is converted once, when written (store_row: round to
+ * nearest even; kv_cache.py does the same in torch, bit for bit). int8 applies its scales outside the dot
+ * products: score_j = d_j (q . k_j), and the weights p_j d_j multiply the quantized V rows.
  *
- * Built by paged_attention.py with -O3 -mavx2 -mfma -fopenmp; OpenMP resolves to the libgomp that
- * torch already loaded. Needs D % 8 == 0, D <= DMAX, block_size <= BSMAX (checked by the caller).
+ * Work item = (row, partition): a long context is split into partitions of PART_TOKENS tokens (rounded
+ * to whole blocks), combined at the end in partition order (split-K / flash-decoding: one row's long context
+ * is several threads' work). Per block, every head's scores (one pass over the block's K), an online-softmax
+ * update (rescale each head's running sum and accumulator once), then one pass over its V. Measured
+ * (scripts/bench_paged_attention.py): reading a whole block for all heads, with the pool head-major
+ * ([blocks, KVH, block_size, D] physically) so each block is one contiguous region per KV head, streams best;
+ * one item per (row, KV head) was 1.3-1.5x slower. The partitioning depends only on the context length and
+ * each item is one thread's work, so results do not depend on the thread count.
+ *
+ * Built by paged_attention.py with -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp; OpenMP resolves to the
+ * libgomp that torch already loaded. Needs D % 8 == 0, D <= DMAX, block_size <= BSMAX (checked by the caller).
  * Returns 0, or -1 when the partition workspace cannot be allocated.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -43,34 +55,91 @@
 
 #include "simd.h"
 
-/* s[g * SSTRIDE + j] = qs_g . k_j for GC query heads and TP tokens j0.. j0 + TP - 1 (each sum over d in
- * order, so a score does not depend on TP). qs: [GC, D] scaled queries; k_j at kb + j * ts. */
-INLINE void scores_tile(const float *qs, int D, const float *kb, long ts, int j0, float *s, const int GC,
-                        const int TP) {
+enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3 };
+
+/* One layer's K and V pools as the kernel reads them (paged_attention.py and decode_step.c build it). */
+typedef struct {
+    void *k, *v;                                  /* elements of dtype, [num_blocks, block_size, KVH, D] logically */
+    float *k_scale, *v_scale;                     /* KV_INT8: a scale per (block, token, head); else NULL */
+    long block_stride, token_stride, head_stride; /* elements; multiples of D (a row's scale is at its offset / D) */
+    int dtype, block_size, kv_heads, head_dim;
+} KVPool;
+
+INLINE long kv_elem_bytes(int dt) { return dt == KV_FP32 ? 4 : dt == KV_INT8 ? 1 : 2; }
+
+/* Elements [i, i + 8) of an array of dtype DT as fp32 (int8: the quantized values, unscaled). */
+INLINE __m256 load8(const void *p, long i, const int DT) {
+    if (DT == KV_FP32) return _mm256_loadu_ps((const float *)p + i);
+    if (DT == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (DT == KV_FP16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bf16: the high half */
+}
+
+/* fp32 -> bf16, round to nearest even (torch's conversion; a NaN stays a quiet NaN). */
+INLINE uint16_t bf16_of(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One head's row x [D] into the pool at element offset off (its scale, int8, at off / D). */
+static void store_row(const float *x, void *base, float *scales, long off, int D, int dt) {
+    if (dt == KV_FP32) {
+        memcpy((float *)base + off, x, sizeof(float) * (size_t)D);
+    } else if (dt == KV_FP16) {
+        uint16_t *y = (uint16_t *)base + off;
+        for (int d = 0; d < D; d += 8)
+            _mm_storeu_si128((__m128i *)(y + d),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else if (dt == KV_BF16) {
+        uint16_t *y = (uint16_t *)base + off;
+        for (int d = 0; d < D; d++) y[d] = bf16_of(x[d]);
+    } else { /* q8_0's rule: d = max |x| / 127, q = round(x / d) as x * (1 / d), half to even */
+        int8_t *y = (int8_t *)base + off;
+        float amax = 0.0f;
+        for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+        for (int d = 0; d < D; d++) {
+            float r = nearbyintf(x[d] * inv);
+            y[d] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
+        scales[off / D] = scale;
+    }
+}
+
+/* s[g * SSTRIDE + j] = qs_g . k_j (times k_j's scale, int8) for GC query heads and TP tokens j0.. j0 + TP - 1
+ * (each sum over d in order, so a score does not depend on TP). qs: [GC, D] scaled queries; k_j at kb + j * ts
+ * (elements), its scale at ks[j * sts]. */
+INLINE void scores_tile(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int j0, float *s,
+                        const int GC, const int TP, const int DT) {
     __m256 a[GMAX][4];
     for (int g = 0; g < GC; g++)
         for (int t = 0; t < TP; t++) a[g][t] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         for (int t = 0; t < TP; t++) {
-            __m256 kv = _mm256_loadu_ps(kb + (long)(j0 + t) * ts + d);
+            __m256 kv = load8(kb, (long)(j0 + t) * ts + d, DT);
             for (int g = 0; g < GC; g++) a[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + d), kv, a[g][t]);
         }
     }
     for (int g = 0; g < GC; g++)
-        for (int t = 0; t < TP; t++) s[g * SSTRIDE + j0 + t] = hsum256(a[g][t]);
+        for (int t = 0; t < TP; t++) {
+            float dot = hsum256(a[g][t]);
+            s[g * SSTRIDE + j0 + t] = DT == KV_INT8 ? dot * ks[(long)(j0 + t) * sts] : dot;
+        }
 }
 
-/* acc[g, d0 .. d0 + 8 DC) = acc * corr[g] + sum_j p[g, j] v_j (j in order). */
-INLINE void values_tile(float *acc, const float *corr, const float *p, int n, const float *vb, long ts, int D,
-                        int d0, const int GC, const int DC) {
+/* acc[g, d0 .. d0 + 8 DC) = acc * corr[g] + sum_j p[g, j] v_j (j in order; int8: p already times v_j's scale). */
+INLINE void values_tile(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D, int d0,
+                        const int GC, const int DC, const int DT) {
     __m256 o[GMAX][8];
     for (int g = 0; g < GC; g++)
         for (int c = 0; c < DC; c++)
             o[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + d0 + 8 * c), _mm256_set1_ps(corr[g]));
     for (int j = 0; j < n; j++) {
-        const float *vj = vb + (long)j * ts + d0;
         for (int c = 0; c < DC; c++) {
-            __m256 vv = _mm256_loadu_ps(vj + 8 * c);
+            __m256 vv = load8(vb, (long)j * ts + d0 + 8 * c, DT);
             for (int g = 0; g < GC; g++) o[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * SSTRIDE + j]), vv, o[g][c]);
         }
     }
@@ -79,22 +148,25 @@ INLINE void values_tile(float *acc, const float *corr, const float *p, int n, co
 }
 
 /* Scores of one block (n tokens) for GC query heads sharing one KV head. */
-INLINE void block_scores(const float *qs, int D, const float *kb, long ts, int n, float *s, const int GC) {
+INLINE void block_scores(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int n, float *s,
+                         const int GC, const int DT) {
     const int TP = GC <= 3 ? 4 : GC == 4 ? 2 : 1; /* GC x TP accumulators fit the 16 AVX registers */
     int j = 0;
-    for (; j + TP <= n; j += TP) scores_tile(qs, D, kb, ts, j, s, GC, TP);
-    for (; j < n; j++) scores_tile(qs, D, kb, ts, j, s, GC, 1);
+    for (; j + TP <= n; j += TP) scores_tile(qs, D, kb, ts, ks, sts, j, s, GC, TP, DT);
+    for (; j < n; j++) scores_tile(qs, D, kb, ts, ks, sts, j, s, GC, 1, DT);
 }
 
 /* acc = acc * corr + p V over one block (n tokens) for GC query heads sharing one KV head. */
-INLINE void block_values(float *acc, const float *corr, const float *p, int n, const float *vb, long ts, int D,
-                         const int GC) {
+INLINE void block_values(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D,
+                         const int GC, const int DT) {
     const int DC = GC == 1 ? 8 : GC <= 3 ? 4 : GC == 4 ? 2 : 1; /* GC x DC accumulators in registers */
     int d = 0;
-    for (; d + 8 * DC <= D; d += 8 * DC) values_tile(acc, corr, p, n, vb, ts, D, d, GC, DC);
-    for (; d < D; d += 8) values_tile(acc, corr, p, n, vb, ts, D, d, GC, 1);
+    for (; d + 8 * DC <= D; d += 8 * DC) values_tile(acc, corr, p, n, vb, ts, D, d, GC, DC, DT);
+    for (; d < D; d += 8) values_tile(acc, corr, p, n, vb, ts, D, d, GC, 1, DT);
 }
 
+/* Instantiate call(GC) for the runtime gc (1..8) and, around it, DT_ for the runtime dt: every (GC, dtype)
+ * pair gets its own unrolled register tiles. */
 #define DISPATCH_GC(call)                                                                                         \
     switch (gc) {                                                                                                \
     case 1: call(1); break;                                                                                      \
@@ -107,23 +179,33 @@ INLINE void block_values(float *acc, const float *corr, const float *p, int n, c
     default: call(8); break;                                                                                     \
     }
 
-static void scores_gc(const float *qs, int D, const float *kb, long ts, int n, float *s, int gc) {
-#define CALL(N) block_scores(qs, D, kb, ts, n, s, N)
-    DISPATCH_GC(CALL)
+#define DISPATCH_DT(body)                                                                                         \
+    switch (dt) {                                                                                                \
+    case KV_FP16: { enum { DT_ = KV_FP16 }; body; } break;                                                       \
+    case KV_BF16: { enum { DT_ = KV_BF16 }; body; } break;                                                       \
+    case KV_INT8: { enum { DT_ = KV_INT8 }; body; } break;                                                       \
+    default: { enum { DT_ = KV_FP32 }; body; } break;                                                            \
+    }
+
+static void scores_gc(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int n, float *s,
+                      int gc, int dt) {
+#define CALL(N) block_scores(qs, D, kb, ts, ks, sts, n, s, N, DT_)
+    DISPATCH_DT(DISPATCH_GC(CALL))
 #undef CALL
 }
 
-static void values_gc(float *acc, const float *corr, const float *p, int n, const float *vb, long ts, int D, int gc) {
-#define CALL(N) block_values(acc, corr, p, n, vb, ts, D, N)
-    DISPATCH_GC(CALL)
+static void values_gc(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D, int gc,
+                      int dt) {
+#define CALL(N) block_values(acc, corr, p, n, vb, ts, D, N, DT_)
+    DISPATCH_DT(DISPATCH_GC(CALL))
 #undef CALL
 }
 
 /* The hardware prefetcher streams within a 4 KB page once a few lines miss in it; blocks are scattered,
  * so start each page of a block we are about to read (its first two lines) ourselves. */
-INLINE void prefetch_pages(const float *start, long floats) {
+INLINE void prefetch_pages(const void *start, long bytes) {
     const char *p = (const char *)start;
-    for (long off = 0; off < floats * 4; off += 4096) {
+    for (long off = 0; off < bytes; off += 4096) {
         _mm_prefetch(p + off, _MM_HINT_T0);
         _mm_prefetch(p + off + 64, _MM_HINT_T0);
     }
@@ -134,28 +216,50 @@ typedef struct {
     float *qs, *acc, *s, *m, *l, *corr;
 } Scratch;
 
-/* Tokens [t0, t1) of one row (t0 on a block boundary), every head: acc [H, D] unnormalized, m [H] running
- * max, l [H] running sum of exp(s - m). Per block: the scores of all heads (one pass over the block's K,
- * which is one contiguous region in the pool), the online-softmax update, then one pass over its V. */
-static void attend_row(const Scratch *w, const float *k_pool, const float *v_pool, long bstride, long ts, long hs,
-                       const int *table, int block_size, int t0, int t1, int H, int KVH, int D) {
-    const int G = H / KVH;
-    for (int h = 0; h < H; h++) {
+/* Where one KV head's rows of one block start (elements of the pool's dtype), and their scales (int8). */
+typedef struct {
+    const void *k, *v;
+    const float *ks, *vs;
+} BlockHead;
+
+static BlockHead block_head(const KVPool *p, long block, int kvh) {
+    const long off = block * p->block_stride + kvh * p->head_stride, eb = kv_elem_bytes(p->dtype);
+    BlockHead r = {(const char *)p->k + off * eb, (const char *)p->v + off * eb, 0, 0};
+    if (p->dtype == KV_INT8) {
+        r.ks = p->k_scale + off / p->head_dim;
+        r.vs = p->v_scale + off / p->head_dim;
+    }
+    return r;
+}
+
+/* Tokens [t0, t1) of one row (t0 on a block boundary), the G query heads of each KV head in [kvh0, kvh1) (the
+ * Scratch's heads 0 .. (kvh1 - kvh0) G): acc unnormalized, m running max, l running sum of exp(s - m). Per block:
+ * the scores of all heads (one pass over the block's K, one contiguous region per KV head when head-major), the
+ * online-softmax update, then one pass over its V. */
+static void attend_row(const Scratch *w, const KVPool *p, const int *table, int t0, int t1, int kvh0, int kvh1,
+                       int G) {
+    const int D = p->head_dim, bs = p->block_size, nh = (kvh1 - kvh0) * G, dt = p->dtype;
+    const long ts = p->token_stride, sts = ts / D, eb = kv_elem_bytes(dt);
+    for (int h = 0; h < nh; h++) {
         w->m[h] = -INFINITY;
         w->l[h] = 0.0f;
     }
-    for (long i = 0; i < (long)H * D; i++) w->acc[i] = 0.0f;
-    for (int t = t0; t < t1; t += block_size) {
-        int n = t1 - t < block_size ? t1 - t : block_size;
-        long block = table[t / block_size];
-        prefetch_pages(v_pool + block * bstride, (long)n * KVH * D);
-        if (t + block_size < t1) prefetch_pages(k_pool + table[t / block_size + 1] * bstride, (long)block_size * KVH * D);
-        for (int kvh = 0; kvh < KVH; kvh++)
+    for (long i = 0; i < (long)nh * D; i++) w->acc[i] = 0.0f;
+    for (int t = t0; t < t1; t += bs) {
+        const int n = t1 - t < bs ? t1 - t : bs;
+        const long block = table[t / bs];
+        for (int kvh = kvh0; kvh < kvh1; kvh++) {
+            prefetch_pages(block_head(p, block, kvh).v, (long)n * D * eb);
+            if (t + bs < t1) prefetch_pages(block_head(p, table[t / bs + 1], kvh).k, (long)bs * D * eb);
+        }
+        for (int kvh = kvh0; kvh < kvh1; kvh++) {
+            const BlockHead bh = block_head(p, block, kvh);
             for (int g0 = 0; g0 < G; g0 += GMAX) {
-                int h0 = kvh * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
-                scores_gc(w->qs + (long)h0 * D, D, k_pool + block * bstride + kvh * hs, ts, n, w->s + (long)h0 * SSTRIDE, gc);
+                const int h0 = (kvh - kvh0) * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
+                scores_gc(w->qs + (long)h0 * D, D, bh.k, ts, bh.ks, sts, n, w->s + (long)h0 * SSTRIDE, gc, dt);
             }
-        for (int h = 0; h < H; h++) {
+        }
+        for (int h = 0; h < nh; h++) {
             float *sh = w->s + (long)h * SSTRIDE, mx = w->m[h];
             int j;
             for (j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
@@ -167,13 +271,18 @@ static void attend_row(const Scratch *w, const float *k_pool, const float *v_poo
             float sum = 0.0f;
             for (j = 0; j < n; j++) sum += sh[j];
             w->l[h] = w->l[h] * w->corr[h] + sum;
-        }
-        for (int kvh = 0; kvh < KVH; kvh++)
-            for (int g0 = 0; g0 < G; g0 += GMAX) {
-                int h0 = kvh * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
-                values_gc(w->acc + (long)h0 * D, w->corr + h0, w->s + (long)h0 * SSTRIDE, n,
-                          v_pool + block * bstride + kvh * hs, ts, D, gc);
+            if (dt == KV_INT8) { /* V's scales fold into the weights (l keeps the unscaled sum) */
+                const float *vs = block_head(p, block, kvh0 + h / G).vs;
+                for (j = 0; j < n; j++) sh[j] *= vs[(long)j * sts];
             }
+        }
+        for (int kvh = kvh0; kvh < kvh1; kvh++) {
+            const BlockHead bh = block_head(p, block, kvh);
+            for (int g0 = 0; g0 < G; g0 += GMAX) {
+                const int h0 = (kvh - kvh0) * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
+                values_gc(w->acc + (long)h0 * D, w->corr + h0, w->s + (long)h0 * SSTRIDE, n, bh.v, ts, D, gc, dt);
+            }
+        }
     }
 }
 
@@ -214,9 +323,10 @@ static void combine_head(const float *ws_acc, const float *ws_m, const float *ws
         for (int d = 0; d < D; d++) o[d] /= sum;
 }
 
-/* Partitions of PART_TOKENS tokens (whole blocks) per context, and the most any row of this batch needs. */
-static int part_tokens_for(int block_size) {
-    const int part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
+/* Tokens per partition: ``want`` (<= 0: PART_TOKENS) rounded up to whole blocks. */
+static int part_tokens_for(int block_size, int want) {
+    if (want <= 0) want = PART_TOKENS;
+    const int part_blocks = (want + block_size - 1) / block_size;
     return part_blocks * block_size;
 }
 
@@ -239,11 +349,12 @@ static Scratch scratch_at(float *base, int H, int D) {
     return w;
 }
 
-int paged_attention(const float *q, long q_row_stride, const float *k_pool, const float *v_pool, long block_stride,
-                    long token_stride, long head_stride, const int *block_tables, int table_stride,
-                    const int *context_lens, float *out, int B, int H, int KVH, int D, int block_size, float scale,
-                    int nthreads) {
-    const int part_tokens = part_tokens_for(block_size);
+/* part_tokens: tokens per partition (0: PART_TOKENS; rounded up to whole blocks), so a test can compare a split
+ * context with the same context in one partition. */
+int paged_attention(const float *q, long q_row_stride, const KVPool *pool, const int *block_tables, int table_stride,
+                    const int *context_lens, float *out, int B, int H, float scale, int part_tokens, int nthreads) {
+    const int D = pool->head_dim, KVH = pool->kv_heads;
+    part_tokens = part_tokens_for(pool->block_size, part_tokens);
     const int max_parts = max_parts_of(context_lens, B, part_tokens);
     if (nthreads < 1) nthreads = 1;
     /* Partial results of every partition when a context spans several: acc [B, P, H, D], m, l [B, P, H];
@@ -268,8 +379,7 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
             int t1 = t0 + part_tokens < ctx ? t0 + part_tokens : ctx;
             const float *qrow = q + b * q_row_stride;
             for (long i = 0; i < (long)H * D; i++) w.qs[i] = qrow[i] * scale;
-            attend_row(&w, k_pool, v_pool, block_stride, token_stride, head_stride,
-                       block_tables + (long)b * table_stride, block_size, t0, t1, H, KVH, D);
+            attend_row(&w, pool, block_tables + (long)b * table_stride, t0, t1, 0, KVH, H / KVH);
             if (max_parts == 1) finish_heads(&w, H, D, out + (long)b * H * D);
             else save_partial(&w, H, D, ws_acc + it * H * D, ws_m + it * H, ws_l + it * H);
         }
@@ -287,8 +397,9 @@ int paged_attention(const float *q, long q_row_stride, const float *k_pool, cons
 }
 
 /* One decode step's attention for one layer in one call: RoPE on the new q and k, k and v written into
- * their KV slots, then paged_attention over every row's blocks (the new token included). Replaces the
- * per-layer torch ops of the lean decode path (rotate, two index_put writes, slicing, the attention call).
+ * their KV slots (converted to the pool's dtype), then paged_attention over every row's blocks (the new token
+ * included). Replaces the per-layer torch ops of the lean decode path (rotate, two index_put writes, slicing,
+ * the attention call).
  *
  *   qkv          [B, ldqkv] rows of the fused QKV linear: q [H, D] at 0, k [KVH, D] at H D, v at (H + KVH) D
  *   cos, sin     [max_len, D] RoPE tables (row p for position p), or NULL for no rotation (GPT-2)
@@ -318,28 +429,48 @@ static void rope_queries(const float *row, const float *c, const float *s, float
     }
 }
 
-/* One qkv row's new k (rotated when c is not NULL) and v of KV heads [h0, h1) into their slot of the pools. */
-static void write_kv(const float *row, const float *c, const float *s, float *kslot, float *vslot, long head_stride,
-                     int H, int KVH, int D, int h0, int h1) {
+/* One qkv row's new k (rotated when c is not NULL) and v of KV heads [h0, h1) into their slot (element offset
+ * slot: block * block_stride + offset * token_stride) of the pools, in the pool's dtype. */
+static void write_kv(const float *row, const float *c, const float *s, const KVPool *p, long slot, int H, int h0,
+                     int h1) {
+    const int KVH = p->kv_heads, D = p->head_dim;
+    float rotated[DMAX];
     for (int h = h0; h < h1; h++) {
         const float *k = row + (long)(H + h) * D, *v = row + (long)(H + KVH + h) * D;
-        if (c) rope_row(k, kslot + h * head_stride, c, s, D);
-        else for (int d = 0; d < D; d++) kslot[h * head_stride + d] = k[d];
-        for (int d = 0; d < D; d++) vslot[h * head_stride + d] = v[d];
+        const long off = slot + h * p->head_stride;
+        if (c) rope_row(k, rotated, c, s, D);
+        store_row(c ? rotated : k, p->k, p->k_scale, off, D, p->dtype);
+        store_row(v, p->v, p->v_scale, off, D, p->dtype);
     }
 }
 
 int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, const long *pos,
-                      float *k_pool, float *v_pool, long block_stride, long token_stride, long head_stride,
-                      const long *slot_blocks, const long *slot_offsets, const int *block_tables, int table_stride,
-                      const int *context_lens, float *q_buf, float *out, int B, int H, int KVH, int D,
-                      int block_size, float scale, int nthreads) {
+                      const KVPool *pool, const long *slot_blocks, const long *slot_offsets, const int *block_tables,
+                      int table_stride, const int *context_lens, float *q_buf, float *out, int B, int H, float scale,
+                      int nthreads) {
+    const int D = pool->head_dim;
     for (int b = 0; b < B; b++) {
         const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * D : 0, *s = sin ? sin + pos[b] * D : 0;
-        long slot = slot_blocks[b] * block_stride + slot_offsets[b] * token_stride;
+        long slot = slot_blocks[b] * pool->block_stride + slot_offsets[b] * pool->token_stride;
         rope_queries(row, c, s, q_buf + (long)b * H * D, D, 0, H);
-        write_kv(row, c, s, k_pool + slot, v_pool + slot, head_stride, H, KVH, D, 0, KVH);
+        write_kv(row, c, s, pool, slot, H, 0, pool->kv_heads);
     }
-    return paged_attention(q_buf, (long)H * D, k_pool, v_pool, block_stride, token_stride, head_stride, block_tables,
-                           table_stride, context_lens, out, B, H, KVH, D, block_size, scale, nthreads);
+    return paged_attention(q_buf, (long)H * D, pool, block_tables, table_stride, context_lens, out, B, H, scale, 0,
+                           nthreads);
+}
+
+/* N tokens' k and v [N, KVH, D] fp32 (rows k + n * ldk, v + n * ldv) into slots (slot_blocks, slot_offsets) of the
+ * pools, converted to the pool's dtype: what rope_write_attend writes, for callers that write without attending
+ * (kv_cache.py's CPU writes; the same bits as its torch conversion). */
+void kv_store(const KVPool *pool, const long *slot_blocks, const long *slot_offsets, const float *k, long ldk,
+              const float *v, long ldv, int N) {
+    const int KVH = pool->kv_heads, D = pool->head_dim;
+    for (int n = 0; n < N; n++) {
+        const long slot = slot_blocks[n] * pool->block_stride + slot_offsets[n] * pool->token_stride;
+        for (int h = 0; h < KVH; h++) {
+            const long off = slot + h * pool->head_stride;
+            store_row(k + n * ldk + (long)h * D, pool->k, pool->k_scale, off, D, pool->dtype);
+            store_row(v + n * ldv + (long)h * D, pool->v, pool->v_scale, off, D, pool->dtype);
+        }
+    }
 }

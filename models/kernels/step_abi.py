@@ -46,14 +46,14 @@ class Layer(ctypes.Structure):
     _fields_ = [
         *(("norm1_w", _P), ("norm1_b", _P), ("norm2_w", _P), ("norm2_b", _P)),
         *(("qkv", Lin), ("o", Lin), ("up", Lin), ("down", Lin)),
-        *(("k_pool", _P), ("v_pool", _P), ("scale", _F)),
+        *(("k_pool", _P), ("v_pool", _P), ("k_scale", _P), ("v_scale", _P), ("scale", _F)),
     ]
 
 
 class Model(ctypes.Structure):
     _fields_ = [
         *(("gelu", _I), ("n_layer", _I), ("C", _I), ("H", _I), ("KVH", _I), ("D", _I), ("block_size", _I)),
-        *(("block_stride", _L), ("token_stride", _L), ("head_stride", _L), ("eps", _F)),
+        *(("block_stride", _L), ("token_stride", _L), ("head_stride", _L), ("kv_dtype", _I), ("eps", _F)),
         *(("cos", _P), ("sin", _P), ("normf_w", _P), ("normf_b", _P), ("lm_head", Lin), ("layers", _P)),
         *(("embed", _P), ("embed_fmt", _I), ("pos_embed", _P)),
     ]
@@ -189,13 +189,16 @@ def spec_from_json(d: dict) -> ModelSpec:
 
 @dataclass(frozen=True)
 class PoolGeometry:
-    """The KV pools' layout, every layer's the same: [num_blocks, block_size, KVH, D] with these strides (floats;
-    D has unit stride). ``PagedKVCache.pools``: head-major blocks, so head_stride = block_size * D."""
+    """The KV pools' layout, every layer's the same: [num_blocks, block_size, KVH, D] with these strides (elements;
+    D has unit stride) of elements ``dtype`` (``models/kv_dtype.CODES``: 0 fp32 .. 3 int8, whose scales
+    [num_blocks, block_size, KVH] have the strides divided by D). ``PagedKVCache.pools``: head-major blocks, so
+    head_stride = block_size * D."""
 
     block_size: int
     block_stride: int
     token_stride: int
     head_stride: int
+    dtype: int = 0
 
 
 def _lin(x: LinSpec) -> Lin:
@@ -203,25 +206,26 @@ def _lin(x: LinSpec) -> Lin:
 
 
 class Structs:
-    """A spec whose handles are addresses (ints) and each layer's (k_pool, v_pool) addresses -> the kernel's
-    ``Model`` (``ref`` for the call) and the ``Layer`` array it points at. The addressed memory must outlive this."""
+    """A spec whose handles are addresses (ints) and each layer's (k_pool, v_pool, k_scale, v_scale) addresses (the
+    scales None but for an int8 pool) -> the kernel's ``Model`` (``ref`` for the call) and the ``Layer`` array it
+    points at. The addressed memory must outlive this."""
 
-    def __init__(self, spec: ModelSpec, pools: list[tuple[int, int]], geometry: PoolGeometry) -> None:
+    def __init__(self, spec: ModelSpec, pools: list[tuple], geometry: PoolGeometry) -> None:
         if len(pools) != len(spec.layers):
             raise ValueError(f"{len(pools)} KV pools for {len(spec.layers)} layers")
         layers = [
             Layer(
                 *(x.norm1_w, x.norm1_b, x.norm2_w, x.norm2_b),
                 *(_lin(getattr(x, k)) for k in _LAYER_LINEARS),
-                *(k_pool, v_pool, x.scale),
+                *(k_pool, v_pool, k_scale, v_scale, x.scale),
             )
-            for x, (k_pool, v_pool) in zip(spec.layers, pools)
+            for x, (k_pool, v_pool, k_scale, v_scale) in zip(spec.layers, pools)
         ]
         self.layers = (Layer * len(layers))(*layers)
         g = geometry
         self.model = Model(
             *(int(spec.gelu), len(layers), spec.C, spec.H, spec.KVH, spec.D, g.block_size),
-            *(g.block_stride, g.token_stride, g.head_stride, spec.eps),
+            *(g.block_stride, g.token_stride, g.head_stride, g.dtype, spec.eps),
             *(spec.cos, spec.sin, spec.normf_w, spec.normf_b, _lin(spec.lm_head)),
             ctypes.cast(self.layers, _P),
             *(spec.embed, spec.embed_fmt, spec.pos_embed),
