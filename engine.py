@@ -1115,6 +1115,8 @@ class HFEngine(ModelEngine):
         torch.set_num_threads(engine_threads(config))
         set_kernel_isa(config.kernel_isa)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            _check_kv_dtype(config)
         self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
         supported = families()
@@ -1125,8 +1127,6 @@ class HFEngine(ModelEngine):
             )
         family = supported[hf_config.model_type]
         stops = eos_ids(hf_model, self.tokenizer)
-        if self.device.type == "cpu":
-            _check_kv_dtype(config)
         bytes_per_token = family.kv_bytes_per_token(hf_config, config.kv_cache_dtype)
         num_blocks = self._init_batching(config, family.context_window(hf_config), stops, bytes_per_token)
         max_context, block_size = self.max_context, self.blocks.block_size
@@ -1206,10 +1206,10 @@ class NativeEngine(ModelEngine):
         from models.native import NativeModel
         from text_tokenizer import TextTokenizer
 
+        _check_kv_dtype(config)
         image_dir = image_dir or ensure_image(config.model_id, config.weights)
         try:
             meta = check_image(image_dir)
-            _check_kv_dtype(config)
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
             kv = meta["kv"]
             bytes_per_token = bytes_per_kv_token(config.kv_cache_dtype, kv["n_layer"], kv["n_kv_head"], kv["head_dim"])

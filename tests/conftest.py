@@ -289,11 +289,12 @@ def pressure_model(request, tmp_path_factory) -> str:
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
 
 
-def pool_mb(model_dir: str, blocks: int, block_size: int) -> float:
-    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint."""
+def pool_mb(model_dir: str, blocks: int, block_size: int, kv_dtype: str = "fp32") -> float:
+    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint (a pool of
+    ``kv_dtype`` elements)."""
     import transformers
 
     from models import families
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    return families()[cfg.model_type].kv_bytes_per_token(cfg) * block_size * blocks / 2**20
+    return families()[cfg.model_type].kv_bytes_per_token(cfg, kv_dtype) * block_size * blocks / 2**20
