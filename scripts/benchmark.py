@@ -9,7 +9,10 @@
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
-prefill, against ours:fork=off). See scripts/bench/workloads.py.
+prefill, against ours:fork=off); long (8 x 1500-token prompts + 128 new), ctx4k and ctx8k (one user at that
+context: TTFT of the long prompt, inter-token latency there), scale-8k (the scale requests at 32 x 8192 tokens
+under KV_CACHE_MB=512) for the KV dtypes (issue 29, ``ours:kvd=int8`` ...; docs/kv-cache.md).
+See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
@@ -54,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
+from bench.kv_quality import kv_quality_workload  # noqa: E402
 from bench.quality import quality_workload  # noqa: E402
 from bench.report import plot, report, summarize, write_json  # noqa: E402
 from bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline  # noqa: E402
@@ -70,6 +74,7 @@ from bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workload  # noq
 
 SYSTEMS = ("static_hf", "hf_cb", "ours")  # the default set
 QUICK_CAPACITIES = {"sweep": 2, "memory": 1}  # how many of a capacity workload's capacities --quick runs
+NOT_SERVING = ("quality", "kv-quality")  # workloads that score the model (bench/quality.py, bench/kv_quality.py)
 
 
 # --- worker and driver ---------------------------------------------------------------------------
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workload",
         default="seed",
-        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, "quality"]),
+        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, *NOT_SERVING]),
     )
     p.add_argument(
         "--systems",
@@ -376,10 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", machine)
     workloads = [w for w in args.workload.split(",") if w]
     for w in workloads:
-        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, "quality"):
+        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, *NOT_SERVING):
             raise SystemExit(f"unknown workload {w!r}")
     quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
-    workloads = [w for w in workloads if w != "quality"]
+    kv_quality = kv_quality_workload(workloads, args.gguf or model_dir, ROOT, args.quick)  # bench/kv_quality.py
+    workloads = [w for w in workloads if w not in NOT_SERVING]
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         parse_system(s)
@@ -414,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         header = {"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats, "quick": args.quick}
         header.update({"quality": quality} if quality else {})
+        header.update({"kv_quality": kv_quality} if kv_quality else {})
         write_json(args.json, results, **header)
         print(f"\nwrote {args.json}")
     if args.plot:

@@ -109,9 +109,23 @@ static void store_row(const float *x, void *base, float *scales, long off, int D
     }
 }
 
+/* The lane sums of four accumulators at once, each reduced by the same tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
+ * (l6 + l7)) (hsum1 below gives one accumulator's by the same tree: a score does not depend on how many tokens
+ * were reduced together). */
+INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d)); /* [a0123 b0123 c0123 d0123 | a4567 ..] */
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+INLINE float hsum1(__m256 a) {
+    __m256 x = _mm256_hadd_ps(a, a);
+    x = _mm256_hadd_ps(x, x);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+}
+
 /* s[g * SSTRIDE + j] = qs_g . k_j (times k_j's scale, int8) for GC query heads and TP tokens j0.. j0 + TP - 1
- * (each sum over d in order, so a score does not depend on TP). qs: [GC, D] scaled queries; k_j at kb + j * ts
- * (elements), its scale at ks[j * sts]. */
+ * (each sum over d in order, lanes reduced by one tree: a score does not depend on TP). qs: [GC, D] scaled queries;
+ * k_j at kb + j * ts (elements), its scale at ks[j * sts]. */
 INLINE void scores_tile(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int j0, float *s,
                         const int GC, const int TP, const int DT) {
     __m256 a[GMAX][4];
@@ -123,11 +137,21 @@ INLINE void scores_tile(const float *qs, int D, const void *kb, long ts, const f
             for (int g = 0; g < GC; g++) a[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + d), kv, a[g][t]);
         }
     }
-    for (int g = 0; g < GC; g++)
-        for (int t = 0; t < TP; t++) {
-            float dot = hsum256(a[g][t]);
-            s[g * SSTRIDE + j0 + t] = DT == KV_INT8 ? dot * ks[(long)(j0 + t) * sts] : dot;
+    for (int g = 0; g < GC; g++) {
+        float *sg = s + g * SSTRIDE + j0;
+        if (TP == 4) {
+            __m128 dots = hsum4(a[g][0], a[g][1], a[g][2], a[g][3]);
+            if (DT == KV_INT8)
+                dots = _mm_mul_ps(dots, _mm_setr_ps(ks[(long)j0 * sts], ks[(long)(j0 + 1) * sts],
+                                                    ks[(long)(j0 + 2) * sts], ks[(long)(j0 + 3) * sts]));
+            _mm_storeu_ps(sg, dots);
+        } else {
+            for (int t = 0; t < TP; t++) {
+                float dot = hsum1(a[g][t]);
+                sg[t] = DT == KV_INT8 ? dot * ks[(long)(j0 + t) * sts] : dot;
+            }
         }
+    }
 }
 
 /* acc[g, d0 .. d0 + 8 DC) = acc * corr[g] + sum_j p[g, j] v_j (j in order; int8: p already times v_j's scale). */
@@ -232,6 +256,35 @@ static BlockHead block_head(const KVPool *p, long block, int kvh) {
     return r;
 }
 
+/* Head h's scores of one block (n tokens) -> their weights exp(s - m) in place, with the running max m, the
+ * rescale corr of what came before and the running sum l updated (lanes of 8 for the max, the exponentials and
+ * their sum; the max is exact in any order, the sum is the 8 lane sums reduced by hsum1's tree, then the tail). */
+static void online_softmax(const Scratch *w, int h, int n) {
+    float *sh = w->s + (long)h * SSTRIDE;
+    __m256 vm = _mm256_set1_ps(w->m[h]);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sh + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    for (; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+    w->corr[h] = expf(w->m[h] - mx); /* 0 on the first block (m = -inf) */
+    w->m[h] = mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), vmx));
+        _mm256_storeu_ps(sh + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum1(vsum);
+    for (; j < n; j++) {
+        sh[j] = expf(sh[j] - mx);
+        sum += sh[j];
+    }
+    w->l[h] = w->l[h] * w->corr[h] + sum;
+}
+
 /* Tokens [t0, t1) of one row (t0 on a block boundary), the G query heads of each KV head in [kvh0, kvh1) (the
  * Scratch's heads 0 .. (kvh1 - kvh0) G): acc unnormalized, m running max, l running sum of exp(s - m). Per block:
  * the scores of all heads (one pass over the block's K, one contiguous region per KV head when head-major), the
@@ -259,23 +312,16 @@ static void attend_row(const Scratch *w, const KVPool *p, const int *table, int 
                 scores_gc(w->qs + (long)h0 * D, D, bh.k, ts, bh.ks, sts, n, w->s + (long)h0 * SSTRIDE, gc, dt);
             }
         }
-        for (int h = 0; h < nh; h++) {
-            float *sh = w->s + (long)h * SSTRIDE, mx = w->m[h];
-            int j;
-            for (j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
-            w->corr[h] = expf(w->m[h] - mx); /* 0 on the first block (m = -inf) */
-            w->m[h] = mx;
-            __m256 vmx = _mm256_set1_ps(mx);
-            for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(sh + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), vmx)));
-            for (; j < n; j++) sh[j] = expf(sh[j] - mx);
-            float sum = 0.0f;
-            for (j = 0; j < n; j++) sum += sh[j];
-            w->l[h] = w->l[h] * w->corr[h] + sum;
-            if (dt == KV_INT8) { /* V's scales fold into the weights (l keeps the unscaled sum) */
+        for (int h = 0; h < nh; h++) online_softmax(w, h, n);
+        if (dt == KV_INT8) /* V's scales fold into the weights (l keeps the unscaled sum) */
+            for (int h = 0; h < nh; h++) {
+                float *sh = w->s + (long)h * SSTRIDE;
                 const float *vs = block_head(p, block, kvh0 + h / G).vs;
-                for (j = 0; j < n; j++) sh[j] *= vs[(long)j * sts];
+                if (sts == 1) /* head-major: a block's scales of one head are contiguous */
+                    for (int j = 0; j < n; j++) sh[j] *= vs[j];
+                else
+                    for (int j = 0; j < n; j++) sh[j] *= vs[(long)j * sts];
             }
-        }
         for (int kvh = kvh0; kvh < kvh1; kvh++) {
             const BlockHead bh = block_head(p, block, kvh);
             for (int g0 = 0; g0 < G; g0 += GMAX) {

@@ -229,6 +229,7 @@ OURS_OPTIONS = {
     "kv": "KV_CACHE_MB",
     "runtime": "RUNTIME",
     "isa": "KERNEL_ISA",
+    "kvd": "KV_CACHE_DTYPE",
 }
 
 
@@ -330,6 +331,8 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         "max_model_len": engine.max_context,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
         "kv_pool_mib": round(engine.kv_pool_bytes / 2**20, 1),
+        "kv_cache_dtype": getattr(engine, "kv_cache_dtype", "fp32"),
+        "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_block_size": engine.blocks.block_size,
         # the pre-pool design: every slot reserved MAX_MODEL_LEN tokens up front
@@ -338,13 +341,17 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     }
 
 
-def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: str = "off", repack: str = "auto"):
+def system_llamacpp(
+    model_dir: str, workload: Workload, gguf: str = "", cache: str = "off", repack: str = "auto", kvd: str = ""
+):
     """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
     same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
     ids of each chunk (``return_tokens``: token times, and the output a continued turn resends).
     ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default). ``repack``: its
     weight repacking (``on``, ``off`` = ``--no-repack``, ``auto``: on, and off again where the server dies
-    while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up)."""
+    while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up).
+    ``kvd``: its KV cache type for K and V (``-ctk`` / ``-ctv``: f16 by default, q8_0 ...; its flash attention,
+    on by default here, reads a quantized V)."""
     import httpx
     import torch
     from build_llamacpp import binary_path
@@ -373,6 +380,8 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         str(capacity * context),
         "--no-webui",
     ]
+    if kvd:
+        cmd += ["-ctk", kvd, "-ctv", kvd]
     log_path = os.path.join(ROOT, "weights", f"llamacpp-{port}.log")
     proc, log_file, repacked = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, repack)
 
@@ -413,6 +422,7 @@ def system_llamacpp(model_dir: str, workload: Workload, gguf: str = "", cache: s
         "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}"
         + ("" if repacked else ", --no-repack"),
         "capacity": capacity,
+        "kv_cache_type": kvd or "f16 (default)",
         "cache_prompt": cache == "on",
         "repack": repacked,
     }
@@ -558,7 +568,7 @@ def parse_system(name: str) -> tuple[str, dict]:
     allowed = {
         "ours": {"weights", "fork", *OURS_OPTIONS},
         "ours_server": {"weights", *OURS_OPTIONS},
-        "llamacpp": {"cache"},
+        "llamacpp": {"cache", "kvd"},
     }.get(base, set())
     kwargs = {}
     for part in parts:
@@ -570,7 +580,8 @@ def parse_system(name: str) -> tuple[str, dict]:
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
-            "ours:runtime=torch|native (RUNTIME), ours_server: as ours but fork; llamacpp:cache=on)"
+            "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours_server: as "
+            "ours but fork; llamacpp:cache=on, llamacpp:kvd=f16|q8_0 (-ctk / -ctv))"
         )
     return base, kwargs
 
