@@ -10,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import needs_avx512  # noqa: E402
+
 from models.kernels import build  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
 
@@ -245,3 +247,29 @@ def test_the_kernel_stores_what_torch_converts(kernel, dtype):
         assert kscale[0, 1] == 0 and torch.count_nonzero(kq[0, 1]) == 0
         err = (pa.dequantize(kq, kscale) - k).abs().amax(-1)
         assert torch.all(err <= kscale / 2 * (1 + 1e-6))  # q8_0's bound: half a step
+
+
+# Head shapes for the ISA comparison: GQA groups 1, 3, 4, 6, 8 and 9 (two passes of GMAX), head sizes with D % 16 == 8
+SHAPES = [(9, 3, 64, 32), (12, 12, 64, 16), (12, 3, 128, 5), (12, 2, 24, 16), (16, 2, 40, 7), (18, 2, 64, 32)]
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
+def test_avx512_gives_the_avx2_bits(kernel, kernel_isa, dtype):
+    """KERNEL_ISA=auto (AVX-512 here) and avx2 give the same bits for every dtype, head shape and ragged context
+    (tails of every tile size, partitions), at 1 and 3 threads; both match float64."""
+    lens = [1, 3, 4, 5, 8, 9, 17, 33, 100, 600]
+    before = torch.get_num_threads()
+    try:
+        for i, (H, KVH, D, bs) in enumerate(SHAPES):
+            case = make_case(lens, H, KVH, D, bs, True, seed=40 + i, dtype=dtype)
+            outs = []
+            for choice, threads in (("avx2", 1), ("auto", 1), ("auto", 3)):
+                kernel_isa(choice)
+                torch.set_num_threads(threads)
+                assert (build.kernel_isa() == "avx512") == (choice == "auto")
+                outs.append(attend(kernel, case, D**-0.5))
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (H, KVH, D, bs)
+            assert_matches(outs[1], ref_of(case, D**-0.5))
+    finally:
+        torch.set_num_threads(before)

@@ -24,7 +24,7 @@ from ..cache_dir import cache_subdir
 
 KERNEL_ISAS = ("auto", "avx2")  # config.KERNEL_ISA: "auto" = AVX-512 where the CPU has it
 _isa_choice = "auto"
-_isa_libs: list[ctypes.CDLL] = []  # loaded kernels that have AVX-512 paths (``kernel_isa`` in their source)
+_isa_libs: list = []  # the ISA switches of loaded kernels that have AVX-512 paths (``with_isa``)
 
 
 def kernel_dir() -> str:
@@ -158,19 +158,21 @@ class KernelLoader:
             return self._kernel
 
 
-def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Register a kernel with AVX-512 paths (quant_gemm.c, and decode_step.c which includes it) and apply the
-    chosen instruction set to it. Its AVX2 and AVX-512 paths give the same bits (quant_gemm.c), so the choice
-    changes speed only."""
-    lib.kernel_isa.restype = ctypes.c_int
-    lib.kernel_isa.argtypes = [ctypes.c_int]
-    _apply_isa(lib)
-    _isa_libs.append(lib)
+def with_isa(lib: ctypes.CDLL, symbol: str = "kernel_isa") -> ctypes.CDLL:
+    """Register a kernel's ISA switch ``symbol`` (``kernel_isa``: quant_gemm.c, and decode_step.c which includes it;
+    ``attention_isa``: paged_attention.c, in its own library and in decode_step.c's) and apply the chosen
+    instruction set to it. Each kernel's AVX2 and AVX-512 paths give the same bits (quant_gemm.c, paged_attention.c),
+    so the choice changes speed only."""
+    switch = getattr(lib, symbol)
+    switch.restype = ctypes.c_int
+    switch.argtypes = [ctypes.c_int]
+    _apply_isa(switch)
+    _isa_libs.append(switch)
     return lib
 
 
-def _apply_isa(lib: ctypes.CDLL) -> None:
-    lib.kernel_isa(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
+def _apply_isa(switch) -> None:
+    switch(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
 
 
 def set_kernel_isa(choice: str) -> None:
@@ -180,13 +182,13 @@ def set_kernel_isa(choice: str) -> None:
     if choice not in KERNEL_ISAS:
         raise ValueError(f"kernel ISA must be one of {', '.join(KERNEL_ISAS)} (got {choice!r})")
     _isa_choice = choice
-    for lib in _isa_libs:
-        _apply_isa(lib)
+    for switch in _isa_libs:
+        _apply_isa(switch)
 
 
 def kernel_isa() -> str:
     """What the quantized kernels run: "avx512" when they take their AVX-512 paths, else "avx2" (before any
     kernel loads: what they will run)."""
     if _isa_libs:
-        return "avx512" if _isa_libs[-1].kernel_isa(-1) else "avx2"
+        return "avx512" if _isa_libs[-1](-1) else "avx2"
     return "avx512" if _isa_choice == "auto" and has_avx512() else "avx2"

@@ -67,6 +67,27 @@ typedef struct {
 
 INLINE long kv_elem_bytes(int dt) { return dt == KV_FP32 ? 4 : dt == KV_INT8 ? 1 : 2; }
 
+/* The AVX-512 path (where the CPU has AVX-512F and ``attention_isa`` allows it): the same arithmetic, lane for lane,
+ * in 16-lane registers (below), so both paths give the same bits; the choice changes speed only. */
+#define PA_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")))
+#define INLINE512 static inline __attribute__((always_inline)) PA_AVX512
+
+static int pa_avx512; /* 1: the AVX-512 path runs; set when the library loads, read atomically */
+
+__attribute__((constructor)) static void pa_pick_isa(void) {
+    __builtin_cpu_init();
+    __atomic_store_n(&pa_avx512, __builtin_cpu_supports("avx512f") != 0, __ATOMIC_RELAXED);
+}
+
+static inline int pa_use_avx512(void) { return __atomic_load_n(&pa_avx512, __ATOMIC_RELAXED); }
+
+/* want < 0: report; 0: the AVX2 path; 1: the AVX-512 one where the CPU has it. Returns 1 when attention now runs
+ * AVX-512 (build.with_isa registers it next to quant_gemm.c's kernel_isa). */
+int attention_isa(int want) {
+    if (want >= 0) __atomic_store_n(&pa_avx512, want && __builtin_cpu_supports("avx512f") != 0, __ATOMIC_RELAXED);
+    return pa_use_avx512();
+}
+
 /* Elements [i, i + 8) of an array of dtype DT as fp32 (int8: the quantized values, unscaled). */
 INLINE __m256 load8(const void *p, long i, const int DT) {
     if (DT == KV_FP32) return _mm256_loadu_ps((const float *)p + i);
@@ -225,6 +246,128 @@ static void values_gc(float *acc, const float *corr, const float *p, int n, cons
 #undef CALL
 }
 
+/* --- the AVX-512 path: each 16-lane register does what two 8-lane AVX2 registers do ---------------------------
+ * values: 16 consecutive d of one V row per register (lane l does what lane l % 8 of the AVX2 chunk does: the same
+ * products, in the same token order); scores: a register holds two tokens' 8-lane accumulators side by side
+ * ([token j lanes | token j + 1 lanes], over d in order), reduced by hsum4's tree; softmax: exponentials in 16
+ * lanes (exp512 is exp256's arithmetic), summed in 8-lane chunks in AVX2's order. */
+
+/* Elements [i, i + 16) of an array of dtype DT as fp32 (the same values load8 gives). */
+INLINE512 __m512 load16(const void *p, long i, const int DT) {
+    if (DT == KV_FP32) return _mm512_loadu_ps((const float *)p + i);
+    if (DT == KV_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (DT == KV_FP16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp256 (simd.h) in 16 lanes: the same operations on each lane. */
+INLINE512 __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* scores_tile for GC heads and 2 NP tokens j0.. (NP 2 or 4): token pair p's accumulators share register a[g][p]. */
+INLINE512 void scores_tile512(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int j0,
+                              float *s, const int GC, const int NP, const int DT) {
+    __m512 a[GMAX][4];
+    for (int g = 0; g < GC; g++)
+        for (int p = 0; p < NP; p++) a[g][p] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) { /* two d-steps of 8: [k_j(d..d+7) | k_j+1(d..d+7)], then d + 8 */
+        __m512 lo[4], hi[4];
+        for (int p = 0; p < NP; p++) {
+            __m512 x0 = load16(kb, (long)(j0 + 2 * p) * ts + d, DT), x1 = load16(kb, (long)(j0 + 2 * p + 1) * ts + d, DT);
+            lo[p] = _mm512_shuffle_f32x4(x0, x1, 0x44);
+            hi[p] = _mm512_shuffle_f32x4(x0, x1, 0xEE);
+        }
+        for (int g = 0; g < GC; g++) {
+            const __m512 qlo = _mm512_broadcast_f32x8(_mm256_loadu_ps(qs + g * D + d));
+            const __m512 qhi = _mm512_broadcast_f32x8(_mm256_loadu_ps(qs + g * D + d + 8));
+            for (int p = 0; p < NP; p++) a[g][p] = _mm512_fmadd_ps(qhi, hi[p], _mm512_fmadd_ps(qlo, lo[p], a[g][p]));
+        }
+    }
+    if (d < D) /* D % 16 == 8: the last d-step, two 8-lane loads per pair */
+        for (int p = 0; p < NP; p++) {
+            __m512 kz = _mm512_insertf32x8(_mm512_castps256_ps512(load8(kb, (long)(j0 + 2 * p) * ts + d, DT)),
+                                           load8(kb, (long)(j0 + 2 * p + 1) * ts + d, DT), 1);
+            for (int g = 0; g < GC; g++)
+                a[g][p] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(qs + g * D + d)), kz, a[g][p]);
+        }
+    for (int g = 0; g < GC; g++)
+        for (int p = 0; p < NP; p += 2) {
+            __m128 dots = hsum4(_mm512_castps512_ps256(a[g][p]), _mm512_extractf32x8_ps(a[g][p], 1),
+                                _mm512_castps512_ps256(a[g][p + 1]), _mm512_extractf32x8_ps(a[g][p + 1], 1));
+            const int j = j0 + 2 * p;
+            if (DT == KV_INT8)
+                dots = _mm_mul_ps(dots, _mm_setr_ps(ks[(long)j * sts], ks[(long)(j + 1) * sts], ks[(long)(j + 2) * sts],
+                                                    ks[(long)(j + 3) * sts]));
+            _mm_storeu_ps(s + g * SSTRIDE + j, dots);
+        }
+}
+
+INLINE512 void block_scores512(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int n,
+                               float *s, const int GC, const int DT) {
+    const int NP = GC <= 4 ? 4 : 2; /* GC x NP accumulators, and the queries, in the 32 registers */
+    int j = 0;
+    for (; j + 2 * NP <= n; j += 2 * NP) scores_tile512(qs, D, kb, ts, ks, sts, j, s, GC, NP, DT);
+    for (; j + 4 <= n; j += 4) scores_tile512(qs, D, kb, ts, ks, sts, j, s, GC, 2, DT);
+    for (; j < n; j++) scores_tile(qs, D, kb, ts, ks, sts, j, s, GC, 1, DT);
+}
+
+/* values_tile over 16 DC consecutive d: acc[g, d0 ..) = acc * corr[g] + sum_j p[g, j] v_j. */
+INLINE512 void values_tile512(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D,
+                              int d0, const int GC, const int DC, const int DT) {
+    __m512 o[GMAX][8];
+    for (int g = 0; g < GC; g++)
+        for (int c = 0; c < DC; c++)
+            o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d0 + 16 * c), _mm512_set1_ps(corr[g]));
+    for (int j = 0; j < n; j++) {
+        for (int c = 0; c < DC; c++) {
+            __m512 vv = load16(vb, (long)j * ts + d0 + 16 * c, DT);
+            for (int g = 0; g < GC; g++) o[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * SSTRIDE + j]), vv, o[g][c]);
+        }
+    }
+    for (int g = 0; g < GC; g++)
+        for (int c = 0; c < DC; c++) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, o[g][c]);
+}
+
+INLINE512 void block_values512(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D,
+                               const int GC, const int DT) {
+    const int DC = GC <= 2 ? 8 : GC <= 4 ? 4 : 2; /* GC x DC accumulators in the 32 registers */
+    int d = 0;
+    for (; d + 16 * DC <= D; d += 16 * DC) values_tile512(acc, corr, p, n, vb, ts, D, d, GC, DC, DT);
+    for (; d + 16 <= D; d += 16) values_tile512(acc, corr, p, n, vb, ts, D, d, GC, 1, DT);
+    if (d < D) values_tile(acc, corr, p, n, vb, ts, D, d, GC, 1, DT); /* D % 16 == 8 */
+}
+
+static PA_AVX512 void scores_gc512(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int n,
+                                   float *s, int gc, int dt) {
+#define CALL(N) block_scores512(qs, D, kb, ts, ks, sts, n, s, N, DT_)
+    DISPATCH_DT(DISPATCH_GC(CALL))
+#undef CALL
+}
+
+static PA_AVX512 void values_gc512(float *acc, const float *corr, const float *p, int n, const void *vb, long ts,
+                                   int D, int gc, int dt) {
+#define CALL(N) block_values512(acc, corr, p, n, vb, ts, D, N, DT_)
+    DISPATCH_DT(DISPATCH_GC(CALL))
+#undef CALL
+}
+
 /* The hardware prefetcher streams within a 4 KB page once a few lines miss in it; blocks are scattered,
  * so start each page of a block we are about to read (its first two lines) ourselves. */
 INLINE void prefetch_pages(const void *start, long bytes) {
@@ -285,13 +428,44 @@ static void online_softmax(const Scratch *w, int h, int n) {
     w->l[h] = w->l[h] * w->corr[h] + sum;
 }
 
+/* online_softmax in 16 lanes where it can: the same max, the same exponentials, summed in AVX2's 8-lane chunks. */
+static PA_AVX512 void online_softmax512(const Scratch *w, int h, int n) {
+    float *sh = w->s + (long)h * SSTRIDE;
+    __m512 vm = _mm512_set1_ps(w->m[h]);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sh + j));
+    float mx = _mm512_reduce_max_ps(vm);
+    for (; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+    w->corr[h] = expf(w->m[h] - mx);
+    w->m[h] = mx;
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vmx));
+        _mm512_storeu_ps(sh + j, e);
+        vsum = _mm256_add_ps(_mm256_add_ps(vsum, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+    }
+    if (j + 8 <= n) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), _mm512_castps512_ps256(vmx)));
+        _mm256_storeu_ps(sh + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+        j += 8;
+    }
+    float sum = hsum1(vsum);
+    for (; j < n; j++) {
+        sh[j] = expf(sh[j] - mx);
+        sum += sh[j];
+    }
+    w->l[h] = w->l[h] * w->corr[h] + sum;
+}
+
 /* Tokens [t0, t1) of one row (t0 on a block boundary), the G query heads of each KV head in [kvh0, kvh1) (the
  * Scratch's heads 0 .. (kvh1 - kvh0) G): acc unnormalized, m running max, l running sum of exp(s - m). Per block:
  * the scores of all heads (one pass over the block's K, one contiguous region per KV head when head-major), the
  * online-softmax update, then one pass over its V. */
 static void attend_row(const Scratch *w, const KVPool *p, const int *table, int t0, int t1, int kvh0, int kvh1,
                        int G) {
-    const int D = p->head_dim, bs = p->block_size, nh = (kvh1 - kvh0) * G, dt = p->dtype;
+    const int D = p->head_dim, bs = p->block_size, nh = (kvh1 - kvh0) * G, dt = p->dtype, avx512 = pa_use_avx512();
     const long ts = p->token_stride, sts = ts / D, eb = kv_elem_bytes(dt);
     for (int h = 0; h < nh; h++) {
         w->m[h] = -INFINITY;
@@ -309,10 +483,15 @@ static void attend_row(const Scratch *w, const KVPool *p, const int *table, int 
             const BlockHead bh = block_head(p, block, kvh);
             for (int g0 = 0; g0 < G; g0 += GMAX) {
                 const int h0 = (kvh - kvh0) * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
-                scores_gc(w->qs + (long)h0 * D, D, bh.k, ts, bh.ks, sts, n, w->s + (long)h0 * SSTRIDE, gc, dt);
+                float *sh = w->s + (long)h0 * SSTRIDE;
+                if (avx512) scores_gc512(w->qs + (long)h0 * D, D, bh.k, ts, bh.ks, sts, n, sh, gc, dt);
+                else scores_gc(w->qs + (long)h0 * D, D, bh.k, ts, bh.ks, sts, n, sh, gc, dt);
             }
         }
-        for (int h = 0; h < nh; h++) online_softmax(w, h, n);
+        for (int h = 0; h < nh; h++) {
+            if (avx512) online_softmax512(w, h, n);
+            else online_softmax(w, h, n);
+        }
         if (dt == KV_INT8) /* V's scales fold into the weights (l keeps the unscaled sum) */
             for (int h = 0; h < nh; h++) {
                 float *sh = w->s + (long)h * SSTRIDE;
@@ -326,7 +505,9 @@ static void attend_row(const Scratch *w, const KVPool *p, const int *table, int 
             const BlockHead bh = block_head(p, block, kvh);
             for (int g0 = 0; g0 < G; g0 += GMAX) {
                 const int h0 = (kvh - kvh0) * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
-                values_gc(w->acc + (long)h0 * D, w->corr + h0, w->s + (long)h0 * SSTRIDE, n, bh.v, ts, D, gc, dt);
+                float *acc = w->acc + (long)h0 * D, *corr = w->corr + h0, *ph = w->s + (long)h0 * SSTRIDE;
+                if (avx512) values_gc512(acc, corr, ph, n, bh.v, ts, D, gc, dt);
+                else values_gc(acc, corr, ph, n, bh.v, ts, D, gc, dt);
             }
         }
     }

@@ -25,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .build import KernelLoader, build_and_load, require_cpu_flags
+from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
 
 log = logging.getLogger("minibatch.paged_attention")
 
@@ -67,7 +67,7 @@ def _load() -> ctypes.CDLL:
     ]
     lib.kv_store.restype = None
     lib.kv_store.argtypes = [P, P, P, P, L, P, L, N]  # pool, slot_blocks, slot_offsets, k, ldk, v, ldv, N
-    return lib
+    return with_isa(lib, "attention_isa")  # its AVX-512 path where the CPU has it (KERNEL_ISA), the same bits
 
 
 KERNEL = KernelLoader("paged attention kernel", _load, "using the torch fallback", log)

@@ -70,7 +70,7 @@ def _load() -> ctypes.CDLL:
         *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
         *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
     ]
-    return with_isa(lib)
+    return with_isa(with_isa(lib), "attention_isa")  # quant_gemm.c's switch, and paged_attention.c's
 
 
 KERNEL = KernelLoader("decode step kernel", _load, "decode steps keep the per-layer lean calls", log)

@@ -79,29 +79,25 @@ def simulated_cache(kv, granularity: str):
     return kv
 
 
-def load(model_id: str, weights: str, variant: str, max_len: int):
-    """An HFEngine whose pool is ``variant`` (a dtype, or a simulated int8 granularity on fp32 storage: every step
-    then takes the torch path, which writes through the cache)."""
-    from config import Config
-    from engine import HFEngine
+def load(model_id: str, weights: str, max_len: int):
+    """(tokenizer, our model) for ``model_id`` at ``weights`` (the torch runtime's forward) with a pool of
+    ``max_len`` tokens; ``use_pool`` gives it each variant's pool in turn."""
+    from models.image import build_model
 
+    tokenizer, _, _, model = build_model(model_id, weights, num_blocks=-(-max_len // 32), block_size=32)
+    return tokenizer, model
+
+
+def use_pool(model, variant: str) -> None:
+    """A fresh pool of ``variant``'s elements for ``model``: a dtype, or a simulated int8 granularity on fp32
+    storage (every step then takes the torch path, which writes through the cache)."""
+    kv = model.kv
     dtype = variant if variant in DTYPES else "fp32"
-    config = Config(
-        model_id=model_id,
-        max_batch_size=1,
-        num_threads=0,
-        weights=weights,
-        runtime="torch",
-        max_model_len=max_len,
-        kv_cache_dtype=dtype,
-    )
-    engine = HFEngine(config)
+    model._init_cache(model.n_layer, kv.k.shape[2], model.head_dim, model.device, kv.num_blocks, kv.block_size, dtype)
     if variant in SIM:
-        model = engine.model
         model.fused_step, model.lean_decode = None, False  # the compiled steps write K/V themselves
         simulated_cache(model.kv, variant.split(":")[1])
         model.layer_pools = [model.kv.pools(layer) for layer in range(model.n_layer)]
-    return engine
 
 
 @torch.inference_mode()
@@ -116,21 +112,17 @@ def greedy(model, prompt: list[int], new: int) -> list[int]:
     return out
 
 
-def score(model_id: str, weights: str, variant: str, texts: dict, prompts: list[list[int]], new: int) -> dict:
+def score(model, variant: str, texts: dict, prompts: list[list[int]], new: int) -> dict:
     from models.quality import perplexity
 
-    longest = max([len(ids) for ids in texts.values()] + [len(p) + new for p in prompts])
     t0 = time.perf_counter()
-    engine = load(model_id, weights, variant, longest + 64)
-    pool_tokens = engine.blocks.num_blocks * engine.blocks.block_size
-    per_token = None if variant in SIM else engine.kv_pool_bytes // pool_tokens
+    use_pool(model, variant)
+    per_token = None if variant in SIM else model.kv.nbytes // (model.kv.num_blocks * model.kv.block_size)
     row = {"kv_cache_dtype": variant, "bytes_per_token": per_token}
     for name, ids in texts.items():
-        row[f"ppl_{name}"] = perplexity(engine.model, ids)
-    row["greedy"] = [greedy(engine.model, p, new) for p in prompts]
+        row[f"ppl_{name}"] = perplexity(model, ids)
+    row["greedy"] = [greedy(model, p, new) for p in prompts]
     row["seconds"] = time.perf_counter() - t0
-    del engine
-    gc.collect()
     return row
 
 
@@ -142,26 +134,25 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
 
 
 def run_kv_quality(model_id: str, root: str, quick: bool, weights: str = "auto") -> dict:
-    from engine import HFEngine  # noqa: F401  (fail early without torch)
     from models.quality import passage
-    from text_tokenizer import TextTokenizer  # noqa: F401
 
     q = QUICK if quick else {"long_tokens": LONG_TOKENS, "prompts": PROMPTS, "prompt_tokens": PROMPT_TOKENS}
     new = QUICK["new"] if quick else NEW
-    probe = load(model_id, weights, "fp32", 64)
-    encode = probe.encode
-    del probe
-    gc.collect()
-    long_ids = encode(long_text(root))
-    texts = {"passage": encode(passage())[: q["long_tokens"] if quick else None], "long": long_ids[: q["long_tokens"]]}
+    tokenizer, model = load(model_id, weights, LONG_TOKENS + 512)
+    long_ids = tokenizer.encode(long_text(root))
+    passage_ids = tokenizer.encode(passage())
+    texts = {"passage": passage_ids[: q["long_tokens"]] if quick else passage_ids, "long": long_ids[: q["long_tokens"]]}
     step = (len(long_ids) - q["prompt_tokens"]) // max(q["prompts"], 1)
     prompts = [long_ids[i * step : i * step + q["prompt_tokens"]] for i in range(q["prompts"])]
     rows = []
     for variant in DTYPES + SIM:
         try:
-            rows.append(score(model_id, weights, variant, texts, prompts, new))
+            rows.append(score(model, variant, texts, prompts, new))
         except Exception as exc:  # one failing must not hide the others
             rows.append({"kv_cache_dtype": variant, "failed": True, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        print(f"kv-quality: {variant} done", flush=True)
+    del model
+    gc.collect()
     ref = next(r for r in rows if r["kv_cache_dtype"] == "fp32")
     for r in rows:
         if r.get("failed") or ref.get("failed"):
