@@ -40,7 +40,7 @@ class Config:
     device: str = "auto"
     # Longest sequence (prompt + generated tokens). 0 = the model's context window.
     max_model_len: int = 0
-    # --- KV cache: one pool of blocks (see block_manager.py) ---
+    # --- KV cache: one pool of blocks (see core/block_manager.py) ---
     # Tokens per KV block (measured fastest for decode attention: 32; scripts/bench_paged_attention.py).
     kv_block_size: int = 32
     # KV pool size in MiB. 0 = enough for MAX_BATCH_SIZE sequences of MAX_MODEL_LEN tokens, capped at a
@@ -52,17 +52,17 @@ class Config:
     kv_cache_dtype: str = "fp32"
     # Chunked prefill: most tokens one engine step feeds (decode rows first, then prompt chunks), so a long
     # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
-    # 256: half 512's worst stall at the same throughput (README "The KV pool, measured").
+    # 256: half 512's worst stall at the same throughput (docs/performance.md "The KV pool, measured").
     max_num_batched_tokens: int = 256
     # While any stream decodes, most prompt tokens one step carries (within MAX_NUM_BATCHED_TOKENS): a newcomer's
     # prompt loads over a few short steps, so the running streams' inter-token gaps stay short. 0 = no cap of its
-    # own. README "Inter-token latency while newcomers join".
+    # own. docs/performance.md "Inter-token latency while newcomers join".
     max_prefill_tokens_while_decoding: int = 0
     # Automatic prefix caching: full KV blocks stay cached by the hash of their tokens and prefix, and a new
-    # sequence shares the longest cached prefix of its prompt instead of computing it (block_manager.py).
+    # sequence shares the longest cached prefix of its prompt instead of computing it (core/block_manager.py).
     prefix_caching: bool = True
     # Torch intra-op threads. 0 = the physical cores of this machine (measured fastest at 1 and 8 streams
-    # with OpenMP's passive wait, which the engine sets before torch loads; README "Threads").
+    # with OpenMP's passive wait, which the engine sets before torch loads; docs/performance.md "Threads").
     num_threads: int = 0
     # Decode-step linears through the small-batch AVX2 kernel (small_gemm.c, compiled once with the
     # system C compiler); off, or where it cannot build, every linear uses oneDNN.
@@ -74,10 +74,10 @@ class Config:
     # What runs the model: "torch" (our torch forward, any device and weights), "native" (a model image built once
     # in a torch child process, run by the compiled step kernel in a process that never imports torch: CPU only,
     # a fraction of the memory), or "auto": native for quantized weights (a GGUF at WEIGHTS=auto, or int8 / int4)
-    # where the kernel builds, else torch. README "Memory".
+    # where the kernel builds, else torch. docs/performance.md "Memory".
     runtime: str = "auto"
     # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512F (1.3-1.7x
-    # at 4-64 rows, the same bits as AVX2), "avx2" their AVX2 paths everywhere. README "Quantized weights".
+    # at 4-64 rows, the same bits as AVX2), "avx2" their AVX2 paths everywhere. docs/performance.md "Quantized weights".
     kernel_isa: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
@@ -96,7 +96,7 @@ class Config:
     max_prompts_per_request: int = 32
     host: str = "127.0.0.1"
     port: int = 8000
-    # --- operations (see ops.py) ---
+    # --- operations (see api/ops.py) ---
     # Level of the server's logs (one key=value line per finished request at INFO).
     log_level: str = "INFO"
     # When set, every endpoint but /health, /ready and /metrics needs "Authorization: Bearer <key>".
@@ -115,7 +115,7 @@ class Config:
     # MODEL_ID=fake only: KV blocks (of KV_BLOCK_SIZE tokens) in the fake's pool, to exercise admission by
     # memory and preemption without a model. 0 = enough for every slot at the fake's context.
     fake_kv_blocks: int = 0
-    # --- slow clients and connections (see ops.py, transport.py) ---
+    # --- slow clients and connections (see api/ops.py, api/transport.py) ---
     # Seconds a request body may take to arrive once its headers have; then 408. 0 = no limit.
     body_timeout_s: float = 10.0
     # Seconds a connection may take to send a request's headers (fresh, or between keep-alive requests); then closed.

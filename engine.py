@@ -21,15 +21,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from block_manager import BlockManager, extend_block_hashes
-from checkpoints import ModelLoadError
 from config import Config
+from core.block_manager import BlockManager, extend_block_hashes
+from core.sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
+from core.sequence import Sequence, SequenceStatus
+from model_runner import ModelRunner
 from models.kernels.build import kernel_isa, set_kernel_isa
 from models.kv_dtype import bytes_per_token as bytes_per_kv_token
 from models.kv_dtype import unavailable_reason as kv_dtype_unavailable
+from models.loading import ModelLoadError
 from models.native_memory import HeapTrimmer
-from sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
-from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.engine")
 
@@ -919,7 +920,7 @@ class ModelEngine(BatchEngine):
     """
 
     tokenizer: object
-    model: object
+    model: ModelRunner
     chat_template: str | None
 
     def _init_batching(self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int) -> int:
@@ -958,7 +959,7 @@ class ModelEngine(BatchEngine):
         return self.tokenizer, self.vocab_size, self.stop_token_ids
 
     def supports_tools(self) -> bool:
-        from tool_calls import template_supports_tools
+        from text.chat_template import template_supports_tools
 
         return bool(self.chat_template) and template_supports_tools(self.chat_template)
 
@@ -1109,8 +1110,8 @@ class HFEngine(ModelEngine):
         thread_environment()  # before torch loads libgomp, which reads its wait policy once, at load
         import torch  # deferred: the server stack must stay importable without torch
 
-        from checkpoints import eos_ids, load_checkpoint  # deferred: they import transformers when called
         from models import families
+        from models.loading import eos_ids, load_checkpoint  # deferred: they import transformers when called
 
         torch.set_num_threads(engine_threads(config))
         set_kernel_isa(config.kernel_isa)
@@ -1193,8 +1194,8 @@ class NativeEngine(ModelEngine):
     kernel's packed format in one file, the tokenizer, and what the kernel needs to know of the model
     (``models.image.ensure_image``, cached). Here the file is memory-mapped (the mapping is the resident weights,
     nothing is copied), the KV pool is numpy, each step is one or more calls of ``decode_step.c``
-    (``models.native.NativeModel``), the tokenizer is ``text_tokenizer`` and sampling is numpy. A server holds
-    the weights, its KV pool and Python, not torch's ~185 MB of libraries (README "Memory").
+    (``models.native.NativeModel``), the tokenizer is ``text.tokenizer`` and sampling is numpy. A server holds
+    the weights, its KV pool and Python, not torch's ~185 MB of libraries (docs/performance.md "Memory").
     """
 
     def __init__(self, config: Config, image_dir: str | None = None) -> None:
@@ -1204,7 +1205,7 @@ class NativeEngine(ModelEngine):
         set_kernel_isa(config.kernel_isa)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
-        from text_tokenizer import TextTokenizer
+        from text.tokenizer import TextTokenizer
 
         _check_kv_dtype(config)
         image_dir = image_dir or ensure_image(config.model_id, config.weights)
@@ -1305,7 +1306,7 @@ def resolve_device(name: str):
     return torch.device(name)
 
 
-# What OpenMP and the tokenizer get unless the environment says otherwise (measured: README "Threads").
+# What OpenMP and the tokenizer get unless the environment says otherwise (measured: docs/performance.md "Threads").
 # A decode step runs ~120 OpenMP regions back to back, microseconds apart. A worker that sleeps at once
 # (OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region: SmolLM2's batch-1 step took 18 ms instead of
 # 9.5. libgomp's default spin (300k iterations, ~3 ms) keeps the worker on a core long after a step, while
@@ -1333,7 +1334,8 @@ def thread_environment() -> dict[str, str]:
 
 
 def engine_threads(config: Config) -> int:
-    """Torch intra-op threads: NUM_THREADS, or 0 = every physical core (measured fastest, README "Threads")."""
+    """Torch intra-op threads: NUM_THREADS, or 0 = every physical core (measured fastest: docs/performance.md,
+    "Threads")."""
     return config.num_threads or physical_cores()
 
 
@@ -1381,7 +1383,7 @@ def build_engine(config: Config) -> InferenceEngine:
 def uses_native_runtime(config: Config) -> bool:
     """RUNTIME=native, or RUNTIME=auto with quantized weights (a GGUF at WEIGHTS=auto, int8, int4) on the CPU
     where the whole-step kernel builds (else auto falls back to torch, and says why)."""
-    from checkpoints import is_gguf
+    from models.loading import is_gguf
 
     if config.runtime != "auto":
         return config.runtime == "native"

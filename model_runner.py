@@ -1,75 +1,63 @@
-"""Static batching baseline: one left-padded batch through HF ``generate(do_sample=False)``.
+"""The model runner seam: what the engine asks of a model, whichever runtime built it. No torch.
 
-The whole batch runs to its largest ``max_new_tokens``; each row is then trimmed to its
-own budget and its first stop token. This is what continuous batching is measured
-against (``scripts/benchmark.py``) and the reference of the parity tests.
+A ``ModelRunner`` holds a model's weights and its KV block pool and runs one step: decode rows and prompt chunks
+in, logits rows out, every row's K/V written into the blocks its table names. The engine (``engine.ModelEngine``)
+does everything else: which rows, which blocks, sampling. Two runtimes implement it:
+
+- ``models.native.NativeModel``: a memory-mapped model image stepped by the compiled whole-step kernel
+  (``models/kernels/decode_step.c``), numpy KV pools; torch-free.
+- ``models.layers.MixedForward`` (a family of ``models/``): the torch forward over ``models.kv_cache.PagedKVCache``;
+  it returns torch logits and keeps its pool in ``.kv``, which ``engine.HFEngine`` adapts (``_logits``,
+  ``_copy_block``, ``kv_pool_bytes``).
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from collections.abc import Sequence
+from typing import Protocol
 
-from checkpoints import eos_ids
+import numpy as np
 
 
-class HFModelRunner:
-    def __init__(self, model_id: str, device: str = "cpu", num_threads: int = 0, model=None, tokenizer=None) -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.device = torch.device(device)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_id)
-        self.model = model or AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
-        self.model.to(self.device).eval()
-        self.eos_ids: list[int] = sorted(eos_ids(self.model, self.tokenizer))
-        # Left padding needs some pad id; the attention mask hides it, so EOS serves when none is set.
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+class ModelRunner(Protocol):
+    """One model's step over its KV block pool, and what the server and the benchmark ask of it."""
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    @torch.inference_mode()
-    def run_batch(
+    def forward(
         self,
-        prompts: list[list[int]],
-        max_new_tokens: list[int],
-        ignore_eos: bool = False,
-        stop_token_ids: tuple[int, ...] = (),
-    ) -> list[list[int]]:
-        """Generate greedily for a batch of token-id prompts; returns each row's new tokens."""
-        ids, mask = left_pad(prompts, self.pad_id)  # each [B, W]
-        width = ids.shape[1]
-        stops = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
-        # Passed as keywords: a GenerationConfig with eos_token_id=None would fall back to the
-        # model's default EOS, silently breaking ignore_eos.
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            do_sample=False,
-            max_new_tokens=max(max_new_tokens),
-            eos_token_id=sorted(stops) or None,
-            pad_token_id=self.pad_id,
-        )  # [B, W + new]
-        return [trim(out[row, width:].tolist(), budget, stops) for row, budget in enumerate(max_new_tokens)]
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]] = (),
+        prompts: Sequence[Sequence[int]] = (),
+        prompt_tables: Sequence[Sequence[int]] = (),
+        prompt_starts: Sequence[int] | None = None,
+        every_position: Sequence[bool] = (),
+    ) -> np.ndarray:
+        """Decode B tokens (``token_ids[b]`` at ``positions[b]``, block table ``tables[b]``) and prefill prompt
+        chunks (``prompts[i]`` at positions ``[prompt_starts[i], + len)``, default 0, block table
+        ``prompt_tables[i]``); every table covers its tokens' positions.
 
+        Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
+        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). Every
+        row's K/V is written. ValueError for arguments that do not fit the pool, the tables or the context."""
+        ...
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-id prompts -> (ids, attention mask), each [B, W] long, W the longest prompt: every row
-    right-aligned so that all rows' next token sits in column W (what ``generate`` expects)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` of the KV pool becomes a copy of block ``src``, K and V, every layer (copy-on-write)."""
+        ...
 
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the KV block pool."""
+        ...
 
-def trim(tokens: list[int], budget: int, stops: set[int]) -> list[int]:
-    """A row's tokens up to its own budget, ending at (and keeping) its first stop token."""
-    tokens = tokens[:budget]
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1]
-    return tokens
+    def resident_weights(self) -> dict[str, int]:
+        """Bytes of weights held, per format ("fp32", "int8", "int4", ...): every weight's one copy."""
+        ...
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights one step streams, per format: a small decode step is bound by these (the roofline)."""
+        ...
+
+    def flops_per_token(self, context: int) -> int:
+        """FLOPs of one token attending over ``context`` positions (the benchmark's cost model)."""
+        ...

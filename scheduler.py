@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from core.sequence import Sequence, SequenceStatus
 from engine import InferenceEngine
-from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.scheduler")
 

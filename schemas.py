@@ -82,7 +82,7 @@ class GenerateRequest(SamplingFields):
     prompt_logprobs: int | None = Field(
         default=None, ge=0, le=20, description="each prompt token's logprob and the top k (at most MAX_LOGPROBS)"
     )
-    # Structured output (at most one): the text is constrained to the grammar (README, "Structured output").
+    # Structured output (at most one): the text is constrained to the grammar (docs/api.md, "Structured output").
     json_schema: dict | bool | None = Field(default=None, description="the output is JSON valid under this schema")
     regex: str | None = Field(default=None, min_length=1, description="the output matches this regex")
     choice: list[str] | None = Field(default=None, min_length=1, max_length=256, description="the output is one of")
@@ -164,7 +164,7 @@ class OpenAIFields(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by structured_output.py
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by guided/grammars.py
     response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -273,7 +273,7 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            from tool_calls import history_tool_calls
+            from guided.tools import history_tool_calls
 
             out["tool_calls"] = history_tool_calls([c.model_dump() for c in self.tool_calls])
         if self.tool_call_id is not None:

@@ -1,12 +1,12 @@
 """The app, composed: lifespan (engine, scheduler, drain), middleware, error handlers, routers; and
 ``main``, which runs it under uvicorn. No torch here, and no endpoint either:
 
-* ``generate_api.py``: ``POST /generate``;  ``openai_api.py``: ``/v1/...``;
-* ``probes.py``: ``GET /health``, ``/ready``, ``/metrics``;  ``tokenize_api.py``: ``/tokenize``, ``/detokenize``;
-  ``admin_api.py``: ``POST /admin/reset_prefix_cache``;
-* ``serving.py``: request -> running generation;  ``streaming.py``: generation -> answer or SSE;
-* ``ops.py``: auth, limits, slow bodies, drain;  ``transport.py``: connection-level defences;
-* ``api_errors.py``: the error shape.
+* ``api/generate.py``: ``POST /generate``;  ``api/openai/``: ``/v1/...``, one file per endpoint;
+* ``api/probes.py``: ``GET /health``, ``/ready``, ``/metrics``;  ``api/tokenize.py``: ``/tokenize``, ``/detokenize``;
+  ``api/admin.py``: ``POST /admin/reset_prefix_cache``;
+* ``api/serving.py``: request -> running generation;  ``api/streaming.py``: generation -> answer or SSE;
+* ``api/ops.py``: auth, limits, slow bodies, drain;  ``api/transport.py``: connection-level defences;
+* ``api/errors.py``: the error shape, and the translation of domain errors into it.
 
 Run:  python server.py            (reads the environment; see config.py)
       uvicorn server:app          (same app, built on first access)
@@ -27,19 +27,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import admin_api
-import generate_api
-import openai_api
-import probes
-import tokenize_api
-from api_errors import APIError, describe_unparsable_body, describe_validation
+from api import admin, generate, openai, probes, tokenize
+from api.errors import APIError, describe_unparsable_body, describe_validation
+from api.ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
+from api.serving import Runtime
+from api.transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
 from config import Config
 from engine import FakeEngine, InferenceEngine, build_engine
-from ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
 from scheduler import Scheduler, engine_thread
 from schemas import ErrorResponse
-from serving import Runtime
-from transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
 
 log = logging.getLogger("minibatch.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -86,10 +82,10 @@ def create_app(
     app.add_middleware(CORSFromConfig, operations=operations)  # added last: outermost
     _add_error_handlers(app, operations)
     app.include_router(probes.router)
-    app.include_router(generate_api.router)
-    app.include_router(openai_api.router)
-    app.include_router(tokenize_api.router)
-    app.include_router(admin_api.router)
+    app.include_router(generate.router)
+    app.include_router(openai.router)
+    app.include_router(tokenize.router)
+    app.include_router(admin.router)
     app.openapi = _openapi_with_ops_errors(app)
     return app
 

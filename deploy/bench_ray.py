@@ -51,12 +51,12 @@ import time
 from contextlib import contextmanager
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported: every socket on loopback
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import httpx  # noqa: E402
-from bench.workloads import PROMPT_TEXTS  # noqa: E402  the seed workload's prompts (scripts/benchmark.py)
+
+from scripts.bench.workloads import PROMPT_TEXTS  # noqa: E402  the seed workload's prompts (scripts/benchmark.py)
 
 BATCH = 8
 # Ray systems: the build_app args of each (beside num_cpus and env); all but the *_direct ones use the gateway.
@@ -310,7 +310,7 @@ def ray_systems(env: dict[str, str], cpus: int, names: list[str]):
 def resolve_model(name: str) -> str:
     if name != "tiny":
         return name
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(tempfile.mkdtemp(prefix="bench-ray-tiny-"), shape="tiny", seed=0)
 

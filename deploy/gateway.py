@@ -29,9 +29,9 @@ from typing import Any
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from api_errors import error_body
-from ops import _TOO_LARGE, _read_body, send_error
-from streaming import sse
+from api.errors import error_body
+from api.ops import _TOO_LARGE, _read_body, send_error
+from api.streaming import sse
 
 from .routing import PREFIX_KEY
 

@@ -17,7 +17,7 @@ the same environment variables (``Config.from_env``), and adds what a fleet need
 * an ``x-minibatch-replica`` response header naming the replica that answered;
 * the replica's ``/metrics`` mirrored into Ray's metrics system with a ``replica`` label.
 
-Run: ``serve run deploy/serve_config.yaml`` (see the README's "Scale out" section), or from
+Run: ``serve run deploy/serve_config.yaml`` (see docs/deploy.md), or from
 Python: ``serve.run(build_app({"num_replicas": 2, "env": {"MODEL_ID": "fake"}}))``.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import fields, replace
 from typing import Any
@@ -37,17 +36,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.metrics import Gauge
 
-# The project's modules live at the repository root (server.py, config.py, ...): make them importable
-# however this file was reached (``serve run`` from the root, a worker process, a test).
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from api.ops import replay_body
+from config import Config
+from deploy.gateway import GatewayApp, GatewaySettings
+from deploy.routing import PrefixAffinityRouter
+from server import create_app
 
-from config import Config  # noqa: E402
-from deploy.gateway import GatewayApp, GatewaySettings  # noqa: E402
-from deploy.routing import PrefixAffinityRouter  # noqa: E402
-from ops import replay_body  # noqa: E402
-from server import create_app  # noqa: E402
+# The project's root: the replicas import the project from it (``runtime_env``'s PYTHONPATH, set by ``build_app``).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 log = logging.getLogger("minibatch.ray_serve")
 

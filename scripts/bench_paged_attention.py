@@ -16,16 +16,13 @@ inflate (memory-bandwidth contention still shows); with more threads it is wall 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from models.kernels import paged_attention as pa  # noqa: E402
+from models.kernels import paged_attention as pa
 
 SHAPES = {  # name: (layers, H, KVH, D)
     "smollm2-135m": (30, 9, 3, 64),

@@ -14,7 +14,7 @@ context: TTFT of the long prompt, inter-token latency there), scale-8k (the scal
 under KV_CACHE_MB=512) for the KV dtypes (issue 29, ``ours:kvd=int8`` ...; docs/kv-cache.md).
 See scripts/bench/workloads.py.
 
-Systems: ``static_hf`` (HF ``generate`` on FCFS batches, model_runner.py), ``hf_cb``
+Systems: ``static_hf`` (HF ``generate`` on FCFS batches, models/hf_baseline.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
 asyncio scheduler; ``ours:int8`` etc. at another WEIGHTS setting), ``llamacpp`` (llama.cpp's
 llama-server on the same .gguf, built once by scripts/build_llamacpp.py; not in the default set).
@@ -54,14 +54,11 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
-
-from bench.kv_quality import kv_quality_workload  # noqa: E402
-from bench.quality import quality_workload  # noqa: E402
-from bench.report import plot, report, summarize, write_json  # noqa: E402
-from bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline  # noqa: E402
-from bench.systems import (  # noqa: E402
+from scripts.bench.kv_quality import kv_quality_workload
+from scripts.bench.quality import quality_workload
+from scripts.bench.report import plot, report, summarize, write_json
+from scripts.bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline
+from scripts.bench.systems import (
     RAY_SYSTEM,
     SYSTEM_FNS,
     Unsupported,
@@ -70,8 +67,9 @@ from bench.systems import (  # noqa: E402
     run_ours_ray,
     unsupported,
 )
-from bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workload  # noqa: E402
+from scripts.bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workload
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("static_hf", "hf_cb", "ours")  # the default set
 QUICK_CAPACITIES = {"sweep": 2, "memory": 1}  # how many of a capacity workload's capacities --quick runs
 NOT_SERVING = ("quality", "kv-quality")  # workloads that score the model (bench/quality.py, bench/kv_quality.py)
@@ -90,7 +88,7 @@ def worker(args) -> None:
     if base in ("ours", "ours_server") and args.gguf:
         # The tokenizer the server itself loads for a GGUF (its metadata, not the fp32 conversion through
         # transformers' config classes): the worker's peak RSS stands for the server's, beside llama.cpp's.
-        from checkpoints import gguf_metadata_dir, saved_tokenizer
+        from models.loading.convert import gguf_metadata_dir, saved_tokenizer
 
         tok = saved_tokenizer(gguf_metadata_dir(args.gguf))
     else:
@@ -153,7 +151,8 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
     cmd = (
         [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            "scripts.benchmark",  # from ROOT (cwd): the worker imports this checkout's files
             "--worker",
             "--system",
             system,
@@ -190,9 +189,9 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
 
 
 def resolve_model(name: str) -> tuple[str, str]:
-    """(directory or id to load, note). A .gguf file is converted once (checkpoints.py); distilgpt2
+    """(directory or id to load, note). A .gguf file is converted once (models/loading/); distilgpt2
     falls back to a distilgpt2-shaped random checkpoint offline."""
-    from checkpoints import is_gguf, resolve_model_id
+    from models.loading import is_gguf, resolve_model_id
 
     if is_gguf(name):
         return resolve_model_id(name), (
@@ -207,7 +206,7 @@ def resolve_model(name: str) -> tuple[str, str]:
     except Exception as exc:  # no hub access, missing dir
         if name != "distilgpt2":
             raise SystemExit(f"cannot load model {name!r}: {exc}") from exc
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     path = os.path.join(ROOT, "weights", "bench-distilgpt2")
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -235,7 +234,7 @@ def decode_step(args, model_dir: str) -> dict:
     steps, rounds = (4, 1) if args.quick else (24, args.rounds)
     model = os.path.abspath(model_dir)  # the subprocesses run in the other checkout
     if context_window(model) < max(contexts) + steps + 16:
-        from make_test_model import build_checkpoint
+        from scripts.make_test_model import build_checkpoint
 
         model = os.path.join(ROOT, "weights", "bench-distilgpt2-2k")
         if not os.path.exists(os.path.join(model, "config.json")):
@@ -289,8 +288,9 @@ def step_rows(name: str, tree: str, args, model: str, contexts: list[int], steps
     script = os.path.join(ROOT, "scripts", "bench", "decode_step.py")
     cmd = [sys.executable, script, "--tree", tree, "--model", model, "--contexts", ",".join(map(str, contexts))]
     cmd += ["--steps", str(steps), "--threads", str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": tree}  # the child imports that checkout's modules (decode_step.py checks)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return [{"tree": name, "failed": True, "error": f"timed out after {args.timeout}s"}]
     line = next((out for out in proc.stdout.splitlines() if out.startswith("RESULT ")), None)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.threads = args.threads or physical_cores()
     model_dir, note = resolve_model(args.model)
-    from checkpoints import is_gguf
+    from models.loading import is_gguf
 
     args.gguf = os.path.abspath(os.path.expanduser(args.model)) if is_gguf(args.model) else ""
     machine = machine_line(args.threads)

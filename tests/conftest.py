@@ -1,21 +1,24 @@
-"""Shared helpers and fixtures: import paths, bounded async runs, the in-process app client
-(``serving``), FakeEngine's expected answers (``fake_text``/``fake_ids``), the error-shape check,
-and the test checkpoints built once per session. Real-socket servers are in ``live.py``."""
+"""Shared helpers and fixtures, the one copy of each: bounded async runs, the in-process app client
+(``serving``), FakeEngine's expected answers (``fake_text``/``fake_ids``) and its recording and failing variants
+(``RecordingEngine``, ``Boom``), the error-shape check (``assert_error``, ``assert_error_body``), SSE reading
+(``sse_events``), metrics scraping (``scrape``, ``metric``), engine construction (``make_engine``), the
+kernel-availability gate (``need_kernel``, ``need_native``: a skip, or a failure under ``REQUIRE_KERNELS=1``), and
+the test checkpoints built once per session. Real-socket servers are in ``live.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-import sys
 import threading
 from contextlib import asynccontextmanager
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
+from engine import FakeEngine  # torch-free
+from models.kernels.build import has_avx512  # torch-free
 
-from models.kernels.build import has_avx512  # noqa: E402  (torch-free)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(coro):
@@ -74,11 +77,7 @@ def runtime_knobs(runtime: str) -> dict:
     (int8, the torch-free model image; skips where its kernel cannot build). Use with ``RUNTIMES``."""
     if runtime == "torch":
         return {}
-    from models.native import unavailable_reason
-
-    why = unavailable_reason()
-    if why:
-        pytest.skip(f"native runtime unavailable: {why}")
+    need_native()
     return {"weights": "int8", "runtime": "native"}
 
 
@@ -131,22 +130,145 @@ async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> No
 
 
 def assert_error(r, status: int, kind: str | None = None, contains: str | None = None) -> dict:
+    """A response that is an error answer: ``status``, OpenAI's error shape (``assert_error_body``)."""
     assert r.status_code == status, r.text
-    body = r.json()
+    return assert_error_body(r.json(), status, *([contains] if contains is not None else []), kind=kind)
+
+
+def assert_error_body(body: dict | bytes | str, status: int, *words: str, kind: str | None = None) -> dict:
+    """An error body (a dict, or its JSON text) in OpenAI's shape, code ``status``, its message holding each of
+    ``words``, its type ``kind`` when given; -> the ``error`` object."""
+    if isinstance(body, (bytes, str)):
+        body = json.loads(body)
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     err = body["error"]
-    assert err["code"] == status and err["message"].strip()
+    assert err["code"] == status and err["type"] and err["message"].strip(), err
     if kind is not None:
         assert err["type"] == kind, err
-    if contains is not None:
-        assert contains in err["message"], err
+    for word in words:
+        assert word in err["message"], err
     return err
+
+
+def sse_events(body: str) -> list:
+    """The data payloads of a server-sent-events body, in order: each JSON payload parsed, and "[DONE]"."""
+    out = []
+    for block in body.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), block
+            data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def scrape(client) -> str:
+    """``GET /metrics`` through ``client`` (an httpx client): the Prometheus text, after checking its content type."""
+    r = await client.get("/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4"), r.headers
+    return r.text
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text (``labels`` like ``finished_reason="stop"``)."""
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(key)
+
+
+# --- engines -----------------------------------------------------------------------------------------------
+def make_engine(model_id: str, capacity: int = 4, **config):
+    """An ``HFEngine`` on ``model_id`` with ``capacity`` slots and 2 threads; ``config``: other Config fields."""
+    from config import Config
+    from engine import HFEngine
+
+    return HFEngine(Config(model_id=model_id, max_batch_size=capacity, num_threads=2, **config))
+
+
+class Boom(RuntimeError):
+    """The fault tests inject (an engine call, a hook) and expect to see contained."""
+
+
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that logs admissions, finishes and ``num_active`` after every admit/step, and keeps the
+    messages its chat template was last given (``seen``)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.active_log: list[int] = []
+        self.admitted: list[int] = []  # seq_ids in admission order
+        self.admit_groups: list[list[int]] = []
+        self.events: list[tuple[str, int]] = []
+        self.seen: list[dict] | None = None
+
+    def apply_chat_template(self, messages, tools=None):
+        self.seen = messages
+        return super().apply_chat_template(messages, tools)
+
+    def admit(self, seqs):
+        ids = super().admit(seqs)
+        self.admitted += ids
+        self.admit_groups.append(list(ids))
+        self.events += [("admit", i) for i in ids]
+        self.events += [("finish", s.seq_id) for s in seqs if s.is_finished]
+        self.active_log.append(self.num_active())
+        return ids
+
+    def step(self):
+        finished = super().step()
+        self.events += [("finish", s.seq_id) for s in finished]
+        self.active_log.append(self.num_active())
+        return finished
+
+    def admit_and_step(self, seqs):
+        if not seqs or not self.num_active():  # the base class delegates to admit() / step(), logged above
+            return super().admit_and_step(seqs)
+        finished = super().admit_and_step(seqs)
+        ids = [s.seq_id for s in seqs]
+        self.admitted += ids
+        self.admit_groups.append(ids)
+        self.events += [("admit", i) for i in ids] + [("finish", s.seq_id) for s in finished]
+        self.active_log.append(self.num_active())
+        return finished
+
+
+# --- compiled kernels: skipped where they cannot run, a failure in CI ------------------------------------
+REQUIRE_KERNELS = os.environ.get("REQUIRE_KERNELS") == "1"  # .ci/run sets it: CI must test every kernel
+
+
+def kernel_unavailable(what: str, reason: str | None) -> None:
+    """``what`` (a compiled kernel, the native runtime) cannot run here: skip the test, or, with
+    ``REQUIRE_KERNELS=1``, fail it, so a run without a C compiler or AVX2 cannot go green having tested neither."""
+    message = f"{what} unavailable: {reason or 'unknown reason'}"
+    if REQUIRE_KERNELS:
+        pytest.fail(f"{message} (REQUIRE_KERNELS=1)", pytrace=False)
+    pytest.skip(message)
+
+
+def need_kernel(module, what: str):
+    """The loaded library of a kernel module (``models.kernels.*``: its ``load()`` and ``KERNEL``), built on first
+    use; ``kernel_unavailable`` where it cannot be built or run."""
+    lib = module.load()
+    if lib is None:
+        kernel_unavailable(f"{what} kernel", module.KERNEL.unavailable_reason)
+    return lib
+
+
+def need_native() -> None:
+    """The torch-free native runtime can run here (its step kernel builds), else ``kernel_unavailable``."""
+    from models.native import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        kernel_unavailable("the native runtime", reason)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer random GPT-2 (initializer_range 0.15) with a trained BPE tokenizer; pad unset."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny")), shape="tiny", seed=0)
 
@@ -154,7 +276,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_pad_model_dir(tmp_path_factory) -> str:
     """Same shape, other weights, and a tokenizer whose pad id differs from EOS."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny_pad")), shape="tiny", seed=1, with_pad=True)
 
@@ -198,7 +320,7 @@ class Reference:
         logits processors applied before the argmax."""
         import torch
 
-        from model_runner import trim
+        from models.hf_baseline import trim
 
         ids = torch.tensor([prompt])
         with torch.inference_mode():
@@ -240,7 +362,7 @@ def drive(engine, batches: list, fused: bool = True) -> None:
 
 
 def seqs_for(ref: Reference, prompts: list[str], budgets: list[int], **kw) -> list:
-    from sequence import Sequence
+    from core.sequence import Sequence
 
     return [Sequence(prompt_token_ids=ref.encode(p), max_new_tokens=n, **kw) for p, n in zip(prompts, budgets)]
 
@@ -284,7 +406,7 @@ def pressure_model(request, tmp_path_factory) -> str:
     """Tiny random GPT-2, and a tiny random Llama (GQA: 4 query heads over 2 K/V heads)."""
     if request.param == "gpt2":
         return request.getfixturevalue("tiny_model_dir")
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
 

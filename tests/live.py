@@ -9,7 +9,7 @@
   read-only, through ``.state``). It binds its own socket (port 0: no race for a free port), waits
   (bounded) until the lifespan has started, and stops with ``should_exit``.
 
-Also: ``poll_until`` (a bounded wait from a test thread), ``metric`` (one Prometheus sample), and
+Also: ``poll_until`` (a bounded wait from a test thread), ``scrape_url`` and ``metric`` (one Prometheus sample), and
 ``fake_text`` (FakeEngine's expected answer, from conftest).
 """
 
@@ -25,7 +25,8 @@ import threading
 import time
 
 import httpx
-from conftest import fake_text  # noqa: F401  (re-exported: tests import it from here with the servers)
+
+from conftest import fake_text, metric  # noqa: F401  (re-exported: tests import them from here with the servers)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,13 +192,9 @@ def poll_until(cond, timeout: float, what: str, interval: float = 0.005) -> None
         time.sleep(interval)
 
 
-def metric(text: str, name: str, labels: str = "") -> float:
-    """One sample's value from Prometheus text (``labels`` like ``finished_reason="stop"``)."""
-    key = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(key + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(key)
+def scrape_url(url: str) -> str:
+    """``GET {url}/metrics`` of a real server: the Prometheus text (read values with ``metric``)."""
+    return httpx.get(f"{url}/metrics", timeout=10).text
 
 
 def config_vars() -> set[str]:

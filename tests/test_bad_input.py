@@ -19,7 +19,6 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from live import ThreadServer
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -32,6 +31,8 @@ from schemathesis.specs.openapi.checks import (
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from live import ThreadServer
 
 MAX_EXAMPLES = 40  # per operation and mode: (7 positive + 3 negative) x 40 = 400 generated requests at most
 CONTEXT = 256

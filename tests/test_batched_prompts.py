@@ -6,12 +6,12 @@ client and the real tiny model are in test_openai_api.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
-from conftest import Gate, assert_error, bounded, fake_text, serving, wait_until
 
 from engine import FakeEngine
+
+from conftest import Gate, assert_error, bounded, fake_text, serving, sse_events, wait_until
 
 BASE = {"max_tokens": 5, "temperature": 0}
 
@@ -19,16 +19,6 @@ BASE = {"max_tokens": 5, "temperature": 0}
 def ids(text: str) -> list[int]:
     """FakeEngine's byte-level token ids (byte + 1)."""
     return [b + 1 for b in text.encode("utf-8")]
-
-
-def sse_events(body: str) -> list:
-    out = []
-    for block in body.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 class AdmissionLog(FakeEngine):

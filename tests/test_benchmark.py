@@ -9,13 +9,15 @@ import sys
 import time
 
 import pytest
+
 from conftest import ROOT
 
 pytestmark = pytest.mark.model
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--quick", "--timeout", "300", *args]
+    # As a module from ROOT: the run imports this checkout's files, whichever checkout the environment installed.
+    cmd = [sys.executable, "-m", "scripts.benchmark", "--quick", "--timeout", "300", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -114,8 +116,8 @@ def test_drive_honors_arrival_times_dependencies_and_continued_turns():
     """The one request driver every system shares, on a fake system that answers after a fixed delay."""
     import asyncio
 
-    from bench.systems import drive, parse_system, unsupported
-    from bench.workloads import build_workload, slot_context
+    from scripts.bench.systems import drive, parse_system, unsupported
+    from scripts.bench.workloads import build_workload, slot_context
 
     def fake_send(delay: float):
         async def send(r, prompt):
@@ -162,10 +164,9 @@ def test_drive_honors_arrival_times_dependencies_and_continued_turns():
 
 def test_ours_env_sets_knobs_through_config_from_env():
     """ours' options reach Config the way the server's do (PREFIX_CACHING included, once config.py has it)."""
-    from bench.systems import ours_env
-    from bench.workloads import build_workload
-
     from config import Config
+    from scripts.bench.systems import ours_env
+    from scripts.bench.workloads import build_workload
 
     tok = ByteTokenizer()
     env = ours_env(build_workload("long-prompt", tok, 0, True), "", "auto", {"budget": "128", "prefix": "off"})
@@ -228,7 +229,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 def test_a_llama_server_dying_while_repacking_is_started_again_without(tmp_path):
     """llamacpp:repack=auto (the default) restarts a server that died by itself while starting, with --no-repack,
     and says so in its config; repack=on reports the failure; a server that never answers is not restarted."""
-    from bench.systems import _free_port, start_llama_server
+    from scripts.bench.systems import _free_port, start_llama_server
 
     port = _free_port()
     cmd, url = [_fake_llama_server(tmp_path / "segv", "segv"), "--port", str(port)], f"http://127.0.0.1:{port}/health"
@@ -263,7 +264,7 @@ def _cpuinfo(path, *processors: tuple[str, str]) -> str:
 def test_llamacpp_builds_are_kept_per_kind_of_cpu(tmp_path, monkeypatch):
     """A native llama-server build (-march=native) is cached under its CPU's tag: another instruction set or model
     means another directory, so a cache shared between machines never hands an AVX-512 binary to an AVX2 one."""
-    from build_llamacpp import VERSION, binary_path, build_dir, cpu_tag
+    from scripts.build_llamacpp import VERSION, binary_path, build_dir, cpu_tag
 
     xeon = cpu_tag(_cpuinfo(tmp_path / "a", ("Xeon", "fma avx2 avx512f"), ("Xeon", "fma")))
     assert len(xeon) == 10
@@ -294,7 +295,7 @@ BYTES_PER_WEIGHT = {"fp32": 4, "int8": 34 / 32, "int4": 20 / 32}
 
 @pytest.fixture(scope="module")
 def tiny_llama_untied_dir(tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_cost")), arch="llama", seed=2, tied=False)
 
@@ -347,15 +348,14 @@ def test_cost_model_agrees_with_a_direct_count_of_the_weights(family, fmt, tiny_
     assert sum(model.resident_weights().values()) == sum(model.weight_bytes().values()) + table_bytes
 
 
-def test_static_baseline_pads_with_model_runner_and_ours_ray_calls_bench_ray():
-    """The benchmark's static batches use model_runner's padding; ours_ray is deploy/bench_ray.py's code (no copy).
-    Import-level only: starting Ray is slow, ``--systems ours_ray`` exercises it."""
+def test_static_baseline_pads_with_hf_baseline_and_ours_ray_calls_bench_ray():
+    """The benchmark's static batches use models.hf_baseline's padding; ours_ray is deploy/bench_ray.py's code (no
+    copy). Import-level only: starting Ray is slow, ``--systems ours_ray`` exercises it."""
     import importlib.util
 
-    from bench import systems, workloads
-
     from deploy import bench_ray
-    from model_runner import left_pad
+    from models.hf_baseline import left_pad
+    from scripts.bench import systems, workloads
 
     ids, mask = left_pad([[5, 6, 7], [9]], pad_id=0)  # [2, 3] each, right-aligned
     assert ids.tolist() == [[5, 6, 7], [0, 0, 9]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]

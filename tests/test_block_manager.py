@@ -1,4 +1,4 @@
-"""The KV block manager (block_manager.py): tables, refcounts, exhaustion, reuse, watermark, no leaks."""
+"""The KV block manager (core/block_manager.py): tables, refcounts, exhaustion, reuse, watermark, no leaks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from block_manager import BlockManager, NoFreeBlocksError, chain_hash, extend_block_hashes
+from core.block_manager import BlockManager, NoFreeBlocksError, chain_hash, extend_block_hashes
 
 
 def test_allocate_append_free_round_trip():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from detokenizer import Delta, IncrementalDecoder, truncate_at_stop
+from text.detokenizer import Delta, IncrementalDecoder, truncate_at_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FFFD = "\ufffd"
@@ -178,7 +178,8 @@ def test_decode_work_is_linear_in_output_length():
 
 def test_module_imports_no_torch():
     code = (
-        "import sys, detokenizer; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+        "import sys; from text import detokenizer; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -198,7 +199,7 @@ REAL_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from make_test_model import train_tokenizer
+    from scripts.make_test_model import train_tokenizer
 
     return train_tokenizer(1000, with_pad=False)
 

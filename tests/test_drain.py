@@ -12,6 +12,7 @@ import json
 import time
 
 import httpx
+
 from conftest import fake_text, run
 from live import ProcessServer
 

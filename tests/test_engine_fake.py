@@ -12,8 +12,10 @@ import random
 import pytest
 
 from config import Config
+from core.sequence import Sequence, SequenceStatus
 from engine import AdmissionError, FakeEngine, RowFailure, build_engine
-from sequence import Sequence, SequenceStatus
+
+from conftest import Boom
 
 STOP = 999
 
@@ -138,10 +140,6 @@ def test_empty_prompt_in_group_admits_nothing():
     with pytest.raises(AdmissionError, match="empty"):
         eng.admit(group)
     assert eng.num_active() == 0
-
-
-class Boom(RuntimeError):
-    pass
 
 
 @pytest.mark.parametrize("already", [0, 2])

@@ -21,12 +21,13 @@ import threading
 import time
 
 import httpx
-from conftest import TIMEOUT, assert_pool_full, run
-from live import ThreadServer, fake_text, metric
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from conftest import TIMEOUT, assert_pool_full, run
+from live import ThreadServer, fake_text, metric, scrape_url
 
 
 def start(engine: FakeEngine, **config) -> ThreadServer:
@@ -43,10 +44,6 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.005)
 
 
-def scrape(url: str) -> str:
-    return httpx.get(f"{url}/metrics", timeout=10).text
-
-
 def finished(text: str, reason: str) -> float:
     return metric(text, "minibatch:request_success_total", f'finished_reason="{reason}"')
 
@@ -55,7 +52,7 @@ def assert_idle(srv: ThreadServer) -> None:
     """Nothing running, waiting, holding a KV row or in flight; ready for more."""
 
     def idle() -> bool:
-        text = scrape(srv.url)
+        text = scrape_url(srv.url)
         return all(
             metric(text, f"minibatch:{name}") == 0
             for name in (
@@ -181,7 +178,7 @@ def test_step_faults_fail_only_the_active_batch_and_the_server_keeps_serving():
         check_outcomes(results, requests, caught, "engine step failed")
         assert_idle(srv)
         assert eng.resets == len(poisoned)
-        text = scrape(srv.url)
+        text = scrape_url(srv.url)
         assert finished(text, "error") == 12
         assert finished(text, "length") == 60 - 12
         assert metric(text, "minibatch:engine_failures_total", 'phase="decode"') == len(poisoned)
@@ -216,7 +213,7 @@ def test_admit_faults_fail_only_their_newcomers():
         assert poisoned <= caught and len(caught) == 4, sorted(caught)
         check_outcomes(results, requests, caught, "admission failed")
         assert_idle(srv)
-        text = scrape(srv.url)
+        text = scrape_url(srv.url)
         assert metric(text, "minibatch:engine_failures_total", 'phase="prefill"') == 4
         assert finished(text, "error") == 4 and finished(text, "length") == 40 - 4
 
@@ -263,7 +260,7 @@ def test_killed_streaming_client_frees_its_slot():
         # The single slot serves the next request.
         r = httpx.post(f"{srv.url}/generate", json={"prompt": "next", "max_new_tokens": 4}, timeout=10)
         assert r.status_code == 200 and r.json()["text"] == fake_text("next", 4)
-        assert finished(scrape(srv.url), "abort") == 1
+        assert finished(scrape_url(srv.url), "abort") == 1
 
 
 def test_many_streaming_clients_dropped_mid_stream():
@@ -273,7 +270,7 @@ def test_many_streaming_clients_dropped_mid_stream():
         body = b'{"prompt": "dropped", "stream": true, "max_new_tokens": 50000}'
 
         def queued() -> tuple[float, float]:
-            text = scrape(srv.url)
+            text = scrape_url(srv.url)
             return metric(text, "minibatch:num_requests_running"), metric(text, "minibatch:num_requests_waiting")
 
         try:
@@ -291,7 +288,7 @@ def test_many_streaming_clients_dropped_mid_stream():
             for s in socks:
                 s.close()
         assert_idle(srv)
-        assert finished(scrape(srv.url), "abort") == 12
+        assert finished(scrape_url(srv.url), "abort") == 12
         r = httpx.post(f"{srv.url}/generate", json={"prompt": "after", "max_new_tokens": 3}, timeout=10)
         assert r.status_code == 200 and r.json()["text"] == fake_text("after", 3)
 
@@ -359,7 +356,7 @@ def test_a_fault_while_clients_disconnect_loses_nothing():
             else:
                 assert r.status_code == 200 and r.json()["text"] == fake_text(prompts[rid], 30), (rid, r.text)
         assert_idle(srv)
-        text = scrape(srv.url)
+        text = scrape_url(srv.url)
         # Every request once: the faulty batch (the leaver d0 included) as errors, the queued leavers as aborts.
         assert (finished(text, "error"), finished(text, "abort"), finished(text, "length")) == (4, 2, 4)
         assert sum(finished(text, r) for r in ("stop", "length", "abort", "timeout", "error")) == 10

@@ -11,13 +11,12 @@ with joins while lean steps really run (the family-generic gates in test_parity.
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, Reference, drive, expected, seqs_for
+
+from conftest import PROMPTS, Reference, drive, expected, make_engine, need_kernel, seqs_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from config import Config  # noqa: E402
-from engine import HFEngine  # noqa: E402
 from models import layers  # noqa: E402
 from models.kernels import decode_ops, decode_step  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
@@ -33,16 +32,13 @@ def _restore_threads():
 
 
 def need_kernels() -> None:
-    if decode_ops.load() is None:
-        pytest.skip(f"decode ops kernel unavailable: {decode_ops.KERNEL.unavailable_reason}")
-    if pa.load() is None:
-        pytest.skip(f"paged attention kernel unavailable: {pa.KERNEL.unavailable_reason}")
+    need_kernel(decode_ops, "decode ops")
+    need_kernel(pa, "paged attention")
 
 
 def need_step_kernel() -> None:
     need_kernels()
-    if decode_step.load() is None:
-        pytest.skip(f"decode step kernel unavailable: {decode_step.KERNEL.unavailable_reason}")
+    need_kernel(decode_step, "decode step")
 
 
 # --- kernels against float64 torch --------------------------------------------------------------
@@ -139,15 +135,11 @@ def test_rope_write_attend_matches_float64(threads, rope, H, KVH, D, bs, lens):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def family_dir(request, tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     if request.param == "gpt2":
         return request.getfixturevalue("tiny_model_dir")
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_lean")), arch="llama", seed=2, tied=False)
-
-
-def make_engine(model_dir: str, capacity: int, **config) -> HFEngine:
-    return HFEngine(Config(model_id=model_dir, max_batch_size=capacity, num_threads=2, **config))
 
 
 @pytest.mark.model

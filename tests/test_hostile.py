@@ -15,7 +15,8 @@ import time
 
 import httpx
 import pytest
-from conftest import fake_text, run
+
+from conftest import assert_error_body, fake_text, run
 from live import ProcessServer, metric
 
 OK_BODY = {"prompt": "hello", "max_new_tokens": 3}
@@ -75,14 +76,6 @@ def closed_by_peer(s: socket.socket, timeout: float) -> bool:
         return False
 
 
-def assert_error_shape(status_body: bytes, status: int, *words: str) -> dict:
-    err = json.loads(status_body)["error"]
-    assert err["code"] == status and set(err) == {"message", "type", "param", "code"}, err
-    for word in words:
-        assert word in err["message"], err
-    return err
-
-
 # --- item 2: slow request bodies ------------------------------------------------------------------
 def test_slow_bodies_get_408_and_never_hold_request_slots():
     """More stalled bodies than MAX_CONCURRENT_REQUESTS: normal requests are still served at once,
@@ -98,7 +91,7 @@ def test_slow_bodies_get_408_and_never_hold_request_slots():
             for s in stalled:
                 status, _, body = read_response(s, timeout=10)
                 assert status == 408, body
-                assert_error_shape(body, 408, "BODY_TIMEOUT_S")
+                assert_error_body(body, 408, "BODY_TIMEOUT_S")
             print(
                 f"\n8 stalled bodies with MAX_CONCURRENT_REQUESTS=4: normal request 200; "
                 f"408s within {time.monotonic() - start + 0.3:.2f}s"
@@ -208,7 +201,7 @@ def test_sigterm_with_a_stalled_body_answers_it_in_the_error_shape_and_exits_0()
             s.close()
         print(f"\nSIGTERM with a stalled body: {status} after {took:.2f}s, exit {code}")
         assert status == 503 and headers.get("content-type") == "application/json", (status, headers, body)
-        assert_error_shape(body, 503, "shutting down")
+        assert_error_body(body, 503, "shutting down")
         assert code == 0 and took < 5
         assert "Traceback" not in srv.output()
 

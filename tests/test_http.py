@@ -8,11 +8,12 @@ import math
 
 import httpx
 import pytest
-from conftest import Gate, assert_error, bounded, fake_ids, fake_text, serving, wait_until
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from conftest import Gate, assert_error, bounded, fake_ids, fake_text, serving, wait_until
 
 LIMIT = 64  # MAX_NEW_TOKENS_LIMIT in most tests
 

@@ -1,5 +1,6 @@
 """The server stack imports and serves MODEL_ID=fake in a fresh interpreter without torch, transformers or the
-grammar library (llguidance)."""
+grammar library (llguidance); the domain below the HTTP layer (engine, scheduler, core/, guided/, text/) imports no
+fastapi or starlette: only api/ (and server.py) speak HTTP."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
 
-    import config, engine, schemas, scheduler, server, text_tokenizer
+    import config, engine, schemas, scheduler, server, text.tokenizer
 
     app = server.create_app()
     assert server.app is not None
@@ -61,3 +62,29 @@ def test_probe_detects_torch():
         assert "No module named" in proc.stderr, proc.stderr
         return
     assert proc.stdout.strip() == "True"
+
+
+DOMAIN = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+
+    import core, guided, text
+
+    names = ["engine", "scheduler", "model_runner", "config"]
+    for package in (core, guided, text):
+        names += [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    for name in names:
+        importlib.import_module(name)
+    web = sorted(m for m in sys.modules if m.split(".")[0] in ("fastapi", "starlette", "uvicorn", "api"))
+    print("MODULES:" + ",".join(sorted(names)))
+    print("WEB:" + ",".join(web))
+    """
+)
+
+
+def test_the_domain_never_imports_the_web_stack():
+    proc = run_fresh(DOMAIN)
+    assert proc.returncode == 0, proc.stderr
+    found = dict(line.split(":", 1) for line in proc.stdout.splitlines() if line.startswith(("MODULES:", "WEB:")))
+    assert {"core.sequence", "guided.tools", "text.tokenizer"} <= set(found["MODULES"].split(",")), found
+    assert found["WEB"] == "", f"the domain imported the web stack: {found['WEB']}"

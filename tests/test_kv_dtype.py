@@ -12,11 +12,12 @@ the prefix cache) gives the same tokens again.
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, Reference, expected, pool_mb, runtime_knobs
 from test_prefix_cache import seq, submit_all
 
 from config import Config, ConfigError
-from sequence import Sequence, group_choices
+from core.sequence import Sequence, group_choices
+
+from conftest import PROMPTS, Reference, expected, pool_mb, runtime_knobs
 
 NARROW = ["fp16", "bf16", "int8"]
 # Least share of greedy tokens (before each sequence's first difference) that equal HF fp32's, per dtype, on the
@@ -136,7 +137,7 @@ def test_kv_cache_mb_buys_more_tokens_with_a_narrower_dtype(pressure_model, runt
 
 
 def test_metrics_name_the_dtype():
-    from metrics import ServerMetrics
+    from api.metrics import ServerMetrics
 
     live = {"kv_cache_dtype": "int8", "kv_cache_bytes": 1234.0, "kv_cache_blocks": 3.0}
     text = ServerMetrics(lambda: live).render().decode()
@@ -158,8 +159,8 @@ def test_an_unknown_kv_cache_dtype_names_the_variable_and_the_choices(value):
 def test_a_dtype_the_cpu_cannot_run_fails_at_startup_with_one_line(monkeypatch):
     """fp16 on a CPU without F16C: one line that says what to use instead (checked before the model loads)."""
     import engine
-    from checkpoints import ModelLoadError
     from models import kv_dtype
+    from models.loading import ModelLoadError
 
     monkeypatch.setattr(kv_dtype, "cpu_flags", lambda: {"avx2", "fma"})
     with pytest.raises(ModelLoadError, match="F16C") as err:

@@ -12,11 +12,12 @@ import asyncio
 import random
 
 import pytest
-from conftest import assert_error, assert_pool_full, bounded, fake_ids, pool_mb, run, serving
 
+from core.sequence import Sequence, SequenceStatus
 from engine import AdmissionError, FakeEngine
 from scheduler import Scheduler
-from sequence import Sequence, SequenceStatus
+
+from conftest import assert_error, assert_pool_full, bounded, fake_ids, pool_mb, run, serving
 
 
 def letters(prompt, n):

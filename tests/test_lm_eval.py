@@ -12,10 +12,11 @@ import os
 
 import pytest
 import torch
-from live import ThreadServer
 
 from config import Config
 from server import create_app
+
+from live import ThreadServer
 
 pytest.importorskip("lm_eval")
 
@@ -91,8 +92,9 @@ def hf_loglikelihood(model, context: list[int], continuation: list[int]) -> floa
 
 def test_lm_eval_local_completions_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     import lm_eval
-    from conftest import Reference
     from lm_eval.tasks import TaskManager
+
+    from conftest import Reference
 
     for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")

@@ -15,11 +15,12 @@ import time
 
 import httpx
 import pytest
-from conftest import RUNTIMES, assert_pool_full, assert_runtime, run, runtime_knobs
-from live import ThreadServer, metric
 
 from config import Config
 from server import create_app
+
+from conftest import RUNTIMES, assert_pool_full, assert_runtime, run, runtime_knobs
+from live import ThreadServer, metric
 
 pytestmark = pytest.mark.model
 

@@ -9,11 +9,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from live import ThreadServer, openai_client
 
 from config import Config
-from sampling import SamplingParams, apply_logit_bias, sample
+from core.sampling import SamplingParams, apply_logit_bias, sample
 from server import create_app
+
+from live import ThreadServer, openai_client
 
 PROMPT = "A journey of a thousand"
 MODEL = "tiny-gpt2"
@@ -89,7 +90,7 @@ def engine(tiny_model_dir):
 
 def run_batch(engine, specs: list[tuple[str, dict]], max_new_tokens: int = 12) -> list[list[int]]:
     """Admit one batch (prompt, SamplingParams kwargs) together, step it to the end; the output ids."""
-    from sequence import Sequence
+    from core.sequence import Sequence
 
     seqs = [
         Sequence(engine.encode(p), max_new_tokens, ignore_eos=True, sampling=SamplingParams(**sp)) for p, sp in specs

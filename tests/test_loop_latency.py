@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import run
 from live import ProcessServer
 

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     import sys
     from config import Config
     from engine import HFEngine
-    from sequence import Sequence
+    from core.sequence import Sequence
 
     def rss_mb():
         with open("/proc/self/status") as f:
@@ -81,7 +81,7 @@ def write_tiny_gguf(path) -> str:
 
 
 def test_gguf_metadata_is_converted_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
-    import checkpoints
+    from models.loading import convert as loading
 
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
@@ -94,20 +94,20 @@ def test_gguf_metadata_is_converted_once_and_again_when_the_file_changes(tmp_pat
         with open(os.path.join(out, "tokenizer.json"), "w") as f:
             f.write(str(len(calls)))
 
-    monkeypatch.setattr(checkpoints, "_metadata_in_child", convert)
-    first = checkpoints.gguf_metadata_dir(path)
-    assert checkpoints.gguf_metadata_dir(path) == first and calls == [path]  # the second load reads the cache
+    monkeypatch.setattr(loading, "_metadata_in_child", convert)
+    first = loading.gguf_metadata_dir(path)
+    assert loading.gguf_metadata_dir(path) == first and calls == [path]  # the second load reads the cache
     with open(os.path.join(first, "tokenizer.json")) as f:
         assert f.read() == "1"
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: its cache is stale
-    second = checkpoints.gguf_metadata_dir(path)
+    second = loading.gguf_metadata_dir(path)
     assert second != first and len(calls) == 2
     with open(os.path.join(second, "tokenizer.json")) as f:
         assert f.read() == "2"
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
-    with pytest.raises(checkpoints.ModelLoadError, match="converter failed") as info:
-        checkpoints.gguf_metadata_dir(path)
+    with pytest.raises(loading.ModelLoadError, match="converter failed") as info:
+        loading.gguf_metadata_dir(path)
     assert path in str(info.value) and "\n" not in str(info.value)
     assert sorted(os.listdir(os.path.dirname(first))) == sorted(os.path.basename(d) for d in (first, second))
 
@@ -129,13 +129,13 @@ def test_saved_config_has_every_attribute_of_the_config_class(tmp_path, model_ty
 
     import transformers
 
-    import checkpoints
+    from models.loading import convert as loading
 
     cfg = tiny_config(model_type)
     generation = transformers.GenerationConfig.from_model_config(cfg)
-    checkpoints.save_config(str(tmp_path), cfg, generation)
-    config, generation_config = checkpoints.saved_config(str(tmp_path))
-    assert isinstance(config, checkpoints.PlainConfig)
+    loading.save_config(str(tmp_path), cfg, generation)
+    config, generation_config = loading.saved_config(str(tmp_path))
+    assert isinstance(config, loading.PlainConfig)
     for key, value in json.loads(cfg.to_json_string(use_diff=False)).items():
         assert getattr(config, key) == value, key
     assert cfg.attribute_map or model_type == "llama"
@@ -150,11 +150,11 @@ def test_saved_config_has_every_attribute_of_the_config_class(tmp_path, model_ty
 def test_a_scaled_rope_config_comes_back_as_its_transformers_class(tmp_path):
     import transformers
 
-    import checkpoints
+    from models.loading import convert as loading
 
     cfg = tiny_config("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    checkpoints.save_config(str(tmp_path), cfg, transformers.GenerationConfig.from_model_config(cfg))
-    config, _ = checkpoints.saved_config(str(tmp_path))
+    loading.save_config(str(tmp_path), cfg, transformers.GenerationConfig.from_model_config(cfg))
+    config, _ = loading.saved_config(str(tmp_path))
     assert type(config) is transformers.LlamaConfig and config.rope_parameters["rope_type"] == "linear"
 
 
@@ -182,7 +182,7 @@ def test_smollm2_gguf_loads_without_model_classes_and_peaks_at_its_final_rss(smo
 
     import transformers
 
-    import checkpoints
+    from models.loading import convert as loading
 
     env = {**os.environ, "MINIBATCH_CACHE": GGUF_CACHE}
     proc = subprocess.run(
@@ -196,8 +196,8 @@ def test_smollm2_gguf_loads_without_model_classes_and_peaks_at_its_final_rss(smo
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
-        meta = checkpoints.gguf_metadata_dir(smollm2_gguf)  # the child's conversion, found in the cache
-    ours, auto = checkpoints.saved_tokenizer(meta), transformers.AutoTokenizer.from_pretrained(meta)
+        meta = loading.gguf_metadata_dir(smollm2_gguf)  # the child's conversion, found in the cache
+    ours, auto = loading.saved_tokenizer(meta), transformers.AutoTokenizer.from_pretrained(meta)
     text = "<|im_start|>user\\nWhat is the capital of France? déjà vu 😀<|im_end|>\\n"
     assert type(ours) is type(auto) and len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
     assert ours.encode(text) == auto.encode(text) and ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
@@ -248,8 +248,8 @@ def test_an_fp32_checkpoint_loads_without_holding_its_file_in_rss(tiny_model_dir
     """Packing a safetensors checkpoint releases each block's mapped pages: after the build, the HF model still
     alive, the model file's mapping holds (almost) nothing in RSS, and the forward equals HF's."""
     torch = pytest.importorskip("torch")
-    from checkpoints import load_checkpoint
     from models import families
+    from models.loading import load_checkpoint
 
     _, hf = load_checkpoint(tiny_model_dir, "fp32")
     model = families()["gpt2"](hf.eval(), 2, 64, torch.device("cpu"), num_blocks=8, block_size=16)

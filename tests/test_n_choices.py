@@ -15,16 +15,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import assert_error, assert_pool_full, bounded, fake_text, run, serving, wait_until
-from live import openai_client
 from test_kv_pool import letters
 from test_prefix_cache import seq, submit_all
 from test_streaming_cancel import parse_sse
 
+from api.openai.fields import choice_seed
+from core.sequence import Sequence, group_choices
 from engine import FakeEngine
-from openai_api import choice_seed
 from scheduler import Scheduler
-from sequence import Sequence, group_choices
+
+from conftest import assert_error, assert_pool_full, bounded, fake_text, run, serving, wait_until
+from live import openai_client
 
 
 def test_choice_seeds_are_their_own_streams():
@@ -286,10 +287,10 @@ def test_a_choice_that_cannot_fork_any_more_is_admitted_like_any_sequence():
 
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
-    from live import ThreadServer
-
     from config import Config
     from server import create_app
+
+    from live import ThreadServer
 
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     config = Config(
@@ -348,8 +349,9 @@ def test_openai_client_n_greedy_and_streamed(client, live):
 def test_greedy_forked_choices_equal_hf_generate_and_compute_the_prompt_once(pressure_model, budget):
     """Block size 4: 4 greedy choices of an 18-token prompt (mid-block) and 3 of a 16-token one (on the boundary)
     are each equal to HF ``generate``; the prefill computes each prompt once."""
-    from conftest import PROMPTS, Reference
     from test_prefix_cache import assert_parity, full_again, hf_engine
+
+    from conftest import PROMPTS, Reference
 
     reference = Reference(pressure_model)
     engine = hf_engine(pressure_model, max_num_batched_tokens=budget, max_batch_size=8)
@@ -370,7 +372,7 @@ def test_seeded_forked_choices_equal_each_choice_run_alone(tiny_model_dir, budge
     give exactly what each seed gives as a request of its own; a second run gives them again."""
     from test_prefix_cache import full_again, hf_engine
 
-    from sampling import SamplingParams
+    from core.sampling import SamplingParams
 
     engine = hf_engine(tiny_model_dir, max_num_batched_tokens=budget, max_batch_size=8)
     prompt = engine.encode("Once upon a time, in a small village")  # mid-block with blocks of 4
@@ -402,8 +404,9 @@ def test_seeded_forked_choices_equal_each_choice_run_alone(tiny_model_dir, budge
 def test_forked_choices_under_memory_pressure_stay_exact(pressure_model):
     """Two groups of 3 greedy choices and two loners in a pool of 14 blocks of 4 tokens: choices are preempted
     (waiting for their parent or decoding) and recomputed; every output equals HF ``generate``."""
-    from conftest import PROMPTS, Reference
     from test_prefix_cache import full_again, hf_engine
+
+    from conftest import PROMPTS, Reference
 
     reference = Reference(pressure_model)
     engine = hf_engine(pressure_model, blocks=14, max_num_batched_tokens=6)
@@ -426,8 +429,8 @@ def test_each_forked_choice_keeps_its_own_grammar(tiny_model_dir):
     import jsonschema
     from test_prefix_cache import full_again, hf_engine
 
-    from sampling import SamplingParams
-    from structured_output import compiler_for, schema_grammar
+    from core.sampling import SamplingParams
+    from guided.grammars import compiler_for, schema_grammar
 
     schema = {
         "type": "object",

@@ -15,24 +15,17 @@ import sys
 import textwrap
 
 import pytest
-from conftest import PROMPTS, Reference, expected, pool_mb, seqs_for
 from test_prefix_cache import submit_all
 
 from config import Config, ConfigError
-from sampling import SamplingParams
-from sequence import Sequence, group_choices
+from core.sampling import SamplingParams
+from core.sequence import Sequence, group_choices
+
+from conftest import PROMPTS, Reference, expected, need_native, pool_mb, seqs_for
 
 pytestmark = pytest.mark.model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def need_native() -> None:
-    from models.native import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"the native runtime cannot run here: {reason}")
 
 
 def engine_config(model_dir: str, weights: str, blocks: int = 64, **config) -> Config:
@@ -187,9 +180,9 @@ SERVER_CHECK = textwrap.dedent(
 def test_a_native_server_serves_without_loading_torch(pressure_model):
     """``python server.py`` with quantized weights (RUNTIME=auto): completions with logprobs, seeded sampling and a
     grammar-constrained choice all answer, and libtorch is never mapped into the server process."""
-    from live import ProcessServer
-
     from models.image import ensure_image
+
+    from live import ProcessServer
 
     need_native()
     ensure_image(pressure_model, "int8")  # built here (a torch child), so the server finds it cached

@@ -24,13 +24,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import needs_avx512  # noqa: E402
-
-from checkpoints import ModelLoadError, marker_path  # noqa: E402
 from models import image  # noqa: E402
 from models.image import ImageError  # noqa: E402
 from models.kernels import step_abi  # noqa: E402
+from models.loading import ModelLoadError, marker_path  # noqa: E402
 from models.native import NativeModel  # noqa: E402
+
+from conftest import need_kernel, needs_avx512  # noqa: E402
 
 BS = 4  # tokens per KV block: chunks end mid-block and on block boundaries
 NB = 400  # KV blocks in each pool
@@ -39,8 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_kernel():
-    if step_abi.load() is None:
-        pytest.skip(f"decode step kernel unavailable: {step_abi.KERNEL.unavailable_reason}")
+    need_kernel(step_abi, "decode step")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,7 @@ def cache_root(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def family_dir(request, tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     if request.param == "gpt2":
         return request.getfixturevalue("tiny_model_dir")

@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from live import ThreadServer, openai_client, poll_until
 
 from config import Config
 from server import create_app
+
+from live import ThreadServer, openai_client, poll_until
 
 pytestmark = pytest.mark.model
 
@@ -458,8 +459,8 @@ def engine(tiny_model_dir):
 
 def run_engine(engine, specs: list[tuple[str, dict]], max_new_tokens: int = 20, logprobs: int | None = None):
     """Admit one batch (prompt, SamplingParams kwargs) and step it to the end; return the sequences."""
-    from sampling import SamplingParams
-    from sequence import Sequence
+    from core.sampling import SamplingParams
+    from core.sequence import Sequence
 
     seqs = [
         Sequence(engine.encode(p), max_new_tokens, ignore_eos=True, sampling=SamplingParams(**sp), logprobs=logprobs)

@@ -12,22 +12,16 @@ import sys
 
 import httpx
 import pytest
-from conftest import ROOT, Gate, assert_error, bounded, fake_text, serving, wait_until
-from live import config_vars, metric
 
+from api.metrics import logfmt
 from config import Config
 from engine import FakeEngine
-from metrics import logfmt
 from server import create_app
 
+from conftest import ROOT, Gate, assert_error, bounded, fake_text, scrape, serving, wait_until
+from live import config_vars, metric
+
 KEY = "test-key-0123456789"
-
-
-async def scrape(c: httpx.AsyncClient) -> str:
-    r = await c.get("/metrics")
-    assert r.status_code == 200
-    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    return r.text
 
 
 # --- metrics ---------------------------------------------------------------------------------------------

@@ -10,18 +10,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import needs_avx512  # noqa: E402
-
 from models.kernels import build  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
+
+from conftest import need_kernel, needs_avx512  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if pa.load() is None:
-        pytest.skip(f"kernel unavailable: {pa.KERNEL.unavailable_reason}")
+    need_kernel(pa, "paged attention")
     return pa
 
 

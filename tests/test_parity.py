@@ -15,16 +15,17 @@ import asyncio
 import random
 
 import pytest
-from conftest import PROMPTS, Reference, drive, expected, repoint_eos, run, seqs_for
+
+from conftest import PROMPTS, Reference, drive, expected, kernel_unavailable, make_engine, repoint_eos, run, seqs_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
+from core.sequence import Sequence  # noqa: E402
 from engine import HFEngine, ModelLoadError  # noqa: E402
-from model_runner import HFModelRunner  # noqa: E402
+from models.hf_baseline import HFModelRunner  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
-from sequence import Sequence  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +35,7 @@ EOS_PROMPTS = [*PROMPTS, "The capital of France is", "import torch; x =", "Price
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model_dir(request, tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     if request.param == "gpt2-tiny":
         return request.getfixturevalue("tiny_model_dir")
@@ -55,12 +56,6 @@ def eos_model_dir(model_dir, tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("eos"))
     repoint_eos(model_dir, out, EOS_PROMPTS)
     return out
-
-
-def make_engine(model_dir: str, capacity: int = 4, stop_token_ids: tuple[int, ...] = (), **config) -> HFEngine:
-    return HFEngine(
-        Config(model_id=model_dir, max_batch_size=capacity, stop_token_ids=stop_token_ids, num_threads=2, **config)
-    )
 
 
 def assert_some_stop_by_eos(seqs: list[Sequence], eos: set[int], at_least: int = 2) -> None:
@@ -128,7 +123,7 @@ def test_both_linear_kernels_across_the_small_batch_threshold(model_dir, referen
     if small_gemm and not engine.model.small_gemm:
         from models.kernels import small_gemm as kernel
 
-        pytest.skip(f"the small-batch kernel is unavailable here: {kernel.KERNEL.unavailable_reason}")
+        kernel_unavailable("the small-batch kernel", kernel.KERNEL.unavailable_reason)
     budgets = [1 + (i * 7) % 23 for i in range(26)]
     seqs = seqs_for(reference, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(26)], budgets, ignore_eos=True)
     drive(engine, [(0, seqs[:20]), (3, seqs[20:23]), (9, seqs[23:])])
@@ -202,7 +197,7 @@ def test_unsupported_architecture_fails_at_startup(tmp_path):
         vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=16
     )
     transformers.OPTForCausalLM(cfg).save_pretrained(tmp_path)
-    from make_test_model import train_tokenizer
+    from scripts.make_test_model import train_tokenizer
 
     train_tokenizer(300, with_pad=False).save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="'opt'"):
@@ -216,7 +211,7 @@ def test_unsupported_architecture_fails_at_startup(tmp_path):
 def distil_shaped_dir(tmp_path_factory) -> str:
     """A random GPT-2 of distilgpt2's shape (768 x 6, vocab 50257), initializer_range 0.1 (0.02 near-ties
     the logits), with its EOS re-pointed at a token its greedy outputs emit mid-way."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     src = build_checkpoint(str(tmp_path_factory.mktemp("d2src")), shape="distilgpt2", initializer_range=0.1, seed=5)
     out = str(tmp_path_factory.mktemp("d2"))
@@ -277,7 +272,7 @@ def test_num_threads_zero_means_the_physical_cores(model_dir):
 
 
 def test_kv_memory_formula_in_the_readme(model_dir, reference):
-    """README: a token costs 2 x layers x KV heads x head_dim x 4 bytes; the default pool is what
+    """Docs: a token costs 2 x layers x KV heads x head_dim x 4 bytes; the default pool is what
     MAX_BATCH_SIZE x MAX_MODEL_LEN tokens need, in whole KV_BLOCK_SIZE blocks; KV_CACHE_MB buys
     KV_CACHE_MB x 2^20 / (KV_BLOCK_SIZE x bytes per token) blocks."""
     cfg = reference.model.config

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import assert_error, bounded, pool_mb, run, serving
 from test_kv_pool import letters
 
+from core.sequence import Sequence
 from engine import FakeEngine
 from scheduler import Scheduler
-from sequence import Sequence
+
+from conftest import assert_error, bounded, pool_mb, run, serving
 
 
 def seq(prompt, max_new=4, **kw) -> Sequence:

@@ -1,6 +1,7 @@
-"""README promises that no other test pinned down, checked through HTTP on the FakeEngine (no torch).
+"""Documented promises (README and docs/) that no other test pinned down, checked through HTTP on the FakeEngine
+(no torch).
 
-Each test names the README sentence it holds the server to. Everything goes through the ASGI app with
+Each test names the documented sentence it holds the server to. Everything goes through the ASGI app with
 its lifespan (``serving``) and looks only at HTTP answers and ``/metrics``, so the tests do not depend
 on how the server is built inside. Every wait is bounded; nothing asserts on durations.
 """
@@ -8,51 +9,25 @@ on how the server is built inside. Every wait is bounded; nothing asserts on dur
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
-from conftest import Gate, assert_error, bounded, serving, wait_until
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
 
+from conftest import Gate, assert_error, bounded, metric, scrape, serving, sse_events, wait_until
+
 KEY = "promise-key-0123456789"
 CHAT = [{"role": "user", "content": "Hello there"}]
 
 
-def sample(text: str, name: str, labels: str = "") -> float:
-    """One sample's value from Prometheus text (``labels`` like ``reason="draining"``)."""
-    key = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(key + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(key)
-
-
-async def scrape(c: httpx.AsyncClient, name: str, labels: str = "") -> float:
-    r = await c.get("/metrics")
-    assert r.status_code == 200
-    return sample(r.text, name, labels)
-
-
 async def wait_metric(c: httpx.AsyncClient, name: str, value: float, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
-    while (got := await scrape(c, name)) != value:
+    while (got := metric(await scrape(c), name)) != value:
         assert asyncio.get_running_loop().time() < deadline, f"{name} stayed {got}, expected {value}"
         await asyncio.sleep(0.005)
-
-
-def sse_events(body: str) -> list:
-    """The data payloads of an SSE body: dicts, and the string "[DONE]"."""
-    out = []
-    for block in body.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def completion(r: httpx.Response) -> tuple[str, dict]:
@@ -65,7 +40,7 @@ def completion(r: httpx.Response) -> tuple[str, dict]:
 
 
 def test_completion_prompt_may_be_a_list_of_strings():
-    """README: "`prompt` may be a string, a list of strings, a list of token ids, or a list of token-id lists";
+    """Docs: "`prompt` may be a string, a list of strings, a list of token ids, or a list of token-id lists";
     several prompts give one choice each, in order."""
 
     async def body():
@@ -83,7 +58,7 @@ def test_completion_prompt_may_be_a_list_of_strings():
 
 
 def test_n_choices_and_best_of_equal_to_n():
-    """README: "`n` (1 to `MAX_N`) choices per prompt, `best_of` only equal to `n`" (beyond MAX_N: 422; 0 is not
+    """Docs: "`n` (1 to `MAX_N`) choices per prompt, `best_of` only equal to `n`" (beyond MAX_N: 422; 0 is not
     a count: 422; `best_of` other than `n`: 400)."""
 
     async def body():
@@ -103,7 +78,7 @@ def test_n_choices_and_best_of_equal_to_n():
 
 
 def test_echo_with_logprobs_scores_the_prompt_too():
-    """README: "`echo` with `logprobs` also returns the prompt's tokens and logprobs (the first one's null)";
+    """Docs: "`echo` with `logprobs` also returns the prompt's tokens and logprobs (the first one's null)";
     the FakeEngine is certain of every token (logprob 0)."""
 
     async def body():
@@ -126,7 +101,7 @@ def test_echo_with_logprobs_scores_the_prompt_too():
 
 
 def test_chat_takes_max_tokens_or_max_completion_tokens():
-    """README: chat "takes `max_tokens` or `max_completion_tokens`"; each is a budget, checked against the limit."""
+    """Docs: chat "takes `max_tokens` or `max_completion_tokens`"; each is a budget, checked against the limit."""
 
     async def body():
         async with serving(max_new_tokens_limit=40) as c:
@@ -144,7 +119,7 @@ def test_chat_takes_max_tokens_or_max_completion_tokens():
 
 @pytest.mark.parametrize("max_context, limit", [(1000, 24), (60, 512)], ids=["capped-by-limit", "rest-of-window"])
 def test_chat_default_budget_is_the_rest_of_the_window_capped_at_the_limit(max_context, limit):
-    """README: without a budget, chat gets "what is left of the context window, capped at MAX_NEW_TOKENS_LIMIT"."""
+    """Docs: without a budget, chat gets "what is left of the context window, capped at MAX_NEW_TOKENS_LIMIT"."""
 
     async def body():
         async with serving(FakeEngine(max_context=max_context), max_new_tokens_limit=limit) as c:
@@ -161,7 +136,7 @@ def test_chat_default_budget_is_the_rest_of_the_window_capped_at_the_limit(max_c
 
 
 def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
-    """README: "Fields OpenAI does not define are ignored on `/v1` ... but rejected on `/generate`"."""
+    """Docs: "Fields OpenAI does not define are ignored on `/v1` ... but rejected on `/generate`"."""
     unknown = {"frobnicate": True, "metadata": {"trace": "x"}, "service_tier": "auto", "parallel_tool_calls": False}
 
     async def body():
@@ -185,7 +160,7 @@ def test_unknown_fields_are_ignored_on_v1_and_rejected_on_generate():
 
 
 def test_max_prompt_chars_counts_the_rendered_chat_template():
-    """README: MAX_PROMPT_CHARS is "counted in characters before tokenizing (for chat: the rendered template)".
+    """Docs: MAX_PROMPT_CHARS is "counted in characters before tokenizing (for chat: the rendered template)".
     The FakeEngine tokenizes bytes, so an ASCII prompt's prompt_tokens is its rendered length."""
 
     def chat(content: str) -> dict:
@@ -210,7 +185,7 @@ def test_max_prompt_chars_counts_the_rendered_chat_template():
 
 
 def test_max_prompt_chars_0_means_no_limit():
-    """README: MAX_PROMPT_CHARS "100000 (0 = none)"."""
+    """Docs: MAX_PROMPT_CHARS "100000 (0 = none)"."""
     prompt = "z" * 150_000  # past the default limit, under the default MAX_BODY_BYTES
 
     async def body():
@@ -234,7 +209,7 @@ def test_max_prompt_chars_0_means_no_limit():
 
 
 def test_max_concurrent_requests_0_means_no_limit():
-    """README: MAX_CONCURRENT_REQUESTS "2048 (0 = none)": 2100 requests in flight at once, none refused."""
+    """Docs: MAX_CONCURRENT_REQUESTS "2048 (0 = none)": 2100 requests in flight at once, none refused."""
     n = 2100  # more than the default, so 0 cannot be read as "the default" either
 
     async def body():
@@ -252,13 +227,13 @@ def test_max_concurrent_requests_0_means_no_limit():
                     return in_flight == n or any(t.done() for t in tasks)
 
                 while not all_in():
-                    in_flight = await scrape(c, "minibatch:num_requests_in_flight")
+                    in_flight = metric(await scrape(c), "minibatch:num_requests_in_flight")
                     await asyncio.sleep(0.01)
                 assert not any(t.done() for t in tasks), [t.result().text for t in tasks if t.done()][:3]
                 gate.open.set()
                 rs = await asyncio.wait_for(asyncio.gather(*tasks), 30)
                 assert {r.status_code for r in rs} == {200}
-                assert await scrape(c, "minibatch:request_rejected_total", 'reason="too_many_connections"') == 0
+                assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="too_many_connections"') == 0
         finally:
             gate.open.set()
 
@@ -266,7 +241,7 @@ def test_max_concurrent_requests_0_means_no_limit():
 
 
 def test_time_limits_0_mean_none():
-    """README: MAX_QUEUE_TIME_S / REQUEST_TIMEOUT_S "0 (none)": a request that waits behind a held slot
+    """Docs: MAX_QUEUE_TIME_S / REQUEST_TIMEOUT_S "0 (none)": a request that waits behind a held slot
     and then runs still gets its answer."""
 
     async def body():
@@ -283,7 +258,7 @@ def test_time_limits_0_mean_none():
                 gate.open.set()
                 rs = await asyncio.wait_for(asyncio.gather(first, second), 10)
                 assert [r.status_code for r in rs] == [200, 200]
-                assert await scrape(c, "minibatch:request_success_total", 'finished_reason="timeout"') == 0
+                assert metric(await scrape(c), "minibatch:request_success_total", 'finished_reason="timeout"') == 0
         finally:
             gate.open.set()
 
@@ -303,7 +278,7 @@ def test_time_limits_0_mean_none():
     ids=["generate", "completions", "chat"],
 )
 def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
-    """README: past MAX_QUEUE_TIME_S "the request ends with a **504** (`"type": "timeout"`), or an error
+    """Docs: past MAX_QUEUE_TIME_S "the request ends with a **504** (`"type": "timeout"`), or an error
     event in a stream"."""
 
     async def body():
@@ -324,7 +299,7 @@ def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
             for e in events[:-1]:
                 choice = e["choices"][0]
                 assert not choice.get("text") and not choice.get("delta", {}).get("content"), events
-            assert await scrape(c, "minibatch:request_success_total", 'finished_reason="timeout"') == 1
+            assert metric(await scrape(c), "minibatch:request_success_total", 'finished_reason="timeout"') == 1
             assert not long.done()
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
@@ -336,7 +311,7 @@ def test_queue_timeout_in_a_stream_is_an_error_event(path, payload):
 
 
 def test_api_key_is_required_on_chat():
-    """README: with API_KEY set, "every endpoint except /health, /ready and /metrics requires
+    """Docs: with API_KEY set, "every endpoint except /health, /ready and /metrics requires
     `Authorization: Bearer <key>`" — chat included, streamed or not."""
 
     async def body():
@@ -351,14 +326,14 @@ def test_api_key_is_required_on_chat():
             assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"]) == 3
             r = await c.post("/v1/chat/completions", json={**payload, "stream": True}, headers=auth)
             assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
-            assert await scrape(c, "minibatch:request_rejected_total", 'reason="auth"') == 6
-            assert await scrape(c, "minibatch:generation_tokens_total") == 6
+            assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="auth"') == 6
+            assert metric(await scrape(c), "minibatch:generation_tokens_total") == 6
 
     bounded(body)
 
 
 def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
-    """README: `minibatch:draining` is "1 while draining". The app's shutdown (what uvicorn runs on
+    """Docs: `minibatch:draining` is "1 while draining". The app's shutdown (what uvicorn runs on
     SIGTERM) starts the drain while a request is still in the engine: the gauge turns 1, readiness
     turns 0, and new requests get a 503."""
 
@@ -372,13 +347,13 @@ def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
             await lifespan.__aenter__()
             shutdown = None
             try:
-                assert await scrape(c, "minibatch:draining") == 0
-                assert await scrape(c, "minibatch:ready") == 1
+                assert metric(await scrape(c), "minibatch:draining") == 0
+                assert metric(await scrape(c), "minibatch:ready") == 1
                 held = asyncio.create_task(c.post("/generate", json={"prompt": "held", "max_new_tokens": 3}))
                 await wait_until(gate.entered.is_set, what="the held step")
                 shutdown = asyncio.create_task(lifespan.__aexit__(None, None, None))
                 await wait_metric(c, "minibatch:draining", 1)
-                assert await scrape(c, "minibatch:ready") == 0
+                assert metric(await scrape(c), "minibatch:ready") == 0
                 assert (await c.get("/ready")).status_code == 503
                 assert_error(await c.post("/generate", json={"prompt": "new"}), 503, "unavailable", "shutting down")
                 gate.open.set()
@@ -387,8 +362,8 @@ def test_draining_gauge_goes_to_1_when_the_server_shuts_down():
                 assert r.status_code in (200, 503), r.text
                 if r.status_code == 503:
                     assert_error(r, 503, "unavailable", "shutting down")
-                assert await scrape(c, "minibatch:draining") == 1
-                assert await scrape(c, "minibatch:request_rejected_total", 'reason="draining"') == 1
+                assert metric(await scrape(c), "minibatch:draining") == 1
+                assert metric(await scrape(c), "minibatch:request_rejected_total", 'reason="draining"') == 1
             finally:
                 gate.open.set()
                 if shutdown is None:

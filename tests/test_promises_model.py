@@ -1,5 +1,6 @@
-"""README promises that need a real tokenizer and model (the FakeEngine ignores them), checked through HTTP
-on the tiny GPT-2 checkpoint: MAX_MODEL_LEN (0, N, past the window), `/v1`'s default temperature, and a
+"""Documented promises (README and docs/) that need a real tokenizer and model (the FakeEngine ignores them),
+checked through HTTP on the tiny GPT-2
+checkpoint: MAX_MODEL_LEN (0, N, past the window), `/v1`'s default temperature, and a
 chat template that fails to render. The app is built from its config alone, as `python server.py`
 builds it, and served through the ASGI transport with its lifespan. Every wait is bounded.
 """
@@ -11,10 +12,11 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from conftest import assert_error, bounded
 
 from config import Config
 from server import create_app
+
+from conftest import assert_error, bounded
 
 pytestmark = pytest.mark.model
 
@@ -49,7 +51,7 @@ def ok(r: httpx.Response) -> dict:
 
 @pytest.mark.parametrize("max_model_len, window", [(0, WINDOW), (48, 48), (5000, WINDOW)], ids=["0", "N", "beyond"])
 def test_max_model_len_bounds_prompt_plus_budget(tiny_model_dir, max_model_len, window):
-    """README: MAX_MODEL_LEN is the "KV-cache tokens per slot (prompt + output); 0 = the model's context window".
+    """Docs: MAX_MODEL_LEN is the "KV-cache tokens per slot (prompt + output); 0 = the model's context window".
     A value past the model's window is held to the window (the model has no positions beyond it)."""
 
     async def body():
@@ -71,7 +73,7 @@ def test_max_model_len_bounds_prompt_plus_budget(tiny_model_dir, max_model_len, 
 
 
 def test_chat_default_budget_fills_max_model_len(tiny_model_dir):
-    """README: without a budget, chat gets "what is left of the context window" (here MAX_MODEL_LEN)."""
+    """Docs: without a budget, chat gets "what is left of the context window" (here MAX_MODEL_LEN)."""
 
     async def body():
         async with served(tiny_model_dir, max_model_len=40, chat_template=STRICT_TEMPLATE) as c:
@@ -85,7 +87,7 @@ def test_chat_default_budget_fills_max_model_len(tiny_model_dir):
 
 
 def test_v1_default_temperature_is_1_and_generate_default_is_greedy(tiny_model_dir):
-    """README: `temperature` defaults to "0 on `/generate`, 1 on `/v1` (OpenAI's default)". With a seed the
+    """Docs: `temperature` defaults to "0 on `/generate`, 1 on `/v1` (OpenAI's default)". With a seed the
     draws are reproducible, so a request without a temperature must equal the same request at 1, and not
     the greedy one or one at another temperature."""
 
@@ -125,7 +127,7 @@ def test_v1_default_temperature_is_1_and_generate_default_is_greedy(tiny_model_d
 
 
 def test_chat_template_that_fails_to_render_is_400(tiny_model_dir):
-    """README: 400 for "chat template missing or failing"; the template's own message reaches the client."""
+    """Docs: 400 for "chat template missing or failing"; the template's own message reaches the client."""
 
     async def body():
         async with served(tiny_model_dir, chat_template=STRICT_TEMPLATE) as c:

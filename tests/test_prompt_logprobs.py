@@ -10,11 +10,12 @@ import json
 import httpx
 import pytest
 import torch
-from live import ThreadServer
-from make_test_model import build_checkpoint
 
 from config import Config
+from scripts.make_test_model import build_checkpoint
 from server import create_app
+
+from live import ThreadServer
 
 PROMPTS = ["A journey of a thousand miles begins", "The quick brown fox", "Hello"]
 K = 3
@@ -52,9 +53,9 @@ def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
 def test_engine_prompt_logprobs_equal_hf_while_other_rows_decode(model_dir):
     """Row A decodes while B (no prompt logprobs) and C, D (prompt logprobs) are prefilled in the same
     forward; C and D's prompt logprobs equal HF's, and every row's tokens equal its solo run."""
+    from core.sampling import SamplingParams
+    from core.sequence import Sequence
     from engine import HFEngine
-    from sampling import SamplingParams
-    from sequence import Sequence
 
     engine = HFEngine(Config(model_id=model_dir, max_batch_size=8))
 
@@ -214,13 +215,14 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption(model_dir, budget)
     keeps what it has, and the result equals HF's forward; tokens equal the unpressured run's."""
     import asyncio
 
-    from conftest import run
     from test_kv_pool import pool_mb
 
+    from core.sampling import SamplingParams
+    from core.sequence import Sequence
     from engine import HFEngine
-    from sampling import SamplingParams
     from scheduler import Scheduler
-    from sequence import Sequence
+
+    from conftest import run
 
     def run_all(engine: HFEngine, prompts: list[str]) -> list[Sequence]:
         seqs = [Sequence(engine.encode(p), 12, ignore_eos=True, sampling=SamplingParams()) for p in prompts]

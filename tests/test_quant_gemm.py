@@ -9,19 +9,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import needs_avx512  # noqa: E402
-
 from models.kernels import build  # noqa: E402
 from models.kernels import quant_gemm as qg  # noqa: E402
+
+from conftest import need_kernel, needs_avx512  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kernel():
     """Builds the kernel on first use (never at collection); skips the kernel tests where it cannot build."""
-    lib = qg.load()
-    if lib is None:
-        pytest.skip(f"kernel unavailable: {qg.KERNEL.unavailable_reason}")
-    return lib
+    return need_kernel(qg, "quantized GEMM")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int) -> qg.QuantWeight:

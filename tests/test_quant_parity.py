@@ -14,11 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from make_test_model import build_checkpoint  # noqa: E402
-from test_parity import PROMPTS, Reference, drive, expected, make_engine, seqs_for  # noqa: E402
-
 from models.quality import perplexity  # noqa: E402
 from models.quant import dequantize_hf_model_  # noqa: E402
+from scripts.make_test_model import build_checkpoint  # noqa: E402
+
+from conftest import PROMPTS, Reference, drive, expected, make_engine, seqs_for  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -86,7 +86,7 @@ def test_int8_perplexity_within_one_percent_of_fp32(tiny_model_dir):
 
 def test_quality_workload_scores_every_format_on_the_same_tokens(tiny_model_dir, capsys):
     """scripts/bench/quality.py (``--workload quality``) on the tiny model: rows, ratios, the int8 check, a table."""
-    from bench.quality import QUICK_TOKENS, quality_workload
+    from scripts.bench.quality import QUICK_TOKENS, quality_workload
 
     assert quality_workload(["seed"], tiny_model_dir, False, True) is None  # not asked for: nothing runs
     result = quality_workload(["quality"], tiny_model_dir, False, True)

@@ -25,11 +25,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import ROOT, run
-from live import free_port
 
 from config import Config, ConfigError
 from engine import FakeEngine
+
+from conftest import ROOT, run
+from live import free_port
 
 APP, GPT2_APP = "fake", "gpt2"
 KEY = "test-key"

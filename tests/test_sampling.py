@@ -1,4 +1,4 @@
-"""sampling.py (numpy, no torch): parameter validation, greedy equivalences, seeded reproducibility independent
+"""core/sampling.py (numpy, no torch): parameter validation, greedy equivalences, seeded reproducibility independent
 of batchmates, the top-k/top-p/min-p supports, exact penalty arithmetic, distribution sanity, read-only inputs,
 the top-``width`` selection against a full sort, and logprobs against a float64 log_softmax.
 
@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-import sampling
-from sampling import (
+from core import sampling
+from core.sampling import (
     TOP_P_WINDOWS,
     NonFiniteLogits,
     SamplingParams,
@@ -121,7 +121,7 @@ def test_properties_and_frozen():
 def test_sampling_params_need_no_torch():
     """The server validates requests without torch: importing sampling must not pull it in."""
     script = (
-        "import sys, sampling; p = sampling.SamplingParams(temperature=0.7, seed=3); "
+        "import sys; from core import sampling; p = sampling.SamplingParams(temperature=0.7, seed=3); "
         "print(p.is_greedy, sampling.seeded_uniform(3, 0) < 1, 'torch' in sys.modules)"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -635,7 +635,7 @@ def test_huge_temperature_keeps_masked_tokens_masked():
 def test_sample_runs_without_torch():
     """The torch-free serving path samples: sample, logprobs and the bitmask never import torch."""
     script = (
-        "import sys, numpy as np, sampling as s; x = np.zeros((2, 64), np.float32); "
+        "import sys, numpy as np; from core import sampling as s; x = np.zeros((2, 64), np.float32); "
         "p = [s.SamplingParams(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2, seed=1)] * 2; "
         "s.sample(x, p, [[1]] * 2, [[2]] * 2); s.logprobs(x, [1, 2], 3); "
         "s.apply_token_bitmask(x, [0], np.ones((1, 2), np.int32)); print('torch' in sys.modules)"

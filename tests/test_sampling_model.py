@@ -18,15 +18,16 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from conftest import PROMPTS, Reference, drive, seqs_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
+from core.sampling import SamplingParams  # noqa: E402
+from core.sequence import Sequence, SequenceStatus  # noqa: E402
 from engine import NON_FINITE_LOGITS, HFEngine  # noqa: E402
-from sampling import SamplingParams  # noqa: E402
-from sequence import Sequence, SequenceStatus  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -50,7 +51,7 @@ def run_engine(engine: HFEngine, seqs: list[Sequence]) -> None:
 
 def hf_greedy(ref: Reference, prompt: list[int], n: int, stops: set[int] = frozenset(), **generate_kw) -> list[int]:
     """HF ``generate(do_sample=False)`` with its own processors for ``generate_kw``."""
-    from model_runner import trim
+    from models.hf_baseline import trim
 
     ids = torch.tensor([prompt])
     with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""Regression pin across the numpy rewrite of sampling.py: on fixed cases covering every feature (penalties,
+"""Regression pin across the numpy rewrite of core/sampling.py: on fixed cases covering every feature (penalties,
 logit_bias, greedy with ties, temperature, top-k with boundary ties, narrow and wide top-p (window escalation and
 the full sort), min-p, combinations, -inf masked tokens, seeded rows at several steps among unseeded batchmates),
 ``sample`` gives exactly the tokens the torch implementation gave (commit 1fe1513, run on these same float32
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sampling import SamplingParams as SP
-from sampling import sample
+from core.sampling import SamplingParams as SP
+from core.sampling import sample
 
 STEPS = (0, 1, 2, 7, 30)
 

@@ -13,11 +13,12 @@ import random
 import time
 
 import pytest
-from conftest import Gate, bounded, fake_ids, wait_until
 
+from core.sequence import Sequence, SequenceStatus
 from engine import FakeEngine
 from scheduler import QueueFullError, Scheduler, WaitingQueue
-from sequence import Sequence, SequenceStatus
+
+from conftest import Boom, Gate, RecordingEngine, bounded, fake_ids, wait_until
 
 _fake = FakeEngine()
 
@@ -28,43 +29,6 @@ def make_seq(prompt: str = "hello", max_new: int = 4, request_id: str = "") -> S
 
 async def gather_all(futures, timeout: float = 15.0):
     return await asyncio.wait_for(asyncio.gather(*futures), timeout)
-
-
-class RecordingEngine(FakeEngine):
-    """FakeEngine that logs admissions, finishes and num_active after every admit/step."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.active_log: list[int] = []
-        self.admitted: list[int] = []  # seq_ids in admission order
-        self.admit_groups: list[list[int]] = []
-        self.events: list[tuple[str, int]] = []
-
-    def admit(self, seqs):
-        ids = super().admit(seqs)
-        self.admitted += ids
-        self.admit_groups.append(list(ids))
-        self.events += [("admit", i) for i in ids]
-        self.events += [("finish", s.seq_id) for s in seqs if s.is_finished]
-        self.active_log.append(self.num_active())
-        return ids
-
-    def step(self):
-        finished = super().step()
-        self.events += [("finish", s.seq_id) for s in finished]
-        self.active_log.append(self.num_active())
-        return finished
-
-    def admit_and_step(self, seqs):
-        if not seqs or not self.num_active():  # the base class delegates to admit() / step(), logged above
-            return super().admit_and_step(seqs)
-        finished = super().admit_and_step(seqs)
-        ids = [s.seq_id for s in seqs]
-        self.admitted += ids
-        self.admit_groups.append(ids)
-        self.events += [("admit", i) for i in ids] + [("finish", s.seq_id) for s in finished]
-        self.active_log.append(self.num_active())
-        return finished
 
 
 async def started(engine, depth: int = 1024) -> Scheduler:
@@ -277,10 +241,6 @@ def test_queue_depth_does_not_count_running():
 
 
 # --- failure isolation ---------------------------------------------------------------------------
-
-
-class Boom(RuntimeError):
-    pass
 
 
 @pytest.mark.parametrize("bad", [{0}, {2}, {1, 3}, {5}])

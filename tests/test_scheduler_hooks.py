@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from conftest import run
-
+from core.sequence import Sequence
 from engine import FakeEngine
 from scheduler import Scheduler
-from sequence import Sequence
+
+from conftest import run
 
 _fake = FakeEngine()
 

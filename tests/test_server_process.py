@@ -15,9 +15,10 @@ import tempfile
 import time
 
 import pytest
-from live import free_port
 
 from config import Config
+
+from live import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_VARS = {f.name.upper() for f in dataclasses.fields(Config)}
@@ -87,7 +88,7 @@ def bad_value_runs():
 
 @pytest.mark.parametrize("var, raw, message", BAD_VALUES, ids=[v for v, _, _ in BAD_VALUES])
 def test_bad_environment_value_stops_the_server(bad_value_runs, var, raw, message):
-    """README: "A bad value stops startup with a message naming the variable"."""
+    """Docs: "A bad value stops startup with a message naming the variable"."""
     code, text = bad_value_runs[var]
     assert code != 0, text
     lines = [line for line in text.splitlines() if line.strip()]
@@ -104,7 +105,7 @@ def test_bad_environment_value_is_one_line_without_a_traceback(bad_value_runs):
 
 @pytest.mark.model
 def test_no_connection_is_accepted_before_the_model_has_loaded(tiny_model_dir):
-    """README: "uvicorn accepts no connections until the model has loaded". While main() loads the
+    """Docs: "uvicorn accepts no connections until the model has loaded". While main() loads the
     checkpoint (torch import included: seconds), connecting is refused; the first connection that is
     accepted finds the server ready, never "loading"."""
     env = server_env(MODEL_ID=tiny_model_dir, MAX_BATCH_SIZE="2", LOG_LEVEL="INFO")

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import need_kernel
+
 pytestmark = pytest.mark.model
 
 MAX_ROWS = 16  # models.kernels.small_gemm.MAX_ROWS, checked by test_max_rows_constant
@@ -24,8 +26,7 @@ def torch():
 def small_gemm(torch):
     from models.kernels import small_gemm
 
-    if small_gemm.load() is None:
-        pytest.skip(f"kernel unavailable: {small_gemm.KERNEL.unavailable_reason}")
+    need_kernel(small_gemm, "small_gemm")
     return small_gemm
 
 

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import assert_pool_full, fake_text, run
 from live import ProcessServer, metric
 

@@ -13,12 +13,22 @@ import time
 
 import httpx
 import pytest
-from conftest import RUNTIMES, assert_pool_full, assert_runtime, bounded, runtime_knobs, serving, wait_until
-from live import ThreadServer, poll_until
 
 from config import Config
 from engine import FakeEngine
 from server import create_app
+
+from conftest import (
+    RUNTIMES,
+    assert_error_body,
+    assert_pool_full,
+    assert_runtime,
+    bounded,
+    runtime_knobs,
+    serving,
+    wait_until,
+)
+from live import ThreadServer, poll_until
 
 TIMEOUT = 30.0  # seconds any HTTP call may take
 HUGE = 100_000  # a budget no test waits for: such requests end by cancellation or a time limit
@@ -64,16 +74,6 @@ def parse_sse(body: str) -> list:
 
 def text_events(events: list) -> list[dict]:
     return [e for e in events if isinstance(e, dict) and "finish_reason" not in e and "error" not in e]
-
-
-def assert_error_shape(body: dict, status: int, *words: str) -> dict:
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert err["code"] == status and err["type"] and err["message"].strip(), err
-    for word in words:
-        assert word in err["message"], err
-    return err
 
 
 # --- (a) streaming /generate -----------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_queue_time_limit_is_504_and_the_request_never_runs():
             )
             for resp in (r, o):
                 assert resp.status_code == 504, resp.text
-                err = assert_error_shape(resp.json(), 504, "timed out", "waiting in the queue")
+                err = assert_error_body(resp.json(), 504, "timed out", "waiting in the queue")
                 assert err["type"] == "timeout"
             assert eng.admitted_ids() == ["long"]
             assert not long.done(), "the running request has no queue limit to hit"
@@ -375,7 +375,7 @@ def test_request_time_limit_is_504_and_releases_the_slot():
         async with serving(eng, request_timeout_s=0.2, **APP_CONFIG) as c:
             r = await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE})
             assert r.status_code == 504, r.text
-            err = assert_error_shape(r.json(), 504, "timed out", "request time limit")
+            err = assert_error_body(r.json(), 504, "timed out", "request time limit")
             assert err["type"] == "timeout"
             (seq,) = eng.admitted
             assert seq.finish_reason == "timeout" and len(seq.output_token_ids) < HUGE
@@ -383,12 +383,12 @@ def test_request_time_limit_is_504_and_releases_the_slot():
 
             o = await c.post("/v1/completions", json={"model": "fake", "prompt": "slow", "max_tokens": HUGE})
             assert o.status_code == 504, o.text
-            assert_error_shape(o.json(), 504, "request time limit")
+            assert_error_body(o.json(), 504, "request time limit")
             events = parse_sse(
                 (await c.post("/generate", json={"prompt": "slow", "max_new_tokens": HUGE, "stream": True})).text
             )
             assert events[-1] == "[DONE]"  # after an error too, as on /v1
-            assert_error_shape(events[-2], 504, "request time limit")
+            assert_error_body(events[-2], 504, "request time limit")
             await wait_until(lambda: eng.num_active() == 0, what="the slot to be released")
             assert_pool_full(eng)
             ok = await c.post("/generate", json={"prompt": "quick", "max_new_tokens": 2})

@@ -14,17 +14,18 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from live import ThreadServer, openai_client
 from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-once fixture)
 
 from config import Config
-from sampling import SamplingParams, apply_token_bitmask
-from sequence import Sequence, SequenceStatus
+from core.sampling import SamplingParams, apply_token_bitmask
+from core.sequence import Sequence, SequenceStatus
 from server import create_app
+
+from live import ThreadServer, openai_client
 
 TIMEOUT = 120.0
 
-# A Hermes-style chat template that renders tools (what tool_calls.py parses back).
+# A Hermes-style chat template that renders tools (what guided/tools.py parses back).
 TOOLS_TEMPLATE = """{%- if tools %}<|system|>You can call these tools, answering <tool_call>{"name": ..., \
 "arguments": ...}</tool_call>:
 {% for t in tools %}{{ t | tojson }}
@@ -105,7 +106,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tiny_llama")), shape="tiny", seed=0, arch="llama")
 
@@ -161,7 +162,7 @@ def test_grammar_survives_preemption_and_chunked_prefill(tiny_llama_dir):
     """A KV pool too small for the batch preempts and recomputes sequences, and prompts arrive in chunks: every
     constrained answer still validates, and an unconstrained row gets the tokens it gets alone."""
     from engine import HFEngine
-    from structured_output import compiler_for, schema_grammar
+    from guided.grammars import compiler_for, schema_grammar
 
     cfg = dict(model_id=tiny_llama_dir, max_batch_size=4, kv_block_size=4, max_num_batched_tokens=8)
     engine = HFEngine(Config(**cfg, kv_cache_mb=0.08))
@@ -412,7 +413,7 @@ def test_smollm2_tool_call_round_trip(smollm2_gguf):  # noqa: F811 (the fixture 
         assert "sunny" in text.lower() or "21" in text, text  # it read the tool's answer
 
 
-# --- the grammar's tokenizer: HF's and text_tokenizer's give llguidance the same vocabulary ----------------------
+# --- the grammar's tokenizer: HF's and text.tokenizer's give llguidance the same vocabulary ----------------------
 def test_compiler_on_text_tokenizer_matches_llguidance_hf(tiny_llama_dir):
     """GrammarCompiler builds the same llguidance tokenizer from an HF fast tokenizer, from a TextTokenizer (the
     torch-free path) and as ``llguidance.hf.from_tokenizer`` does: the same masks along a sampled walk."""
@@ -421,8 +422,8 @@ def test_compiler_on_text_tokenizer_matches_llguidance_hf(tiny_llama_dir):
     import llguidance.hf
     from transformers import AutoTokenizer
 
-    from structured_output import GrammarCompiler, schema_grammar
-    from text_tokenizer import TextTokenizer
+    from guided.grammars import GrammarCompiler, schema_grammar
+    from text.tokenizer import TextTokenizer
 
     hf = AutoTokenizer.from_pretrained(tiny_llama_dir)
     ours = TextTokenizer.from_dir(tiny_llama_dir)

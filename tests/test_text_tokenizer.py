@@ -1,4 +1,4 @@
-"""text_tokenizer.TextTokenizer against transformers' AutoTokenizer (the reference) on the test checkpoints (GPT-2 and
+"""text.tokenizer.TextTokenizer against transformers' AutoTokenizer (the reference) on the test checkpoints (GPT-2 and
 Llama), SmolLM2's converted tokenizer when its GGUF is on this machine, and small hand-made tokenizer directories
 that exercise what transformers does at load (special tokens added, a missing post-processor, legacy files,
 named templates, WordPiece clean-up); and that the torch-free path imports neither torch nor transformers."""
@@ -16,9 +16,9 @@ import pytest
 transformers = pytest.importorskip("transformers")  # the reference; TextTokenizer itself never imports it
 jinja2 = pytest.importorskip("jinja2")
 
-from conftest import ROOT  # noqa: E402
+from text.tokenizer import TextTokenizer, clean_up_tokenization, write_tokenizer_dir  # noqa: E402
 
-from text_tokenizer import TextTokenizer, clean_up_tokenization, write_tokenizer_dir  # noqa: E402
+from conftest import ROOT  # noqa: E402
 
 CORPUS = [
     "",
@@ -71,22 +71,22 @@ ATTRIBUTES = (
 def _smollm2_meta_dir() -> str | None:
     """SmolLM2's converted tokenizer directory, when its GGUF is already on this machine (repo-local test cache or
     the user cache); None otherwise: nothing is fetched here (test_llama.py fetches it)."""
-    import checkpoints
     from models.cache_dir import cache_root
+    from models.loading import ALIASES, convert, fetch
 
-    name = checkpoints.ALIASES["smollm2"].filename
+    name = ALIASES["smollm2"].filename
     for root in (os.path.join(ROOT, "weights", "cache"), cache_root()):
         path = os.path.join(root, "gguf", name)
-        if checkpoints.is_present(path):
+        if fetch.is_present(path):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv("MINIBATCH_CACHE", root)
-                return checkpoints.gguf_metadata_dir(path)
+                return convert.gguf_metadata_dir(path)
     return None
 
 
 @pytest.fixture(scope="module")
 def llama_tok_dir(tmp_path_factory) -> str:
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     return build_checkpoint(str(tmp_path_factory.mktemp("tt_llama")), arch="llama", seed=2)
 
@@ -138,7 +138,7 @@ def test_matches_hf_on_the_checkpoints(pair):
 
 
 def test_decode_is_prefix_stable_at_character_boundaries(pair):
-    """detokenizer.py's contract: decode(ids + more) starts with decode(ids) where ids end on a character."""
+    """text/detokenizer.py's contract: decode(ids + more) starts with decode(ids) where ids end on a character."""
     _, ours = pair
     ids = ours.encode("café 東京 😀 hello world <|endoftext|> again", add_special_tokens=False)
     whole = ours.decode(ids)
@@ -467,7 +467,8 @@ TORCH_FREE = textwrap.dedent(
     """
     import ctypes, sys
 
-    import structured_output, text_tokenizer
+    from guided import grammars as structured_output
+    from text import tokenizer as text_tokenizer
 
     tok = text_tokenizer.TextTokenizer.from_dir(sys.argv[1])
     ids = tok.encode("hello world <|endoftext|>")

@@ -1,4 +1,5 @@
-"""The engine's thread settings reach OpenMP and torch (README "Threads"); no timing here (the benchmark has it).
+"""The engine's thread settings reach OpenMP and torch (docs/performance.md, "Threads"); no timing here (the
+benchmark has it).
 
 Each case starts a fresh interpreter: libgomp reads its wait policy once, when torch loads it, so only a
 process that has not imported torch yet shows whether the engine set it in time. ``OMP_DISPLAY_ENV``

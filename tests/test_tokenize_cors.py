@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import assert_error, bounded, serving
-from live import ThreadServer
 
 from config import Config
 from server import create_app
+
+from conftest import assert_error, bounded, serving
+from live import ThreadServer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"

@@ -1,5 +1,5 @@
 """Nothing on /v1 is silently ignored: every OpenAI request field is implemented, refused with a 400
-naming it, or ignored because it cannot change the output (README, "What /v1 does with each field").
+naming it, or ignored because it cannot change the output (docs/api.md, "What /v1 does with each field").
 Through the ASGI app on the FakeEngine (no torch); the ``openai`` client's view is in test_openai_api.py.
 """
 
@@ -8,9 +8,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import assert_error, bounded, serving
 
-from engine import FakeEngine
+from conftest import RecordingEngine, assert_error, bounded, serving
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 COMPLETION = ("/v1/completions", {"prompt": "fields", "max_tokens": 4})
@@ -150,14 +149,6 @@ def test_unimplemented_message_parts_are_400(message, param, words):
             assert err["param"] == param
 
     bounded(body)
-
-
-class RecordingEngine(FakeEngine):
-    """A FakeEngine that keeps the messages its chat template was given."""
-
-    def apply_chat_template(self, messages):
-        self.seen = messages
-        return super().apply_chat_template(messages)
 
 
 def test_text_parts_and_message_names_reach_the_template():

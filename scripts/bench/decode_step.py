@@ -1,9 +1,10 @@
 """The decode step at one batch size over given contexts, through the engine seam alone, in any checkout of
-this project: ``--tree DIR`` goes first on ``sys.path``, so the same measurement runs on this engine (KV block
-pool, paged attention) and on the pre-pool one (contiguous per-slot KV, commit 380e2e9) from a temporary
-``git worktree`` (``benchmark.py --workload decode-step`` makes it and runs both side by side).
+this project: run with ``PYTHONPATH=DIR`` (and ``--tree DIR``, which checks that the engine measured is that
+checkout's), the same measurement runs on this engine (KV block pool, paged attention) and on the pre-pool one
+(contiguous per-slot KV, commit 380e2e9) from a temporary ``git worktree`` (``benchmark.py --workload decode-step``
+makes it and runs both side by side).
 
-    python scripts/bench/decode_step.py --tree /tmp/prev --model DIR --batch 8 --contexts 100,2048 --steps 16
+    PYTHONPATH=/tmp/prev python scripts/bench/decode_step.py --tree /tmp/prev --model DIR --batch 8 --steps 16
 
 Per context: ``batch`` sequences of that many prompt tokens are admitted and prefilled, ``warmup`` decode steps
 run untimed, then ``steps`` decode steps are timed one by one (``engine.step()``, nothing else in flight:
@@ -25,7 +26,11 @@ import time
 def measure(model: str, batch: int, contexts: list[int], steps: int, threads: int, warmup: int = 4) -> list[dict]:
     from config import Config
     from engine import HFEngine
-    from sequence import Sequence
+
+    try:  # a checkout from before the package layout keeps its modules at the root
+        from sequence import Sequence
+    except ImportError:
+        from core.sequence import Sequence
 
     known = {f.name for f in dataclasses.fields(Config)}
     extra = {"max_num_batched_tokens": 0} if "max_num_batched_tokens" in known else {}
@@ -74,7 +79,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
-    sys.path.insert(0, os.path.abspath(args.tree))
+    import engine
+
+    if not os.path.abspath(engine.__file__).startswith(os.path.abspath(args.tree) + os.sep):
+        sys.exit(f"error: engine imported from {engine.__file__}, not --tree {args.tree} (set PYTHONPATH={args.tree})")
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = measure(args.model, args.batch, contexts, args.steps, args.threads, args.warmup)
     print("RESULT " + json.dumps({"rows": rows}))

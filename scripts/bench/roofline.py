@@ -37,8 +37,8 @@ def decode_cost(model, batch: int, context: int) -> tuple[int, int]:
 async def _scheduled_steps(engine, thread, batch: int, prompt: list[int], steps: int) -> list[float]:
     """Seconds between decode steps as the scheduler delivers them (its engine calls on ``thread``):
     ``batch`` copies of ``prompt``, ``steps`` + 1 tokens each."""
+    from core.sequence import Sequence
     from scheduler import Scheduler
-    from sequence import Sequence
 
     stamps: list[float] = []
     sched = Scheduler(engine, max_queue_depth=batch + 1, executor=thread)

@@ -92,7 +92,7 @@ def system_static_hf(model_dir: str, workload: Workload):
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from model_runner import HFModelRunner, left_pad
+    from models.hf_baseline import HFModelRunner, left_pad
 
     runner = HFModelRunner(model_dir)
     requests, capacity = workload.requests, workload.capacity
@@ -257,10 +257,10 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     import dataclasses
 
     from config import Config
+    from core.sampling import SamplingParams
+    from core.sequence import Sequence, group_choices
     from engine import build_engine
-    from sampling import SamplingParams
     from scheduler import Scheduler, engine_thread
-    from sequence import Sequence, group_choices
 
     env = ours_env(workload, gguf, weights, options)
     os.environ.update(env)  # before Config is built: knobs added to config.py later are read from here too
@@ -354,7 +354,8 @@ def system_llamacpp(
     on by default here, reads a quantized V)."""
     import httpx
     import torch
-    from build_llamacpp import binary_path
+
+    from scripts.build_llamacpp import binary_path
 
     binary = binary_path()
     if binary is None:

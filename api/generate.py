@@ -1,6 +1,6 @@
 """``POST /generate``: our own API (text or token ids in, text and token ids out, optionally as server-sent
-events). Only translation lives here; the path to a running generation is ``serving.py``'s,
-the answer's is ``streaming.py``'s. No torch."""
+events). Only translation lives here; the path to a running generation is ``api/serving.py``'s,
+the answer's is ``api/streaming.py``'s. No torch."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from generation import Chunk
-from schemas import ErrorResponse, GenerateRequest, GenerateResponse, Metrics
-from sequence import Sequence
-from serving import (
+from api.errors import field_errors
+from api.serving import (
     Runtime,
+    attach_grammar,
     check_max_tokens,
     check_token_ids,
     current_runtime,
@@ -20,8 +19,11 @@ from serving import (
     start_generation,
     tokenize,
 )
-from streaming import Frames, run_to_completion, sse_response, usage
-from structured_output import attach_grammar, generate_grammar
+from api.streaming import Frames, run_to_completion, sse_response, usage
+from core.generation import Chunk
+from core.sequence import Sequence
+from guided.grammars import generate_grammar
+from schemas import ErrorResponse, GenerateRequest, GenerateResponse, Metrics
 
 router = APIRouter()
 
@@ -40,7 +42,9 @@ async def generate(req: GenerateRequest, request: Request, runtime: Runtime = De
         prompt_ids = await tokenize(runtime, req.prompt)
     request_id = req.request_id or f"req-{uuid.uuid4().hex}"
     seq = make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id, prompt_logprobs=req.prompt_logprobs)
-    await attach_grammar(runtime, [seq], *generate_grammar(req.json_schema, req.regex, req.choice))
+    with field_errors():
+        grammar, param = generate_grammar(req.json_schema, req.regex, req.choice)
+    await attach_grammar(runtime, [seq], grammar, param)
     gen = start_generation(runtime, seq, req.stop)
     if req.stream:
         return sse_response([gen], request, GenerateFrames(request_id))

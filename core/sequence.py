@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sampling import SamplingParams
+from core.sampling import SamplingParams
 
 _seq_ids = itertools.count(1)
 
@@ -58,7 +58,7 @@ class Sequence:
     # sampling.TokenLogprobs per prompt token.
     prompt_logprobs_k: int | None = None
     prompt_logprobs: list[Any] = field(default_factory=list)
-    # Structured output: a structured_output.GrammarState (None: unconstrained). The engine masks the row's
+    # Structured output: a guided.grammars.GrammarState (None: unconstrained). The engine masks the row's
     # logits with it; append_token advances it, so it always matches output_token_ids (preemption included).
     grammar: Any = None
     # perf_counter() deadlines; None = no limit. Past them the scheduler ends it as FINISHED_TIMEOUT.

@@ -13,7 +13,7 @@ client disconnects). For every HTTP request, in this order:
 4. more than ``MAX_CONCURRENT_REQUESTS`` requests in flight (open paths not counted): 429. A request
    counts from the moment its body has arrived, so slow bodies cannot hold the slots.
 
-Errors use the API's body (``api_errors.error_body``). ``Operations`` also owns the drain: on SIGTERM
+Errors use the API's body (``api.errors.error_body``). ``Operations`` also owns the drain: on SIGTERM
 (``server.main`` forwards it) new requests get 503 and ``/ready`` 503 at once; in-flight requests
 get ``DRAIN_TIMEOUT_S`` to finish, then whatever is left is aborted with "server is shutting down".
 """
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 from starlette.middleware.cors import CORSMiddleware
 
-from api_errors import error_body
+from api.errors import error_body
+from api.metrics import ServerMetrics, logfmt
 from config import Config
-from metrics import ServerMetrics, logfmt
 
 if TYPE_CHECKING:
-    from serving import Runtime
+    from api.serving import Runtime
 
 log = logging.getLogger("minibatch.ops")
 

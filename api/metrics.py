@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sequence import Sequence, SequenceStatus
+from core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from scheduler import EngineCall

@@ -16,14 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from api_errors import APIError
+from api.errors import APIError
 from config import Config
+from core.generation import Generation
+from core.sampling import SamplingParams
+from core.sequence import Sequence, group_choices
 from engine import ChatTemplateError, InferenceEngine
-from generation import Generation
-from sampling import SamplingParams
+from guided.grammars import GrammarError, GrammarState, compiler_for
 from scheduler import QueueFullError, Scheduler
 from schemas import SamplingFields
-from sequence import Sequence, group_choices
 
 
 class Runtime:
@@ -194,3 +195,22 @@ def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | 
             gen.cancel()
         raise
     return gens
+
+
+# --- structured output ----------------------------------------------------------------------------
+async def attach_grammar(runtime: Runtime, seqs: list[Sequence], grammar: str | None, param: str) -> None:
+    """Compile ``grammar`` (off the event loop) into one matcher per sequence; 400 naming ``param`` when the
+    grammar is not supported. Nothing happens without a grammar: an unconstrained request pays nothing."""
+    if grammar is None:
+        return
+
+    def build() -> list[GrammarState]:
+        compiler = compiler_for(runtime.engine)
+        return [compiler.matcher(grammar) for _ in seqs]
+
+    try:
+        states = await runtime.off_loop(build)
+    except GrammarError as exc:
+        raise APIError(400, f"`{param}`: {exc}", param=param) from None
+    for seq, state in zip(seqs, states):
+        seq.grammar = state

@@ -20,8 +20,8 @@ import time
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from api.ops import Operations
 from config import Config
-from ops import Operations
 
 log = logging.getLogger("minibatch.transport")
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-import metrics
-from ops import Operations
+from api import metrics
+from api.ops import Operations
+from api.serving import Runtime
 from schemas import HealthResponse, ReadyResponse
-from serving import Runtime
 
 router = APIRouter()
 

@@ -1,16 +1,16 @@
 """``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer over HTTP, in vLLM's
 request and response shapes (a client counts tokens, or checks what a chat template makes of its
 messages, before sending). Behind ``API_KEY`` like the generating endpoints; the tokenizer runs in
-the tokenizer pool, off the event loop (``serving.py``). No torch."""
+the tokenizer pool, off the event loop (``api/serving.py``). No torch."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api_errors import APIError
-from openai_api import check_model
+from api.errors import APIError
+from api.openai.models import check_model
+from api.serving import Runtime, current_runtime, detokenize, render_chat, tokenize
 from schemas import DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeRequest, TokenizeResponse
-from serving import Runtime, current_runtime, detokenize, render_chat, tokenize
 
 router = APIRouter()
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 422, 503)}

@@ -1,7 +1,7 @@
 """Structured output, request side: a JSON schema, JSON mode, a regex or a choice list -> a grammar, compiled
 against the model's tokenizer into one matcher per sequence. No torch.
 
-The grammar library is llguidance (see the README's "Structured output" for the comparison with xgrammar and
+The grammar library is llguidance (see docs/api.md's "Structured output" for the comparison with xgrammar and
 outlines-core), imported only when a request uses a grammar. A grammar is llguidance's grammar text
 (``grammar_from("json_schema" | "regex" | "lark", ...)``); compiling it against the tokenizer builds an
 ``LLMatcher``, which either holds the grammar or an error that names what is not supported (llguidance refuses
@@ -23,13 +23,13 @@ import threading
 import weakref
 from typing import Any
 
-from api_errors import APIError
+from guided.errors import GuidedError
 
 MAX_GRAMMAR_CHARS = 100_000  # a schema, regex or choice list longer than this (as text) is refused (422)
 MAX_CHOICES = 256
 
 
-class GrammarError(ValueError):
+class GrammarError(GuidedError):
     """The grammar cannot be compiled: unsupported construct or malformed input (the message says which)."""
 
 
@@ -39,7 +39,7 @@ class GrammarError(ValueError):
 COMPACT_JSON = {"whitespace_flexible": False}
 
 
-def _grammar_from(kind: str, text: str) -> str:
+def grammar_from(kind: str, text: str) -> str:
     """llguidance's grammar text for a ``json_schema`` (compact JSON), ``regex`` or ``lark`` source."""
     import llguidance  # deferred: only requests that use a grammar load the library
 
@@ -61,24 +61,24 @@ def schema_grammar(schema: Any) -> str:
     """A JSON schema (a dict, or ``True`` for any JSON value)."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object")
-    return _grammar_from("json_schema", json.dumps(schema))
+    return grammar_from("json_schema", json.dumps(schema))
 
 
 def regex_grammar(pattern: str) -> str:
-    return _grammar_from("regex", pattern)
+    return grammar_from("regex", pattern)
 
 
 def choice_grammar(choices: list[str]) -> str:
     """Exactly one of ``choices`` (literal strings)."""
     if not choices or len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
         raise GrammarError(f"a choice list holds 1 to {MAX_CHOICES} non-empty strings")
-    return _grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
+    return grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
 
 
 def response_format_grammar(value: Any) -> str | None:
     """OpenAI's ``response_format``: ``{"type": "text"}`` (None: unconstrained), ``{"type": "json_object"}``
     (any JSON object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``.
-    Raises APIError (400) for anything else or an unsupported schema."""
+    Raises GuidedError naming ``response_format`` for anything else or an unsupported schema."""
     if value is None or value == {"type": "text"}:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -91,9 +91,8 @@ def response_format_grammar(value: Any) -> str | None:
                 raise GrammarError('json_schema needs {"name": ..., "schema": {...}}')
             return schema_grammar(spec["schema"])
     except GrammarError as exc:
-        raise APIError(400, f"`response_format`: {exc}", param="response_format") from None
-    raise APIError(
-        400,
+        raise GuidedError(f"`response_format`: {exc}", param="response_format") from None
+    raise GuidedError(
         'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", ...}',
         param="response_format",
     )
@@ -111,7 +110,7 @@ def generate_grammar(json_schema: Any, regex: str | None, choice: list[str] | No
             try:
                 return build(value), param
             except GrammarError as exc:
-                raise APIError(400, f"`{param}`: {exc}", param=param) from None
+                raise GuidedError(f"`{param}`: {exc}", param=param) from None
     return None, ""
 
 
@@ -146,7 +145,7 @@ class GrammarCompiler:
     """The model's tokenizer as llguidance sees it (built once, ~1 s for a 49k vocabulary), and matchers.
 
     ``tokenizer``: anything with a ``tokenizers`` backend (``backend_tokenizer``) and an ``eos_token_id``: a
-    ``text_tokenizer.TextTokenizer`` or an HF fast tokenizer; neither path imports transformers."""
+    ``text.tokenizer.TextTokenizer`` or an HF fast tokenizer; neither path imports transformers."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids) -> None:
         import llguidance
@@ -208,21 +207,3 @@ def compiler_for(engine) -> GrammarCompiler:
                 raise GrammarError(f"structured output is not available with model {engine.model_name!r}")
             found = _compilers[engine] = GrammarCompiler(*vocabulary)
         return found
-
-
-async def attach_grammar(runtime, seqs: list, grammar: str | None, param: str) -> None:
-    """Compile ``grammar`` (off the event loop) into one matcher per sequence; 400 naming ``param`` when the
-    grammar is not supported. Nothing happens without a grammar: an unconstrained request pays nothing."""
-    if grammar is None:
-        return
-
-    def build() -> list[GrammarState]:
-        compiler = compiler_for(runtime.engine)
-        return [compiler.matcher(grammar) for _ in seqs]
-
-    try:
-        states = await runtime.off_loop(build)
-    except GrammarError as exc:
-        raise APIError(400, f"`{param}`: {exc}", param=param) from None
-    for seq, state in zip(seqs, states):
-        seq.grammar = state

@@ -1,12 +1,12 @@
 """Admin routes: ``POST /admin/reset_prefix_cache``. Behind ``API_KEY`` when it is set, like every route but
-the probes (ops.py). No torch."""
+the probes (api/ops.py). No torch."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from api.serving import Runtime, current_runtime
 from schemas import ErrorResponse
-from serving import Runtime, current_runtime
 
 router = APIRouter(prefix="/admin")
 

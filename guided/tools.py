@@ -21,26 +21,16 @@ import re
 import uuid
 from typing import Any
 
-from api_errors import APIError
+from guided.errors import GuidedError
+from guided.grammars import COMPACT_JSON, GrammarError, grammar_from
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def template_supports_tools(template: str) -> bool:
-    """Whether a Jinja chat template reads the ``tools`` variable (otherwise the tools never reach the model)."""
-    import jinja2
-    from jinja2 import meta
-
-    try:
-        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateSyntaxError:
-        return False
-
-
 def tool_mode(tools: list[dict] | None, tool_choice: Any) -> str | None:
     """``tool_choice`` checked against ``tools``: None (no tools), "none", "auto", "required", or the name of the
-    function that must be called. 400 naming ``tool_choice`` when it asks for a tool that is not there."""
+    function that must be called. GuidedError naming ``tool_choice`` when it asks for a tool that is not there."""
     names = [t["function"]["name"] for t in tools or []]
     if tool_choice is None:
         return "auto" if names else None
@@ -48,18 +38,17 @@ def tool_mode(tools: list[dict] | None, tool_choice: Any) -> str | None:
         return "none" if names else None
     if tool_choice in ("auto", "required"):
         if not names:
-            raise APIError(400, f'`tool_choice` "{tool_choice}" needs `tools`', param="tool_choice")
+            raise GuidedError(f'`tool_choice` "{tool_choice}" needs `tools`', param="tool_choice")
         return tool_choice
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":
-        raise APIError(
-            400,
+        raise GuidedError(
             'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
     if name not in names:
-        raise APIError(400, f"tool_choice names function {name!r}, which is not in `tools`", param="tool_choice")
+        raise GuidedError(f"tool_choice names function {name!r}, which is not in `tools`", param="tool_choice")
     return name
 
 
@@ -79,8 +68,7 @@ def call_schema(tool: dict) -> dict:
 
 def tool_call_grammar(tools: list[dict], mode: str) -> str:
     """The grammar of an answer that is exactly one tool-call block: of the named function, or (``required``) of
-    any of ``tools``. 400 naming ``tools`` when a function's parameters use an unsupported schema construct."""
-    from structured_output import COMPACT_JSON, GrammarError, _grammar_from
+    any of ``tools``. GuidedError naming ``tools`` when a function's parameters use an unsupported schema construct."""
 
     chosen = tools if mode == "required" else [t for t in tools if t["function"]["name"] == mode]
     schema = {"anyOf": [call_schema(t) for t in chosen]} if len(chosen) > 1 else call_schema(chosen[0])
@@ -88,9 +76,9 @@ def tool_call_grammar(tools: list[dict], mode: str) -> str:
     lark = f"start: {json.dumps(TOOL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CLOSE)}\n"
     lark += f"call: %json {json.dumps(schema)}\n"
     try:
-        return _grammar_from("lark", lark)
+        return grammar_from("lark", lark)
     except GrammarError as exc:
-        raise APIError(400, f"`tools`: {exc}", param="tools") from None
+        raise GuidedError(f"`tools`: {exc}", param="tools") from None
 
 
 def may_be_tool_call(text: str) -> bool:

@@ -4,7 +4,7 @@ A ``Generation`` submits its ``Sequence`` to the scheduler with a listener. Afte
 that gives the sequence tokens, the listener (on the event loop) feeds them to an
 ``IncrementalDecoder``; a matched stop string ends the sequence at the next step boundary
 (status FINISHED_STOPPED, slot freed), and the safe new text goes to the stream queue. The
-HTTP layers (``streaming.py`` and the API modules) only format what comes out of here. No torch.
+HTTP layers (``api/streaming.py`` and the API modules) only format what comes out of here. No torch.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from detokenizer import IncrementalDecoder
+from core.sequence import Sequence, SequenceStatus
 from scheduler import Scheduler
-from sequence import Sequence, SequenceStatus
+from text.detokenizer import IncrementalDecoder
 
 
 @dataclass

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from api_errors import APIError, sequence_error
-from generation import Chunk, Generation, wait_for_disconnect
+from api.errors import APIError, sequence_error
+from core.generation import Chunk, Generation, wait_for_disconnect
+from core.sequence import Sequence
 from schemas import Usage
-from sequence import Sequence
 
 
 def disconnect_future(request: Request) -> asyncio.Future:

@@ -1,15 +1,20 @@
 """Error answers in OpenAI's shape, for every endpoint: ``APIError``, the body, and the translation of
-validation, routing and body-parsing failures and of sequences that did not end normally. No torch."""
+validation, routing and body-parsing failures, of the domain errors of the modules below the API
+(``field_errors``: a ``guided.errors.GuidedError`` names a request field) and of sequences that did not end
+normally. Only ``api/`` raises ``APIError``. No torch."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from core.sequence import Sequence, SequenceStatus
+from guided.errors import GuidedError
 from schemas import ErrorResponse
-from sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("minibatch.api")
 
@@ -83,6 +88,16 @@ def describe_unparsable_body(cause: BaseException | None) -> str:
     if isinstance(cause, ValueError) and "digits" in str(cause):
         return "malformed JSON body: an integer with more than 4300 digits"
     return "malformed JSON body"
+
+
+@contextmanager
+def field_errors() -> Iterator[None]:
+    """Around structured-output and tool-calling work on a request: a ``GuidedError`` is answered 400, naming the
+    request field it is about."""
+    try:
+        yield
+    except GuidedError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 def sequence_error(seq: Sequence) -> APIError | None:

@@ -1,0 +1,14 @@
+"""The OpenAI-compatible API, one file per endpoint: ``models.py`` (``GET /v1/models``), ``completions.py``
+(``POST /v1/completions``), ``chat.py`` (``POST /v1/chat/completions``); what they share: ``fields.py`` (request
+checks, choices, usage), ``logprobs.py`` (OpenAI's two logprob formats), ``frames.py`` (the stream events).
+``router`` is all of them. Errors use OpenAI's body shape (``api/errors.py``). No torch."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.openai import chat, completions, models
+
+router = APIRouter()
+for _endpoint in (models, completions, chat):
+    router.include_router(_endpoint.router)

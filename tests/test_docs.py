@@ -1,0 +1,36 @@
+"""The docs name what exists: every module of the project (each .py at the root and under its packages) has its line
+in docs/architecture.md, every doc the README links to exists, and the README stays short."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+from conftest import ROOT
+
+PACKAGES = ("api", "core", "text", "guided", "models", "deploy", "scripts")
+
+
+def project_modules() -> list[str]:
+    """Every tracked .py of the project (the root's and its packages'), as a path from the root."""
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    paths = out.split()
+    assert paths, "git ls-files found no module"
+    return [p for p in paths if "/" not in p or p.split("/")[0] in PACKAGES]
+
+
+def test_every_module_is_named_in_the_architecture_doc():
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        doc = f.read()
+    missing = [p for p in project_modules() if not re.search(rf"(?<![\w/]){re.escape(p)}(?!\w)", doc)]
+    assert not missing, f"modules with no line in docs/architecture.md: {missing}"
+
+
+def test_the_readme_links_exist_and_it_stays_short():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    links = re.findall(r"\]\(([^)#]+)\)", readme)
+    assert "docs/architecture.md" in links and "docs/configuration.md" in links, links
+    assert [link for link in links if not os.path.exists(os.path.join(ROOT, link))] == []
+    assert len(readme.splitlines()) <= 300
