@@ -47,7 +47,8 @@
 #include <omp.h>
 #endif
 
-#define GMAX 8         /* query heads per pass over a KV head's blocks (accumulators in registers) */
+#define GMAX 4         /* query heads per pass over a KV head's blocks (accumulators in registers; more: passes of
+                        * GMAX, each head's arithmetic the same whatever the pass holds) */
 #define DMAX 256       /* largest head dimension */
 #define BSMAX 256      /* largest block size */
 #define SSTRIDE (BSMAX + 8)
@@ -195,7 +196,7 @@ INLINE void values_tile(float *acc, const float *corr, const float *p, int n, co
 /* Scores of one block (n tokens) for GC query heads sharing one KV head. */
 INLINE void block_scores(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int n, float *s,
                          const int GC, const int DT) {
-    const int TP = GC <= 3 ? 4 : GC == 4 ? 2 : 1; /* GC x TP accumulators fit the 16 AVX registers */
+    const int TP = GC <= 3 ? 4 : 2; /* GC x TP accumulators fit the 16 AVX registers */
     int j = 0;
     for (; j + TP <= n; j += TP) scores_tile(qs, D, kb, ts, ks, sts, j, s, GC, TP, DT);
     for (; j < n; j++) scores_tile(qs, D, kb, ts, ks, sts, j, s, GC, 1, DT);
@@ -204,24 +205,20 @@ INLINE void block_scores(const float *qs, int D, const void *kb, long ts, const 
 /* acc = acc * corr + p V over one block (n tokens) for GC query heads sharing one KV head. */
 INLINE void block_values(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D,
                          const int GC, const int DT) {
-    const int DC = GC == 1 ? 8 : GC <= 3 ? 4 : GC == 4 ? 2 : 1; /* GC x DC accumulators in registers */
+    const int DC = GC == 1 ? 8 : GC <= 3 ? 4 : 2; /* GC x DC accumulators in registers */
     int d = 0;
     for (; d + 8 * DC <= D; d += 8 * DC) values_tile(acc, corr, p, n, vb, ts, D, d, GC, DC, DT);
     for (; d < D; d += 8) values_tile(acc, corr, p, n, vb, ts, D, d, GC, 1, DT);
 }
 
-/* Instantiate call(GC) for the runtime gc (1..8) and, around it, DT_ for the runtime dt: every (GC, dtype)
+/* Instantiate call(GC) for the runtime gc (1..GMAX) and, around it, DT_ for the runtime dt: every (GC, dtype)
  * pair gets its own unrolled register tiles. */
 #define DISPATCH_GC(call)                                                                                         \
     switch (gc) {                                                                                                \
     case 1: call(1); break;                                                                                      \
     case 2: call(2); break;                                                                                      \
     case 3: call(3); break;                                                                                      \
-    case 4: call(4); break;                                                                                      \
-    case 5: call(5); break;                                                                                      \
-    case 6: call(6); break;                                                                                      \
-    case 7: call(7); break;                                                                                      \
-    default: call(8); break;                                                                                     \
+    default: call(4); break;                                                                                     \
     }
 
 #define DISPATCH_DT(body)                                                                                         \
@@ -321,7 +318,7 @@ INLINE512 void scores_tile512(const float *qs, int D, const void *kb, long ts, c
 
 INLINE512 void block_scores512(const float *qs, int D, const void *kb, long ts, const float *ks, long sts, int n,
                                float *s, const int GC, const int DT) {
-    const int NP = GC <= 4 ? 4 : 2; /* GC x NP accumulators, and the queries, in the 32 registers */
+    const int NP = 4; /* GC x NP accumulators, and the queries, in the 32 registers */
     int j = 0;
     for (; j + 2 * NP <= n; j += 2 * NP) scores_tile512(qs, D, kb, ts, ks, sts, j, s, GC, NP, DT);
     for (; j + 4 <= n; j += 4) scores_tile512(qs, D, kb, ts, ks, sts, j, s, GC, 2, DT);
@@ -347,7 +344,7 @@ INLINE512 void values_tile512(float *acc, const float *corr, const float *p, int
 
 INLINE512 void block_values512(float *acc, const float *corr, const float *p, int n, const void *vb, long ts, int D,
                                const int GC, const int DT) {
-    const int DC = GC <= 2 ? 8 : GC <= 4 ? 4 : 2; /* GC x DC accumulators in the 32 registers */
+    const int DC = GC <= 2 ? 8 : 4; /* GC x DC accumulators in the 32 registers */
     int d = 0;
     for (; d + 16 * DC <= D; d += 16 * DC) values_tile512(acc, corr, p, n, vb, ts, D, d, GC, DC, DT);
     for (; d + 16 <= D; d += 16) values_tile512(acc, corr, p, n, vb, ts, D, d, GC, 1, DT);

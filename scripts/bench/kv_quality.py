@@ -12,10 +12,10 @@ that pool (the torch runtime, its weights at ``WEIGHTS``, default the file's own
   difference, and the share of positions that are equal.
 
 int8's scale granularity is measured the same way on simulated pools (fp32 storage whose writes are quantized and
-dequantized, read by the same kernel; ``SIM``): one scale per token and head (the kernel's int8, which the
-simulation must reproduce), per 32 values (q8_0's block: 2 scales per 64-value head), and per block and head (one
-scale for a block's ``KV_BLOCK_SIZE`` tokens, each token's original values requantized as the block fills: the
-best any per-block scale can do without knowing later tokens).
+dequantized, read by the same kernel; ``SIM``, each against ``sim:none``, the same path unquantized): one scale per
+token and head (the kernel's int8, which the simulation must reproduce), per 32 values (q8_0's block: 2 scales per
+64-value head), and per block and head (one scale for a block's ``KV_BLOCK_SIZE`` tokens, each token's original
+values requantized as the block fills: the best any per-block scale can do without knowing later tokens).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import time
 import torch
 
 DTYPES = ("fp32", "fp16", "bf16", "int8")
-SIM = ("sim:token", "sim:group32", "sim:block")  # int8 scale granularities, simulated on fp32 pools
+# int8 scale granularities, simulated on fp32 pools through the torch path; sim:none is that path unquantized (the
+# simulations' own reference: its arithmetic is not the compiled step's)
+SIM = ("sim:none", "sim:token", "sim:group32", "sim:block")
 LONG_COMMIT = "2684c5e"
 LONG_TOKENS = 4096
 PROMPTS, PROMPT_TOKENS, NEW = 4, 1024, 256
@@ -68,6 +70,8 @@ def simulated_cache(kv, granularity: str):
                         x = orig[layer, b, :, :filled]  # [KVH, filled, D]: one scale per head over the block
                         pool[layer, b, :, :filled] = _fake_int8(x.reshape(x.shape[0], -1), x[0].numel()).view_as(x)
                 return
+            if granularity == "none":
+                return super().write(layer, blocks, offsets, k, v)
             group = k.shape[-1] if granularity == "token" else 32
             self.k[layer][blocks, :, offsets] = _fake_int8(k, group)
             self.v[layer][blocks, :, offsets] = _fake_int8(v, group)
@@ -153,8 +157,8 @@ def run_kv_quality(model_id: str, root: str, quick: bool, weights: str = "auto")
         print(f"kv-quality: {variant} done", flush=True)
     del model
     gc.collect()
-    ref = next(r for r in rows if r["kv_cache_dtype"] == "fp32")
     for r in rows:
+        ref = next(x for x in rows if x["kv_cache_dtype"] == ("sim:none" if r["kv_cache_dtype"] in SIM else "fp32"))
         if r.get("failed") or ref.get("failed"):
             continue
         for name in texts:
@@ -180,7 +184,7 @@ def print_kv_quality(result: dict) -> None:
     )
     print(
         f"{'KV dtype':<12}{'B/token':>9}{'ppl passage':>13}{'vs fp32':>9}{'ppl long':>10}{'vs fp32':>9}"
-        f"{'greedy =':>10}  first difference"
+        f"{'greedy =':>10}  first difference (sim: against sim:none)"
     )
     for r in result["rows"]:
         if r.get("failed"):
