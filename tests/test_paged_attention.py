@@ -221,15 +221,16 @@ def test_no_compiler_falls_back_cleanly(fresh_loader, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
 def test_the_kernel_stores_what_torch_converts(kernel, dtype):
-    """kv_store (the compiled conversion rope_write_attend and decode_step.c use) writes the bits of the torch
-    conversion (kv_cache.py's writes on other devices): round to nearest even, int8's scale per token and head;
-    rows of zeros, ties and fp16's overflow included."""
-    N, KVH, D, bs = 7, 3, 64, 4
+    """The compiled conversion (store_row: rope_write_attend's and decode_step.c's K/V writes) stores the bits of the
+    torch conversion (kv_cache.py's writes): round to nearest even, int8's scale per token and head; rows of zeros,
+    ties and fp16's overflow included."""
+    N, H, KVH, D, bs = 7, 3, 3, 64, 4
     gen = torch.Generator().manual_seed(5)
     k, v = torch.randn(N, KVH, D, generator=gen) * 3, torch.randn(N, KVH, D, generator=gen)
     k[0, 1] = 0.0  # a zero row: scale 0
     k[1, 0, :4] = torch.tensor([70000.0, -1e6, 0.5 + 2**-12, 1 + 2**-8])  # fp16 overflow, fp16 and bf16 ties
     v[2, 2] = torch.linspace(-127, 127, D) / 127 * 2.5  # exact halves in int8
+    qkv = torch.cat([torch.randn(N, H * D, generator=gen), k.reshape(N, -1), v.reshape(N, -1)], dim=1)
     num_blocks = 3
     k_pool = torch.zeros(num_blocks, KVH, bs, D, dtype=dtype).transpose(1, 2)  # head-major, as the engine's
     v_pool = torch.zeros_like(k_pool)
@@ -237,7 +238,11 @@ def test_the_kernel_stores_what_torch_converts(kernel, dtype):
     if dtype == torch.int8:
         scales = tuple(torch.zeros(num_blocks, KVH, bs).transpose(1, 2) for _ in range(2))
     blocks, offsets = torch.tensor([2, 0, 1, 0, 2, 1, 0]), torch.tensor([1, 3, 0, 0, 2, 3, 1])
-    kernel.kv_store(k_pool, v_pool, scales, blocks, offsets, k, v)
+    tables = torch.tensor([[b] for b in blocks.tolist()], dtype=torch.int32)
+    lens = (offsets + 1).to(torch.int32)
+    kernel.rope_write_attend(
+        qkv, H, None, torch.zeros(N, dtype=torch.long), k_pool, v_pool, blocks, offsets, tables, lens, 0.125, scales
+    )  # no rotation: k and v stored as given
     (kq, kscale), (vq, vscale) = pa.to_pool_dtype(k, dtype), pa.to_pool_dtype(v, dtype)
     assert torch.equal(k_pool[blocks, offsets].view(torch.uint8), kq.view(torch.uint8))
     assert torch.equal(v_pool[blocks, offsets].view(torch.uint8), vq.view(torch.uint8))

@@ -682,19 +682,3 @@ int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const floa
     return paged_attention(q_buf, (long)H * D, pool, block_tables, table_stride, context_lens, out, B, H, scale, 0,
                            nthreads);
 }
-
-/* N tokens' k and v [N, KVH, D] fp32 (rows k + n * ldk, v + n * ldv) into slots (slot_blocks, slot_offsets) of the
- * pools, converted to the pool's dtype: what rope_write_attend writes, for callers that write without attending
- * (kv_cache.py's CPU writes; the same bits as its torch conversion). */
-void kv_store(const KVPool *pool, const long *slot_blocks, const long *slot_offsets, const float *k, long ldk,
-              const float *v, long ldv, int N) {
-    const int KVH = pool->kv_heads, D = pool->head_dim;
-    for (int n = 0; n < N; n++) {
-        const long slot = slot_blocks[n] * pool->block_stride + slot_offsets[n] * pool->token_stride;
-        for (int h = 0; h < KVH; h++) {
-            const long off = slot + h * pool->head_stride;
-            store_row(k + n * ldk + (long)h * D, pool->k, pool->k_scale, off, D, pool->dtype);
-            store_row(v + n * ldv + (long)h * D, pool->v, pool->v_scale, off, D, pool->dtype);
-        }
-    }
-}

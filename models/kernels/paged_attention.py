@@ -65,8 +65,6 @@ def _load() -> ctypes.CDLL:
         *(P, P, P, N, P),  # slot_blocks, slot_offsets, block_tables, table_stride, context_lens
         *(P, P, N, N, F32, N),  # q_buf, out, B, H, scale, nthreads
     ]
-    lib.kv_store.restype = None
-    lib.kv_store.argtypes = [P, P, P, P, L, P, L, N]  # pool, slot_blocks, slot_offsets, k, ldk, v, ldv, N
     return with_isa(lib, "attention_isa")  # its AVX-512 path where the CPU has it (KERNEL_ISA), the same bits
 
 
@@ -198,33 +196,6 @@ def rope_write_attend(
     if rc != 0:
         raise MemoryError("paged attention: cannot allocate the partition workspace")
     return out
-
-
-def kv_store(
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    scales: tuple[torch.Tensor, torch.Tensor] | None,
-    slot_blocks: torch.Tensor,
-    slot_offsets: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """N tokens' k, v [N, KVH, D] fp32 into their slots of a CPU pool, converted as ``rope_write_attend`` writes
-    (the compiled ``store_row``). slot_blocks, slot_offsets: [N] int64. The caller checks ``kernel_supports``."""
-    N = k.shape[0]
-    k, v = k.reshape(N, -1).contiguous(), v.reshape(N, -1).contiguous()
-    blocks, offsets = slot_blocks.to(torch.long).contiguous(), slot_offsets.to(torch.long).contiguous()
-    pool = kv_pool(k_pool, v_pool, scales)
-    load().kv_store(
-        ctypes.byref(pool),
-        blocks.data_ptr(),
-        offsets.data_ptr(),
-        k.data_ptr(),
-        k.stride(0),
-        v.data_ptr(),
-        v.stride(0),
-        N,
-    )
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
