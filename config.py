@@ -47,9 +47,10 @@ class Config:
     # quarter of the machine's RAM.
     kv_cache_mb: float = 0.0
     # Element type of the KV pool: "fp32" (exact: what the parity gates run), "fp16" or "bf16" (half the bytes per
-    # token: KV_CACHE_MB holds 2x the tokens), "int8" (q8_0-like, one scale per token and head: ~3.8x). Read in place
-    # by the attention kernels on both runtimes. docs/kv-cache.md has the quality and speed measured per dtype.
-    kv_cache_dtype: str = "fp32"
+    # token: KV_CACHE_MB holds 2x the tokens), "int8" (q8_0-like, one scale per token and head: ~3.8x), or "auto":
+    # fp32 beside fp32 weights, int8 beside quantized ones (a GGUF, WEIGHTS=int8 / int4). Read in place by the
+    # attention kernels on both runtimes. docs/kv-cache.md has the quality and speed measured per dtype.
+    kv_cache_dtype: str = "auto"
     # Chunked prefill: most tokens one engine step feeds (decode rows first, then prompt chunks), so a long
     # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
     # 256: half 512's worst stall at the same throughput (docs/performance.md "The KV pool, measured").
@@ -146,9 +147,9 @@ class Config:
             "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)",
         )
         _check(
-            self.kv_cache_dtype in KV_DTYPES,
+            self.kv_cache_dtype in ("auto", *KV_DTYPES),
             "KV_CACHE_DTYPE",
-            f"must be one of {', '.join(KV_DTYPES)} (got {self.kv_cache_dtype!r})",
+            f"must be one of auto, {', '.join(KV_DTYPES)} (got {self.kv_cache_dtype!r})",
         )
         _check(
             0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS", "must be in [0, 1048576] (0 = off)"

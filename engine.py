@@ -939,7 +939,7 @@ class ModelEngine(BatchEngine):
             config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
-        self.kv_cache_dtype = config.kv_cache_dtype
+        self.kv_cache_dtype = kv_cache_dtype(config)
         self._heap = HeapTrimmer()
         return num_blocks
 
@@ -1128,7 +1128,7 @@ class HFEngine(ModelEngine):
             )
         family = supported[hf_config.model_type]
         stops = eos_ids(hf_model, self.tokenizer)
-        bytes_per_token = family.kv_bytes_per_token(hf_config, config.kv_cache_dtype)
+        bytes_per_token = family.kv_bytes_per_token(hf_config, kv_cache_dtype(config))
         num_blocks = self._init_batching(config, family.context_window(hf_config), stops, bytes_per_token)
         max_context, block_size = self.max_context, self.blocks.block_size
         self.vocab_size = hf_config.vocab_size
@@ -1144,7 +1144,7 @@ class HFEngine(ModelEngine):
                 num_blocks=num_blocks,
                 block_size=block_size,
                 weights=weights,
-                kv_cache_dtype=config.kv_cache_dtype,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
@@ -1213,10 +1213,10 @@ class NativeEngine(ModelEngine):
             meta = check_image(image_dir)
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
             kv = meta["kv"]
-            bytes_per_token = bytes_per_kv_token(config.kv_cache_dtype, kv["n_layer"], kv["n_kv_head"], kv["head_dim"])
+            bytes_per_token = bytes_per_kv_token(kv_cache_dtype(config), kv["n_layer"], kv["n_kv_head"], kv["head_dim"])
             num_blocks = self._init_batching(config, meta["context_window"], set(meta["eos_ids"]), bytes_per_token)
             self.model = NativeModel(
-                image_dir, num_blocks, self.blocks.block_size, engine_threads(config), config.kv_cache_dtype
+                image_dir, num_blocks, self.blocks.block_size, engine_threads(config), self.kv_cache_dtype
             )
         except (ImageError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
@@ -1274,7 +1274,7 @@ def _score_prompt(seq: Sequence, logits, start: int, end: int) -> None:
 
 def _check_kv_dtype(config: Config) -> None:
     """KV_CACHE_DTYPE must be one this CPU runs (fp16 needs F16C): a one-line startup error otherwise."""
-    reason = kv_dtype_unavailable(config.kv_cache_dtype)
+    reason = kv_dtype_unavailable(kv_cache_dtype(config))
     if reason:
         raise ModelLoadError(reason)
 
@@ -1380,14 +1380,30 @@ def build_engine(config: Config) -> InferenceEngine:
     return NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
 
 
+def quantized_weights(config: Config) -> bool:
+    """Whether the model's weights are served quantized: a GGUF at WEIGHTS=auto, or WEIGHTS=int8 / int4."""
+    from models.loading import is_gguf
+
+    return config.weights in ("int8", "int4") or (config.weights == "auto" and is_gguf(config.model_id))
+
+
+def kv_cache_dtype(config: Config) -> str:
+    """The KV pool's elements: KV_CACHE_DTYPE, or for ``auto`` fp32 beside fp32 weights (exact, as the parity gates
+    run) and ``AUTO_QUANTIZED_KV`` beside quantized ones (docs/kv-cache.md has the measurements behind it)."""
+    if config.kv_cache_dtype != "auto":
+        return config.kv_cache_dtype
+    return AUTO_QUANTIZED_KV if quantized_weights(config) else "fp32"
+
+
+AUTO_QUANTIZED_KV = "int8"  # KV_CACHE_DTYPE=auto beside quantized weights
+
+
 def uses_native_runtime(config: Config) -> bool:
     """RUNTIME=native, or RUNTIME=auto with quantized weights (a GGUF at WEIGHTS=auto, int8, int4) on the CPU
     where the whole-step kernel builds (else auto falls back to torch, and says why)."""
-    from models.loading import is_gguf
-
     if config.runtime != "auto":
         return config.runtime == "native"
-    quantized = config.weights in ("int8", "int4") or (config.weights == "auto" and is_gguf(config.model_id))
+    quantized = quantized_weights(config)
     if not quantized or config.device not in ("auto", "cpu"):
         return False
     from models.native import unavailable_reason

@@ -78,7 +78,7 @@ def runtime_knobs(runtime: str) -> dict:
     if runtime == "torch":
         return {}
     need_native()
-    return {"weights": "int8", "runtime": "native"}
+    return {"weights": "int8", "runtime": "native", "kv_cache_dtype": "fp32"}  # auto would be int8: parity needs fp32
 
 
 RUNTIMES = ("torch", "native")  # parametrize a real-server test over both runtimes (``runtime_knobs``)
@@ -180,10 +180,12 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 # --- engines -----------------------------------------------------------------------------------------------
 def make_engine(model_id: str, capacity: int = 4, **config):
-    """An ``HFEngine`` on ``model_id`` with ``capacity`` slots and 2 threads; ``config``: other Config fields."""
+    """An ``HFEngine`` on ``model_id`` with ``capacity`` slots and 2 threads; ``config``: other Config fields (an fp32
+    KV pool unless they say otherwise: the parity gates' exact one, also beside quantized weights)."""
     from config import Config
     from engine import HFEngine
 
+    config.setdefault("kv_cache_dtype", "fp32")
     return HFEngine(Config(model_id=model_id, max_batch_size=capacity, num_threads=2, **config))
 
 

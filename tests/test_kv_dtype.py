@@ -43,15 +43,15 @@ def engine_for(model_dir: str, runtime: str, kv_dtype: str, blocks: int = 16, si
     of ``sized_for`` elements (default: of ``kv_dtype``), prefill chunked 5 tokens a step."""
     from engine import HFEngine, NativeEngine
 
+    knobs = {**runtime_knobs(runtime), "kv_cache_dtype": kv_dtype}
     cfg = Config(
         model_id=model_dir,
         max_batch_size=4,
         num_threads=2,
         kv_block_size=4,
         kv_cache_mb=pool_mb(model_dir, blocks, 4, sized_for or kv_dtype),
-        kv_cache_dtype=kv_dtype,
         max_num_batched_tokens=5,
-        **runtime_knobs(runtime),
+        **knobs,
     )
     return (NativeEngine if runtime == "native" else HFEngine)(cfg)
 
@@ -145,15 +145,34 @@ def test_metrics_name_the_dtype():
     assert "minibatch:kv_cache_bytes 1234.0" in text
 
 
-@pytest.mark.parametrize("value", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("value", ["auto", "fp32", "fp16", "bf16", "int8"])
 def test_kv_cache_dtypes(value):
     assert Config.from_env({"KV_CACHE_DTYPE": value}).kv_cache_dtype == value
 
 
 @pytest.mark.parametrize("value", ["fp8", "float16", "INT8", "q4_0"])
 def test_an_unknown_kv_cache_dtype_names_the_variable_and_the_choices(value):
-    with pytest.raises(ConfigError, match="KV_CACHE_DTYPE must be one of fp32, fp16, bf16, int8"):
+    with pytest.raises(ConfigError, match="KV_CACHE_DTYPE must be one of auto, fp32, fp16, bf16, int8"):
         Config.from_env({"KV_CACHE_DTYPE": value})
+
+
+@pytest.mark.parametrize(
+    "env, dtype",
+    [
+        ({"MODEL_ID": "dir"}, "fp32"),  # fp32 weights: the exact pool
+        ({"MODEL_ID": "dir", "WEIGHTS": "fp32"}, "fp32"),
+        ({"MODEL_ID": "m.gguf"}, "int8"),  # a GGUF at its own quantization
+        ({"MODEL_ID": "m.gguf", "WEIGHTS": "fp32"}, "fp32"),
+        ({"MODEL_ID": "dir", "WEIGHTS": "int8"}, "int8"),
+        ({"MODEL_ID": "dir", "WEIGHTS": "int4"}, "int8"),
+        ({"MODEL_ID": "m.gguf", "KV_CACHE_DTYPE": "fp16"}, "fp16"),  # an explicit choice stands
+        ({"MODEL_ID": "dir", "KV_CACHE_DTYPE": "bf16"}, "bf16"),
+    ],
+)
+def test_auto_is_fp32_beside_fp32_weights_and_int8_beside_quantized_ones(env, dtype):
+    from engine import kv_cache_dtype
+
+    assert kv_cache_dtype(Config.from_env(env)) == dtype
 
 
 def test_a_dtype_the_cpu_cannot_run_fails_at_startup_with_one_line(monkeypatch):
