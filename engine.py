@@ -746,7 +746,6 @@ class BatchEngine(InferenceEngine):
             "kv_blocks": self.blocks.num_blocks,
             "kv_free_blocks": self.blocks.num_free_blocks,
             "kv_block_size": self.blocks.block_size,
-            "kv_cache_dtype": self.kv_cache_dtype,
             "num_preemptions": self.num_preemptions,
             "num_prefilling": len(self._prefilling) + len(self._parent_of),  # forked choices wait for a prefill
             "kv_cached_blocks": self.blocks.num_cached_blocks,

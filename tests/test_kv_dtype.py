@@ -17,7 +17,7 @@ from test_prefix_cache import seq, submit_all
 from config import Config, ConfigError
 from core.sequence import Sequence, group_choices
 
-from conftest import PROMPTS, Reference, expected, pool_mb, runtime_knobs
+from conftest import PROMPTS, Reference, bounded, expected, pool_mb, runtime_knobs, serving
 
 NARROW = ["fp16", "bf16", "int8"]
 # Least share of greedy tokens (before each sequence's first difference) that equal HF fp32's, per dtype, on the
@@ -122,18 +122,38 @@ def test_pressure_and_prefix_gates_with_a_narrower_pool(checkpoints, family, run
 @pytest.mark.parametrize("runtime", ["torch", "native"])
 def test_kv_cache_mb_buys_more_tokens_with_a_narrower_dtype(pressure_model, runtime, caplog):
     """The same KV_CACHE_MB holds 2x the blocks at fp16 / bf16 and ~4x at int8 (its scales counted); the startup
-    log and the engine's stats (what /metrics reports) name the dtype."""
+    log and the engine (what /metrics reports) name the dtype."""
     blocks = {}
     for kv_dtype in ("fp32", "fp16", "bf16", "int8"):
         with caplog.at_level("INFO", logger="minibatch.engine"):
             engine = engine_for(pressure_model, runtime, kv_dtype, blocks=40, sized_for="fp32")
         blocks[kv_dtype] = engine.blocks.num_blocks
-        assert engine.stats()["kv_cache_dtype"] == kv_dtype and engine.kv_cache_dtype == kv_dtype
+        assert engine.kv_cache_dtype == kv_dtype  # what /metrics' kv_cache_info reports (api/ops.py)
         assert engine.kv_pool_bytes <= pool_mb(pressure_model, 40, 4) * 2**20
         assert f"KV cache {kv_dtype}," in caplog.text
     assert blocks["fp32"] == 40 and blocks["fp16"] == blocks["bf16"] == 80
     head_dim = 16  # both test checkpoints' (make_test_model.py): int8 holds 16 bytes and a 4-byte scale per head
     assert blocks["int8"] == 40 * 4 * head_dim // (head_dim + 4) == 128
+
+
+def test_the_server_reports_its_engines_dtype_on_metrics_and_health():
+    """/metrics through the app: the engine's kv_cache_dtype as kv_cache_info's label ("none" for the fake, whose pool
+    holds no K/V) and the pool's bytes; /health's engine stats stay integers."""
+    from engine import FakeEngine
+
+    class Int8Fake(FakeEngine):
+        kv_cache_dtype, kv_pool_bytes = "int8", 4096
+
+    async def body():
+        for engine, dtype, nbytes in ((FakeEngine(capacity=2), "none", 0), (Int8Fake(capacity=2), "int8", 4096)):
+            async with serving(engine) as c:
+                text = (await c.get("/metrics")).text
+                assert f'minibatch:kv_cache_info{{dtype="{dtype}"}} 1.0' in text
+                assert f"minibatch:kv_cache_bytes {float(nbytes)}" in text
+                health = await c.get("/health")
+                assert health.status_code == 200 and all(isinstance(v, int) for v in health.json()["engine"].values())
+
+    bounded(body)
 
 
 def test_metrics_name_the_dtype():
