@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from models.kernels.build import KERNEL_ISAS  # torch-free
+from models.kernels.int_dot import ACTIVATIONS  # torch-free
 from models.kv_dtype import KV_DTYPES  # torch-free
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -80,6 +81,11 @@ class Config:
     # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512F (1.3-1.7x
     # at 4-64 rows, the same bits as AVX2), "avx2" their AVX2 paths everywhere. docs/performance.md "Quantized weights".
     kernel_isa: str = "auto"
+    # Activations of the int8 / int4 linears: "fp32" multiplies fp32 activations (bit for bit HF's math on the
+    # file's weights), "int8" rounds them to int8 per 32-group (as llama.cpp does) for integer dot products (VNNI /
+    # AVX2) in every step, "auto" does so per weight format from the step size measured to gain
+    # (models/kernels/int_dot.py AUTO_ROWS). docs/integer-dot.md.
+    activations: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
     # Name the OpenAI endpoints answer to (GET /v1/models, the "model" field). "" = MODEL_ID.
@@ -203,6 +209,11 @@ class Config:
             self.kernel_isa in KERNEL_ISAS,
             "KERNEL_ISA",
             f"must be one of {', '.join(KERNEL_ISAS)} (got {self.kernel_isa!r})",
+        )
+        _check(
+            self.activations in ACTIVATIONS,
+            "ACTIVATIONS",
+            f"must be one of {', '.join(ACTIVATIONS)} (got {self.activations!r})",
         )
         _check(
             self.runtime != "native" or self.device in ("auto", "cpu"),

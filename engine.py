@@ -26,6 +26,7 @@ from core.block_manager import BlockManager, extend_block_hashes
 from core.sampling import NonFiniteLogits, TokenLogprobs, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from core.sequence import Sequence, SequenceStatus
 from model_runner import ModelRunner
+from models.kernels import int_dot
 from models.kernels.build import kernel_isa, set_kernel_isa
 from models.kv_dtype import bytes_per_token as bytes_per_kv_token
 from models.kv_dtype import unavailable_reason as kv_dtype_unavailable
@@ -243,6 +244,7 @@ class BatchEngine(InferenceEngine):
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
+        self.kv_window = 0  # a sliding window on every layer: blocks that left it go back to the pool
 
     # --- tensor work, supplied by subclasses -------------------------------------------------
     @abstractmethod
@@ -467,10 +469,14 @@ class BatchEngine(InferenceEngine):
         return cached
 
     def _cache_computed(self, seq: Sequence, computed: int) -> None:
-        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache."""
+        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache;
+        under a sliding window on every layer (``kv_window``), the blocks that left it go back to the pool (its
+        next query, at position ``computed``, reads keys from ``computed - kv_window + 1`` on)."""
         bm = self.blocks
         if bm.enable_caching and computed // bm.block_size > bm.num_hashed_blocks(seq.seq_id):
             bm.cache_blocks(seq.seq_id, self._block_hashes(seq, computed))
+        if self.kv_window and seq.seq_id in bm:
+            bm.release_before(seq.seq_id, computed - self.kv_window + 1)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no sequence holds (``POST /admin/reset_prefix_cache``); returns how many."""
@@ -922,8 +928,11 @@ class ModelEngine(BatchEngine):
     model: ModelRunner
     chat_template: str | None
 
-    def _init_batching(self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int) -> int:
-        """Context, KV pool and batching from ``config`` for a model of ``window`` positions; -> KV pool blocks."""
+    def _init_batching(
+        self, config: Config, window: int, stops: set[int], kv_bytes_per_token: int, kv_window: int = 0
+    ) -> int:
+        """Context, KV pool and batching from ``config`` for a model of ``window`` positions (and a sliding window
+        of ``kv_window`` keys on every layer, 0: none); -> KV pool blocks."""
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         block_size = config.kv_block_size
         num_blocks = kv_pool_blocks(config, max_context, kv_bytes_per_token * block_size)
@@ -939,6 +948,7 @@ class ModelEngine(BatchEngine):
         )
         self.model_name = config.model_id
         self.kv_cache_dtype = kv_cache_dtype(config)
+        self.kv_window = kv_window
         self._heap = HeapTrimmer()
         return num_blocks
 
@@ -1114,6 +1124,7 @@ class HFEngine(ModelEngine):
 
         torch.set_num_threads(engine_threads(config))
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             _check_kv_dtype(config)
@@ -1127,8 +1138,12 @@ class HFEngine(ModelEngine):
             )
         family = supported[hf_config.model_type]
         stops = eos_ids(hf_model, self.tokenizer)
+        try:
+            kv_window = family.kv_window(hf_config)
+        except ValueError as exc:  # a config option our forward does not implement
+            raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
         bytes_per_token = family.kv_bytes_per_token(hf_config, kv_cache_dtype(config))
-        num_blocks = self._init_batching(config, family.context_window(hf_config), stops, bytes_per_token)
+        num_blocks = self._init_batching(config, family.context_window(hf_config), stops, bytes_per_token, kv_window)
         max_context, block_size = self.max_context, self.blocks.block_size
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
@@ -1202,6 +1217,7 @@ class NativeEngine(ModelEngine):
 
         environment = thread_environment()  # before libgomp loads with the kernel
         set_kernel_isa(config.kernel_isa)
+        int_dot.set_activations(config.activations)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
         from text.tokenizer import TextTokenizer
@@ -1213,7 +1229,9 @@ class NativeEngine(ModelEngine):
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
             kv = meta["kv"]
             bytes_per_token = bytes_per_kv_token(kv_cache_dtype(config), kv["n_layer"], kv["n_kv_head"], kv["head_dim"])
-            num_blocks = self._init_batching(config, meta["context_window"], set(meta["eos_ids"]), bytes_per_token)
+            num_blocks = self._init_batching(
+                config, meta["context_window"], set(meta["eos_ids"]), bytes_per_token, meta["kv_window"]
+            )
             self.model = NativeModel(
                 image_dir, num_blocks, self.blocks.block_size, engine_threads(config), self.kv_cache_dtype
             )
@@ -1243,6 +1261,7 @@ class NativeEngine(ModelEngine):
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),
         )
+        log.info("quantized linears: %s", int_dot.describe(config.activations))
 
 
 def _needs_prompt_logprobs(seq: Sequence) -> bool:

@@ -17,6 +17,9 @@ The API follows nano-vllm / vLLM:
 - ``cache_blocks(seq_id, hashes)``: the sequence's first ``len(hashes)`` blocks are full and
   computed; they enter the prefix cache under those hashes.
 - ``free(seq_id)``: finish, abort or preemption; every block it held is released.
+- ``release_before(seq_id, position)``: a model whose every layer has a sliding window never reads a position again
+  once it has left the window; the sequence's blocks that hold only such positions go back to the pool early (the
+  cached ones stay cached, evictable) and their table entries become ``RELEASED``.
 
 Every block carries a reference count so blocks can be shared: a prefix-cache hit shares a cached
 block (count + 1), and ``fork`` gives a second sequence the first one's full blocks. A block
@@ -66,6 +69,9 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     return hashes
 
 
+RELEASED = -1  # a table entry whose block went back to the pool: no position in it is read again (release_before)
+
+
 class NoFreeBlocksError(RuntimeError):
     """The pool cannot satisfy an allocation; the caller must wait or preempt first."""
 
@@ -91,6 +97,7 @@ class BlockManager:
         self._num_tokens: dict[Hashable, int] = {}  # token slots reserved per sequence
         self._num_hashed: dict[Hashable, int] = {}  # leading blocks of a table known full and computed
         self._hit_blocks: dict[Hashable, int] = {}  # blocks the sequence got from the cache at allocation
+        self._first_live: dict[Hashable, int] = {}  # table entries before this one are RELEASED
         # Prefix-cache counters, in tokens (vLLM's queries/hits pair) and blocks.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -147,6 +154,10 @@ class BlockManager:
         """Tokens whose K/V the sequence got from the prefix cache at allocation (need not be computed)."""
         return self._hit_blocks[seq_id] * self.block_size
 
+    def num_live_blocks(self, seq_id: Hashable) -> int:
+        """Blocks the sequence holds now (its table less the entries ``release_before`` gave back)."""
+        return sum(b != RELEASED for b in self._tables[seq_id])
+
     def holders(self, block: int) -> list[Hashable]:
         """The sequences whose tables hold ``block`` (a scan of every table: for checks in tests)."""
         return [seq_id for seq_id, table in self._tables.items() if block in table]
@@ -183,7 +194,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r}: {len(hashes)} full blocks claimed, it holds {len(table)}")
         for i in range(done, len(hashes)):
             block, h = table[i], hashes[i]
-            if h not in self._cached and self._hash_of[block] is None:
+            if block != RELEASED and h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
         self._num_hashed[seq_id] = max(done, len(hashes))
@@ -283,8 +294,26 @@ class BlockManager:
         """
         table = self._tables.pop(seq_id)
         del self._num_tokens[seq_id], self._num_hashed[seq_id], self._hit_blocks[seq_id]
+        self._first_live.pop(seq_id, None)
         for block in reversed(table):
-            self._release(block)
+            if block != RELEASED:
+                self._release(block)
+
+    def release_before(self, seq_id: Hashable, position: int) -> int:
+        """The sequence's blocks holding only positions before ``position`` (none of them is read again: they left
+        every layer's sliding window) go back to the pool, the cached ones as evictable (still cached), and their
+        table entries become ``RELEASED``; the last block is always kept (it is being written). Returns how many
+        blocks went back."""
+        table = self._tables[seq_id]
+        first, stop = self._first_live.get(seq_id, 0), min(max(0, position) // self.block_size, len(table) - 1)
+        released = 0
+        for i in range(first, stop):
+            if table[i] != RELEASED:
+                self._release(table[i])
+                table[i] = RELEASED
+                released += 1
+        self._first_live[seq_id] = max(first, stop)
+        return released
 
     def fork_cost(self, num_tokens: int) -> int:
         """Free-pool blocks ``fork`` takes from a parent holding ``num_tokens`` tokens: a copy of its partial
@@ -309,12 +338,14 @@ class BlockManager:
             raise NoFreeBlocksError("no free block for the child's partial last block")
         shared = table[:-1] if partial else list(table)
         for block in shared:
-            self.ref_counts[block] += 1
+            if block != RELEASED:
+                self.ref_counts[block] += 1
         copy = None
         if partial:
             copy = (table[-1], self._take())
             shared.append(copy[1])
         self._tables[child] = shared
+        self._first_live[child] = self._first_live.get(parent, 0)
         self._num_tokens[child] = used
         self._num_hashed[child] = min(self._num_hashed[parent], used // self.block_size)
         self._hit_blocks[child] = 0
@@ -327,7 +358,8 @@ class BlockManager:
         held = [0] * self.num_blocks
         for table in self._tables.values():
             for block in table:
-                held[block] += 1
+                if block != RELEASED:
+                    held[block] += 1
         assert not set(self._free) & set(self._evictable), "a block is free and evictable at once"
         for block in range(self.num_blocks):
             count, free = self.ref_counts[block], block in self._free or block in self._evictable
@@ -341,7 +373,9 @@ class BlockManager:
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._num_tokens[seq_id]), f"sequence {seq_id!r}: table size"
             for block in table[: self._hit_blocks[seq_id]]:
-                assert self.ref_counts[block] >= 1, f"sequence {seq_id!r}: hit block {block} not referenced"
+                assert block == RELEASED or self.ref_counts[block] >= 1, f"sequence {seq_id!r}: hit {block} unheld"
+            live = self._first_live.get(seq_id, 0)
+            assert RELEASED not in table[live:], f"sequence {seq_id!r}: a released block after {live}"
 
     # --- internals --------------------------------------------------------------------------------
     def _take(self) -> int:

@@ -8,7 +8,12 @@ modules when a model loads.
                    mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop),
                    the lean decode path (small decode-only steps as a few compiled calls per layer)
     gpt2.py        GPT-2 block math and weight mapping
-    llama.py       Llama block math (RMSNorm, RoPE, GQA, SwiGLU) and weight mapping
+    decoder.py     the RoPE decoder every other family is: one block over shared pieces (norm kinds, q/k norms, RoPE
+                   kinds, attention with window and soft-cap, gated MLP kinds, mixture of experts), configured per
+                   family by a ``DecoderSpec``, its HF weight names and its GGUF names
+    rope.py        RoPE tables (plain, HF's fixed scalings, partial rotary, per layer type) and their application
+    llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, gemma.py, phi3.py, olmo2.py, granite.py, mixtral.py,
+    olmoe.py       one family each: its spec from the HF config, its weight names (docs/families.md: adding one)
     kv_cache.py    the preallocated KV block pool (the block manager, ``core/block_manager.py``, says who holds what)
     kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
                    decode_ops.c; quant_gemm.c with the int8/int4 packed layout) and the build-once loader
@@ -30,7 +35,18 @@ def families() -> dict[str, type]:
     Each class is built as ``cls(hf_model, capacity, max_len, device, use_small_gemm=..., num_blocks=...,
     block_size=..., weights=...)`` and has ``context_window(hf_config)``. Imports torch.
     """
+    from .gemma import Gemma2, Gemma3
     from .gpt2 import GPT2
+    from .granite import Granite
     from .llama import Llama
+    from .mistral import Mistral
+    from .mixtral import Mixtral
+    from .olmo2 import Olmo2
+    from .olmoe import Olmoe
+    from .phi3 import Phi3
+    from .qwen2 import Qwen2
+    from .qwen3 import Qwen3
+    from .qwen3_moe import Qwen3Moe
 
-    return {cls.model_type: cls for cls in (GPT2, Llama)}
+    classes = (GPT2, Llama, Mistral, Qwen2, Qwen3, Qwen3Moe, Gemma2, Gemma3, Phi3, Olmo2, Granite, Mixtral, Olmoe)
+    return {cls.model_type: cls for cls in classes}

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_dtype
-from .kernels import decode_ops
-from .kernels.decode_step import StepPlan
+from .kernels import decode_ops, step_abi
+from .kernels.decode_step import StepPlan, layer_spec
 from .kernels.quant_gemm import QuantWeight
 from .layers import (
     Linear,
@@ -119,17 +119,18 @@ class GPT2(MixedForward):
         if self.gelu_approx != "tanh" or not StepPlan.supports(self.linears()):
             return None
         layers = [
-            (b.ln_1, b.ln_2, b.c_attn, b.attn_proj, b.c_fc, b.mlp_proj, self.layer_pools[i], self.attn_scales[i])
+            layer_spec(b.ln_1, b.ln_2, b.c_attn, b.attn_proj, b.c_fc, b.mlp_proj, self.attn_scales[i])
             for i, b in enumerate(self.blocks)
         ]
         dims = {"C": self.n_embd, "H": self.n_head, "KVH": self.n_head, "D": self.head_dim}
         return StepPlan(
-            gelu=True,
+            act=step_abi.ACT_GELU,
             dims=dims,
             eps=self.eps,
             embed=(self.wte, self.wpe),
             rope=None,
             layers=layers,
+            pools=self.layer_pools,
             final_norm=self.ln_f,
             lm_head=self.lm_head,
         )

@@ -44,7 +44,7 @@ from models.loading import ALIASES, ModelLoadError, build_dir_once, fetch_gguf, 
 
 log = logging.getLogger("minibatch.image")
 
-IMAGE_FORMAT = 1  # bumped when image.json's layout changes
+IMAGE_FORMAT = 2  # bumped when image.json's layout changes
 WEIGHTS_FILE = "weights.bin"
 META_FILE = "image.json"
 TOKENIZER_DIR = "tokenizer"
@@ -176,7 +176,12 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     tokenizer, hf_model, family, model = build_model(model_id, weights)
     plan = model.fused_step
     if plan is None:
-        why = step_abi.KERNEL.unavailable_reason or "a linear has no compiled copy, or the activation is not tanh GELU"
+        gap = getattr(model, "kernel_gap", lambda: None)()
+        why = step_abi.KERNEL.unavailable_reason or (
+            f"the whole-step kernel does not implement {gap}"
+            if gap
+            else "a linear has no compiled copy, or the activation is not tanh GELU"
+        )
         raise ValueError(f"{model_id} at WEIGHTS={weights} cannot run as one compiled step here ({why})")
     os.makedirs(out, exist_ok=True)
     spec, entries, size = _write_buffers(plan.spec, os.path.join(out, WEIGHTS_FILE))
@@ -193,6 +198,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
         "eos_ids": sorted(eos_ids(hf_model, tokenizer)),
         "kv": {"n_layer": model.n_layer, "n_kv_head": spec.KVH, "head_dim": spec.D},
         "kv_bytes_per_token": family.kv_bytes_per_token(cfg),
+        "kv_window": family.kv_window(cfg),  # blocks that left every layer's sliding window are never read
         "max_block_size": paged_attention.MAX_BLOCK_SIZE,
         "max_rows": plan.max_rows,
         "resident_weights": model.resident_weights(),

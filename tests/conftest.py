@@ -11,7 +11,7 @@ import asyncio
 import json
 import os
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 
@@ -19,6 +19,23 @@ from engine import FakeEngine  # torch-free
 from models.kernels.build import has_avx512  # torch-free
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _exact_activations():
+    """Under ACTIVATIONS=auto the tests run every quantized linear on fp32 activations (the exact path): the parity
+    gates compare with HF token for token, which int8 activations are not (docs/integer-dot.md). The integer path
+    and the measured defaults are tested where they are asked for (tests/test_int_dot.py); servers started by
+    ``live.ProcessServer`` get ACTIVATIONS=fp32 unless a test sets it."""
+    from models.kernels import int_dot  # torch-free
+
+    saved = {kind: dict(rows) for kind, rows in int_dot.AUTO_ROWS.items()}
+    for rows in int_dot.AUTO_ROWS.values():
+        rows.update(dict.fromkeys(rows))
+    int_dot.set_activations(int_dot.activations())  # kernels loaded already follow too
+    yield
+    for kind, rows in saved.items():
+        int_dot.AUTO_ROWS[kind].update(rows)
 
 
 def run(coro):
@@ -293,6 +310,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman",
     "Numbers: 0 1 2 3 4 5",
 ]
+EOS_PROMPTS = [*PROMPTS, "The capital of France is", "import torch; x =", "Prices rose by 12%", "café naïve"]
 
 
 def checkpoint_eos(model, tokenizer) -> set[int]:
@@ -304,7 +322,12 @@ def checkpoint_eos(model, tokenizer) -> set[int]:
 
 
 class Reference:
-    """Standalone greedy HF ``generate``, one prompt at a time: the ground truth of the model gates."""
+    """Standalone greedy HF ``generate``, one prompt at a time: the ground truth of the model gates.
+
+    Greedy decoding is deterministic and a stop only cuts it short, so each prompt is generated once, for the
+    longest budget asked so far, with no stops; ``generate`` trims that run to the budget and stop set it is asked
+    for (what ``generate`` with those would return). Modify ``model`` (e.g. dequantize it) before the first
+    ``generate`` only."""
 
     def __init__(self, model_dir: str) -> None:
         import torch
@@ -313,29 +336,51 @@ class Reference:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.eos = checkpoint_eos(self.model, self.tokenizer)
+        self._greedy: dict[tuple[int, ...], list[int]] = {}  # prompt -> its longest greedy run without stops
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
     def generate(self, prompt: list[int], max_new_tokens: int, stops: set[int], processors=None) -> list[int]:
         """Greedy tokens after ``prompt``, ending at (and keeping) the first of ``stops``; ``processors``: HF
-        logits processors applied before the argmax."""
+        logits processors applied before the argmax (not cached)."""
         import torch
 
         from models.hf_baseline import trim
 
+        key = tuple(prompt)
+        if processors is None and len(self._greedy.get(key, ())) >= max_new_tokens:
+            return trim(self._greedy[key], max_new_tokens, stops)
         ids = torch.tensor([prompt])
-        with torch.inference_mode():
+        with torch.inference_mode(), small_model_threads(self.model):
             out = self.model.generate(
                 input_ids=ids,  # only input_ids and attention_mask: no token_type_ids
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                eos_token_id=sorted(stops) or None,
+                eos_token_id=(sorted(stops) or None) if processors is not None else None,
                 pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0,
                 logits_processor=processors,
             )
-        return trim(out[0, len(prompt) :].tolist(), max_new_tokens, stops)
+        tokens = out[0, len(prompt) :].tolist()
+        if processors is None:
+            self._greedy[key] = tokens
+        return trim(tokens, max_new_tokens, stops)
+
+
+@contextmanager
+def small_model_threads(model, below: int = 20_000_000):
+    """One torch thread while a model of fewer than ``below`` parameters runs: a test model's ops are too small to
+    split, and a second thread only spins (on a busy 2-core box it cost 14x the CPU time of one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if sum(p.numel() for p in model.parameters()) < below:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def drive(engine, batches: list, fused: bool = True) -> None:
@@ -382,6 +427,13 @@ def repoint_eos(src_dir: str, out_dir: str, prompts: list[str], n_tokens: int = 
     of the most prompts' greedy outputs and declares it EOS in the saved generation config (the
     checkpoint's own EOS, which both HF and the engine read). Returns the new EOS id.
     """
+    return next(iter(repointed_reference(src_dir, out_dir, prompts, n_tokens, min_hits).eos))
+
+
+def repointed_reference(
+    src_dir: str, out_dir: str, prompts: list[str], n_tokens: int = 16, min_hits: int = 3
+) -> Reference:
+    """``repoint_eos``, returning the ``Reference`` of the new checkpoint (its greedy runs of ``prompts`` done)."""
     import shutil
     from collections import Counter
 
@@ -397,7 +449,8 @@ def repoint_eos(src_dir: str, out_dir: str, prompts: list[str], n_tokens: int = 
     ref.model.generation_config.eos_token_id = token
     ref.model.config.eos_token_id = token
     ref.model.save_pretrained(out_dir)
-    return token
+    ref.eos = {token}
+    return ref
 
 
 # --- KV pool gates (test_kv_pool.py, test_prefix_cache.py) ----------------------------------------------

@@ -67,6 +67,7 @@ class ProcessServer:
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
         full_env.update({"HOST": "127.0.0.1", "PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
+        full_env["ACTIVATIONS"] = "fp32"  # the exact path, as in-process tests run it (conftest._exact_activations)
         full_env.update(env)
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(

@@ -364,3 +364,23 @@ def test_static_baseline_pads_with_hf_baseline_and_ours_ray_calls_bench_ray():
     assert bench_ray.PROMPT_TEXTS is workloads.PROMPT_TEXTS
     for name in ("direct_server", "ray_fleet", "interleaved", "proxy_overhead", "print_table"):
         assert callable(getattr(bench_ray, name))
+
+
+def test_scale_models_are_named_shape_and_type(tmp_path, monkeypatch):
+    """``--model llama-1b:Q4_K_M``: a Llama-3.2-1B-shaped file made once by llama.cpp's tools (bench/scale_model.py).
+    The name parses (type case-insensitive, Q4_K_M by default), an unknown type stops with the choices, other model
+    names are not scale models, and the cache key follows the recipe (shape, seed, llama.cpp version)."""
+    from scripts.bench import scale_model
+
+    assert scale_model.parse("llama-1b:q8_0") == ("llama-1b", "Q8_0")
+    assert scale_model.parse("llama-1b") == ("llama-1b", "Q4_K_M")
+    assert scale_model.parse("distilgpt2") is None and scale_model.parse("weights/x.gguf") is None
+    with pytest.raises(SystemExit, match="Q4_K_M"):
+        scale_model.parse("llama-1b:Q9_9")
+    monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path))
+    first = scale_model.model_dir("llama-1b")
+    assert first.startswith(str(tmp_path / "bench-models" / "llama-1b-"))
+    monkeypatch.setitem(scale_model.SHAPES, "llama-1b", {**scale_model.SHAPES["llama-1b"], "num_hidden_layers": 2})
+    assert scale_model.model_dir("llama-1b") != first
+    shape = scale_model.SHAPES["llama-1b"]
+    assert (shape["hidden_size"], shape["intermediate_size"], shape["num_key_value_heads"]) == (2048, 8192, 8)

@@ -408,3 +408,40 @@ def test_random_workload_with_sharing_never_leaks():
         bm.free(seq)
     assert bm.is_all_free() and bm.usage == 0.0 and bm.hit_tokens > 0 and bm.evictions > 0
     bm.check()
+
+
+# --- sliding windows: release_before ---------------------------------------------------------------------------
+
+
+def test_release_before_gives_back_the_blocks_a_window_left():
+    from core.block_manager import RELEASED
+
+    bm = BlockManager(num_blocks=10, block_size=4)
+    table = list(bm.allocate("a", 14))  # 4 blocks
+    assert bm.release_before("a", 9) == 2  # positions 0-7 are out of the window: blocks 0 and 1
+    assert bm.block_table("a")[:2] == [RELEASED, RELEASED] and bm.block_table("a")[2:] == table[2:]
+    assert bm.num_live_blocks("a") == 2 and bm.num_free_blocks == 8
+    assert bm.release_before("a", 9) == 0  # idempotent
+    assert bm.release_before("a", 100) == 1  # never the last block
+    bm.append_slots("a", 3)  # 17 tokens: a fifth block
+    bm.check()
+    bm.free("a")
+    assert bm.is_all_free()
+    bm.check()
+
+
+def test_a_released_cached_block_stays_cached_and_a_fork_shares_only_live_blocks():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    bm.allocate("a", 13)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    bm.cache_blocks("a", hashes)
+    first = bm.block_table("a")[0]
+    bm.release_before("a", 5)  # block 0 goes back, still cached: another prompt with that prefix can take it
+    assert bm.num_evictable_blocks == 1 and bm.match(hashes[:1]) == [first]
+    bm.fork("a", "b")
+    assert bm.block_table("b")[0] == bm.block_table("a")[0]  # RELEASED in both
+    bm.check()
+    bm.free("a")
+    bm.free("b")
+    assert bm.is_all_free()
+    bm.check()

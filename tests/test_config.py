@@ -49,6 +49,7 @@ ALL_VARS = (
     "WEIGHTS",
     "RUNTIME",
     "KERNEL_ISA",
+    "ACTIVATIONS",
     "MAX_PROMPTS_PER_REQUEST",
     "CORS_ALLOW_ORIGINS",
     "PREFIX_CACHING",
@@ -433,6 +434,17 @@ def test_bad_weights_format_names_the_variable_and_the_choices(value):
 @pytest.mark.parametrize("value", ["auto", "avx2"])
 def test_kernel_isas(value):
     assert Config.from_env({"KERNEL_ISA": value}).kernel_isa == value
+
+
+@pytest.mark.parametrize("value", ["auto", "fp32", "int8"])
+def test_activations(value):
+    assert Config.from_env({"ACTIVATIONS": value}).activations == value
+
+
+@pytest.mark.parametrize("value", ["int4", "FP32", "on"])
+def test_bad_activations_name_the_variable_and_the_choices(value):
+    with pytest.raises(ConfigError, match=r"^ACTIVATIONS must be one of auto, fp32, int8 \(got"):
+        Config.from_env({"ACTIVATIONS": value})
 
 
 @pytest.mark.parametrize("value", ["avx512", "AVX2", "sse4"])

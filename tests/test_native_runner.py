@@ -525,8 +525,10 @@ def test_cpu_flags_gate_the_kernel_without_torch(monkeypatch):
 NO_TORCH = """
 import json, sys
 import numpy as np
+from models.kernels import int_dot
 from models.native import NativeModel
 image_dir, out, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+int_dot.set_activations("fp32")  # the exact path, as the tests' session fixture sets it in this process
 model = NativeModel(image_dir, args["nb"], args["bs"], threads=2)
 first = model.forward([], [], [], args["prompts"], args["tables"])
 second = model.forward(first.argmax(-1).tolist(), [len(p) for p in args["prompts"]], args["tables"])

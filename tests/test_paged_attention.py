@@ -51,9 +51,9 @@ def make_case(lens, H, KVH, D, block_size, head_major=False, seed=0, spare_block
     return q, k, v, tables, torch.tensor(lens, dtype=torch.int32), scales
 
 
-def reference(q, k, v, tables, lens, scale, scales=None):
-    """float64 softmax attention per row over its tokens (the pool's elements dequantized), read through the block
-    table one by one."""
+def reference(q, k, v, tables, lens, scale, window=0, softcap=0.0, scales=None):
+    """float64 softmax attention per row over its tokens (its last ``window``, when set; scores soft-capped when
+    ``softcap`` is set; the pool's elements dequantized), read through the block table one by one."""
     B, H, D = q.shape
     block_size, KVH = k.shape[1], k.shape[2]
     k = pa.dequantize(k, scales[0] if scales else None, torch.float64)
@@ -63,23 +63,27 @@ def reference(q, k, v, tables, lens, scale, scales=None):
         n = int(lens[b])
         if n == 0:
             continue
-        blocks = tables[b, torch.arange(n) // block_size].long()
-        offsets = torch.arange(n) % block_size
+        first = max(0, n - window) if window else 0
+        at = torch.arange(first, n)
+        blocks = tables[b, at // block_size].long()
+        offsets = at % block_size
         keys = k[blocks, offsets]  # [n, KVH, D]
         values = v[blocks, offsets]
         qg = q[b].double().view(KVH, H // KVH, D)  # query head h = kv * G + g
         scores = torch.einsum("kgd,nkd->kgn", qg, keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out[b] = torch.einsum("kgn,nkd->kgd", scores.softmax(-1), values).reshape(H, D)
     return out
 
 
 def attend(kernel, case, scale, **kw):
     q, k, v, tables, lens, scales = case
-    return kernel.paged_attention(q, k, v, tables, lens, scale, scales, **kw)
+    return kernel.paged_attention(q, k, v, tables, lens, scale, scales=scales, **kw)
 
 
 def ref_of(case, scale):
-    return reference(*case[:5], scale, case[5])
+    return reference(*case[:5], scale, scales=case[5])
 
 
 def assert_matches(out, ref):
@@ -164,7 +168,7 @@ def test_strided_queries_and_empty_rows(kernel):
 @pytest.mark.parametrize("head_major", [False, True])
 def test_torch_fallback_matches_float64(head_major, dtype):
     case = make_case([0, *RAGGED], 12, 3, 64, 16, head_major, seed=11, dtype=dtype)
-    assert_matches(pa.paged_attention_torch(*case[:5], 0.125, case[5]), ref_of(case, 0.125))
+    assert_matches(pa.paged_attention_torch(*case[:5], 0.125, scales=case[5]), ref_of(case, 0.125))
 
 
 def test_unsupported_shapes_use_the_fallback(kernel):
@@ -191,7 +195,106 @@ def test_mismatched_shapes_are_a_clear_error():
     with pytest.raises(ValueError, match="needs its scales"):
         pa.paged_attention(q, k, v, tables, lens, 1.0)
     with pytest.raises(ValueError, match="scales must be float32"):
-        pa.paged_attention(q, k, v, tables, lens, 1.0, (scales[0].double(), scales[1]))
+        pa.paged_attention(q, k, v, tables, lens, 1.0, scales=(scales[0].double(), scales[1]))
+
+
+def release_before_windows(tables, lens, window, block_size):
+    """Table entries of blocks wholly before each row's window set to -1 (a released block: a read of one would
+    fault or read garbage)."""
+    tables = tables.clone()
+    for b, n in enumerate(lens.tolist()):
+        tables[b, : max(0, n - window) // block_size] = -1
+    return tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_sliding_window_reads_only_the_window(kernel, window, block_size, dtype):
+    """A row attends its last ``window`` tokens: windows inside a block, on block boundaries, across partitions;
+    every block before the window is released (-1 in the table) and never read (nor its int8 scales), every dtype."""
+    seed = window + block_size
+    q, k, v, tables, lens, scales = make_case(RAGGED, 8, 2, 64, block_size, head_major=True, seed=seed, dtype=dtype)
+    tables = release_before_windows(tables, lens, window, block_size)
+    out = kernel.paged_attention(q, k, v, tables, lens, 0.125, window=window, scales=scales)
+    assert_matches(out, reference(q, k, v, tables.clamp(min=0), lens, 0.125, window, scales=scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("softcap", [0.5, 3.0, 50.0])
+def test_soft_capped_scores(kernel, softcap, dtype):
+    q, k, v, tables, lens, scales = make_case(RAGGED, 8, 4, 32, 16, seed=int(softcap * 10), dtype=dtype)
+    q = q * 4  # scores well past the cap
+    out = kernel.paged_attention(q, k, v, tables, lens, 0.25, softcap=softcap, scales=scales)
+    assert_matches(out, reference(q, k, v, tables, lens, 0.25, softcap=softcap, scales=scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
+def test_window_and_soft_cap_do_not_depend_on_thread_count(kernel, dtype):
+    q, k, v, tables, lens, scales = make_case([5, 1300, 64, 513, 2], 12, 4, 64, 16, True, seed=9, dtype=dtype)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(kernel.paged_attention(q, k, v, tables, lens, 0.125, 700, 2.0, scales=scales))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_matches(outs[0], reference(q, k, v, tables, lens, 0.125, 700, 2.0, scales=scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (0, 2.0), (40, 1.5)])
+def test_torch_fallback_windows_and_soft_caps(window, softcap, dtype):
+    q, k, v, tables, lens, scales = make_case([0, *RAGGED], 12, 3, 64, 16, True, seed=13, dtype=dtype)
+    tables = release_before_windows(tables, lens, window, 16) if window else tables
+    out = pa.paged_attention_torch(q, k, v, tables, lens, 0.125, window, softcap, scales)
+    assert_matches(out, reference(q, k, v, tables.clamp(min=0), lens, 0.125, window, softcap, scales))
+
+
+def rope_reference(x, cos, sin):
+    """HF's rotation of each head's first R dims (R = cos.shape[-1]), the rest passed through: x [B, h, D]."""
+    R = cos.shape[-1]
+    rot, rest = x[..., :R], x[..., R:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    return torch.cat([rot * cos + torch.cat([-x2, x1], dim=-1) * sin, rest], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("rotary", [64, 32, 16])
+@pytest.mark.parametrize("window", [0, 9])
+def test_rope_write_attend_partial_rotary_and_window(kernel, rotary, window, dtype):
+    """One decode step's fused call with a partial rotary (Phi-3: the first R of D dims rotate) and a window: the
+    rotated k lands in its slot (as the pool's dtype stores it), the rest of the head is copied, and attention
+    matches float64."""
+    B, H, KVH, D, bs = 3, 4, 2, 64, 8
+    gen = torch.Generator().manual_seed(rotary + window)
+    lens = [1, 13, 30]
+    q0, k, v, tables, lens_t, scales = make_case(lens, H, KVH, D, bs, head_major=True, seed=rotary, dtype=dtype)
+    pos = torch.tensor([n - 1 for n in lens])
+    slot_blocks = tables[torch.arange(B), pos // bs].long()
+    slot_offsets = pos % bs
+    qkv = torch.randn(B, (H + 2 * KVH) * D, generator=gen)
+    angles = torch.randn(64, rotary // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :].contiguous()  # [P, 1, R]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :].contiguous()
+    out = kernel.rope_write_attend(
+        qkv, H, (cos, sin), pos, k, v, slot_blocks, slot_offsets, tables, lens_t, 0.125, window, 0.0, scales
+    )
+    c, s_ = cos[pos], sin[pos]  # [B, 1, R]
+    q = rope_reference(qkv[:, : H * D].view(B, H, D), c, s_)
+    new_k = rope_reference(qkv[:, H * D : (H + KVH) * D].view(B, KVH, D), c, s_)
+    (kq, kscale), (vq, vscale) = (
+        pa.to_pool_dtype(new_k, dtype),
+        pa.to_pool_dtype(qkv[:, (H + KVH) * D :].view(B, KVH, D), dtype),
+    )
+    torch.testing.assert_close(k[slot_blocks, slot_offsets], kq, rtol=1e-6, atol=0 if dtype == torch.int8 else 1e-6)
+    torch.testing.assert_close(v[slot_blocks, slot_offsets], vq)
+    if scales is not None:
+        torch.testing.assert_close(scales[0][slot_blocks, slot_offsets], kscale)
+        torch.testing.assert_close(scales[1][slot_blocks, slot_offsets], vscale)
+    assert_matches(out, reference(q, k, v, tables, lens_t, 0.125, window, scales=scales))
 
 
 @pytest.fixture
@@ -241,7 +344,18 @@ def test_the_kernel_stores_what_torch_converts(kernel, dtype):
     tables = torch.tensor([[b] for b in blocks.tolist()], dtype=torch.int32)
     lens = (offsets + 1).to(torch.int32)
     kernel.rope_write_attend(
-        qkv, H, None, torch.zeros(N, dtype=torch.long), k_pool, v_pool, blocks, offsets, tables, lens, 0.125, scales
+        qkv,
+        H,
+        None,
+        torch.zeros(N, dtype=torch.long),
+        k_pool,
+        v_pool,
+        blocks,
+        offsets,
+        tables,
+        lens,
+        0.125,
+        scales=scales,
     )  # no rotation: k and v stored as given
     (kq, kscale), (vq, vscale) = pa.to_pool_dtype(k, dtype), pa.to_pool_dtype(v, dtype)
     assert torch.equal(k_pool[blocks, offsets].view(torch.uint8), kq.view(torch.uint8))
@@ -261,19 +375,21 @@ SHAPES = [(9, 3, 64, 32), (12, 12, 64, 16), (12, 3, 128, 5), (12, 2, 24, 16), (1
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16", "int8"])
 def test_avx512_gives_the_avx2_bits(kernel, kernel_isa, dtype):
     """KERNEL_ISA=auto (AVX-512 here) and avx2 give the same bits for every dtype, head shape and ragged context
-    (tails of every tile size, partitions), at 1 and 3 threads; both match float64."""
+    (tails of every tile size, partitions), with and without a sliding window and a soft-cap, at 1 and 3 threads;
+    both match float64."""
     lens = [1, 3, 4, 5, 8, 9, 17, 33, 100, 600]
     before = torch.get_num_threads()
     try:
         for i, (H, KVH, D, bs) in enumerate(SHAPES):
             case = make_case(lens, H, KVH, D, bs, True, seed=40 + i, dtype=dtype)
+            window, softcap = (0, 0.0) if i % 2 else (11 + 7 * i, 1.5)  # a window that starts inside a block
             outs = []
             for choice, threads in (("avx2", 1), ("auto", 1), ("auto", 3)):
                 kernel_isa(choice)
                 torch.set_num_threads(threads)
                 assert (build.kernel_isa() == "avx512") == (choice == "auto")
-                outs.append(attend(kernel, case, D**-0.5))
+                outs.append(attend(kernel, case, D**-0.5, window=window, softcap=softcap))
             assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (H, KVH, D, bs)
-            assert_matches(outs[1], ref_of(case, D**-0.5))
+            assert_matches(outs[1], reference(*case[:5], D**-0.5, window, softcap, case[5]))
     finally:
         torch.set_num_threads(before)

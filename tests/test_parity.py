@@ -16,7 +16,18 @@ import random
 
 import pytest
 
-from conftest import PROMPTS, Reference, drive, expected, kernel_unavailable, make_engine, repoint_eos, run, seqs_for
+from conftest import (
+    EOS_PROMPTS,
+    PROMPTS,
+    Reference,
+    drive,
+    expected,
+    kernel_unavailable,
+    make_engine,
+    repoint_eos,
+    run,
+    seqs_for,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,7 +41,6 @@ from scheduler import Scheduler  # noqa: E402
 pytestmark = pytest.mark.model
 
 FAMILIES = ["gpt2-tiny", "gpt2-tiny-pad", "llama-tied", "llama-untied"]
-EOS_PROMPTS = [*PROMPTS, "The capital of France is", "import torch; x =", "Prices rose by 12%", "café naïve"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

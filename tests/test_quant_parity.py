@@ -90,9 +90,13 @@ def test_quality_workload_scores_every_format_on_the_same_tokens(tiny_model_dir,
 
     assert quality_workload(["seed"], tiny_model_dir, False, True) is None  # not asked for: nothing runs
     result = quality_workload(["quality"], tiny_model_dir, False, True)
-    assert [r["weights"] for r in result["rows"]] == ["fp32", "int8", "int4"]
+    # each quantized format also with int8 activations (ACTIVATIONS=int8: the integer-dot path), against its exact row
+    assert [r["weights"] for r in result["rows"]] == ["fp32", "int8", "int4", "int8+a8", "int4+a8"]
     assert result["tokens"] == QUICK_TOKENS and all(r["tokens"] == QUICK_TOKENS for r in result["rows"])
-    fp32, int8, int4 = result["rows"]
+    fp32, int8, int4, int8_a8, int4_a8 = result["rows"]
+    for row, exact in ((int8_a8, int8), (int4_a8, int4)):
+        assert row["activations"] == "int8" and row["resident_weight_mib"] == exact["resident_weight_mib"]
+        assert row["vs_exact_pct"] == (row["perplexity"] / exact["perplexity"] - 1) * 100
     assert fp32["vs_fp32_pct"] == 0 and fp32["resident_weight_mib"] > int8["resident_weight_mib"]
     assert int8["resident_weight_mib"] > int4["resident_weight_mib"]
     assert result["checks"]["int8_within_1pct_of_fp32"] is (abs(int8["vs_fp32_pct"]) <= 1)

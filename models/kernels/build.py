@@ -24,7 +24,7 @@ from ..cache_dir import cache_subdir
 
 KERNEL_ISAS = ("auto", "avx2")  # config.KERNEL_ISA: "auto" = AVX-512 where the CPU has it
 _isa_choice = "auto"
-_isa_libs: list = []  # the ISA switches of loaded kernels that have AVX-512 paths (``with_isa``)
+_isa_libs: list = []  # the loaded kernels that have AVX-512 paths (``with_isa``: their ISA_SWITCHES)
 
 
 def kernel_dir() -> str:
@@ -158,21 +158,34 @@ class KernelLoader:
             return self._kernel
 
 
-def with_isa(lib: ctypes.CDLL, symbol: str = "kernel_isa") -> ctypes.CDLL:
-    """Register a kernel's ISA switch ``symbol`` (``kernel_isa``: quant_gemm.c, and decode_step.c which includes it;
-    ``attention_isa``: paged_attention.c, in its own library and in decode_step.c's) and apply the chosen
-    instruction set to it. Each kernel's AVX2 and AVX-512 paths give the same bits (quant_gemm.c, paged_attention.c),
-    so the choice changes speed only."""
-    switch = getattr(lib, symbol)
-    switch.restype = ctypes.c_int
-    switch.argtypes = [ctypes.c_int]
-    _apply_isa(switch)
-    _isa_libs.append(switch)
+def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Register a kernel with AVX-512 paths (quant_gemm.c, and decode_step.c which includes it; int_dot.c's
+    integer path; paged_attention.c's ``attention_isa``, in its own library and in decode_step.c's) and apply the
+    chosen instruction set to it. quant_gemm's AVX2 and AVX-512 paths give the same bits (quant_gemm.c), and so do
+    int_dot's (int_dot.c) and paged attention's (paged_attention.c), so the choice changes speed only."""
+    for name in ISA_SWITCHES:
+        if hasattr(lib, name):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [ctypes.c_int]
+    _apply_isa(lib)
+    _isa_libs.append(lib)
     return lib
 
 
-def _apply_isa(switch) -> None:
-    switch(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
+ISA_SWITCHES = ("kernel_isa", "attention_isa", "int_dot_isa")
+_isa_hooks: list[Callable[[], None]] = []  # called after set_kernel_isa (int_dot: ACTIVATIONS=auto follows the ISA)
+
+
+def on_isa_change(hook: Callable[[], None]) -> None:
+    _isa_hooks.append(hook)
+
+
+def _apply_isa(lib: ctypes.CDLL) -> None:
+    for name in ("kernel_isa", "attention_isa"):  # 1: AVX-512 where the CPU has it (the kernel checks)
+        if hasattr(lib, name):
+            getattr(lib, name)(1 if _isa_choice == "auto" else 0)
+    if hasattr(lib, "int_dot_isa"):
+        lib.int_dot_isa(2 if _isa_choice == "auto" else 0)  # 2: the best VNNI path the CPU has; 0: AVX2 maddubs
 
 
 def set_kernel_isa(choice: str) -> None:
@@ -182,13 +195,17 @@ def set_kernel_isa(choice: str) -> None:
     if choice not in KERNEL_ISAS:
         raise ValueError(f"kernel ISA must be one of {', '.join(KERNEL_ISAS)} (got {choice!r})")
     _isa_choice = choice
-    for switch in _isa_libs:
-        _apply_isa(switch)
+    for lib in _isa_libs:
+        _apply_isa(lib)
+    for hook in _isa_hooks:
+        hook()
 
 
 def kernel_isa() -> str:
     """What the quantized kernels run: "avx512" when they take their AVX-512 paths, else "avx2" (before any
     kernel loads: what they will run)."""
-    if _isa_libs:
-        return "avx512" if _isa_libs[-1](-1) else "avx2"
+    libs = [lib for lib in _isa_libs if hasattr(lib, "kernel_isa") or hasattr(lib, "attention_isa")]
+    if libs:
+        switch = getattr(libs[-1], "kernel_isa", None) or libs[-1].attention_isa
+        return "avx512" if switch(-1) else "avx2"
     return "avx512" if _isa_choice == "auto" and has_avx512() else "avx2"

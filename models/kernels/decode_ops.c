@@ -1,4 +1,5 @@
-/* The small per-layer ops of a decode step, one C call each: RMSNorm, LayerNorm, SiLU(gate) * up, GELU (tanh).
+/* The small per-layer ops of a decode step, one C call each: RMSNorm, LayerNorm, SiLU(gate) * up, GELU (tanh),
+ * GELU(gate) * up, the logits' divisor and soft-cap.
  *
  * Why: at batch 1-16 these tensors are a few KB; torch spends more on dispatching them (F.rms_norm is
  * several ATen ops, each with its own allocation and a parallel-region check) than on the arithmetic.
@@ -79,5 +80,34 @@ void gelu_tanh(const float *x, long ldx, float *y, long ldy, int M, int N) {
             _mm256_storeu_ps(tmp, gelu8(_mm256_loadu_ps(tmp)));
             for (int j = i; j < N; j++) yr[j] = tmp[j - i];
         }
+    }
+}
+
+/* gu [M, 2I] (gate then up, row stride ldg) -> y [M, I] = gelu_tanh(gate) * up (Gemma's GeGLU): gelu8 on every
+ * element (a row's tail through a padded copy, as gelu_tanh), then the product. */
+void gelu_mul(const float *gu, long ldg, float *y, int M, int I) {
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + m * ldg, *u = g + I;
+        float *yr = y + (long)m * I;
+        int i = 0;
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(gelu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        if (i < I) {
+            float tmp[8] = {0};
+            for (int j = i; j < I; j++) tmp[j - i] = g[j];
+            _mm256_storeu_ps(tmp, gelu8(_mm256_loadu_ps(tmp)));
+            for (int j = i; j < I; j++) yr[j] = tmp[j - i] * u[j];
+        }
+    }
+}
+
+/* x [n] in place: x / divisor (Granite's logits_scaling; 1: none), then softcap * tanh(x / softcap) (Gemma 2's
+ * final soft-cap; 0: none), the two roundings torch's ops make. */
+void cap_logits(float *x, long n, float divisor, float softcap) {
+    for (long i = 0; i < n; i++) {
+        float v = x[i];
+        if (divisor != 1.0f) v = v / divisor;
+        if (softcap > 0.0f) v = tanhf(v / softcap) * softcap;
+        x[i] = v;
     }
 }

@@ -1,4 +1,5 @@
-"""The small per-layer ops of a lean decode step (``decode_ops.c``): RMSNorm, LayerNorm, SiLU(gate) * up, GELU.
+"""The small per-layer ops of a lean decode step (``decode_ops.c``): RMSNorm, LayerNorm, SiLU(gate) * up, GELU,
+GELU(gate) * up, the logits' divisor and soft-cap.
 
 Each is one ctypes call on the calling thread (no OpenMP region) instead of several ATen ops: at batch
 1-16 a step's norms and activations are a few KB, and torch's per-op dispatch, allocation and
@@ -34,7 +35,9 @@ def _load() -> ctypes.CDLL:
     lib.layer_norm.argtypes = [_P, _L, _P, _P, _P, _I, _I, _F]  # x, ldx, w, b, y, M, C, eps
     lib.silu_mul.argtypes = [_P, _L, _P, _I, _I]  # gu, ldg, y, M, I
     lib.gelu_tanh.argtypes = [_P, _L, _P, _L, _I, _I]  # x, ldx, y, ldy, M, N
-    for fn in (lib.rms_norm, lib.layer_norm, lib.silu_mul, lib.gelu_tanh):
+    lib.gelu_mul.argtypes = [_P, _L, _P, _I, _I]  # gu, ldg, y, M, I
+    lib.cap_logits.argtypes = [_P, _L, _F, _F]  # x, n, divisor, softcap
+    for fn in (lib.rms_norm, lib.layer_norm, lib.silu_mul, lib.gelu_tanh, lib.gelu_mul, lib.cap_logits):
         fn.restype = None
     return lib
 
@@ -87,3 +90,20 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(M, N)
     load().gelu_tanh(x.data_ptr(), x.stride(0), y.data_ptr(), N, M, N)
     return y
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [M, 2I] (gate columns, then up) -> gelu_tanh(gate) * up: [M, I] (the whole-step kernel's GeGLU)."""
+    gate_up = _rows(gate_up)
+    M, I2 = gate_up.shape
+    y = torch.empty(M, I2 // 2)
+    load().gelu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), M, I2 // 2)
+    return y
+
+
+def cap_logits(logits: torch.Tensor, divisor: float, softcap: float) -> torch.Tensor:
+    """logits [n, V] contiguous, in place: / divisor, then softcap * tanh(. / softcap) (each skipped at 1 / 0)."""
+    if not logits.is_contiguous() or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        raise ValueError("expected contiguous fp32 CPU logits")
+    load().cap_logits(logits.data_ptr(), logits.numel(), divisor, softcap)
+    return logits

@@ -10,8 +10,15 @@
  * (decode_step.py has the measurements). Here the team is started once per step; phases of a layer are
  * separated by barriers only:
  *
- *   norm 1 -> QKV linear -> RoPE + K/V write -> paged attention -> O linear + residual -> norm 2
- *   -> gate_up (Llama) / fc (GPT-2) linear -> SiLU(gate) * up / GELU -> down linear + residual
+ *   norm 1 -> QKV linear [-> q/k norms, clip] -> RoPE + K/V write -> paged attention (window, soft-cap)
+ *   -> O linear + residual [or: -> post-norm, x + y * residual scale] -> norm 2
+ *   -> gate_up (Llama) / fc (GPT-2) linear -> SiLU(gate) * up / GELU / GELU(gate) * up -> down linear + residual
+ *      [or a mixture of experts: router, top-k, each chosen expert over its tokens; then post-norm, scale]
+ *
+ * The bracketed parts are the families' (models/decoder.py): q/k RMSNorms per head or over the projection
+ * (Qwen3, Gemma 3, OLMo 2), OLMoE's clip, sliding windows and per-layer RoPE tables (Mistral, Gemma), partial
+ * rotary (Phi-3), attention and final soft-caps (Gemma 2), post-norms (Gemma, OLMo 2; a NULL pre-norm is none),
+ * Granite's multipliers, GeGLU, and mixtures of experts (Qwen3-MoE, Mixtral, OLMoE).
  *
  * and after the last layer the final norm and the lm_head run over the sample rows only (the rows whose logits
  * the caller needs: decode rows, a chunk's last token or all of its tokens).
@@ -32,6 +39,7 @@
  * included kernels' flags; contraction off as paged_attention.c and decode_ops.c are built).
  */
 #include "quant_gemm.c"
+#include "int_dot.c"
 #include "small_gemm.c"
 #include "decode_ops.c"
 #include "paged_attention.c"
@@ -46,21 +54,39 @@ typedef struct {
     int fmt, K, N;
 } Lin;
 
+/* A mixture-of-experts MLP: router [E, C] fp32; per expert a fused gate+up [2I, C] and a down [C, I] linear. */
 typedef struct {
-    const float *norm1_w, *norm1_b, *norm2_w, *norm2_b; /* the *_b NULL: RMSNorm (Llama), else LayerNorm */
-    Lin qkv, o, up, down;
+    const float *router;
+    const Lin *gate_up, *down; /* [E] each */
+    int E, top_k, norm_topk;
+} Moe;
+
+typedef struct {
+    const float *norm1_w, *norm1_b, *norm2_w, *norm2_b; /* the *_b NULL: RMSNorm, else LayerNorm; a *_w NULL: none */
+    Lin qkv, o, up, down;                               /* up / down unused when moe is set */
     void *k_pool, *v_pool;    /* this layer's pools, [num_blocks, block_size, KVH, D] with the model's strides */
     float *k_scale, *v_scale; /* KV_INT8: their scales (paged_attention.c's KVPool), else NULL */
     float scale;              /* attention scale */
+    const float *post1_w, *post2_w; /* RMSNorm of the attention / MLP output before its residual add, or NULL */
+    const float *q_norm, *k_norm;   /* q/k RMSNorm weights: [D] per head, or over the projection (qk_full), or NULL */
+    int qk_full;
+    const float *cos, *sin; /* this layer's RoPE tables [max_len, R], or NULL (no rotation) */
+    int window;             /* sliding window: a row attends its last `window` keys (0: all) */
+    float softcap;          /* attention soft-cap (0: none) */
+    const Moe *moe;         /* NULL: the dense MLP */
 } Layer;
 
+#define ACT_SILU_GATED 0 /* SiLU(gate) * up (Llama) */
+#define ACT_GELU 1       /* GELU tanh (GPT-2) */
+#define ACT_GELU_GATED 2 /* GELU tanh(gate) * up (Gemma) */
+
 typedef struct {
-    int gelu;                                        /* 0: SiLU(gate) * up (Llama); 1: GELU tanh (GPT-2) */
-    int n_layer, C, H, KVH, D, block_size;
+    int act;                                         /* ACT_* */
+    int n_layer, C, H, KVH, D, R, block_size;        /* R: rotary dims of each head (the first R of D) */
     long block_stride, token_stride, head_stride;    /* pool strides in elements (D unit stride) */
     int kv_dtype;                                    /* the pools' elements: KV_FP32 .. KV_INT8 (paged_attention.c) */
     float eps;
-    const float *cos, *sin;                          /* RoPE tables [max_len, D], or NULL (no rotation) */
+    float embed_scale, residual_scale, logits_divisor, final_softcap, clip_qkv; /* 1, 1, 1, 0, 0: none */
     const float *normf_w, *normf_b;
     Lin lm_head;
     const Layer *layers;
@@ -92,31 +118,72 @@ static const int *table_of(const Step *s, int b) {
 /* Shared buffers (floats) and each thread's own, carved from one workspace. */
 typedef struct {
     float *xn, *qkv, *att, *up, *act, *tile, *priv; /* priv: thread 0's; thread t's at priv + t * priv_floats */
+    float *y;                                       /* a block's output before its post-norm and residual [B, C] */
+    float *moe_x, *moe_y, *moe_out;                 /* an expert's gathered rows, its output, the MoE sum [B, C] */
+    int *route_e, *order, *starts;                  /* each row's experts [B, k], rows by expert [B k], [E + 1] */
+    float *route_w, *order_w;                       /* their weights */
     long priv_floats, act_at, scratch_at;           /* a thread's activation and Scratch in its priv */
 } Buffers;
 
-static int up_width(const Model *m) { return m->layers[0].up.N; }
+/* The widest up linear (dense 2I or 4C, an expert's 2I) and down input over the layers. */
+static int up_width(const Model *m) {
+    int w = 0;
+    for (int l = 0; l < m->n_layer; l++) {
+        const Layer *L = &m->layers[l];
+        int n = L->moe ? L->moe->gate_up[0].N : L->up.N;
+        w = n > w ? n : w;
+    }
+    return w;
+}
 
-static int act_width(const Model *m) { return m->layers[0].down.K; }
+static int act_width(const Model *m) {
+    int w = 0;
+    for (int l = 0; l < m->n_layer; l++) {
+        const Layer *L = &m->layers[l];
+        int n = L->moe ? L->moe->down[0].K : L->down.K;
+        w = n > w ? n : w;
+    }
+    return w;
+}
+
+/* The most experts and top-k of any MoE layer (0 without one). */
+static int max_experts(const Model *m, int top_k) {
+    int e = 0;
+    for (int l = 0; l < m->n_layer; l++) {
+        const Moe *x = m->layers[l].moe;
+        int n = x ? (top_k ? x->top_k : x->E) : 0;
+        e = n > e ? n : e;
+    }
+    return e;
+}
 
 /* n floats rounded up to whole cache lines (the workspace is cache-line aligned: so is every buffer carved from
  * it, and threads' own buffers share no line). */
 static long lines(long n) { return (n + 15) / 16 * 16; }
 
+/* Floats of the MoE buffers of a step of B rows (0 without experts). */
+static long moe_floats(const Model *m, int B) {
+    const long E = max_experts(m, 0), k = max_experts(m, 1);
+    return E ? 3 * lines((long)B * m->C) + 4 * lines((long)B * k) + lines(2 * E + 1) : 0;
+}
+
 /* Floats of the shared buffers of a step of B rows. */
 static long shared_floats(const Model *m, int B) {
     const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
     const long embed_tile = (long)m->C * 2 * PANEL; /* dequant_panel's buffer: one panel's 8 rows */
-    return lines((long)B * (m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile);
+    return lines((long)B * (2 * m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile) +
+           moe_floats(m, B);
 }
 
 /* Rows a thread's own buffers hold: norm and activation compute up to 2 nt rows in every thread (fewer threads
  * may start than asked for: fewer rows then). */
 static int own_rows(int B, int nt) { return B < 2 * nt ? B : 2 * nt; }
 
-/* A thread's own: a normalized copy of x and the activation for own_rows rows, and the attention Scratch. */
+/* A thread's own: a normalized copy of x and the activation for own_rows rows, and the attention Scratch (which
+ * the MoE router's logits and picks, 3 E floats, reuse). */
 static long own_floats(const Model *m, int B, int nt) {
-    return lines((long)own_rows(B, nt) * (m->C + act_width(m)) + scratch_floats(m->H, m->D));
+    const long scratch = scratch_floats(m->H, m->D), route = 3L * max_experts(m, 0);
+    return lines((long)own_rows(B, nt) * (m->C + act_width(m)) + (scratch > route ? scratch : route));
 }
 
 static Buffers carve(const Model *m, int B, int nt, float *ws) {
@@ -126,7 +193,21 @@ static Buffers carve(const Model *m, int B, int nt, float *ws) {
     b.att = b.qkv + (long)B * (m->H + 2 * m->KVH) * m->D;
     b.up = b.att + (long)B * m->H * m->D;
     b.act = b.up + (long)B * up_width(m);
-    b.tile = b.act + (long)B * act_width(m);
+    b.y = b.act + (long)B * act_width(m);
+    b.tile = b.y + (long)B * m->C;
+    float *moe = ws + lines((long)B * (2 * m->C + (long)(m->H + 2 * m->KVH) * m->D + (long)m->H * m->D +
+                                        up_width(m) + act_width(m)) + (long)m->C * 2 * PANEL);
+    if (moe_floats(m, B)) {
+        const long k = max_experts(m, 1), rows = lines((long)B * m->C), picks = lines((long)B * k);
+        /* moe_x, moe_y, moe_out [B, C]; route_e, route_w, order, order_w [B k]; starts [2 E + 1] */
+        b.moe_x = moe, b.moe_y = moe + rows, b.moe_out = moe + 2 * rows;
+        b.route_e = (int *)(moe + 3 * rows), b.route_w = moe + 3 * rows + picks;
+        b.order = (int *)(moe + 3 * rows + 2 * picks), b.order_w = moe + 3 * rows + 3 * picks;
+        b.starts = (int *)(moe + 3 * rows + 4 * picks);
+    } else {
+        b.moe_x = b.moe_y = b.moe_out = b.route_w = b.order_w = 0;
+        b.route_e = b.order = b.starts = 0;
+    }
     b.priv = ws + shared_floats(m, B);
     b.priv_floats = own_floats(m, B, nt);
     b.act_at = (long)own_rows(B, nt) * m->C;
@@ -149,6 +230,9 @@ static void linear_part(const Lin *L, const float *X, int ldx, const float *R, i
     const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
     if (p0 >= p1) return;
     if (L->fmt == FMT_FP32) panels(X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
+    else if (int_dot_wants(L->fmt, M) && int_dot_linear(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N,
+                                                        p0, p1) == 0)
+        ; /* int8 activations and integer dot products (int_dot.c; ACTIVATIONS) */
     else direct_range(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
 }
 
@@ -165,9 +249,10 @@ static void norm_rows(const Model *m, const float *w, const float *b, const floa
 /* n rows of x [B, C] (those listed in rows, or the first n when rows is NULL) normalized for the next linear.
  * Few rows: every thread normalizes all of them into its own buffer (no barrier; the same values in each);
  * more: the rows split over threads into the shared buffer, then a barrier. The choice depends on n and nt
- * only, so every thread takes the same branch. */
+ * only, so every thread takes the same branch. No norm (w NULL, OLMo 2's blocks): x itself. */
 static const float *norm(const Model *m, const Buffers *buf, const float *w, const float *b, const float *x,
                          const long *rows, int n, int t, int nt) {
+    if (!w && !rows) return x;
     if (n <= 2 * nt) {
         float *own = buf->priv + t * buf->priv_floats;
         norm_rows(m, w, b, x, rows, own, 0, n);
@@ -188,17 +273,17 @@ static KVPool layer_pool(const Model *m, const Layer *L) {
 /* One attention item: row b, KV head kvh (its G query heads), tokens [t0, t1) of partition part. */
 static void attend_item(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int t, int b, int kvh,
                         int part) {
-    const int H = m->H, D = m->D, G = H / m->KVH, h0 = kvh * G;
-    const int ctx = context_of(s, b), t0 = part * s->part_tokens;
+    const int H = m->H, D = m->D, R = m->R, G = H / m->KVH, h0 = kvh * G;
+    const int ctx = context_of(s, b), t0 = parts_base(ctx, L->window, m->block_size) + part * s->part_tokens;
     if (t0 >= ctx && part > 0) return;
     const int t1 = t0 + s->part_tokens < ctx ? t0 + s->part_tokens : ctx;
     const float *row = buf->qkv + (long)b * (H + 2 * m->KVH) * D;
-    const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
+    const float *c = L->cos ? L->cos + s->pos[b] * R : 0, *sn = L->sin ? L->sin + s->pos[b] * R : 0;
     Scratch w = scratch_at(buf->priv + t * buf->priv_floats + buf->scratch_at, G, D);
-    rope_queries(row, c, sn, w.acc, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
+    rope_queries(row, c, sn, w.acc, R, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
     for (long i = 0; i < (long)G * D; i++) w.qs[i] = w.acc[i] * L->scale;
     const KVPool pool = layer_pool(m, L);
-    attend_row(&w, &pool, table_of(s, b), t0, t1, kvh, kvh + 1, G);
+    attend_row(&w, &pool, table_of(s, b), t0, t1, window_first(ctx, L->window), L->softcap, kvh, kvh + 1, G);
     if (s->max_parts == 1) {
         finish_heads(&w, G, D, buf->att + ((long)b * H + h0) * D);
     } else {
@@ -209,12 +294,12 @@ static void attend_item(const Model *m, const Layer *L, const Step *s, const Buf
 
 /* Row b's new k (rotated) and v of KV heads [h0, h1) into their slot, in the pools' dtype. */
 static void write_row(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int b, int h0, int h1) {
-    const int H = m->H, KVH = m->KVH, D = m->D;
+    const int H = m->H, KVH = m->KVH, D = m->D, R = m->R;
     const float *row = buf->qkv + (long)b * (H + 2 * KVH) * D;
-    const float *c = m->cos ? m->cos + s->pos[b] * D : 0, *sn = m->sin ? m->sin + s->pos[b] * D : 0;
+    const float *c = L->cos ? L->cos + s->pos[b] * R : 0, *sn = L->sin ? L->sin + s->pos[b] * R : 0;
     const long slot = s->slot_blocks[b] * m->block_stride + s->slot_offsets[b] * m->token_stride;
     const KVPool pool = layer_pool(m, L);
-    write_kv(row, c, sn, &pool, slot, H, h0, h1);
+    write_kv(row, c, sn, &pool, slot, H, R, h0, h1);
 }
 
 /* RoPE + K/V write, then attention over every row's blocks -> buf->att [B, H D]. Ends after a barrier.
@@ -244,47 +329,147 @@ static void attention(const Model *m, const Layer *L, const Step *s, const Buffe
 #pragma omp for schedule(static)
     for (long bh = 0; bh < (long)B * H; bh++) {
         long b = bh / H, h = bh % H;
-        int parts = (context_of(s, (int)b) + s->part_tokens - 1) / s->part_tokens;
+        int parts = parts_of(context_of(s, (int)b), L->window, m->block_size, s->part_tokens);
         combine_head(s->ws_acc, s->ws_m, s->ws_l, b, h, H, D, parts, s->max_parts, buf->att + bh * D);
     }
 }
 
-static void activate_rows(const Model *m, const Buffers *buf, float *act, int r0, int r1) {
-    const int nup = up_width(m), I = act_width(m);
+static void activate_rows(const Model *m, const float *up, int nup, int I, float *act, int r0, int r1) {
     for (int b = r0; b < r1; b++) {
-        const float *u = buf->up + (long)b * nup;
-        if (m->gelu) gelu_tanh(u, nup, act + (long)b * I, I, 1, I);
+        const float *u = up + (long)b * nup;
+        if (m->act == ACT_GELU) gelu_tanh(u, nup, act + (long)b * I, I, 1, I);
+        else if (m->act == ACT_GELU_GATED) gelu_mul(u, nup, act + (long)b * I, 1, I);
         else silu_mul(u, nup, act + (long)b * I, 1, I);
     }
 }
 
-/* The MLP's activation of the up linear's output -> the down linear's input [B, I]. Like norm: few rows, each
- * thread computes them all into its own buffer (no barrier); more, rows split into the shared one, a barrier. */
-static const float *activation(const Model *m, const Buffers *buf, int B, int t, int nt) {
+/* The MLP's activation of the up linear's output [B, nup] -> the down linear's input [B, I]. Like norm: few rows,
+ * each thread computes them all into its own buffer (no barrier); more, rows split into the shared one, a barrier. */
+static const float *activation(const Model *m, const Buffers *buf, int nup, int I, int B, int t, int nt) {
     if (B <= 2 * nt) {
         float *own = buf->priv + t * buf->priv_floats + buf->act_at;
-        activate_rows(m, buf, own, 0, B);
+        activate_rows(m, buf->up, nup, I, own, 0, B);
         return own;
     }
-    activate_rows(m, buf, buf->act, (int)((long)B * t / nt), (int)((long)B * (t + 1) / nt));
+    activate_rows(m, buf->up, nup, I, buf->act, (int)((long)B * t / nt), (int)((long)B * (t + 1) / nt));
 #pragma omp barrier
     return buf->act;
 }
 
+/* Rows [r0, r1) of qkv: q and k RMS-normalized in place (per head over D, or over the whole projection), then q, k
+ * and v clipped to [-clip_qkv, clip_qkv] (OLMoE), as models/decoder.py's lean path computes them. */
+static void qk_rows(const Model *m, const Layer *L, const Buffers *buf, int r0, int r1) {
+    const int H = m->H, KVH = m->KVH, D = m->D;
+    const long nqkv = (long)(H + 2 * KVH) * D;
+    for (int b = r0; b < r1; b++) {
+        float *q = buf->qkv + b * nqkv, *k = q + (long)H * D;
+        if (L->q_norm && L->qk_full) {
+            rms_norm(q, H * D, L->q_norm, q, 1, H * D, m->eps);
+            rms_norm(k, KVH * D, L->k_norm, k, 1, KVH * D, m->eps);
+        } else if (L->q_norm) {
+            rms_norm(q, D, L->q_norm, q, H, D, m->eps);
+            rms_norm(k, D, L->k_norm, k, KVH, D, m->eps);
+        }
+        if (m->clip_qkv > 0.0f)
+            for (long i = 0; i < nqkv; i++) q[i] = q[i] < -m->clip_qkv ? -m->clip_qkv : q[i] > m->clip_qkv ? m->clip_qkv : q[i];
+    }
+}
+
+/* x += post(y) * residual_scale over rows split between threads (post NULL: no norm; scale 1: x + y), then a
+ * barrier: a block's output added to the residual stream when a norm or a multiplier comes between. */
+static void post_residual(const Model *m, const float *post, float *y, float *x, int B, int t, int nt) {
+    const int C = m->C, r0 = (int)((long)B * t / nt), r1 = (int)((long)B * (t + 1) / nt);
+    for (int b = r0; b < r1; b++) {
+        float *yr = y + (long)b * C, *xr = x + (long)b * C;
+        if (post) rms_norm(yr, C, post, yr, 1, C, m->eps);
+        if (m->residual_scale != 1.0f)
+            for (int c = 0; c < C; c++) xr[c] = xr[c] + yr[c] * m->residual_scale;
+        else
+            for (int c = 0; c < C; c++) xr[c] = xr[c] + yr[c];
+    }
+#pragma omp barrier
+}
+
+/* Whether a block's output goes straight into the residual stream (fused into its linear's epilogue). */
+static int plain_residual(const Model *m, const float *post) { return !post && m->residual_scale == 1.0f; }
+
+#include "moe_route.c"
+
+/* A mixture of experts over the normalized rows xn [B, C] -> buf->moe_out [B, C]: each row's top-k experts
+ * (moe_route.c: the router, its softmax and torch.topk's choice, ties included), the rows grouped by expert, then
+ * each chosen expert, in ascending order, over all of its rows: gather, gate+up, activation, down, and each row's
+ * weighted output added into its sum (HF's order of addition). An expert no row chose never runs. The down linear's
+ * output panels are split over threads as in linear_part, and each thread adds the columns it computed: no barrier
+ * between one expert's adds and the next expert's rows. */
+static void moe_mlp(const Model *m, const Layer *L, const Buffers *buf, const float *xn, int B, int t, int nt) {
+    const Moe *x = L->moe;
+    const int C = m->C, k = x->top_k, nup = x->gate_up[0].N, I = x->down[0].K;
+    const int r0 = (int)((long)B * t / nt), r1 = (int)((long)B * (t + 1) / nt);
+    for (int b = r0; b < r1; b++) {
+        route_row(x->router, xn + (long)b * C, C, x->E, k, x->norm_topk, buf->route_e + (long)b * k,
+                  buf->route_w + (long)b * k, buf->priv + t * buf->priv_floats + buf->scratch_at);
+        for (int c = 0; c < C; c++) buf->moe_out[(long)b * C + c] = 0.0f;
+    }
+#pragma omp barrier
+#pragma omp single
+    group_by_expert(buf->route_e, buf->route_w, B, k, x->E, buf->order, buf->order_w, buf->starts);
+    const int npanels = (C + PANEL - 1) / PANEL;
+    const int c0 = (int)((long)npanels * t / nt) * PANEL, c1 = (int)((long)npanels * (t + 1) / nt) * PANEL;
+    for (int e = 0; e < x->E; e++) {
+        const int first = buf->starts[e], n = buf->starts[e + 1] - first;
+        if (!n) continue;
+        for (int i = (int)((long)n * t / nt); i < (int)((long)n * (t + 1) / nt); i++)
+            memcpy(buf->moe_x + (long)i * C, xn + (long)buf->order[first + i] * C, sizeof(float) * C);
+#pragma omp barrier
+        linear_part(&x->gate_up[e], buf->moe_x, C, NULL, 0, buf->up, nup, n, t, nt);
+#pragma omp barrier
+        const float *act = activation(m, buf, nup, I, n, t, nt);
+        linear_part(&x->down[e], act, I, NULL, 0, buf->moe_y, C, n, t, nt);
+        for (int i = 0; i < n; i++) {
+            const float w = buf->order_w[first + i], *yr = buf->moe_y + (long)i * C;
+            float *o = buf->moe_out + (long)buf->order[first + i] * C;
+            for (int c = c0; c < c1 && c < C; c++) o[c] = o[c] + yr[c] * w;
+        }
+    }
+#pragma omp barrier
+}
+
 static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *buf, float *x, int t, int nt) {
-    const int B = s->B, C = m->C, HD = m->H * m->D, nqkv = L->qkv.N, nup = L->up.N;
+    const int B = s->B, C = m->C, HD = m->H * m->D, nqkv = L->qkv.N;
     const float *xn = norm(m, buf, L->norm1_w, L->norm1_b, x, NULL, B, t, nt);
     linear_part(&L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, t, nt);
 #pragma omp barrier
+    if (L->q_norm || m->clip_qkv > 0.0f) {
+#pragma omp for schedule(static)
+        for (int b = 0; b < B; b++) qk_rows(m, L, buf, b, b + 1);
+    }
     attention(m, L, s, buf, t);
-    linear_part(&L->o, buf->att, HD, x, C, x, C, B, t, nt); /* x += O att: an output's residual read, then written */
+    if (plain_residual(m, L->post1_w)) { /* x += O att: an output's residual read, then written */
+        linear_part(&L->o, buf->att, HD, x, C, x, C, B, t, nt);
 #pragma omp barrier
+    } else {
+        linear_part(&L->o, buf->att, HD, NULL, 0, buf->y, C, B, t, nt);
+#pragma omp barrier
+        post_residual(m, L->post1_w, buf->y, x, B, t, nt);
+    }
     xn = norm(m, buf, L->norm2_w, L->norm2_b, x, NULL, B, t, nt);
+    if (L->moe) {
+        moe_mlp(m, L, buf, xn, B, t, nt);
+        post_residual(m, L->post2_w, buf->moe_out, x, B, t, nt);
+        return;
+    }
+    const int nup = L->up.N, I = L->down.K;
     linear_part(&L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
 #pragma omp barrier
-    const float *act = activation(m, buf, B, t, nt);
-    linear_part(&L->down, act, L->down.K, x, C, x, C, B, t, nt);
+    const float *act = activation(m, buf, nup, I, B, t, nt);
+    if (plain_residual(m, L->post2_w)) {
+        linear_part(&L->down, act, I, x, C, x, C, B, t, nt);
 #pragma omp barrier
+    } else {
+        linear_part(&L->down, act, I, NULL, 0, buf->y, C, B, t, nt);
+#pragma omp barrier
+        post_residual(m, L->post2_w, buf->y, x, B, t, nt);
+    }
 }
 
 /* x[b] = row ids[b] of the token table (+ row pos[b] of the position table): a quantized row dequantized by
@@ -305,6 +490,8 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
         }
         if (m->pos_embed)
             for (int k = 0; k < C; k++) xb[k] += m->pos_embed[pos[b] * C + k];
+        if (m->embed_scale != 1.0f)
+            for (int k = 0; k < C; k++) xb[k] *= m->embed_scale;
     }
 }
 
@@ -344,6 +531,13 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         for (int l = 0; l < m->n_layer; l++) layer(m, &m->layers[l], &s, &buf, x, t, nt);
         const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
         linear_part(&m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
+        if (m->logits_divisor != 1.0f || m->final_softcap > 0.0f) {
+#pragma omp barrier
+            const long V = m->lm_head.N;
+#pragma omp for schedule(static)
+            for (int r = 0; r < n_sample; r++)
+                cap_logits(logits + r * V, V, m->logits_divisor, m->final_softcap);
+        }
     }
     free(partials);
     return 0;

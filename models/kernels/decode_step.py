@@ -36,7 +36,7 @@ import torch
 from . import paged_attention, quant_gemm, small_gemm, step_abi
 from .step_abi import FP32, KERNEL, PANELS, load
 
-__all__ = ["FP32", "KERNEL", "PANELS", "QUANT_MAX_ROWS", "StepPlan", "lin", "load"]
+__all__ = ["FP32", "KERNEL", "PANELS", "QUANT_MAX_ROWS", "StepPlan", "layer_spec", "lin", "load"]
 
 QUANT_MAX_ROWS = 128  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
 
@@ -62,18 +62,33 @@ def lin(linear) -> step_abi.LinSpec | None:
     return None
 
 
+def layer_spec(norm1, norm2, qkv, o, up, down, scale: float, moe=None, **deltas) -> step_abi.LayerSpec:
+    """One layer as the kernel reads it, its buffers tensors: norms ``(weight, bias or None)`` (a None weight: no norm),
+    ``layers.Linear``s (up / down None under ``moe``), the attention scale; ``moe``: (router [E, C] fp32, gate+up
+    Linears, down Linears, top_k, norm_topk); ``deltas``: ``step_abi.LayerSpec``'s other fields (post-norms, q/k
+    norms, RoPE tables [max_len, 1, R], window, softcap)."""
+    if moe is not None:
+        router, gate_up, downs, top_k, norm_topk = moe
+        moe = step_abi.MoeSpec(router, [lin(x) for x in gate_up], [lin(x) for x in downs], top_k, norm_topk)
+    return step_abi.LayerSpec(
+        *norm1, *norm2, lin(qkv), lin(o), lin(up) if up else None, lin(down) if down else None, scale, moe=moe, **deltas
+    )
+
+
 class StepPlan:
-    """One model described to the kernel; ``plan(batch)`` runs a lean decode step -> logits [B, V].
+    """One model described to the kernel; ``plan(batch)`` runs a step -> logits.
 
     embed: (token table: fp32 [V, C], panels or a ``QuantWeight``, learned positions [P, C] or None); layers: per layer
-    ``(norm1, norm2, qkv, o, up, down, (k_pool, v_pool, scales), scale)``, a norm being ``(weight, bias or None)``
-    (None: RMSNorm), the linears ``layers.Linear``s, the pools ``PagedKVCache.pools`` (views; int8's scales, else
-    None). ``spec`` is the model as the kernel reads it, its buffers the tensors themselves (what a model image
-    writes); it and ``_pools`` hold every tensor the structs point at (the model holds them too), so the pointers
-    stay valid.
+    a ``layer_spec``; pools: per layer the ``PagedKVCache.pools`` views (k_pool, v_pool, int8's scales or None);
+    rope: the (cos, sin) tables [max_len, 1, R] (None: no rotation); ``model``: ``step_abi.ModelSpec``'s scalar fields
+    beyond the dims (embed_scale, ...). ``spec`` is the model as the kernel reads it, its buffers the tensors
+    themselves (what a model image writes); it and ``_pools`` hold every tensor the structs point at (the model holds
+    them too), so the pointers stay valid.
     """
 
-    def __init__(self, *, gelu: bool, dims: dict, eps: float, embed, rope, layers: list, final_norm, lm_head) -> None:
+    def __init__(
+        self, *, act: int, dims: dict, eps: float, embed, rope, layers: list, pools: list, final_norm, lm_head, **model
+    ) -> None:
         self.kernel = load()
         table, positions = embed
         if isinstance(table, quant_gemm.QuantWeight):
@@ -82,15 +97,14 @@ class StepPlan:
             table_fmt = PANELS if table.dim() == 3 else FP32
         cos, sin = (rope[0], rope[1]) if rope is not None else (None, None)
         self.spec = step_abi.ModelSpec(
-            *(gelu, dims["C"], dims["H"], dims["KVH"], dims["D"], eps),
+            *(act, dims["C"], dims["H"], dims["KVH"], dims["D"], eps),
             *(cos, sin, final_norm[0], final_norm[1], lin(lm_head)),
-            [
-                step_abi.LayerSpec(*norm1, *norm2, *(lin(x) for x in (qkv, o, up, down)), scale)
-                for norm1, norm2, qkv, o, up, down, _, scale in layers
-            ],
+            layers,
             *(table, table_fmt, positions),
+            R=cos.shape[-1] if cos is not None else 0,
+            **model,
         )
-        self._pools = [pools for *_, pools, _ in layers]  # (k_pool, v_pool, int8 scales or None) per layer
+        self._pools = pools  # (k_pool, v_pool, int8 scales or None) per layer
         k_pool = self._pools[0][0]
         geometry = step_abi.PoolGeometry(
             k_pool.shape[1], *k_pool.stride()[:3], paged_attention.DTYPE_CODES[k_pool.dtype]

@@ -13,8 +13,10 @@
  *   k/v pool     [num_blocks, block_size, KVH, D] logically; any strides (block_stride, token_stride,
  *                head_stride), so the engine picks the physical layout (KVPool)
  *   block_tables [B, table_stride] int32: row b's token t is in block block_tables[b][t / block_size]
- *   context_lens [B] int32: row b attends tokens [0, context_lens[b])
+ *   context_lens [B] int32: row b attends tokens [0, context_lens[b]), or only the last `window` of them
+ *                (a sliding-window layer: keys in (q - window, q], HF's mask; window 0 = all)
  *   out          [B, H, D] fp32 contiguous
+ * softcap > 0: every score s (q k^T * scale) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
  * GQA without expanding heads: query head h reads KV head h / G (G = H / KVH), and the G query heads
  * of one KV head share each K row and V row loaded.
  *
@@ -380,14 +382,16 @@ typedef struct {
     float *qs, *acc, *s, *m, *l, *corr;
 } Scratch;
 
-/* Where one KV head's rows of one block start (elements of the pool's dtype), and their scales (int8). */
+/* Where one KV head's rows of one block start from the block's token j0 (elements of the pool's dtype), and their
+ * scales (int8). */
 typedef struct {
     const void *k, *v;
     const float *ks, *vs;
 } BlockHead;
 
-static BlockHead block_head(const KVPool *p, long block, int kvh) {
-    const long off = block * p->block_stride + kvh * p->head_stride, eb = kv_elem_bytes(p->dtype);
+static BlockHead block_head(const KVPool *p, long block, int j0, int kvh) {
+    const long off = block * p->block_stride + j0 * p->token_stride + kvh * p->head_stride;
+    const long eb = kv_elem_bytes(p->dtype);
     BlockHead r = {(const char *)p->k + off * eb, (const char *)p->v + off * eb, 0, 0};
     if (p->dtype == KV_INT8) {
         r.ks = p->k_scale + off / p->head_dim;
@@ -456,12 +460,13 @@ static PA_AVX512 void online_softmax512(const Scratch *w, int h, int n) {
     w->l[h] = w->l[h] * w->corr[h] + sum;
 }
 
-/* Tokens [t0, t1) of one row (t0 on a block boundary), the G query heads of each KV head in [kvh0, kvh1) (the
- * Scratch's heads 0 .. (kvh1 - kvh0) G): acc unnormalized, m running max, l running sum of exp(s - m). Per block:
- * the scores of all heads (one pass over the block's K, one contiguous region per KV head when head-major), the
- * online-softmax update, then one pass over its V. */
-static void attend_row(const Scratch *w, const KVPool *p, const int *table, int t0, int t1, int kvh0, int kvh1,
-                       int G) {
+/* Tokens [max(t0, lo), t1) of one row (t0 on a block boundary; lo: the first token a sliding window keeps, tokens
+ * before it are skipped, not masked), the G query heads of each KV head in [kvh0, kvh1) (the Scratch's heads
+ * 0 .. (kvh1 - kvh0) G): acc unnormalized, m running max, l running sum of exp(s - m). Per block: the scores of all
+ * heads (one pass over the block's K, one contiguous region per KV head when head-major), the soft-cap
+ * (softcap > 0), the online-softmax update, then one pass over its V. */
+static void attend_row(const Scratch *w, const KVPool *p, const int *table, int t0, int t1, int lo, float softcap,
+                       int kvh0, int kvh1, int G) {
     const int D = p->head_dim, bs = p->block_size, nh = (kvh1 - kvh0) * G, dt = p->dtype, avx512 = pa_use_avx512();
     const long ts = p->token_stride, sts = ts / D, eb = kv_elem_bytes(dt);
     for (int h = 0; h < nh; h++) {
@@ -470,14 +475,16 @@ static void attend_row(const Scratch *w, const KVPool *p, const int *table, int 
     }
     for (long i = 0; i < (long)nh * D; i++) w->acc[i] = 0.0f;
     for (int t = t0; t < t1; t += bs) {
-        const int n = t1 - t < bs ? t1 - t : bs;
+        const int j0 = lo > t ? lo - t : 0; /* the block's first token in the window */
+        const int n = (t1 - t < bs ? t1 - t : bs) - j0;
+        if (n <= 0) continue;
         const long block = table[t / bs];
         for (int kvh = kvh0; kvh < kvh1; kvh++) {
-            prefetch_pages(block_head(p, block, kvh).v, (long)n * D * eb);
-            if (t + bs < t1) prefetch_pages(block_head(p, table[t / bs + 1], kvh).k, (long)bs * D * eb);
+            prefetch_pages(block_head(p, block, j0, kvh).v, (long)n * D * eb);
+            if (t + bs < t1) prefetch_pages(block_head(p, table[t / bs + 1], 0, kvh).k, (long)bs * D * eb);
         }
         for (int kvh = kvh0; kvh < kvh1; kvh++) {
-            const BlockHead bh = block_head(p, block, kvh);
+            const BlockHead bh = block_head(p, block, j0, kvh);
             for (int g0 = 0; g0 < G; g0 += GMAX) {
                 const int h0 = (kvh - kvh0) * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
                 float *sh = w->s + (long)h0 * SSTRIDE;
@@ -486,20 +493,24 @@ static void attend_row(const Scratch *w, const KVPool *p, const int *table, int 
             }
         }
         for (int h = 0; h < nh; h++) {
+            if (softcap > 0.0f) {
+                float *sh = w->s + (long)h * SSTRIDE;
+                for (int j = 0; j < n; j++) sh[j] = tanhf(sh[j] / softcap) * softcap;
+            }
             if (avx512) online_softmax512(w, h, n);
             else online_softmax(w, h, n);
         }
         if (dt == KV_INT8) /* V's scales fold into the weights (l keeps the unscaled sum) */
             for (int h = 0; h < nh; h++) {
                 float *sh = w->s + (long)h * SSTRIDE;
-                const float *vs = block_head(p, block, kvh0 + h / G).vs;
+                const float *vs = block_head(p, block, j0, kvh0 + h / G).vs;
                 if (sts == 1) /* head-major: a block's scales of one head are contiguous */
                     for (int j = 0; j < n; j++) sh[j] *= vs[j];
                 else
                     for (int j = 0; j < n; j++) sh[j] *= vs[(long)j * sts];
             }
         for (int kvh = kvh0; kvh < kvh1; kvh++) {
-            const BlockHead bh = block_head(p, block, kvh);
+            const BlockHead bh = block_head(p, block, j0, kvh);
             for (int g0 = 0; g0 < G; g0 += GMAX) {
                 const int h0 = (kvh - kvh0) * G + g0, gc = G - g0 < GMAX ? G - g0 : GMAX;
                 float *acc = w->acc + (long)h0 * D, *corr = w->corr + h0, *ph = w->s + (long)h0 * SSTRIDE;
@@ -554,10 +565,21 @@ static int part_tokens_for(int block_size, int want) {
     return part_blocks * block_size;
 }
 
-static int max_parts_of(const int *context_lens, int B, int part_tokens) {
+/* The first token a row of context ctx attends: ctx - window in a sliding-window layer (window > 0), else 0. */
+static int window_first(int ctx, int window) { return window > 0 && ctx > window ? ctx - window : 0; }
+
+/* Where a row's partitions start: the block holding its first attended token. */
+static int parts_base(int ctx, int window, int block_size) { return window_first(ctx, window) / block_size * block_size; }
+
+/* Partitions of a row: its attended tokens from parts_base on, part_tokens at a time (0 for an empty context). */
+static int parts_of(int ctx, int window, int block_size, int part_tokens) {
+    return (ctx - parts_base(ctx, window, block_size) + part_tokens - 1) / part_tokens;
+}
+
+static int max_parts_of(const int *context_lens, int B, int window, int block_size, int part_tokens) {
     int max_parts = 1;
     for (int b = 0; b < B; b++) {
-        int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
+        int parts = parts_of(context_lens[b], window, block_size, part_tokens);
         max_parts = parts > max_parts ? parts : max_parts;
     }
     return max_parts;
@@ -576,10 +598,11 @@ static Scratch scratch_at(float *base, int H, int D) {
 /* part_tokens: tokens per partition (0: PART_TOKENS; rounded up to whole blocks), so a test can compare a split
  * context with the same context in one partition. */
 int paged_attention(const float *q, long q_row_stride, const KVPool *pool, const int *block_tables, int table_stride,
-                    const int *context_lens, float *out, int B, int H, float scale, int part_tokens, int nthreads) {
-    const int D = pool->head_dim, KVH = pool->kv_heads;
-    part_tokens = part_tokens_for(pool->block_size, part_tokens);
-    const int max_parts = max_parts_of(context_lens, B, part_tokens);
+                    const int *context_lens, float *out, int B, int H, float scale, int window, float softcap,
+                    int part_tokens, int nthreads) {
+    const int D = pool->head_dim, KVH = pool->kv_heads, bs = pool->block_size;
+    part_tokens = part_tokens_for(bs, part_tokens);
+    const int max_parts = max_parts_of(context_lens, B, window, bs, part_tokens);
     if (nthreads < 1) nthreads = 1;
     /* Partial results of every partition when a context spans several: acc [B, P, H, D], m, l [B, P, H];
      * and one Scratch per thread. */
@@ -598,12 +621,13 @@ int paged_attention(const float *q, long q_row_stride, const KVPool *pool, const
 #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < items; it++) {
             int b = (int)(it / max_parts), part = (int)(it % max_parts);
-            int ctx = context_lens[b], t0 = part * part_tokens;
+            int ctx = context_lens[b], t0 = parts_base(ctx, window, bs) + part * part_tokens;
             if (t0 >= ctx && part > 0) continue;
             int t1 = t0 + part_tokens < ctx ? t0 + part_tokens : ctx;
             const float *qrow = q + b * q_row_stride;
             for (long i = 0; i < (long)H * D; i++) w.qs[i] = qrow[i] * scale;
-            attend_row(&w, pool, block_tables + (long)b * table_stride, t0, t1, 0, KVH, H / KVH);
+            attend_row(&w, pool, block_tables + (long)b * table_stride, t0, t1, window_first(ctx, window), softcap, 0, KVH,
+                       H / KVH);
             if (max_parts == 1) finish_heads(&w, H, D, out + (long)b * H * D);
             else save_partial(&w, H, D, ws_acc + it * H * D, ws_m + it * H, ws_l + it * H);
         }
@@ -612,7 +636,7 @@ int paged_attention(const float *q, long q_row_stride, const KVPool *pool, const
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (long bh = 0; bh < (long)B * H; bh++) {
             long b = bh / H, h = bh % H;
-            int parts = (context_lens[b] + part_tokens - 1) / part_tokens;
+            int parts = parts_of(context_lens[b], window, bs, part_tokens);
             combine_head(ws_acc, ws_m, ws_l, b, h, H, D, parts, max_parts, out + bh * D);
         }
     }
@@ -626,59 +650,61 @@ int paged_attention(const float *q, long q_row_stride, const KVPool *pool, const
  * the attention call).
  *
  *   qkv          [B, ldqkv] rows of the fused QKV linear: q [H, D] at 0, k [KVH, D] at H D, v at (H + KVH) D
- *   cos, sin     [max_len, D] RoPE tables (row p for position p), or NULL for no rotation (GPT-2)
+ *   cos, sin     [max_len, R] RoPE tables (row p for position p) over each head's first R dims (R = D, or fewer:
+ *                partial rotary, the rest passed through), or NULL for no rotation (GPT-2)
  *   pos          [B] int64 positions; slot_blocks, slot_offsets [B] int64 KV slot of each row's token
  *   q_buf        [B, H, D] scratch for the rotated queries; out [B, H, D]
  * RoPE is HF's: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), two products then one add
  * (the file is built with -ffp-contract=off, so these are torch's bits exactly). */
-static void rope_row(const float *x, float *y, const float *c, const float *s, int D) {
-    const int half = D / 2;
+static void rope_row(const float *x, float *y, const float *c, const float *s, int R, int D) {
+    const int half = R / 2;
     for (int d = 0; d < half; d++) {
         float a = x[d] * c[d], b = -x[d + half] * s[d];
         y[d] = a + b;
     }
-    for (int d = half; d < D; d++) {
+    for (int d = half; d < R; d++) {
         float a = x[d] * c[d], b = x[d - half] * s[d];
         y[d] = a + b;
     }
+    for (int d = R; d < D; d++) y[d] = x[d];
 }
 
-/* Query heads [h0, h1) of one qkv row, rotated (c, s: the row's cos, sin) or copied when c is NULL
- * -> q [h1 - h0, D]. */
-static void rope_queries(const float *row, const float *c, const float *s, float *q, int D, int h0, int h1) {
+/* Query heads [h0, h1) of one qkv row, rotated over their first R dims (c, s: the row's cos, sin) or copied when c
+ * is NULL -> q [h1 - h0, D]. */
+static void rope_queries(const float *row, const float *c, const float *s, float *q, int R, int D, int h0, int h1) {
     for (int h = h0; h < h1; h++) {
         float *qh = q + (long)(h - h0) * D;
-        if (c) rope_row(row + (long)h * D, qh, c, s, D);
+        if (c) rope_row(row + (long)h * D, qh, c, s, R, D);
         else for (int d = 0; d < D; d++) qh[d] = row[(long)h * D + d];
     }
 }
 
-/* One qkv row's new k (rotated when c is not NULL) and v of KV heads [h0, h1) into their slot (element offset
- * slot: block * block_stride + offset * token_stride) of the pools, in the pool's dtype. */
-static void write_kv(const float *row, const float *c, const float *s, const KVPool *p, long slot, int H, int h0,
-                     int h1) {
+/* One qkv row's new k (rotated over its first R dims when c is not NULL) and v of KV heads [h0, h1) into their slot
+ * (element offset slot: block * block_stride + offset * token_stride) of the pools, in the pool's dtype. */
+static void write_kv(const float *row, const float *c, const float *s, const KVPool *p, long slot, int H, int R,
+                     int h0, int h1) {
     const int KVH = p->kv_heads, D = p->head_dim;
     float rotated[DMAX];
     for (int h = h0; h < h1; h++) {
         const float *k = row + (long)(H + h) * D, *v = row + (long)(H + KVH + h) * D;
         const long off = slot + h * p->head_stride;
-        if (c) rope_row(k, rotated, c, s, D);
+        if (c) rope_row(k, rotated, c, s, R, D);
         store_row(c ? rotated : k, p->k, p->k_scale, off, D, p->dtype);
         store_row(v, p->v, p->v_scale, off, D, p->dtype);
     }
 }
 
-int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, const long *pos,
+int rope_write_attend(const float *qkv, long ldqkv, const float *cos, const float *sin, int R, const long *pos,
                       const KVPool *pool, const long *slot_blocks, const long *slot_offsets, const int *block_tables,
                       int table_stride, const int *context_lens, float *q_buf, float *out, int B, int H, float scale,
-                      int nthreads) {
+                      int window, float softcap, int nthreads) {
     const int D = pool->head_dim;
     for (int b = 0; b < B; b++) {
-        const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * D : 0, *s = sin ? sin + pos[b] * D : 0;
+        const float *row = qkv + b * ldqkv, *c = cos ? cos + pos[b] * R : 0, *s = sin ? sin + pos[b] * R : 0;
         long slot = slot_blocks[b] * pool->block_stride + slot_offsets[b] * pool->token_stride;
-        rope_queries(row, c, s, q_buf + (long)b * H * D, D, 0, H);
-        write_kv(row, c, s, pool, slot, H, 0, pool->kv_heads);
+        rope_queries(row, c, s, q_buf + (long)b * H * D, R, D, 0, H);
+        write_kv(row, c, s, pool, slot, H, R, 0, pool->kv_heads);
     }
-    return paged_attention(q_buf, (long)H * D, pool, block_tables, table_stride, context_lens, out, B, H, scale, 0,
-                           nthreads);
+    return paged_attention(q_buf, (long)H * D, pool, block_tables, table_stride, context_lens, out, B, H, scale, window,
+                           softcap, 0, nthreads);
 }

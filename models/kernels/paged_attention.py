@@ -13,7 +13,9 @@ strides with D contiguous, e.g. a head-major pool [num_blocks, KVH, block_size, 
 ``pool.transpose(1, 2)``) of float32, float16, bfloat16 or int8; an int8 pool's ``scales`` (k_scale, v_scale)
 [num_blocks, block_size, KVH] float32, strides those of the pool divided by D; ``block_tables`` [B, max_blocks]
 int32 (entries past a row's blocks are ignored); ``context_lens`` [B] int32. Query head h reads KV head
-h // (H // KVH) (GQA, no expansion).
+h // (H // KVH) (GQA, no expansion). ``window`` > 0 (a sliding-window layer): a row attends only its last
+``window`` tokens (HF's mask: keys in (q - window, q]); its blocks before them are never read. ``softcap`` > 0:
+each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -57,15 +59,15 @@ def _load() -> ctypes.CDLL:
     lib.paged_attention.argtypes = [
         *(P, L, P),  # q, q_row_stride, pool
         *(P, N, P, P),  # block_tables, table_stride, context_lens, out
-        *(N, N, F32, N, N),  # B, H, scale, part_tokens, nthreads
+        *(N, N, F32, N, F32, N, N),  # B, H, scale, window, softcap, part_tokens, nthreads
     ]
     lib.rope_write_attend.restype = N
     lib.rope_write_attend.argtypes = [
-        *(P, L, P, P, P, P),  # qkv, ldqkv, cos, sin, pos, pool
+        *(P, L, P, P, N, P, P),  # qkv, ldqkv, cos, sin, rotary dims, pos, pool
         *(P, P, P, N, P),  # slot_blocks, slot_offsets, block_tables, table_stride, context_lens
-        *(P, P, N, N, F32, N),  # q_buf, out, B, H, scale, nthreads
+        *(P, P, N, N, F32, N, F32, N),  # q_buf, out, B, H, scale, window, softcap, nthreads
     ]
-    return with_isa(lib, "attention_isa")  # its AVX-512 path where the CPU has it (KERNEL_ISA), the same bits
+    return with_isa(lib)  # attention_isa: its AVX-512 path where the CPU has it (KERNEL_ISA), the same bits
 
 
 KERNEL = KernelLoader("paged attention kernel", _load, "using the torch fallback", log)
@@ -129,10 +131,13 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     part_tokens: int = 0,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v per row over its first context_lens[b] tokens -> [B, H, D] fp32.
+    """softmax(q k^T * scale) v per row over its first context_lens[b] tokens (the last ``window`` of them, when
+    set; scores soft-capped by ``softcap`` when set) -> [B, H, D] fp32.
 
     Uses the compiled kernel when ``kernel_supports`` (one pass over each row's blocks, in place, each element
     converted as it is loaded), else ``paged_attention_torch``. ``scales``: an int8 pool's (k_scale, v_scale).
@@ -140,7 +145,7 @@ def paged_attention(
     """
     _check(q, k_pool, v_pool, block_tables, context_lens, scales)
     if not kernel_supports(q, k_pool):
-        return paged_attention_torch(q, k_pool, v_pool, block_tables, context_lens, scale, scales)
+        return paged_attention_torch(q, k_pool, v_pool, block_tables, context_lens, scale, window, softcap, scales)
     B, H, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()  # the kernel reads each row's heads back to back
@@ -151,7 +156,7 @@ def paged_attention(
     rc = load().paged_attention(
         *(q.data_ptr(), q.stride(0), ctypes.byref(pool)),
         *(tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr()),
-        *(B, H, scale, part_tokens, torch.get_num_threads()),
+        *(B, H, scale, window, softcap, part_tokens, torch.get_num_threads()),
     )
     if rc != 0:
         raise MemoryError("paged attention: cannot allocate the partition workspace")
@@ -170,16 +175,19 @@ def rope_write_attend(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One layer of a decode step in one kernel call: rotate q and k (``rope``), write k and v into their
-    slots (converted to the pool's dtype), attend every row over its blocks -> [B, H, D].
+    slots (converted to the pool's dtype), attend every row over its blocks (``paged_attention``'s ``window``
+    and ``softcap``) -> [B, H, D].
 
     qkv: [B, (H + 2 KVH) D] rows of the fused QKV linear (q heads, then k, then v; unit stride along the
-    row). rope: the (cos, sin) tables [max_len, 1, D] contiguous, or None (no rotation); pos, slot_blocks,
-    slot_offsets: [B] int64; block_tables [B, max_blocks], context_lens [B] int32 (context_lens[b] counts
-    the new token). Pools (and an int8 pool's scales) as for ``paged_attention``. The caller checks
-    ``kernel_supports``.
+    row). rope: the (cos, sin) tables [max_len, 1, R] contiguous (R <= D: each head's first R dims rotate), or
+    None (no rotation); pos, slot_blocks, slot_offsets: [B] int64; block_tables [B, max_blocks], context_lens [B]
+    int32 (context_lens[b] counts the new token). Pools (and an int8 pool's scales) as for ``paged_attention``.
+    The caller checks ``kernel_supports``.
     """
     B, H = qkv.shape[0], n_head
     KVH, D = k_pool.shape[2], k_pool.shape[3]
@@ -187,11 +195,13 @@ def rope_write_attend(
         raise ValueError(f"qkv {tuple(qkv.shape)} does not match {H} query and {KVH} KV heads of size {D}")
     pool = kv_pool(k_pool, v_pool, scales)
     cos, sin = (rope[0].data_ptr(), rope[1].data_ptr()) if rope is not None else (None, None)
+    rotary = rope[0].shape[-1] if rope is not None else D
     q_buf, out = torch.empty(B, H, D), torch.empty(B, H, D)
     rc = load().rope_write_attend(
-        *(qkv.data_ptr(), qkv.stride(0), cos, sin, pos.data_ptr(), ctypes.byref(pool)),
+        *(qkv.data_ptr(), qkv.stride(0), cos, sin, rotary, pos.data_ptr(), ctypes.byref(pool)),
         *(slot_blocks.data_ptr(), slot_offsets.data_ptr(), block_tables.data_ptr(), block_tables.stride(0)),
-        *(context_lens.data_ptr(), q_buf.data_ptr(), out.data_ptr(), B, H, scale, torch.get_num_threads()),
+        *(context_lens.data_ptr(), q_buf.data_ptr(), out.data_ptr(), B, H, scale),
+        *(window, softcap, torch.get_num_threads()),
     )
     if rc != 0:
         raise MemoryError("paged attention: cannot allocate the partition workspace")
@@ -228,11 +238,13 @@ def paged_attention_torch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The same math in torch for any device and dtype: gather each row's blocks into [B, KVH, L, D]
     (L = the longest context, in whole blocks) in q's dtype (an int8 pool's rows times their scales), mask
-    positions past each row's length, SDPA."""
+    positions past each row's length (and before its window), ``attend``."""
     _check(q, k_pool, v_pool, block_tables, context_lens, scales)
     B, H, D = q.shape
     _, block_size, KVH, _ = k_pool.shape
@@ -244,7 +256,36 @@ def paged_attention_torch(
     k_scale, v_scale = (scales[0][tables], scales[1][tables]) if scales is not None else (None, None)
     keys = dequantize(k_pool[tables], k_scale, q.dtype).reshape(B, L, KVH, D).transpose(1, 2)  # [B, KVH, L, D]
     values = dequantize(v_pool[tables], v_scale, q.dtype).reshape(B, L, KVH, D).transpose(1, 2)
-    mask = (torch.arange(L, device=q.device) < lens[:, None]).view(B, 1, 1, L)
-    out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), keys, values, attn_mask=mask, scale=scale)
+    at = torch.arange(L, device=q.device)
+    mask = at < lens[:, None]  # [B, L]
+    if window > 0:
+        mask &= at > lens[:, None] - 1 - window
+    out = attend(q.reshape(B, H, 1, D), keys, values, mask.view(B, 1, 1, L), scale, softcap)
     # A row with no context has no valid key: SDPA gives NaN there, the kernel gives zeros.
     return out.reshape(B, H, D).masked_fill((lens == 0).view(B, 1, 1), 0.0)
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """Grouped-query attention: q [..., H, n, D], keys, values [..., KVH, L, D] (query head h reads K/V head
+    h // (H / KVH)), mask broadcastable to [..., H, n, L] (True: attend), or None (causal, n = L) -> [..., H, n, D].
+    softmax(q k^T * scale) v through SDPA; with ``softcap`` > 0, HF's eager math instead: the scores, their soft-cap
+    softcap * tanh(s / softcap), the mask, an fp32 softmax."""
+    H, KVH = q.shape[-3], keys.shape[-3]
+    if softcap <= 0:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=KVH != H)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=KVH != H)
+    *lead, _, n, D = q.shape
+    L = keys.shape[-2]
+    grouped = q.reshape(*lead, KVH, H // KVH, n, D)  # [..., KVH, G, n, D]
+    scores = torch.matmul(grouped, keys.unsqueeze(-3).transpose(-1, -2)) * scale  # [..., KVH, G, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    else:  # [..., H, n, L] -> [..., KVH, G, n, L]
+        mask = mask.expand(*lead, H, n, L).reshape(*lead, KVH, H // KVH, n, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32), values.unsqueeze(-3))
+    return out.reshape(*lead, H, n, D)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import int_dot
 from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
 
 log = logging.getLogger("minibatch.decode_step")
@@ -42,19 +43,27 @@ class Lin(ctypes.Structure):
     _fields_ = [("w", _P), ("bias", _P), ("fmt", _I), ("K", _I), ("N", _I)]
 
 
+class Moe(ctypes.Structure):
+    _fields_ = [("router", _P), ("gate_up", _P), ("down", _P), ("E", _I), ("top_k", _I), ("norm_topk", _I)]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [
         *(("norm1_w", _P), ("norm1_b", _P), ("norm2_w", _P), ("norm2_b", _P)),
         *(("qkv", Lin), ("o", Lin), ("up", Lin), ("down", Lin)),
         *(("k_pool", _P), ("v_pool", _P), ("k_scale", _P), ("v_scale", _P), ("scale", _F)),
+        *(("post1_w", _P), ("post2_w", _P), ("q_norm", _P), ("k_norm", _P), ("qk_full", _I)),
+        *(("cos", _P), ("sin", _P), ("window", _I), ("softcap", _F), ("moe", _P)),
     ]
 
 
 class Model(ctypes.Structure):
     _fields_ = [
-        *(("gelu", _I), ("n_layer", _I), ("C", _I), ("H", _I), ("KVH", _I), ("D", _I), ("block_size", _I)),
+        *(("act", _I), ("n_layer", _I), ("C", _I), ("H", _I), ("KVH", _I), ("D", _I), ("R", _I), ("block_size", _I)),
         *(("block_stride", _L), ("token_stride", _L), ("head_stride", _L), ("kv_dtype", _I), ("eps", _F)),
-        *(("cos", _P), ("sin", _P), ("normf_w", _P), ("normf_b", _P), ("lm_head", Lin), ("layers", _P)),
+        *(("embed_scale", _F), ("residual_scale", _F), ("logits_divisor", _F), ("final_softcap", _F)),
+        ("clip_qkv", _F),
+        *(("normf_w", _P), ("normf_b", _P), ("lm_head", Lin), ("layers", _P)),
         *(("embed", _P), ("embed_fmt", _I), ("pos_embed", _P)),
     ]
 
@@ -70,7 +79,9 @@ def _load() -> ctypes.CDLL:
         *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
         *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
     ]
-    return with_isa(with_isa(lib), "attention_isa")  # quant_gemm.c's switch, and paged_attention.c's
+    lib.topk_rows.restype = None
+    lib.topk_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]  # values, rows, n, k, indices, picked, scratch
+    return int_dot.register(with_isa(lib))  # its linears' integer path follows ACTIVATIONS (int_dot.py)
 
 
 KERNEL = KernelLoader("decode step kernel", _load, "decode steps keep the per-layer lean calls", log)
@@ -97,8 +108,27 @@ class LinSpec:
 
 
 @dataclass
+class MoeSpec:
+    """A mixture-of-experts MLP: ``router`` fp32 [E, C], per expert a fused gate+up [2I, C] and a down [C, I] linear;
+    each token's top ``top_k`` experts by softmax weight (renormalized when ``norm_topk``)."""
+
+    router: Any
+    gate_up: list[LinSpec]
+    down: list[LinSpec]
+    top_k: int
+    norm_topk: bool
+
+
+ACT_SILU_GATED, ACT_GELU, ACT_GELU_GATED = 0, 1, 2  # Model.act: SiLU(gate) * up, GELU (GPT-2), GELU(gate) * up
+
+
+@dataclass
 class LayerSpec:
-    """One layer: norm weights (the ``*_b`` None: RMSNorm, else LayerNorm), its four linears, the attention scale."""
+    """One layer: norm weights (the ``*_b`` None: RMSNorm, else LayerNorm; a ``*_w`` None: no norm), its four
+    linears (up / down unused under ``moe``), the attention scale; and the families' deltas: RMSNorms of the attention
+    and MLP outputs (``post1_w`` / ``post2_w``), q/k RMSNorms (per head, or over the projection when ``qk_full``), this
+    layer's RoPE tables (None: the model's), a sliding ``window`` (0: none), an attention ``softcap`` (0: none), a
+    mixture of experts."""
 
     norm1_w: Any
     norm1_b: Any
@@ -106,22 +136,42 @@ class LayerSpec:
     norm2_b: Any
     qkv: LinSpec
     o: LinSpec
-    up: LinSpec
-    down: LinSpec
+    up: LinSpec | None
+    down: LinSpec | None
     scale: float
+    post1_w: Any = None
+    post2_w: Any = None
+    q_norm: Any = None
+    k_norm: Any = None
+    qk_full: bool = False
+    cos: Any = None
+    sin: Any = None
+    window: int = 0
+    softcap: float = 0.0
+    moe: MoeSpec | None = None
+
+    def linears(self) -> list[LinSpec]:
+        """Its linears in forward order (each expert's gate+up and down)."""
+        mlp = (
+            [self.up, self.down]
+            if self.moe is None
+            else [x for pair in zip(self.moe.gate_up, self.moe.down) for x in pair]
+        )
+        return [self.qkv, self.o, *mlp]
 
 
-_LAYER_LINEARS = ("qkv", "o", "up", "down")
+_LAYER_BUFFERS = ("norm1_w", "norm1_b", "norm2_w", "norm2_b", "post1_w", "post2_w", "q_norm", "k_norm", "cos", "sin")
 
 
 @dataclass
 class ModelSpec:
-    """The model without its KV pools: ``gelu`` (GELU tanh, else SiLU(gate) * up), dims (C width, H query heads,
-    KVH K/V heads, D head_dim), the norms' eps, RoPE tables cos / sin [max_len, D] (None: no rotation), the final
-    norm, the lm_head, the layers, the token table (``embed_fmt``: quant_gemm's 0 / 1, ``FP32`` rows [V, C],
-    ``PANELS``) and learned positions [max_len, C] (None: none)."""
+    """The model without its KV pools: ``act`` (``ACT_*``), dims (C width, H query heads, KVH K/V heads, D head_dim,
+    R rotary dims), the norms' eps, the embedding scale, the residual scale, the logits' divisor and soft-cap (0:
+    none), the q/k/v clip (0: none), RoPE tables cos / sin [max_len, R] (None: no rotation), the final norm, the
+    lm_head, the layers, the token table (``embed_fmt``: quant_gemm's 0 / 1, ``FP32`` rows [V, C], ``PANELS``) and
+    learned positions [max_len, C] (None: none)."""
 
-    gelu: bool
+    act: int
     C: int
     H: int
     KVH: int
@@ -136,26 +186,41 @@ class ModelSpec:
     embed: Any
     embed_fmt: int
     pos_embed: Any
+    R: int = 0  # 0: D
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
+    final_softcap: float = 0.0
+    clip_qkv: float = 0.0
 
     def linears(self) -> list[LinSpec]:
-        """Every linear in forward order: each layer's four, then the lm_head."""
-        return [getattr(layer, name) for layer in self.layers for name in _LAYER_LINEARS] + [self.lm_head]
+        """Every linear in forward order: each layer's (every expert's), then the lm_head."""
+        return [x for layer in self.layers for x in layer.linears()] + [self.lm_head]
 
 
 def map_buffers(spec: ModelSpec, f: Callable[[str, Any], Any]) -> ModelSpec:
     """The spec with every buffer handle h (not None) replaced by ``f(name, h)``; names are stable paths
-    ("cos", "layers.3.qkv.w", "lm_head.bias", "embed")."""
+    ("cos", "layers.3.qkv.w", "layers.1.moe.gate_up.2.w", "lm_head.bias", "embed")."""
 
     def one(name: str, h: Any) -> Any:
         return None if h is None else f(name, h)
 
-    def lin(name: str, x: LinSpec) -> LinSpec:
+    def lin(name: str, x: LinSpec | None) -> LinSpec | None:
+        if x is None:
+            return None
         return dataclasses.replace(x, w=one(f"{name}.w", x.w), bias=one(f"{name}.bias", x.bias))
 
+    def moe(name: str, x: MoeSpec | None) -> MoeSpec | None:
+        if x is None:
+            return None
+        gate_up = [lin(f"{name}.gate_up.{e}", g) for e, g in enumerate(x.gate_up)]
+        down = [lin(f"{name}.down.{e}", d) for e, d in enumerate(x.down)]
+        return dataclasses.replace(x, router=one(f"{name}.router", x.router), gate_up=gate_up, down=down)
+
     def layer(i: int, x: LayerSpec) -> LayerSpec:
-        norms = {k: one(f"layers.{i}.{k}", getattr(x, k)) for k in ("norm1_w", "norm1_b", "norm2_w", "norm2_b")}
-        lins = {k: lin(f"layers.{i}.{k}", getattr(x, k)) for k in _LAYER_LINEARS}
-        return dataclasses.replace(x, **norms, **lins)
+        buffers = {k: one(f"layers.{i}.{k}", getattr(x, k)) for k in _LAYER_BUFFERS}
+        lins = {k: lin(f"layers.{i}.{k}", getattr(x, k)) for k in ("qkv", "o", "up", "down")}
+        return dataclasses.replace(x, **buffers, **lins, moe=moe(f"layers.{i}.moe", x.moe))
 
     tables = {k: one(k, getattr(spec, k)) for k in ("cos", "sin", "normf_w", "normf_b", "embed", "pos_embed")}
     layers = [layer(i, x) for i, x in enumerate(spec.layers)]
@@ -178,8 +243,16 @@ def spec_to_json(spec: ModelSpec) -> dict:
 def spec_from_json(d: dict) -> ModelSpec:
     """``spec_to_json``'s inverse. Raises KeyError / TypeError on a malformed object."""
 
+    def lin(x: dict | None) -> LinSpec | None:
+        return None if x is None else LinSpec(**x)
+
+    def moe(x: dict | None) -> MoeSpec | None:
+        if x is None:
+            return None
+        return MoeSpec(**{**x, "gate_up": [lin(g) for g in x["gate_up"]], "down": [lin(g) for g in x["down"]]})
+
     def layer(x: dict) -> LayerSpec:
-        return LayerSpec(**{**x, **{k: LinSpec(**x[k]) for k in _LAYER_LINEARS}})
+        return LayerSpec(**{**x, **{k: lin(x[k]) for k in ("qkv", "o", "up", "down")}, "moe": moe(x.get("moe"))})
 
     return ModelSpec(**{**d, "lm_head": LinSpec(**d["lm_head"]), "layers": [layer(x) for x in d["layers"]]})
 
@@ -201,36 +274,53 @@ class PoolGeometry:
     dtype: int = 0
 
 
-def _lin(x: LinSpec) -> Lin:
-    return Lin(x.w, x.bias, x.fmt, x.K, x.N)
+def _lin(x: LinSpec | None) -> Lin:
+    return Lin() if x is None else Lin(x.w, x.bias, x.fmt, x.K, x.N)
 
 
 class Structs:
     """A spec whose handles are addresses (ints) and each layer's (k_pool, v_pool, k_scale, v_scale) addresses (the
     scales None but for an int8 pool) -> the kernel's ``Model`` (``ref`` for the call) and the ``Layer`` array it
-    points at. The addressed memory must outlive this."""
+    points at (and each MoE layer's ``Moe`` and expert ``Lin`` arrays). The addressed memory must outlive this."""
 
     def __init__(self, spec: ModelSpec, pools: list[tuple], geometry: PoolGeometry) -> None:
         if len(pools) != len(spec.layers):
             raise ValueError(f"{len(pools)} KV pools for {len(spec.layers)} layers")
+        self._keep: list = []  # the MoE structs and expert arrays the layers point at
         layers = [
             Layer(
                 *(x.norm1_w, x.norm1_b, x.norm2_w, x.norm2_b),
-                *(_lin(getattr(x, k)) for k in _LAYER_LINEARS),
+                *(_lin(getattr(x, k)) for k in ("qkv", "o", "up", "down")),
                 *(k_pool, v_pool, k_scale, v_scale, x.scale),
+                *(x.post1_w, x.post2_w, x.q_norm, x.k_norm, int(x.qk_full)),
+                *(x.cos, x.sin, x.window, x.softcap, self._moe(x.moe)),
             )
             for x, (k_pool, v_pool, k_scale, v_scale) in zip(spec.layers, pools)
         ]
         self.layers = (Layer * len(layers))(*layers)
         g = geometry
         self.model = Model(
-            *(int(spec.gelu), len(layers), spec.C, spec.H, spec.KVH, spec.D, g.block_size),
+            *(spec.act, len(layers), spec.C, spec.H, spec.KVH, spec.D, spec.R or spec.D, g.block_size),
             *(g.block_stride, g.token_stride, g.head_stride, g.dtype, spec.eps),
-            *(spec.cos, spec.sin, spec.normf_w, spec.normf_b, _lin(spec.lm_head)),
+            *(spec.embed_scale, spec.residual_scale, spec.logits_divisor, spec.final_softcap, spec.clip_qkv),
+            *(spec.normf_w, spec.normf_b, _lin(spec.lm_head)),
             ctypes.cast(self.layers, _P),
             *(spec.embed, spec.embed_fmt, spec.pos_embed),
         )
+        # RoPE: each layer's own tables, else the model's
+        for layer in self.layers:
+            if not layer.cos:
+                layer.cos, layer.sin = spec.cos, spec.sin
         self.ref = ctypes.byref(self.model)
+
+    def _moe(self, x: MoeSpec | None) -> int | None:
+        if x is None:
+            return None
+        gate_up = (Lin * len(x.gate_up))(*(_lin(g) for g in x.gate_up))
+        down = (Lin * len(x.down))(*(_lin(d) for d in x.down))
+        moe = Moe(x.router, ctypes.cast(gate_up, _P), ctypes.cast(down, _P), len(x.gate_up), x.top_k, int(x.norm_topk))
+        self._keep += [gate_up, down, moe]
+        return ctypes.addressof(moe)
 
 
 class StepKernel:

@@ -22,14 +22,22 @@ QUICK_TOKENS = 64
 MAX_TOKENS = 4096  # KV cache per load: the whole passage fits
 
 
-def score(model_id: str, weights: str, ids: list[int] | None, quick: bool) -> dict:
-    """Load ``model_id`` at ``weights`` and score the passage (ids: its tokens, None = tokenize it now)."""
+def score(model_id: str, weights: str, ids: list[int] | None, quick: bool, activations: str = "fp32") -> dict:
+    """Load ``model_id`` at ``weights`` (quantized linears' activations: ``activations``, config.ACTIVATIONS) and score
+    the passage (ids: its tokens, None = tokenize it now)."""
     from config import Config
     from engine import HFEngine
     from models.quality import passage, perplexity
 
     t0 = time.perf_counter()
-    config = Config(model_id=model_id, max_batch_size=1, num_threads=0, weights=weights, max_model_len=MAX_TOKENS)
+    config = Config(
+        model_id=model_id,
+        max_batch_size=1,
+        num_threads=0,
+        weights=weights,
+        max_model_len=MAX_TOKENS,
+        activations=activations,
+    )
     engine = HFEngine(config)
     load_s = time.perf_counter() - t0
     if ids is None:  # the passage, cut to the model's context window (GPT-2's is 1,024)
@@ -40,7 +48,8 @@ def score(model_id: str, weights: str, ids: list[int] | None, quick: bool) -> di
     del engine
     gc.collect()
     return {
-        "weights": weights,
+        "weights": weights if activations == "fp32" else f"{weights}+a8",
+        "activations": activations,
         "perplexity": ppl,
         "tokens": len(ids),
         "resident_weight_mib": resident / 2**20,
@@ -53,19 +62,26 @@ def score(model_id: str, weights: str, ids: list[int] | None, quick: bool) -> di
 def run_quality(model_id: str, gguf: bool, quick: bool) -> dict:
     """{"rows": [per format], "tokens": n, "checks": {...}}: every format on the same token ids."""
     formats = ("fp32", "int8", "int4", "auto") if gguf else ("fp32", "int8", "int4")
+    # Each quantized format also with int8 activations (ACTIVATIONS=int8: integer dot products), "<fmt>+a8".
+    settings = [(f, "fp32") for f in formats] + [(f, "int8") for f in formats if f != "fp32"]
     rows, ids = [], None
-    for fmt in formats:
+    for fmt, acts in settings:
         try:
-            row = score(model_id, fmt, ids, quick)
+            row = score(model_id, fmt, ids, quick, acts)
         except Exception as exc:  # one format failing must not hide the others
-            rows.append({"weights": fmt, "failed": True, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            label = fmt if acts == "fp32" else f"{fmt}+a8"
+            rows.append({"weights": label, "failed": True, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         ids = row.pop("ids")
         rows.append(row)
     ref = next((r["perplexity"] for r in rows if r["weights"] == "fp32" and not r.get("failed")), None)
+    exact = {r["weights"]: r["perplexity"] for r in rows if not r.get("failed") and r["activations"] == "fp32"}
     for r in rows:
         if ref and not r.get("failed"):
             r["vs_fp32_pct"] = (r["perplexity"] / ref - 1) * 100
+        base = exact.get(r["weights"].removesuffix("+a8"))
+        if r.get("activations") == "int8" and base:  # against the same weights with fp32 activations: the exact path
+            r["vs_exact_pct"] = (r["perplexity"] / base - 1) * 100
     return {"model": model_id, "tokens": len(ids or []), "rows": rows, "checks": checks(rows, gguf)}
 
 
@@ -85,14 +101,17 @@ def checks(rows: list[dict], gguf: bool) -> dict:
 def print_quality(result: dict) -> None:
     """The quality table on stdout."""
     print(f"\n== workload quality == ({result['tokens']} tokens of models/quality_passage.txt, {result['model']})")
-    print(f"{'WEIGHTS':<8}{'perplexity':>12}{'vs fp32':>10}{'weights MiB':>13}{'load s':>9}{'score s':>9}")
+    print("(+a8: the same weights with int8 activations, ACTIVATIONS=int8; 'vs exact': against fp32 activations)")
+    head = f"{'WEIGHTS':<10}{'perplexity':>12}{'vs fp32':>10}{'vs exact':>10}{'weights MiB':>13}{'load s':>9}"
+    print(head + f"{'score s':>9}")
     for r in result["rows"]:
         if r.get("failed"):
-            print(f"{r['weights']:<8}  FAILED: {r['error']}")
+            print(f"{r['weights']:<10}  FAILED: {r['error']}")
             continue
         vs = f"{r['vs_fp32_pct']:+.2f}%" if "vs_fp32_pct" in r else "-"
+        vx = f"{r['vs_exact_pct']:+.3f}%" if "vs_exact_pct" in r else "-"
         print(
-            f"{r['weights']:<8}{r['perplexity']:>12.3f}{vs:>10}{r['resident_weight_mib']:>13.1f}"
+            f"{r['weights']:<10}{r['perplexity']:>12.3f}{vs:>10}{vx:>10}{r['resident_weight_mib']:>13.1f}"
             f"{r['load_s']:>9.1f}{r['score_s']:>9.1f}"
         )
     for name, value in result["checks"].items():

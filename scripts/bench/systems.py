@@ -230,6 +230,7 @@ OURS_OPTIONS = {
     "runtime": "RUNTIME",
     "isa": "KERNEL_ISA",
     "kvd": "KV_CACHE_DTYPE",
+    "act": "ACTIVATIONS",
 }
 
 
@@ -383,7 +384,7 @@ def system_llamacpp(
     ]
     if kvd:
         cmd += ["-ctk", kvd, "-ctv", kvd]
-    log_path = os.path.join(ROOT, "weights", f"llamacpp-{port}.log")
+    log_path = _log_path(f"llamacpp-{port}.log")
     proc, log_file, repacked = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, repack)
 
     async def send(client, r: Request, prompt: list[int]):
@@ -447,7 +448,7 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     env["MAX_QUEUE_DEPTH"] = str(sum(r.n for r in requests) + 1)
     port = _free_port()
     env.update({"HOST": "127.0.0.1", "PORT": str(port)})
-    log_path = os.path.join(ROOT, "weights", f"ours-server-{port}.log")
+    log_path = _log_path(f"ours-server-{port}.log")
     log_file = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "server.py")], env={**os.environ, **env}, stdout=log_file, stderr=log_file
@@ -486,6 +487,12 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
 
     once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 30)
     return once, {"engine": "python server.py (its own process, over HTTP)", "capacity": capacity, "env": env}
+
+
+def _log_path(name: str) -> str:
+    """<repo>/weights/<name>, the directory made first (a fresh checkout has none)."""
+    os.makedirs(os.path.join(ROOT, "weights"), exist_ok=True)
+    return os.path.join(ROOT, "weights", name)
 
 
 def _free_port() -> int:

@@ -1,0 +1,195 @@
+"""Quantized linears by integer dot products (``int_dot.c``): activations rounded to int8 per 32-group, as llama.cpp
+rounds its activations (Q8_0 / Q8_1 blocks), multiplied with VNNI (AVX-512 or AVX-VNNI) or AVX2 ``maddubs``.
+
+Which steps use it is the ``ACTIVATIONS`` setting (config.py), applied to every loaded kernel that has the path
+(``decode_step.c`` includes ``int_dot.c``; this module's own build serves the tests and ``gemm``):
+
+    fp32   every linear multiplies fp32 activations (quant_gemm.c): bit for bit HF's math on the weights
+    int8   every int8 / int4 linear of every step takes int8 activations and integer dot products
+    auto   per format, steps of at least ``AUTO_ROWS[fmt]`` rows take int8 activations (measured, below)
+
+The weights are ``quant_gemm``'s packed int8 / int4 blocks as they are (GGUF Q8_0, Q4_0, Q4_1 exactly), so the
+path costs no memory. It is not exact against HF: the activations' rounding changes the logits slightly
+(perplexity figures below); ``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the
+thread count or the ISA (``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation
+of the same quantized math.
+
+The ISA is chosen when a kernel loads (``int_dot_isa``: AVX-512 VNNI with VBMI, else AVX-VNNI, else AVX2);
+``KERNEL_ISA=avx2`` forces the AVX2 path here as it does quant_gemm's (``build.set_kernel_isa``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import numpy as np
+
+from .build import KernelLoader, build_and_load, on_isa_change, require_cpu_flags, with_isa
+
+log = logging.getLogger("minibatch.int_dot")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int_dot.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+FORMATS = {"int8": 0, "int4": 1}  # quant_gemm.FORMATS
+ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
+ACTIVATIONS = ("auto", "fp32", "int8")
+GROUP = 32
+
+# ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight format and kind of ISA (None:
+# never), chosen by measurement (docs/integer-dot.md): with VNNI the integer path is 1.6-2.3x quant_gemm's from 8
+# rows (int4) and 16 (int8); AVX2's maddubs gains too little (at most 1.2x) for the activations' rounding.
+# AUTO_ROWS is what runs (the tests pin it to None: conftest._exact_activations).
+MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
+    "vnni": {"int8": 16, "int4": 8},
+    "avx2": {"int8": None, "int4": None},
+}
+AUTO_ROWS = {kind: dict(rows) for kind, rows in MEASURED_AUTO_ROWS.items()}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_choice = "auto"
+_libs: list[ctypes.CDLL] = []  # loaded kernels with the path (int_dot_set_rows in them)
+
+
+def _load() -> ctypes.CDLL:
+    require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
+    lib = build_and_load(SOURCE, FLAGS)
+    lib.int_dot_gemm.restype = _I
+    lib.int_dot_gemm.argtypes = [_I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
+    lib.int_dot_quantize.restype = None
+    lib.int_dot_quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    return register(with_isa(lib))
+
+
+KERNEL = KernelLoader("integer-dot kernel", _load, "quantized linears keep fp32 activations", log)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (``KERNEL.unavailable_reason`` says why; logged once)."""
+    return KERNEL.load()
+
+
+# --- the setting ---------------------------------------------------------------------------------------------
+
+
+def register(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare a loaded kernel's ``int_dot_set_rows`` / ``int_dot_isa`` and apply ``ACTIVATIONS`` to it."""
+    lib.int_dot_set_rows.restype = _I
+    lib.int_dot_set_rows.argtypes = [_I, _I]
+    lib.int_dot_isa.restype = _I
+    lib.int_dot_isa.argtypes = [_I]
+    _apply(lib)
+    _libs.append(lib)
+    return lib
+
+
+def rows_for(choice: str, fmt: str, isa_name: str = "avx512vnni") -> int | None:
+    """The fewest rows of a step that take int8 activations for weights ``fmt`` under ``choice`` on ISA ``isa_name``
+    (None: none)."""
+    if choice not in ACTIVATIONS:
+        raise ValueError(f"ACTIVATIONS must be one of {', '.join(ACTIVATIONS)} (got {choice!r})")
+    kind = "avx2" if isa_name == "avx2" else "vnni"
+    return {"fp32": None, "int8": 1, "auto": AUTO_ROWS[kind][fmt]}[choice]
+
+
+def _apply(lib: ctypes.CDLL) -> None:
+    here = ISAS[lib.int_dot_isa(-1)]
+    for fmt, code in FORMATS.items():
+        lib.int_dot_set_rows(code, rows_for(_choice, fmt, here) or 0)
+
+
+def _reapply() -> None:
+    """After KERNEL_ISA changed a kernel's ISA: ``auto``'s step sizes follow it."""
+    for lib in _libs:
+        _apply(lib)
+
+
+on_isa_change(_reapply)
+
+
+def set_activations(choice: str) -> None:
+    """Apply ``ACTIVATIONS`` (``auto`` | ``fp32`` | ``int8``) to the kernels loaded and to those loaded later."""
+    global _choice
+    rows_for(choice, "int8")  # validates
+    _choice = choice
+    for lib in _libs:
+        _apply(lib)
+
+
+def activations() -> str:
+    return _choice
+
+
+def describe(choice: str | None = None) -> str:
+    """What ``choice`` (default: the current one) does per format on the ISA in use, for the startup log."""
+    choice = choice or _choice
+    parts = []
+    for fmt in FORMATS:
+        rows = rows_for(choice, fmt, isa())
+        parts.append(f"{fmt}: " + ("fp32 activations" if rows is None else f"int8 activations from {rows} rows"))
+    return f"ACTIVATIONS={choice} ({'; '.join(parts)}; {isa()})"
+
+
+def isa() -> str:
+    """The ISA the integer path runs here (the last loaded kernel's), or "not loaded"."""
+    return ISAS[_libs[-1].int_dot_isa(-1)] if _libs else "not loaded"
+
+
+# --- direct calls (tests, benchmarks) ----------------------------------------------------------------------------
+
+
+def force_isa(name: str) -> str:
+    """Run the kernels' integer path on ISA ``name`` (or the best the CPU has below it) -> the ISA now used."""
+    got = ""
+    for lib in _libs or [load()]:
+        got = ISAS[lib.int_dot_isa(ISAS.index(name))]
+    return got
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's activation rounding of x [M, K] fp32 -> q int8 [M, G*32], d fp32 [M, G], s int32 [M, G]."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the integer-dot kernel is unavailable: {KERNEL.unavailable_reason}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    g = -(-k // GROUP)
+    q, d, s = np.zeros((m, g * GROUP), np.int8), np.zeros((m, g), np.float32), np.zeros((m, g), np.int32)
+    lib.int_dot_quantize(x.ctypes.data, k, m, k, q.ctypes.data, d.ctypes.data, s.ctypes.data)
+    return q, d, s
+
+
+def gemm(x, w, bias=None, residual=None, threads: int = 1):
+    """x [M, K] fp32 (torch) @ W^T (+ bias) (+ residual) for a ``quant_gemm.QuantWeight`` by integer dot products."""
+    import torch
+
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the integer-dot kernel is unavailable: {KERNEL.unavailable_reason}")
+    x = x.contiguous()
+    m, k = x.shape
+    if k != w.in_features:
+        raise ValueError(f"x [{m}, {k}] does not match a [{w.out_features}, {w.in_features}] weight")
+    n = w.out_features
+    out = torch.empty(m, n, dtype=torch.float32)
+    if residual is not None:
+        residual = residual.contiguous()
+    rc = lib.int_dot_gemm(
+        FORMATS[w.fmt],
+        x.data_ptr(),
+        k,
+        w.data.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        n,
+        out.data_ptr(),
+        n,
+        m,
+        k,
+        n,
+        threads,
+    )
+    if rc != 0:
+        raise MemoryError("int_dot_gemm could not allocate its activation buffer")
+    return out
