@@ -80,7 +80,7 @@ def agreement(ref: Reference, seqs: list[Sequence]) -> float:
 @pytest.fixture(scope="module")
 def checkpoints(request, tmp_path_factory) -> dict[str, str]:
     """The test checkpoints by family: tiny random GPT-2 and Llama (GQA: 4 query heads over 2 K/V heads)."""
-    from make_test_model import build_checkpoint
+    from scripts.make_test_model import build_checkpoint
 
     llama = build_checkpoint(str(tmp_path_factory.mktemp("llama_kv")), arch="llama", seed=2, tied=False)
     return {"gpt2": request.getfixturevalue("tiny_model_dir"), "llama": llama}
@@ -116,6 +116,82 @@ def test_pressure_and_prefix_gates_with_a_narrower_pool(checkpoints, family, run
     assert all(r.output_token_ids == first.output_token_ids and r.num_cached_tokens > 0 for r in repeats)
     forks = seqs[12:]
     assert forks[0].output_token_ids == forks[1].output_token_ids == forks[2].output_token_ids  # greedy choices
+
+
+# Families whose attention reads the pool differently from Llama's, each over a narrow pool on both runtimes: every
+# layer sliding (Mistral: blocks that left the window go back to the pool), soft-capped scores on alternating local
+# and global layers (Gemma 2), a partial rotary and a window (Phi-3).
+FAMILY_GATES = [
+    (a, d, r)
+    for a, d in [("mistral", "int8"), ("gemma2", "fp16"), ("gemma2", "int8"), ("phi3", "bf16")]
+    for r in ("torch", "native")
+]
+
+
+@pytest.fixture(scope="module")
+def family_checkpoint(tmp_path_factory):
+    """arch -> its tiny checkpoint (``make_test_model.FAMILIES``: 20-key windows, soft-caps that bite), built once."""
+    from scripts.make_test_model import build_checkpoint
+
+    built: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            built[arch] = build_checkpoint(str(tmp_path_factory.mktemp(arch)), arch=arch, seed=3)
+        return built[arch]
+
+    return get
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("arch, kv_dtype, runtime", FAMILY_GATES)
+def test_windows_and_soft_caps_over_a_narrower_pool(family_checkpoint, arch, kv_dtype, runtime):
+    """A 40-token prompt decoding 24 tokens past a 20-key window, two prompts sharing 3 blocks, others joining; in a
+    pool small enough to preempt, prefill chunked 8 tokens a step, then the first prompt again (a prefix hit): the
+    tokens agree with HF's fp32 greedy ones within the dtype's bound, and a fresh engine gives the same tokens."""
+    from test_families import BLOCK, engine_for, long_prompt, spec_of
+
+    from conftest import seqs_for
+
+    model_dir = family_checkpoint(arch)
+    ref = Reference(model_dir)
+    if runtime == "native":  # the image's int8 weights, dequantized, are the reference's
+        from models.quant import dequantize_hf_model_
+
+        dequantize_hf_model_(ref.model, "int8")
+    slides = all(spec_of(model_dir).windows)
+    stem = ref.encode(" ".join(PROMPTS))[: 3 * BLOCK]
+
+    def run() -> list[Sequence]:
+        weights = {} if runtime == "native" else {"weights": "fp32"}
+        engine = engine_for(
+            model_dir,
+            runtime,
+            blocks=16 if slides else 24,
+            max_num_batched_tokens=8,
+            kv_cache_dtype=kv_dtype,
+            **weights,
+        )
+        assert engine.kv_cache_dtype == kv_dtype and engine.kv_window == (20 if slides else 0)
+        first = [seq(long_prompt(ref, 40), 24, ignore_eos=True)]
+        shared = [seq([*stem, *ref.encode(tail)], 20, ignore_eos=True) for tail in (" zebra quilt", " a lazy dog")]
+        others = seqs_for(ref, PROMPTS[:3], [16, 12, 9], ignore_eos=True)
+        again = [seq(first[0].prompt_token_ids, 24, ignore_eos=True)]
+        groups = [first + shared + others[:1], others[1:], again]
+        submit_all(engine, groups)
+        assert engine.num_preemptions >= 1 and again[0].num_cached_tokens > 0, engine.num_preemptions
+        engine.blocks.check()
+        assert engine.blocks.is_all_free() and engine.num_active() == 0
+        return [s for g in groups for s in g]
+
+    seqs = run()
+    share = agreement(ref, seqs)
+    assert share >= FAMILY_AGREEMENT[kv_dtype], (arch, kv_dtype, runtime, share)
+    assert [s.output_token_ids for s in run()] == [s.output_token_ids for s in seqs]
+    assert seqs[-1].output_token_ids == seqs[0].output_token_ids  # from the prefix cache, the same tokens
+
+
+FAMILY_AGREEMENT = {"fp16": 0.8, "bf16": 0.7, "int8": 0.6}
 
 
 @pytest.mark.model

@@ -551,7 +551,7 @@ def test_the_runner_imports_no_torch(pair, tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # the child builds the step kernel into the module's private cache: minutes on a loaded box
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _, first = pair.both([], [], [], seqs.tokens, seqs.tables)
