@@ -18,7 +18,7 @@ from models.kv_dtype import KV_DTYPES  # torch-free
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
-RUNTIMES = ("auto", "torch", "native")  # engine.build_engine picks the engine by it
+RUNTIMES = ("auto", "torch", "native")  # models.runtime.build_engine picks the engine by it
 # A CORS origin: "*", or scheme://host[:port] with no path (what browsers send in Origin).
 _ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.\-\[\]:]+")
 

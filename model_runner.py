@@ -1,14 +1,15 @@
 """The model runner seam: what the engine asks of a model, whichever runtime built it. No torch.
 
 A ``ModelRunner`` holds a model's weights and its KV block pool and runs one step: decode rows and prompt chunks
-in, logits rows out, every row's K/V written into the blocks its table names. The engine (``engine.ModelEngine``)
-does everything else: which rows, which blocks, sampling. Two runtimes implement it:
+in, logits rows out, every row's K/V written into the blocks its table names. The planner decides which rows and
+which blocks (``core/planner.py``); the engine (``models.runtime.ModelEngine``) feeds the runner a plan's rows and
+samples its logits. Two runtimes implement it:
 
 - ``models.native.NativeModel``: a memory-mapped model image stepped by the compiled whole-step kernel
   (``models/kernels/decode_step.c``), numpy KV pools; torch-free.
 - ``models.layers.MixedForward`` (a family of ``models/``): the torch forward over ``models.kv_cache.PagedKVCache``;
-  it returns torch logits and keeps its pool in ``.kv``, which ``engine.HFEngine`` adapts (``_logits``,
-  ``_copy_block``, ``kv_pool_bytes``).
+  it returns torch logits and keeps its pool in ``.kv``, which ``models.runtime.HFEngine`` adapts
+  (``_logits``, ``_copy_block``, ``kv_pool_bytes``).
 """
 
 from __future__ import annotations

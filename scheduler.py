@@ -1,27 +1,25 @@
 """The continuous batcher: decides who runs, between engine steps, on the event loop.
 
-Each iteration: apply pending aborts, admit waiting sequences FCFS while the engine has
-room for them (a free slot, and KV blocks for the tokens they do not find in the prefix cache
-plus a watermark: ``can_admit``, which also holds back a sequence whose prefix is being computed
-right now, so that it shares it instead; the queue never skips its oldest), and advance every
-running sequence by one token: one ``engine.admit_and_step()`` call when there are both
-(newcomers' prefill rides in the decode step's forward, so the weights stream once), else
-``engine.admit()`` or ``engine.step()``. Engine calls run in a single worker thread, never on
-the event loop, so HTTP keeps flowing while the model
-computes. Every submitted sequence's future resolves exactly once, with the sequence
-itself, the moment it finishes (its status says why: stop, length, abort or error).
+Each iteration, on the loop: apply pending aborts and time limits, then ask the planner
+(``engine.planner``, ``core/planner.py``) for the step, once: it reserves every running sequence's next
+slot (preempting while KV blocks are missing), admits the oldest waiting sequences that fit (slots, KV
+blocks for what they do not find in the prefix cache, a watermark; the queue never skips its oldest)
+and picks the step's prompt chunks. The plan (``core.step.BatchPlan``) runs in the engine's single
+worker thread (``engine.execute``: newcomers' prompts ride in the decode step's forward, so the weights
+stream once), never on the event loop, so HTTP keeps flowing while the model computes; its output is
+applied back on the loop (``planner.update_from_output``), where sequences take their tokens and change
+status. Every submitted sequence's future resolves exactly once, with the sequence itself, the moment it
+finishes (its status says why: stop, length, abort or error).
 
-Preemption: when the KV pool runs out mid-step the engine preempts its most recently admitted
-sequences; they come back (``take_preempted``) to the front of the queue with their tokens,
-and are readmitted (recomputed) before anything newer. Their futures and listeners stay as they
-are: a stream sees no gap and no repeat, only a pause.
+Preemption: the plan names the sequences it preempted (most recently admitted first to go, vLLM's rule);
+they go back to the front of the queue with their tokens and are readmitted (recomputed) before anything
+newer. Their futures and listeners stay as they are: a stream sees no gap and no repeat, only a pause.
 
-Failure isolation: a failing ``admit`` fails only its newcomers; a failing ``step``
-fails the active set, resets the engine, and the loop goes on serving the queue. A failing
-``admit_and_step`` commits nothing, so the scheduler retries the two apart to apply those rules.
-The failed sequences' error is a stable sentence ("engine step failed"); the exception itself goes
-to the log (its text can hold internals no client should see). A hook or listener that raises is
-logged and ignored.
+Failure isolation: a failing step that admits nobody fails the active set, resets the engine, and the
+loop goes on serving the queue; one that only admits fails only its newcomers. A failing step that does
+both commits nothing, so the scheduler runs the two apart to apply those rules. The failed sequences'
+error is a stable sentence ("engine step failed"); the exception itself goes to the log (its text can
+hold internals no client should see). A hook or listener that raises is logged and ignored.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from core.sequence import Sequence, SequenceStatus
+from core.step import AdmissionError, BatchPlan, StepOutput
 from engine import InferenceEngine
 
 log = logging.getLogger("minibatch.scheduler")
@@ -119,6 +118,7 @@ class Scheduler:
         ``engine_thread()`` that built ``engine``, which stays its caller's to shut down (by default the
         scheduler makes one of its own, and shuts it down in ``stop``)."""
         self.engine = engine
+        self.planner = engine.planner  # the books: read and written on the loop only
         self.max_queue_depth = max_queue_depth
         self.stop_wait_s = stop_wait_s
         self.waiting = WaitingQueue()
@@ -140,11 +140,12 @@ class Scheduler:
         self._executor = executor or engine_thread()
         self._owns_executor = executor is None
         self._engine_call: Future | None = None  # the call in the worker thread now, if any
+        self._in_flight: BatchPlan | None = None  # the plan it executes, until its output is applied
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.failed_admits = 0  # sequences failed by admit errors
         self.failed_steps = 0  # step calls that raised
-        self.num_preemptions = 0  # sequences sent back to the queue by the engine (KV cache full)
+        self.num_preemptions = 0  # sequences sent back to the queue by the planner (KV cache full)
 
     # --- public API (event loop only) ----------------------------------------------------------
     def start(self) -> None:
@@ -189,9 +190,18 @@ class Scheduler:
             self._aborts[seq_id] = (status, error)
             self._wakeup.set()
 
+    def stop_string_matched(self, seq: Sequence) -> None:
+        """A stop string matched in ``seq``'s text (``core/generation.py``): it ends as stopped, at the next step
+        boundary if it still runs; one whose last token brought the match, and so ended by length, ends as
+        stopped instead."""
+        if not seq.is_finished:
+            self.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+        elif seq.status is SequenceStatus.FINISHED_LENGTH:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+
     async def call_engine(self, fn, *args):
         """``fn(*args)`` in the engine's worker thread, between two engine calls (never during one): for
-        operations on engine state from outside the loop, such as a prefix-cache reset."""
+        operations on the engine's tensor state from outside the loop."""
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
 
     async def stop(self) -> None:
@@ -211,6 +221,9 @@ class Scheduler:
                 log.warning(
                     "engine call still running %.1fs after stop; resolving its sequences anyway", self.stop_wait_s
                 )
+        plan = self._in_flight
+        if plan is not None and call is not None and call.done() and not call.cancelled() and not call.exception():
+            self.planner.update_from_output(plan, call.result())  # the step in flight counts
         for seq, _ in list(self._pending.values()):  # waiting, mid-admission or running
             seq.finish(SequenceStatus.FINISHED_ABORTED, error="server is shutting down")
             self._resolve(seq)
@@ -229,17 +242,15 @@ class Scheduler:
             try:
                 self._expire(time.perf_counter())
                 await self._apply_aborts()
-                newcomers = self._schedule()
-                if not newcomers and not self.running and self.waiting:
-                    self._refuse_head()  # an empty engine cannot take it: it would wait forever
+                plan = self.planner.schedule(self.waiting)
+                self._dequeue(plan)
+                if plan.is_empty:
+                    if self.waiting and not self.running and not plan.preempted:
+                        self._refuse_head()  # an empty engine cannot take it: it would wait forever
                     continue
-                if newcomers and self.running:
-                    await self._admit_and_step(newcomers)
-                else:
-                    if newcomers:
-                        await self._admit(newcomers)
-                    if self.running:
-                        await self._step()
+                await self._step(plan)
+                if plan.newcomers and not plan.decode and self.running:
+                    await self._apart([], decode=True)  # an admission alone: the batch it made steps at once
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug here must not strand requests: fail the active set, go on
@@ -254,12 +265,15 @@ class Scheduler:
             if _overdue(seq, now, waiting=False):
                 self.finish(seq.seq_id, SequenceStatus.FINISHED_TIMEOUT, _timeout_message(seq, now))
 
-    def _schedule(self) -> list[Sequence]:
-        """FCFS: take the oldest waiting sequences while the engine has room for them (slots and KV blocks)."""
-        chosen: list[Sequence] = []
-        while self.waiting and self.engine.can_admit([*chosen, self.waiting.peek()]):
-            chosen.append(self.waiting.popleft())
-        return chosen
+    def _dequeue(self, plan: BatchPlan) -> None:
+        """A new plan's newcomers leave the queue; the sequences it preempted leave ``running`` for its front."""
+        for seq in plan.newcomers:
+            self.waiting.remove(seq.seq_id)
+        if plan.preempted:
+            for seq in plan.preempted:
+                self.running.pop(seq.seq_id, None)
+            self.waiting.extendleft(plan.preempted)
+            self.num_preemptions += len(plan.preempted)
 
     def _refuse_head(self) -> None:
         """The oldest waiting sequence does not fit even in an idle engine (callers that skipped
@@ -271,63 +285,78 @@ class Scheduler:
         seq.finish(SequenceStatus.FINISHED_ERROR, error=reason)
         self._resolve(seq)
 
-    def _requeue_preempted(self) -> list[Sequence]:
-        """After an engine call: the sequences it preempted leave ``running`` for the front of the queue."""
-        preempted = self.engine.take_preempted()
-        if preempted:
-            for seq in preempted:
-                self.running.pop(seq.seq_id, None)
-            self.waiting.extendleft(preempted)
-            self.num_preemptions += len(preempted)
-        return preempted
-
     async def _call_engine(self, fn, *args):
         self._engine_call = self._executor.submit(fn, *args)
         return await asyncio.wrap_future(self._engine_call)
 
-    async def _admit(self, newcomers: list[Sequence]) -> None:
+    async def _step(self, plan: BatchPlan) -> None:
+        """Execute ``plan`` in the worker thread and apply its output here. A failure commits nothing; when the
+        plan both admitted and decoded, admission and step run again apart, so that an admission failure fails
+        only the newcomers and a step failure only the batch."""
+        batch = list(self.running.values())
         start = time.perf_counter()
+        self._in_flight = plan
         try:
-            await self._call_engine(self.engine.admit, newcomers)
+            output: StepOutput = await self._call_engine(self.engine.execute, plan)
         except Exception as exc:
-            self.failed_admits += len(newcomers)
+            self._in_flight = None
+            self.planner.abandon(plan)
+            if plan.newcomers and plan.decode:
+                log.warning("a step that admits failed (%s); running admission and step apart", exc)
+                await self._apart(plan.newcomers, decode=False)
+                if self.running:
+                    await self._apart([], decode=True)
+                return
+            await self._failed(plan, exc)
+            return
+        self._in_flight = None
+        result = self.planner.update_from_output(plan, output)
+        call = EngineCall(time.perf_counter() - start, prefilled=plan.newcomers, decoded=batch)
+        self._hook(self.on_engine_call, call)
+        self._deliver_tokens(batch + plan.newcomers, result.finished)
+
+    async def _apart(self, newcomers: list[Sequence], decode: bool) -> None:
+        """One step of just these newcomers (``decode`` False) or just the running batch (True)."""
+        try:
+            plan = self.planner.plan(newcomers, decode)
+        except AdmissionError as exc:
+            await self._failed(BatchPlan(newcomers=newcomers), exc)
+            return
+        self._dequeue(BatchPlan(preempted=plan.preempted))
+        if plan.is_empty:
+            return
+        await self._step(plan)
+
+    async def _failed(self, plan: BatchPlan, exc: Exception) -> None:
+        """A step failed: its newcomers fail when it admitted (the running batch was not in it), else the batch."""
+        if plan.newcomers:
+            self.failed_admits += len(plan.newcomers)
             log.error(
                 "admit failed for %d sequences (%s; %d admit failures so far): %s",
-                len(newcomers),
-                _ids(newcomers),
+                len(plan.newcomers),
+                _ids(plan.newcomers),
                 self.failed_admits,
                 exc,
                 exc_info=True,
             )
-            for seq in newcomers:
+            for seq in plan.newcomers:
                 seq.finish(SequenceStatus.FINISHED_ERROR, error="admission failed")
                 self._resolve(seq)
             return
-        self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers))
-        self._deliver_tokens(newcomers, [s for s in newcomers if s.is_finished])
-
-    async def _admit_and_step(self, newcomers: list[Sequence]) -> None:
-        """Admit and step in one engine call; if it fails (nothing committed), retry the two apart
-        so that an admission failure fails only the newcomers and a step failure only the batch."""
-        start = time.perf_counter()
-        batch = list(self.running.values())
-        try:
-            finished = await self._call_engine(self.engine.admit_and_step, newcomers)
-        except Exception as exc:
-            self._requeue_preempted()
-            log.warning("admit_and_step failed (%s); retrying admission and step apart", exc)
-            await self._admit(newcomers)
-            if self.running:
-                await self._step()
-            return
-        preempted = self._requeue_preempted()
-        batch = [s for s in batch if s not in preempted]
-        self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, prefilled=newcomers, decoded=batch))
-        self._deliver_tokens(batch + newcomers, finished)
+        self.failed_steps += 1
+        log.error(
+            "engine step failed with %d active sequences (%s; %d step failures so far): %s",
+            len(self.running),
+            _ids(self.running.values()),
+            self.failed_steps,
+            exc,
+            exc_info=True,
+        )
+        await self._fail_running("engine step failed")
 
     def _deliver_tokens(self, seqs: list[Sequence], finished: list[Sequence]) -> None:
-        """After an engine call that ran ``seqs``: the unfinished hold slots, those that got a token
-        (not a sequence still prefilling its prompt in chunks) are heard, the finished resolve."""
+        """After a step that ran ``seqs``: the unfinished hold slots, those that got a token (not a sequence
+        still prefilling its prompt in chunks) are heard, the finished resolve."""
         for seq in seqs:
             if not seq.is_finished:
                 self.running[seq.seq_id] = seq
@@ -338,28 +367,6 @@ class Scheduler:
         for seq in finished:
             self.running.pop(seq.seq_id, None)
             self._resolve(seq)
-
-    async def _step(self) -> None:
-        start = time.perf_counter()
-        try:
-            finished = await self._call_engine(self.engine.step)
-        except Exception as exc:
-            self._requeue_preempted()
-            self.failed_steps += 1
-            log.error(
-                "engine step failed with %d active sequences (%s; %d step failures so far): %s",
-                len(self.running),
-                _ids(self.running.values()),
-                self.failed_steps,
-                exc,
-                exc_info=True,
-            )
-            await self._fail_running("engine step failed")
-            return
-        self._requeue_preempted()
-        batch = list(self.running.values())
-        self._hook(self.on_engine_call, EngineCall(time.perf_counter() - start, decoded=batch))
-        self._deliver_tokens(batch, finished)
 
     def _notify(self, seqs: list[Sequence]) -> None:
         self._hook(self.on_tokens, seqs)
@@ -372,18 +379,19 @@ class Scheduler:
                     log.exception("listener of sequence %d failed", seq.seq_id)
 
     async def _apply_aborts(self) -> None:
+        """At a step boundary: running sequences that were ended meanwhile leave the books (``engine.abort``)."""
         aborts, self._aborts = self._aborts, {}
         for seq_id, (status, error) in aborts.items():
             seq = self.running.get(seq_id)
             if seq is None:  # finished meanwhile, or preempted back into the queue
                 self.finish(seq_id, status, error)
                 continue
-            # The scheduler says why it ends (abort, stop string, timeout); the engine only frees the
-            # slot, and its own "aborted" mark does not override a status already set.
+            # The scheduler says why it ends (abort, stop string, timeout); the books only free the
+            # slot, and their own "aborted" mark does not override a status already set.
             seq.finish(status, error=error)
             try:
-                await self._call_engine(self.engine.abort, seq_id)
-            except Exception as exc:  # engine state is suspect: treat like a failed step
+                self.engine.abort(seq_id)
+            except Exception as exc:  # the books are suspect: treat like a failed step
                 log.error("engine abort of sequence %d failed: %s", seq_id, exc, exc_info=True)
                 await self._fail_running("engine abort failed")
                 return
@@ -391,12 +399,15 @@ class Scheduler:
             self._resolve(seq)
 
     async def _fail_running(self, error: str) -> None:
+        """Every admitted sequence fails with ``error``; the books start afresh, and the engine's tensor state
+        is dropped in its thread."""
         for seq in self.running.values():
             seq.finish(SequenceStatus.FINISHED_ERROR, error=error)
             self._resolve(seq)
         self.running.clear()
         try:
-            await self._call_engine(self.engine.reset)
+            self.planner.reset()
+            await self._call_engine(self.engine.reset_state)
         except Exception:
             log.exception("engine reset failed")
 

@@ -33,7 +33,8 @@ from api.ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
 from api.serving import Runtime
 from api.transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
 from config import Config
-from engine import FakeEngine, InferenceEngine, build_engine
+from engine import FakeEngine, InferenceEngine
+from models.runtime import build_engine
 from scheduler import Scheduler, engine_thread
 from schemas import ErrorResponse
 

@@ -14,7 +14,7 @@ router = APIRouter(prefix="/admin")
 @router.post("/reset_prefix_cache", responses={code: {"model": ErrorResponse} for code in (401, 503)})
 async def reset_prefix_cache(runtime: Runtime = Depends(current_runtime)) -> dict:
     """Drop every cached KV block no running sequence holds (after a weight or tokenizer change on disk, or to
-    measure cold prefills). Blocks in use stay cached. Runs in the engine's thread between two steps."""
-    dropped = await runtime.scheduler.call_engine(runtime.engine.reset_prefix_cache)
+    measure cold prefills). Blocks in use stay cached. Runs on the event loop, which keeps the KV books."""
+    dropped = runtime.engine.reset_prefix_cache()
     cached = runtime.engine.stats().get("kv_cached_blocks", 0)
     return {"status": "ok", "dropped_blocks": dropped, "cached_blocks": cached}

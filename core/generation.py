@@ -65,10 +65,7 @@ class Generation:
             text_ids = new[:-1]  # a stop token ends the answer; its text is not part of it
         delta = self.decoder.push(text_ids)
         if delta.stopped:
-            if not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-            elif seq.status is SequenceStatus.FINISHED_LENGTH:
-                seq.status = SequenceStatus.FINISHED_STOPPED  # the stop string came with the last token
+            self.scheduler.stop_string_matched(seq)
         text = delta.text
         if seq.is_finished and not self.decoder.finished:
             text += self.decoder.flush()  # no more tokens: release what was held back for them

@@ -6,6 +6,7 @@
     python scripts/benchmark.py --quick --json out.json          # small and fast (used by the tests)
     python scripts/benchmark.py --model X.gguf --workload long-prompt --systems ours:budget=0,ours
     python scripts/benchmark.py --workload decode-step           # paged vs the contiguous engine of 380e2e9
+    python scripts/benchmark.py --systems ours:tree=/tmp/before,ours  # another checkout's engine beside this one
     python scripts/benchmark.py --model llama-1b:Q4_K_M --workload seed,single --systems ours,llamacpp
                                               # a Llama-3.2-1B-shaped file made once by llama.cpp's own tools
 
@@ -84,7 +85,7 @@ def worker(args) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from engine import physical_cores
+    from models.runtime import physical_cores
 
     torch.set_num_threads(args.threads or physical_cores())
     base, kwargs = parse_system(args.system)
@@ -149,13 +150,23 @@ def measure(args, base: str, kwargs: dict, workload) -> dict:
     return result
 
 
+def worker_tree(system: str) -> tuple[str, str]:
+    """``ours:tree=DIR:int8`` -> ("ours:int8", DIR): a system run by another checkout's worker (its engine, beside
+    this one's in the same run: a before/after comparison), and that checkout; any other -> (system, ROOT)."""
+    parts = system.split(":")
+    trees = [p.removeprefix("tree=") for p in parts if p.startswith("tree=")]
+    kept = ":".join(p for p in parts if not p.startswith("tree="))
+    return kept, os.path.abspath(os.path.expanduser(trees[-1])) if trees else ROOT
+
+
 def run_worker(args, system: str, model_dir: str, workload: str, capacity: int = 0, overhead: bool = False) -> dict:
     """One worker subprocess (``--worker``) -> its result, or {"failed": True, "error": ...}."""
+    system, tree = worker_tree(system)
     cmd = (
         [
             sys.executable,
             "-m",
-            "scripts.benchmark",  # from ROOT (cwd): the worker imports this checkout's files
+            "scripts.benchmark",  # from the tree (cwd): the worker imports that checkout's files
             "--worker",
             "--system",
             system,
@@ -180,7 +191,7 @@ def run_worker(args, system: str, model_dir: str, workload: str, capacity: int =
         + (["--overhead"] if overhead else [])
     )
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"failed": True, "error": f"timed out after {args.timeout}s"}
     line = next((out for out in proc.stdout.splitlines() if out.startswith("RESULT ")), None)
@@ -379,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from engine import physical_cores
+    from models.runtime import physical_cores
 
     args.threads = args.threads or physical_cores()
     if scale_model.parse(args.model):  # llama-1b:Q4_K_M: made once by llama.cpp's converter and llama-quantize
@@ -407,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_quality = kv_quality_workload(workloads, args.gguf or model_dir, ROOT, args.quick)  # bench/kv_quality.py
     workloads = [w for w in workloads if w not in NOT_SERVING]
     for s in systems:
-        parse_system(s)
+        parse_system(worker_tree(s)[0])
     jobs = []
     for w in workloads:
         if w == DECODE_STEP:

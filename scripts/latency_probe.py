@@ -35,7 +35,7 @@ def bare(
     (``torch_path``: with the lean decode path off, where the tree has one; ``per_layer``: lean steps as
     per-layer kernel calls instead of the one whole-step call, where the tree has it)."""
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     engine = HFEngine(Config.from_env())
     import torch
@@ -148,7 +148,7 @@ def alternate(batch_sizes: list[int], steps: int) -> None:
     """Whole-step call against per-layer calls in one process, the two paths alternating step by step (each
     step decodes the same tokens at the same positions), so both see the same machine load."""
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     engine = HFEngine(Config.from_env())
     import torch

@@ -120,7 +120,7 @@ def assert_runtime(engine, runtime: str) -> None:
 
 def assert_pool_full(engine) -> None:
     """The KV pool is full again (after load, faults, aborts, drain): every block free, no sequence holding a
-    block table, nothing active. ``engine``: a BatchEngine, or the ``engine`` stats of a server's ``/health``
+    block table, nothing active. ``engine``: an engine, or the ``engine`` stats of a server's ``/health``
     (a server in another process). The one definition of "full": a prefix cache may count cached blocks as free.
     """
     if isinstance(engine, dict):
@@ -200,7 +200,7 @@ def make_engine(model_id: str, capacity: int = 4, **config):
     """An ``HFEngine`` on ``model_id`` with ``capacity`` slots and 2 threads; ``config``: other Config fields (an fp32
     KV pool unless they say otherwise: the parity gates' exact one, also beside quantized weights)."""
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     config.setdefault("kv_cache_dtype", "fp32")
     return HFEngine(Config(model_id=model_id, max_batch_size=capacity, num_threads=2, **config))
@@ -211,8 +211,8 @@ class Boom(RuntimeError):
 
 
 class RecordingEngine(FakeEngine):
-    """A FakeEngine that logs admissions, finishes and ``num_active`` after every admit/step, and keeps the
-    messages its chat template was last given (``seen``)."""
+    """A FakeEngine that logs, as each step's output is applied (``planner.update_from_output``), its admissions,
+    its finishes and ``num_active`` after it, and keeps the messages its chat template was last given (``seen``)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
@@ -221,36 +221,23 @@ class RecordingEngine(FakeEngine):
         self.admit_groups: list[list[int]] = []
         self.events: list[tuple[str, int]] = []
         self.seen: list[dict] | None = None
+        update = self.planner.update_from_output
+
+        def recorded(plan, output, now=None):
+            result = update(plan, output, now)
+            ids = [s.seq_id for s in plan.newcomers]
+            if ids:
+                self.admitted += ids
+                self.admit_groups.append(ids)
+            self.events += [("admit", i) for i in ids] + [("finish", s.seq_id) for s in result.finished]
+            self.active_log.append(self.num_active())
+            return result
+
+        self.planner.update_from_output = recorded
 
     def apply_chat_template(self, messages, tools=None):
         self.seen = messages
         return super().apply_chat_template(messages, tools)
-
-    def admit(self, seqs):
-        ids = super().admit(seqs)
-        self.admitted += ids
-        self.admit_groups.append(list(ids))
-        self.events += [("admit", i) for i in ids]
-        self.events += [("finish", s.seq_id) for s in seqs if s.is_finished]
-        self.active_log.append(self.num_active())
-        return ids
-
-    def step(self):
-        finished = super().step()
-        self.events += [("finish", s.seq_id) for s in finished]
-        self.active_log.append(self.num_active())
-        return finished
-
-    def admit_and_step(self, seqs):
-        if not seqs or not self.num_active():  # the base class delegates to admit() / step(), logged above
-            return super().admit_and_step(seqs)
-        finished = super().admit_and_step(seqs)
-        ids = [s.seq_id for s in seqs]
-        self.admitted += ids
-        self.admit_groups.append(ids)
-        self.events += [("admit", i) for i in ids] + [("finish", s.seq_id) for s in finished]
-        self.active_log.append(self.num_active())
-        return finished
 
 
 # --- compiled kernels: skipped where they cannot run, a failure in CI ------------------------------------
@@ -406,6 +393,21 @@ def drive(engine, batches: list, fused: bool = True) -> None:
             engine.step()
         step += 1
         assert step < 10_000
+
+
+def schedule_all(engine, seqs: list, max_steps: int = 2000) -> None:
+    """The scheduler's loop, synchronous and bounded: each step the planner admits what fits of the queue (FCFS)
+    and reserves the running sequences' slots, the engine executes the plan, the planner applies its output, and
+    the preempted go back to the front of the queue; until every one of ``seqs`` has finished."""
+    waiting = list(seqs)
+    for _ in range(max_steps):
+        plan = engine.planner.schedule(waiting)
+        admitted = {id(s) for s in plan.newcomers}
+        waiting = plan.preempted + [s for s in waiting if id(s) not in admitted]
+        engine.planner.update_from_output(plan, engine.execute(plan))
+        if all(s.is_finished for s in seqs):
+            return
+    raise AssertionError("sequences did not finish")
 
 
 def seqs_for(ref: Reference, prompts: list[str], budgets: list[int], **kw) -> list:

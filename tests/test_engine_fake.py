@@ -1,8 +1,9 @@
-"""BatchEngine bookkeeping through FakeEngine: atomic admission, stepping, eviction, compaction, abort, reset.
+"""The planner's bookkeeping through FakeEngine and the synchronous driver: atomic admission, stepping, eviction,
+compaction, abort, reset.
 
-``ShadowEngine`` keeps a shadow "KV cache" (the token ids each row would hold) and checks on
-every decode that row r holds exactly seqs[r]'s prompt plus all its outputs but the newest, so a
-wrong ``_move_row`` (source, destination or length) or a stale row fails the test.
+``ShadowEngine`` keeps a shadow "KV cache" (the token ids each sequence's blocks would hold) and checks on every
+decode that each row's sequence holds exactly its prompt plus all its outputs but the newest, so a stale row fails
+the test.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pytest
 
 from config import Config
 from core.sequence import Sequence, SequenceStatus
-from engine import AdmissionError, FakeEngine, RowFailure, build_engine
+from engine import AdmissionError, FakeEngine, RowFailure
+from models.runtime import build_engine
 
 from conftest import Boom
 
@@ -40,45 +42,44 @@ def tagged(prompt0: int, n: int) -> list[int]:
 
 
 class ShadowEngine(FakeEngine):
+    """Keeps a shadow "KV cache" per sequence (the token ids its blocks would hold) and checks at every decode that
+    each row's sequence holds exactly its prompt plus all its outputs but the newest."""
+
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self.kv: list[list[int]] = [[] for _ in range(self.capacity)]
-        self.moves: list[tuple[int, int, int]] = []
+        self.kv: dict[int, list[int]] = {}
 
     def _prefill(self, seqs, first_row):
-        assert first_row == len(self._rows)
+        assert first_row == len(self.planner.rows)
         tokens = super()._prefill(seqs, first_row)
-        for i, s in enumerate(seqs):
-            self.kv[first_row + i] = list(s.prompt_token_ids)
+        for s in seqs:
+            self.kv[s.seq_id] = s.prompt_token_ids + s.output_token_ids
         return tokens
 
     def _decode(self, seqs):
         for r, s in enumerate(seqs):
             expected = s.prompt_token_ids + s.output_token_ids[:-1]
-            assert self.kv[r] == expected, f"row {r} holds stale state for seq {s.seq_id}"
+            assert self.kv[s.seq_id] == expected, f"row {r} holds stale state for seq {s.seq_id}"
         tokens = super()._decode(seqs)
-        for r, s in enumerate(seqs):
-            self.kv[r].append(s.last_token_id)
+        for s in seqs:
+            self.kv[s.seq_id].append(s.last_token_id)
         return tokens
 
-    def _move_row(self, src, dst, length):
-        assert src != dst
-        assert length == len(self.kv[src]), (src, dst, length, len(self.kv[src]))
-        self.moves.append((src, dst, length))
-        self.kv[dst] = self.kv[src][:length]
-
-    def _reset_state(self):
-        super()._reset_state()
-        self.kv = [[] for _ in range(self.capacity)]
+    def reset_state(self):
+        super().reset_state()
+        self.kv = {}
 
 
 def engine(**kw) -> ShadowEngine:
+    """A ShadowEngine that also checks the block tables (``check_kv``): with paged KV, compacting the rows only
+    renumbers them, so what a wrong move would break is a sequence reading another's (or a freed) block."""
     kw.setdefault("capacity", 4)
+    kw.setdefault("check_kv", True)
     return ShadowEngine(**kw)
 
 
 def assert_rows_consistent(eng: FakeEngine) -> None:
-    rows = eng._rows
+    rows = eng.planner.rows
     assert len(rows) == eng.num_active() <= eng.capacity
     assert len({id(s) for s in rows}) == len(rows), "a sequence holds two rows"
     assert all(s.status is SequenceStatus.RUNNING for s in rows)
@@ -116,7 +117,7 @@ def test_admit_over_capacity_admits_nothing(capacity, already, newcomers):
     with pytest.raises(AdmissionError, match="capacity"):
         eng.admit(new)
     assert eng.num_active() == already
-    assert eng._rows == old
+    assert eng.planner.rows == old
     assert [s.output_token_ids for s in old] == before
     assert all(s.status is SequenceStatus.WAITING and s.output_token_ids == [] for s in new)
     assert eng.stats()["generated_tokens"] == already
@@ -214,7 +215,7 @@ def test_evicted_at_max_new_tokens(max_new):
     assert s.finish_reason == "length"
     assert s.output_token_ids == letters(s.prompt_token_ids, max_new)
     assert s.finish_time is not None
-    assert eng._rows == [keeper]
+    assert eng.planner.rows == [keeper]
     assert eng.step() == []  # reported once only
     assert len(s.output_token_ids) == max_new
 
@@ -278,7 +279,7 @@ def test_first_token_finishers_in_a_group_are_compacted():
     group = [seq(prompt=(i + 1,), max_new=1 if i in (0, 2, 3) else 6) for i in range(6)]
     eng.admit(group)
     survivors = [s for s in group if s.max_new_tokens == 6]
-    assert sorted(eng._rows, key=lambda s: s.seq_id) == survivors
+    assert sorted(eng.planner.rows, key=lambda s: s.seq_id) == survivors
     assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in group if s not in survivors)
     assert_rows_consistent(eng)
     while eng.num_active():
@@ -315,7 +316,7 @@ def test_compaction_keeps_survivors_tokens(budgets):
             assert s.seq_id not in finished_at
             finished_at[s.seq_id] = step
         assert_rows_consistent(eng)
-        assert eng._rows == [s for s in eng._rows if not s.is_finished]
+        assert eng.planner.rows == [s for s in eng.planner.rows if not s.is_finished]
     for s in seqs:
         assert s.status is SequenceStatus.FINISHED_LENGTH
         assert s.output_token_ids == tagged(s.prompt_token_ids[0], s.max_new_tokens)
@@ -327,8 +328,7 @@ def test_compaction_moves_a_middle_row():
     a, b, c = (seq(prompt=(i,), max_new=m) for i, m in ((1, 9), (2, 2), (3, 9)))
     eng.admit([a, b, c])
     assert eng.step() == [b]
-    assert eng._rows == [a, c]
-    assert eng.moves == [(2, 1, 2)]  # c's prompt (1) + its first token, not its newest
+    assert eng.planner.rows == [a, c]
     eng.step()
     assert c.output_token_ids == tagged(3, 3)
 
@@ -371,7 +371,7 @@ def test_compaction_random_churn():
             del queue[:take]
         assert_rows_consistent(eng)
         if rng.random() < 0.1 and eng.num_active():
-            victim = rng.choice(eng._rows)
+            victim = rng.choice(eng.planner.rows)
             assert eng.abort(victim.seq_id)
         eng.step()
         assert_rows_consistent(eng)
@@ -398,7 +398,7 @@ def test_abort_frees_the_slot(victim):
     assert eng.abort(v.seq_id) is True
     assert v.status is SequenceStatus.FINISHED_ABORTED
     assert v.finish_reason == "abort"
-    assert eng.num_active() == 2 and v not in eng._rows
+    assert eng.num_active() == 2 and v not in eng.planner.rows
     assert eng.abort(v.seq_id) is False  # already gone
     newcomer = seq(prompt=(7,), max_new=20)
     eng.admit([newcomer])  # the freed slot is usable

@@ -40,7 +40,8 @@ transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
 from core.sequence import Sequence  # noqa: E402
-from engine import ModelLoadError, build_engine  # noqa: E402
+from models.loading import ModelLoadError  # noqa: E402
+from models.runtime import build_engine  # noqa: E402
 from scripts.make_test_model import FAMILIES, build_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -76,7 +77,7 @@ def engine_for(model_dir: str, runtime: str = "torch", blocks: int = POOL_BLOCKS
     """An engine on ``runtime`` with a pool of ``blocks`` blocks of ``BLOCK`` tokens (of its KV_CACHE_DTYPE). The
     native runtime's model image is written in this process (``image.write_image``, what the server's child process
     runs) into a directory of its own, sparing each family a fresh interpreter that imports torch again."""
-    from engine import NativeEngine
+    from models.runtime import NativeEngine
 
     from conftest import pool_mb
 
@@ -120,7 +121,7 @@ def test_greedy_parity_through_the_scheduler(arch, family_dir, family_ref, runti
     engine = engine_for(
         family_dir, runtime, blocks=16 if slides else POOL_BLOCKS, max_num_batched_tokens=8, weights="fp32"
     )
-    assert_runtime(engine, runtime) and engine.kv_window == (window if slides else 0)
+    assert_runtime(engine, runtime) and engine.planner.kv_window == (window if slides else 0)
     stem = ref.encode(" ".join(PROMPTS))[:12]  # 3 full blocks two prompts share
     # The long and the prefix-sharing sequences ignore EOS: the pressure they make must not hinge on where this
     # CPU's greedy output meets EOS. The EOS prompts stop where the checkpoint's EOS says.
@@ -137,7 +138,8 @@ def test_greedy_parity_through_the_scheduler(arch, family_dir, family_ref, runti
         assert s.output_token_ids == expected(ref, s, ref.eos), (s.seq_id, s.prompt_len, s.num_cached_tokens)
     stopped = [s for s in stopping if s.finish_reason == "stop"]
     assert stopped and all(len(s.output_token_ids) < s.max_new_tokens for s in stopped)
-    assert engine.num_preemptions >= 1 and engine.blocks.hit_tokens > 0, (engine.num_preemptions, engine.blocks)
+    preemptions = engine.planner.num_preemptions
+    assert preemptions >= 1 and engine.blocks.hit_tokens > 0, (preemptions, engine.blocks)
     if window:  # the long sequence attended across the window in prefill and decode
         assert window == WINDOW and first[0].num_tokens > window + first[0].max_new_tokens
     assert engine.blocks.is_all_free() and engine.num_active() == 0
@@ -310,7 +312,7 @@ def test_blocks_that_left_the_window_go_back_to_the_pool(tmp_path, runtime):
     model_dir = build_checkpoint(str(tmp_path / "mistral"), arch="mistral", seed=7)
     ref = Reference(model_dir)
     engine = engine_for(model_dir, runtime, weights="fp32", max_num_batched_tokens=8)
-    assert engine.kv_window == WINDOW
+    assert engine.planner.kv_window == WINDOW
     seqs = [Sequence(prompt_token_ids=long_prompt(ref, 30 + i), max_new_tokens=50, ignore_eos=True) for i in range(2)]
     engine.admit(seqs)
     live = []
@@ -320,7 +322,7 @@ def test_blocks_that_left_the_window_go_back_to_the_pool(tmp_path, runtime):
             max((engine.blocks.num_live_blocks(s.seq_id) for s in seqs if s.seq_id in engine.blocks), default=0)
         )
         engine.blocks.check()
-    assert engine.num_preemptions == 0 and max(live[10:]) <= WINDOW // BLOCK + 2, live
+    assert engine.planner.num_preemptions == 0 and max(live[10:]) <= WINDOW // BLOCK + 2, live
     for s in seqs:
         assert s.output_token_ids == expected(ref, s, set())
     assert engine.blocks.is_all_free()

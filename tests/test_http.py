@@ -121,9 +121,9 @@ def test_the_engine_is_built_and_stepped_on_one_thread(monkeypatch):
     threads: dict[str, set[int]] = {"build": set(), "step": set()}
 
     class Recording(FakeEngine):
-        def step(self):
+        def execute(self, plan):
             threads["step"].add(threading.get_ident())
-            return super().step()
+            return super().execute(plan)
 
     def load(config):
         threads["build"].add(threading.get_ident())

@@ -41,7 +41,7 @@ def schedule(ref: Reference) -> list[list[Sequence]]:
 def engine_for(model_dir: str, runtime: str, kv_dtype: str, blocks: int = 16, sized_for: str = ""):
     """An engine of 4 slots over a pool of ``kv_dtype`` elements, KV_CACHE_MB that of ``blocks`` blocks of 4 tokens
     of ``sized_for`` elements (default: of ``kv_dtype``), prefill chunked 5 tokens a step."""
-    from engine import HFEngine, NativeEngine
+    from models.runtime import HFEngine, NativeEngine
 
     knobs = {**runtime_knobs(runtime), "kv_cache_dtype": kv_dtype}
     cfg = Config(
@@ -61,7 +61,7 @@ def run_schedule(model_dir: str, runtime: str, kv_dtype: str, ref: Reference):
     groups = schedule(ref)
     submit_all(engine, groups)
     seqs = [s for g in groups for s in g]
-    assert engine.num_preemptions >= 1 and engine.blocks.hit_tokens > 0 and engine.num_forks == 2
+    assert engine.planner.num_preemptions >= 1 and engine.blocks.hit_tokens > 0 and engine.planner.num_forks == 2
     engine.blocks.check()
     assert engine.blocks.is_all_free() and engine.num_active() == 0
     return engine, seqs
@@ -172,14 +172,14 @@ def test_windows_and_soft_caps_over_a_narrower_pool(family_checkpoint, arch, kv_
             kv_cache_dtype=kv_dtype,
             **weights,
         )
-        assert engine.kv_cache_dtype == kv_dtype and engine.kv_window == (20 if slides else 0)
+        assert engine.kv_cache_dtype == kv_dtype and engine.planner.kv_window == (20 if slides else 0)
         first = [seq(long_prompt(ref, 40), 24, ignore_eos=True)]
         shared = [seq([*stem, *ref.encode(tail)], 20, ignore_eos=True) for tail in (" zebra quilt", " a lazy dog")]
         others = seqs_for(ref, PROMPTS[:3], [16, 12, 9], ignore_eos=True)
         again = [seq(first[0].prompt_token_ids, 24, ignore_eos=True)]
         groups = [first + shared + others[:1], others[1:], again]
         submit_all(engine, groups)
-        assert engine.num_preemptions >= 1 and again[0].num_cached_tokens > 0, engine.num_preemptions
+        assert engine.planner.num_preemptions >= 1 and again[0].num_cached_tokens > 0, engine.planner.num_preemptions
         engine.blocks.check()
         assert engine.blocks.is_all_free() and engine.num_active() == 0
         return [s for g in groups for s in g]
@@ -266,20 +266,19 @@ def test_an_unknown_kv_cache_dtype_names_the_variable_and_the_choices(value):
     ],
 )
 def test_auto_is_fp32_beside_fp32_weights_and_int8_beside_quantized_ones(env, dtype):
-    from engine import kv_cache_dtype
+    from models.runtime import kv_cache_dtype
 
     assert kv_cache_dtype(Config.from_env(env)) == dtype
 
 
 def test_a_dtype_the_cpu_cannot_run_fails_at_startup_with_one_line(monkeypatch):
     """fp16 on a CPU without F16C: one line that says what to use instead (checked before the model loads)."""
-    import engine
-    from models import kv_dtype
+    from models import kv_dtype, runtime
     from models.loading import ModelLoadError
 
     monkeypatch.setattr(kv_dtype, "cpu_flags", lambda: {"avx2", "fma"})
     with pytest.raises(ModelLoadError, match="F16C") as err:
-        engine._check_kv_dtype(Config(kv_cache_dtype="fp16"))
+        runtime._check_kv_dtype(Config(kv_cache_dtype="fp16"))
     assert "\n" not in str(err.value)
     for ok in ("fp32", "bf16", "int8"):
-        engine._check_kv_dtype(Config(kv_cache_dtype=ok))
+        runtime._check_kv_dtype(Config(kv_cache_dtype=ok))

@@ -56,12 +56,11 @@ def test_preemption_frees_the_newest_and_recompute_continues_exactly():
     eng.admit([new])  # each holds 1 block; 1 free
     preempted = []
     while eng.num_active():
-        eng.step()
-        preempted += eng.take_preempted()
+        preempted += eng.run_step().preempted
         eng.blocks.check()
         if preempted and eng.can_admit(preempted[:1]):
             eng.admit([preempted.pop(0)])
-    assert eng.num_preemptions >= 1 and not preempted
+    assert eng.planner.num_preemptions >= 1 and not preempted
     for s in (old, new):
         assert s.output_token_ids == letters(s.prompt_token_ids, 9) and s.finish_reason == "length"
     assert_pool_full(eng)
@@ -71,12 +70,11 @@ def test_preempted_sequence_is_waiting_with_its_tokens_and_holds_nothing():
     eng = FakeEngine(capacity=4, num_blocks=3, block_size=2)
     first, second = seq(prompt=(1, 2), max_new=4), seq(prompt=(3, 4), max_new=2)
     eng.admit([first, second])  # each fed its prompt: 1 block each, 1 free
-    eng.step()  # both (3 tokens now) need a second block: first, the oldest, takes it; second makes way
-    gone = eng.take_preempted()
+    # both (3 tokens now) need a second block: first, the oldest, takes it; second makes way
+    gone = eng.run_step().preempted
     assert gone == [second]  # the most recently admitted goes first
     assert second.status is SequenceStatus.WAITING and len(second.output_token_ids) == 1
     assert second.seq_id not in eng.blocks and eng.active_sequences() == [first]
-    assert eng.take_preempted() == []  # handed over once
     eng.blocks.check()
 
 
@@ -87,7 +85,7 @@ def test_a_lone_sequence_that_cannot_grow_preempts_itself_only_if_something_else
     eng.admit([s])
     while eng.num_active():
         eng.step()
-    assert eng.num_preemptions == 0 and s.output_token_ids == letters((1, 2, 3), 9)
+    assert eng.planner.num_preemptions == 0 and s.output_token_ids == letters((1, 2, 3), 9)
     assert_pool_full(eng)
 
 
@@ -148,7 +146,7 @@ def test_scheduler_requeues_preempted_first_and_every_stream_is_gapless():
     for s in seqs:
         assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
         assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))  # one token per call: no gap, no repeat
-    assert sched.num_preemptions > 0 and sched.num_preemptions == eng.num_preemptions
+    assert sched.num_preemptions > 0 and sched.num_preemptions == eng.planner.num_preemptions
     assert_pool_full(eng)
 
 
@@ -203,14 +201,13 @@ def test_prompt_chunks_are_capped_while_streams_decode(cap):
         max_prefill_while_decoding=cap,
     )
     steps: list[tuple[int, int]] = []  # (decode rows, prompt tokens) per forward
-    plan = eng._plan_chunks
+    execute = eng.execute
 
-    def recorded(n_decode):
-        chunks = plan(n_decode)
-        steps.append((n_decode, sum(end - start for _, start, end in chunks)))
-        return chunks
+    def recorded(plan):
+        steps.append((len(plan.decode), sum(end - start for _, start, end in plan.chunks)))
+        return execute(plan)
 
-    eng._plan_chunks = recorded
+    eng.execute = recorded
     first = [seq(prompt=[(3 * j) % 200 + 1 for j in range(50)], max_new=20) for _ in range(2)]
     late = [seq(prompt=[(7 * i + j) % 200 + 1 for j in range(30)], max_new=4) for i in range(2)]
     sched, done, seen = drive_scheduler(eng, first + late, stagger=3)
@@ -254,7 +251,7 @@ def test_chunked_prefill_with_preemption_and_aborts_returns_every_block():
         else:
             assert s.output_token_ids == letters(s.prompt_token_ids, s.max_new_tokens)
             assert seen[s.seq_id] == list(range(1, s.max_new_tokens + 1))
-    assert eng.num_preemptions > 0
+    assert eng.planner.num_preemptions > 0
     assert_pool_full(eng)
 
 
@@ -299,7 +296,7 @@ def test_http_many_concurrent_requests_under_preemption_each_answered_once_and_e
                 assert r.json()["token_ids"] == fake_ids(p, 4 + i % 9)
             text = (await c.get("/metrics")).text
             assert "minibatch:num_preemptions_total" in text
-        assert eng.num_preemptions > 0
+        assert eng.planner.num_preemptions > 0
         assert_pool_full(eng)
 
     bounded(body, timeout=120)
@@ -316,7 +313,7 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     from test_parity import PROMPTS, Reference, expected
 
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     reference = Reference(pressure_model)
     engine = HFEngine(
@@ -352,7 +349,7 @@ def test_greedy_parity_under_memory_pressure(pressure_model, small_gemm):
     stops = set(engine.stop_token_ids)
     for s in seqs:
         assert s.output_token_ids == expected(reference, s, stops), s.seq_id
-    assert engine.num_preemptions >= 3, engine.num_preemptions
+    assert engine.planner.num_preemptions >= 3, engine.planner.num_preemptions
     assert_pool_full(engine)
 
 
@@ -366,7 +363,7 @@ def test_greedy_parity_with_chunked_prefill(pressure_model, budget, small_gemm, 
     from test_parity import PROMPTS, Reference, expected
 
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     reference = Reference(pressure_model)
     engine = HFEngine(

@@ -83,7 +83,7 @@ def test_bias_beyond_the_vocabulary_is_refused_by_the_sampler():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     return HFEngine(Config(model_id=tiny_model_dir, max_batch_size=8))
 

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
     from core.sequence import Sequence
 
     def rss_mb():
@@ -162,7 +162,7 @@ SERVE_GGUF = textwrap.dedent(
     """
     import json, sys
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
     from models.native_memory import memory_mib
 
     engine = HFEngine(Config(model_id=sys.argv[1], max_batch_size=8, max_model_len=256, num_threads=1))

@@ -117,8 +117,8 @@ def test_the_prompt_is_computed_once_for_n_choices(prompt, budget):
             r = await c.post("/v1/completions", json={"prompt": prompt, "n": 4, "max_tokens": 6})
             assert [ch["text"] for ch in r.json()["choices"]] == [fake_text(prompt, 6)] * 4
             assert r.json()["usage"]["prompt_tokens"] == len(prompt)
-            assert engine.prefill_tokens_computed == len(prompt)
-            assert engine.num_forks == 3 and engine.num_block_copies == (3 if len(prompt) % 4 else 0)
+            assert engine.planner.prefill_tokens_computed == len(prompt)
+            assert engine.planner.num_forks == 3 and engine.planner.num_block_copies == (3 if len(prompt) % 4 else 0)
             text = (await c.get("/metrics")).text
             assert f"minibatch:prefill_tokens_computed_total {float(len(prompt))}" in text.splitlines()
             assert_pool_full(engine)
@@ -154,7 +154,8 @@ def test_forked_choices_share_the_prompt_blocks_and_own_their_partial_block(budg
     assert all(c[:2] == parent[:2] and c[2] != parent[2] for c in children)
     finish(eng)
     assert all(s.output_token_ids == letters(range(1, 11), 5) for s in group)
-    assert eng.prefill_tokens_computed == 10 and eng.num_forks == 2 and eng.num_block_copies == 2
+    books = eng.planner
+    assert books.prefill_tokens_computed == 10 and books.num_forks == 2 and books.num_block_copies == 2
     assert [s.num_cached_tokens for s in group] == [0, 0, 0]
     assert_pool_full(eng)
 
@@ -169,7 +170,7 @@ def test_choices_admitted_while_the_parent_prefills_in_chunks_wait_and_fork():
     assert eng.stats()["num_prefilling"] == 3 and not second.output_token_ids
     finish(eng)
     assert all(s.output_token_ids == letters(range(1, 19), 3) for s in (first, second, third))
-    assert eng.prefill_tokens_computed == 18 and eng.num_forks == 2
+    assert eng.planner.prefill_tokens_computed == 18 and eng.planner.num_forks == 2
     assert_pool_full(eng)
 
 
@@ -179,11 +180,11 @@ def test_aborting_the_parent_mid_prefill_hands_the_prompt_to_its_first_child():
     eng = FakeEngine(capacity=8, num_blocks=20, block_size=4, max_num_batched_tokens=17, check_kv=True)
     parent, heir, other = choices(range(1, 19), 3, max_new=4)
     eng.admit([parent, heir, other])
-    assert eng.prefill_tokens_computed == 17 and eng.abort(parent.seq_id)
+    assert eng.planner.prefill_tokens_computed == 17 and eng.abort(parent.seq_id)
     assert parent.finish_reason == "abort"
     finish(eng)
     assert heir.output_token_ids == other.output_token_ids == letters(range(1, 19), 4)
-    assert eng.prefill_tokens_computed == 17 + 2 and eng.num_forks == 1
+    assert eng.planner.prefill_tokens_computed == 17 + 2 and eng.planner.num_forks == 1
     assert_pool_full(eng)
 
 
@@ -194,7 +195,7 @@ def test_aborting_a_waiting_choice_leaves_the_others_running():
     assert eng.abort(gone.seq_id) and gone.finish_reason == "abort" and not gone.output_token_ids
     finish(eng)
     assert parent.output_token_ids == kept.output_token_ids == letters(range(1, 12), 4)
-    assert eng.prefill_tokens_computed == 11
+    assert eng.planner.prefill_tokens_computed == 11
     assert_pool_full(eng)
 
 
@@ -214,7 +215,7 @@ def test_cancelling_one_choice_mid_stream_the_others_complete():
     eng, done = run(main())
     assert [s.finish_reason for s in done] == ["length", "length", "abort", "length"]
     assert all(s.output_token_ids == letters(range(1, 15), 30) for s in done if s is not done[2])
-    assert 3 <= len(done[2].output_token_ids) < 30 and eng.prefill_tokens_computed == 14
+    assert 3 <= len(done[2].output_token_ids) < 30 and eng.planner.prefill_tokens_computed == 14
     assert_pool_full(eng)
 
 
@@ -226,21 +227,20 @@ def test_a_forked_choice_preempted_while_waiting_forks_again_and_all_stay_exact(
     runner = seq(range(100, 104), max_new=8)  # 4 tokens, grows to 3 blocks
     eng.admit([runner])
     group = choices(range(1, 39), 3, max_new=3)
-    preempted, waiting = [], list(group)
+    preempted, waiting, back = [], list(group), []
     for _ in range(200):
-        if not eng.num_active() and not waiting:
+        if not eng.num_active() and not waiting and not back:
             break
-        back = eng.take_preempted()
         preempted += [(s, len(s.output_token_ids)) for s in back]
         waiting = back + waiting
         if waiting and eng.can_admit(waiting[:1]):
-            eng.admit_and_step([waiting.pop(0)])
+            back = eng.run_step([waiting.pop(0)]).preempted
         else:
-            eng.step()
+            back = eng.run_step().preempted
     assert [(s.seq_id, n) for s, n in preempted] == [(group[1].seq_id, 0)]  # while it waited for the prompt
     assert runner.output_token_ids == letters(range(100, 104), 8)
     assert all(s.output_token_ids == letters(range(1, 39), 3) for s in group)
-    assert eng.prefill_tokens_computed == 4 + 38 and eng.num_forks == 2
+    assert eng.planner.prefill_tokens_computed == 4 + 38 and eng.planner.num_forks == 2
     assert_pool_full(eng)
 
 
@@ -251,7 +251,7 @@ def test_under_pressure_forked_choices_are_preempted_and_recomputed_exactly():
     group = choices(range(1, 11), 4, max_new=12)  # 10 + 12 tokens each: 6 blocks, 2 of them shared
     other = seq(range(40, 46), max_new=6)
     submit_all(eng, [group + [other]])
-    assert eng.num_preemptions >= 1
+    assert eng.planner.num_preemptions >= 1
     assert all(s.output_token_ids == letters(range(1, 11), 12) for s in group)
     assert other.output_token_ids == letters(range(40, 46), 6)
     assert_pool_full(eng)
@@ -263,7 +263,7 @@ def test_fork_works_with_prefix_caching_off_and_with_prompt_logprobs(caching):
     group = choices(range(1, 11), 3, max_new=3, prompt_logprobs_k=1)
     eng.admit(group)
     finish(eng)
-    assert eng.prefill_tokens_computed == 10 and eng.num_forks == 2
+    assert eng.planner.prefill_tokens_computed == 10 and eng.planner.num_forks == 2
     assert all(len(s.prompt_logprobs) == 10 and s.prompt_logprobs == group[0].prompt_logprobs for s in group)
     assert all(s.output_token_ids == letters(range(1, 11), 3) for s in group)
     assert_pool_full(eng)
@@ -277,7 +277,7 @@ def test_a_choice_that_cannot_fork_any_more_is_admitted_like_any_sequence():
     eng.admit([parent])
     eng.admit_and_step([late])
     finish(eng)
-    assert late.num_cached_tokens == 8 and eng.prefill_tokens_computed == 10 + 2 and eng.num_forks == 0
+    assert late.num_cached_tokens == 8 and eng.planner.prefill_tokens_computed == 10 + 2 and eng.planner.num_forks == 0
     assert late.output_token_ids == parent.output_token_ids == letters(range(1, 11), 4)
     assert_pool_full(eng)
 
@@ -324,10 +324,10 @@ def test_openai_client_n_seeded_choices_distinct_and_reproducible_one_by_one(cli
 def test_openai_client_n_greedy_and_streamed(client, live):
     prompt = "The quick brown fox jumps over the lazy dog. " * 4  # long enough for cached blocks
     kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    before = live.state.engine.prefill_tokens_computed
+    before = live.state.engine.planner.prefill_tokens_computed
     r = client.completions.create(n=3, **kw)
     assert len({ch.text for ch in r.choices}) == 1  # greedy: the choices are equal
-    computed = live.state.engine.prefill_tokens_computed - before
+    computed = live.state.engine.planner.prefill_tokens_computed - before
     assert computed < 2 * r.usage.prompt_tokens, computed  # the prompt once, plus the other choices' last block
     streamed = {0: "", 1: "", 2: ""}
     for ev in client.completions.create(n=3, stream=True, **kw):
@@ -358,9 +358,10 @@ def test_greedy_forked_choices_equal_hf_generate_and_compute_the_prompt_once(pre
     mid = choices(reference.encode(" ".join(PROMPTS))[:18], 4, max_new=10)
     edge = choices(reference.encode(PROMPTS[4] + " " + PROMPTS[1])[:16], 3, max_new=10)
     submit_all(engine, [mid])
-    assert engine.prefill_tokens_computed == 18 and engine.num_block_copies == 3
+    assert engine.planner.prefill_tokens_computed == 18 and engine.planner.num_block_copies == 3
     submit_all(engine, [edge])
-    assert engine.prefill_tokens_computed == 18 + 16 and engine.num_block_copies == 3 and engine.num_forks == 5
+    books = engine.planner
+    assert books.prefill_tokens_computed == 18 + 16 and books.num_block_copies == 3 and books.num_forks == 5
     assert_parity(reference, engine, mid + edge)
     assert full_again(engine)
 
@@ -384,7 +385,7 @@ def test_seeded_forked_choices_equal_each_choice_run_alone(tiny_model_dir, budge
     group = [sampled(i) for i in range(4)]
     group_choices(group)
     submit_all(engine, [group])
-    assert engine.prefill_tokens_computed == len(prompt) and engine.num_forks == 3
+    assert engine.planner.prefill_tokens_computed == len(prompt) and engine.planner.num_forks == 3
     texts = [s.output_token_ids for s in group]
     assert len({tuple(t) for t in texts}) >= 3, texts  # independent streams
     for i, expected in enumerate(texts):
@@ -414,7 +415,7 @@ def test_forked_choices_under_memory_pressure_stay_exact(pressure_model):
     groups = [choices(reference.encode(p)[:10], 3, 12, **long) for p in (PROMPTS[4], PROMPTS[3] + PROMPTS[1])]
     loners = [seq(reference.encode(PROMPTS[1])[:7], 14, **long), seq(reference.encode(PROMPTS[3])[:9], 10, **long)]
     submit_all(engine, [groups[0] + loners + groups[1]])
-    assert engine.num_preemptions >= 1 and engine.num_forks >= 2
+    assert engine.planner.num_preemptions >= 1 and engine.planner.num_forks >= 2
     for s in groups[0] + groups[1] + loners:
         assert s.output_token_ids == reference.generate(s.prompt_token_ids, s.max_new_tokens, set()), s.seq_id
     assert full_again(engine)
@@ -445,7 +446,7 @@ def test_each_forked_choice_keeps_its_own_grammar(tiny_model_dir):
         s.grammar = compiler_for(engine).matcher(grammar)
     group_choices(group)
     submit_all(engine, [group])
-    assert engine.num_forks == 2 and engine.prefill_tokens_computed == len(prompt)
+    assert engine.planner.num_forks == 2 and engine.planner.prefill_tokens_computed == len(prompt)
     answers = [engine.decode(s.output_token_ids) for s in group]
     for s, text in zip(group, answers):
         assert s.finish_reason == "stop", (s.finish_reason, text)
@@ -477,5 +478,5 @@ def test_prompt_logprobs_survive_the_parent_leaving_mid_prefill(tiny_model_dir):
         assert [lp and lp.token_id for lp in s.prompt_logprobs] == [lp and lp.token_id for lp in alone.prompt_logprobs]
         got = [lp.logprob for lp in s.prompt_logprobs[1:]]
         assert got == pytest.approx([lp.logprob for lp in alone.prompt_logprobs[1:]], abs=1e-4)
-    assert len(prompt) == 15 and engine.prefill_tokens_computed == 15 + 14 + 3  # alone, then 14, then 12..15
+    assert len(prompt) == 15 and engine.planner.prefill_tokens_computed == 15 + 14 + 3  # alone, then 14, then 12..15
     assert full_again(engine)

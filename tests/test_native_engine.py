@@ -1,4 +1,4 @@
-"""The torch-free runtime (RUNTIME=native, ``engine.NativeEngine``): a model image run by the whole-step kernel.
+"""The torch-free runtime (RUNTIME=native, ``models.runtime.NativeEngine``): a model image run by the whole-step kernel.
 
 Gates: HF's greedy tokens (on the dequantized weights) through the scheduler with joins, chunked prefill and
 preemption; the torch engine's exact tokens and logprobs for every sampling feature (both run the same kernel on
@@ -35,7 +35,7 @@ def engine_config(model_dir: str, weights: str, blocks: int = 64, **config) -> C
 
 
 def native_engine(model_dir: str, weights: str, blocks: int = 64, **config):
-    from engine import NativeEngine
+    from models.runtime import NativeEngine
 
     return NativeEngine(engine_config(model_dir, weights, blocks, **config))
 
@@ -58,7 +58,7 @@ def test_greedy_parity_through_the_scheduler(pressure_model, weights, blocks, bu
     for seq in seqs:
         assert seq.output_token_ids == expected(ref, seq, set()), (weights, seq.prompt_token_ids)
     if blocks == 14:
-        assert engine.num_preemptions > 0
+        assert engine.planner.num_preemptions > 0
 
 
 def feature_sequences(ref: Reference) -> list[Sequence]:
@@ -96,7 +96,7 @@ def test_every_sampling_feature_gives_the_torch_engines_tokens_and_logprobs(pres
     """Seeded sampling (temperature, top-k, top-p, min-p), penalties, logit bias, logprobs, prompt logprobs and
     forked choices: the native engine's outcome equals the torch engine's, token for token and logprob for logprob
     (the same kernel computes the same logits; sampling is the same numpy code)."""
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     need_native()
     ref = Reference(pressure_model)
@@ -111,7 +111,7 @@ def test_every_sampling_feature_gives_the_torch_engines_tokens_and_logprobs(pres
 
 
 def native_engine_for(config: Config):
-    from engine import NativeEngine
+    from models.runtime import NativeEngine
 
     return NativeEngine(config)
 
@@ -139,7 +139,7 @@ def test_runtime_setting_is_validated():
 )
 def test_auto_runtime_serves_quantized_weights_natively(env, native, monkeypatch):
     import models.native
-    from engine import uses_native_runtime
+    from models.runtime import uses_native_runtime
 
     monkeypatch.setattr(models.native, "unavailable_reason", lambda: None)
     assert uses_native_runtime(Config.from_env(env)) is native
@@ -147,7 +147,7 @@ def test_auto_runtime_serves_quantized_weights_natively(env, native, monkeypatch
 
 def test_auto_runtime_falls_back_to_torch_where_the_kernel_cannot_run(monkeypatch, caplog):
     import models.native
-    from engine import uses_native_runtime
+    from models.runtime import uses_native_runtime
 
     monkeypatch.setattr(models.native, "unavailable_reason", lambda: "no AVX2 on this CPU")
     assert not uses_native_runtime(Config.from_env({"MODEL_ID": "m.gguf"}))

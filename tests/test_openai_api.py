@@ -452,7 +452,7 @@ def test_chat_without_a_template_is_400(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     return HFEngine(Config(model_id=tiny_model_dir, max_batch_size=8))
 

@@ -34,8 +34,9 @@ transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
 from core.sequence import Sequence  # noqa: E402
-from engine import HFEngine, ModelLoadError  # noqa: E402
 from models.hf_baseline import HFModelRunner  # noqa: E402
+from models.loading import ModelLoadError  # noqa: E402
+from models.runtime import HFEngine  # noqa: E402
 from scheduler import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -269,7 +270,7 @@ def test_max_model_len_sizes_the_cache_and_bounds_admission(model_dir, reference
 
 
 def test_num_threads_zero_means_the_physical_cores(model_dir):
-    from engine import physical_cores
+    from models.runtime import physical_cores
 
     before = torch.get_num_threads()
     try:

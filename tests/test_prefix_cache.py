@@ -59,7 +59,7 @@ def test_a_repeated_prompt_computes_only_its_last_block():
     first, again = seq(prompt), seq(prompt)
     submit_all(eng, [[first], [again]])
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 12
-    assert eng.prefill_tokens_computed == 14 + 2
+    assert eng.planner.prefill_tokens_computed == 14 + 2
     assert again.output_token_ids == first.output_token_ids == letters(prompt, 4)
     assert eng.stats()["prefix_cache_queries"] == 28 and eng.stats()["prefix_cache_hits"] == 12
     assert full_again(eng) and eng.blocks.num_cached_blocks == 4  # the prompt's 3 blocks + 1 output block
@@ -70,7 +70,7 @@ def test_caching_off_computes_everything():
     prompt = range(1, 15)
     a, b = seq(prompt), seq(prompt)
     submit_all(eng, [[a], [b]])
-    assert eng.prefill_tokens_computed == 28 and b.num_cached_tokens == 0 and eng.blocks.num_cached_blocks == 0
+    assert eng.planner.prefill_tokens_computed == 28 and b.num_cached_tokens == 0 and eng.blocks.num_cached_blocks == 0
     assert a.output_token_ids == b.output_token_ids == letters(prompt, 4) and full_again(eng)
 
 
@@ -83,7 +83,7 @@ def test_identical_prompts_in_one_step_prefill_their_prefix_once(budget):
     copies = [seq(prompt) for _ in range(4)]
     submit_all(eng, [copies])
     assert [s.num_cached_tokens for s in copies] == [0, 16, 16, 16]
-    assert eng.prefill_tokens_computed == 18 + 3 * 2
+    assert eng.planner.prefill_tokens_computed == 18 + 3 * 2
     assert all(s.output_token_ids == letters(prompt, 4) for s in copies) and full_again(eng)
 
 
@@ -94,7 +94,7 @@ def test_a_shared_system_prompt_is_computed_once_per_burst():
     seqs = [seq(system + [1 + i, 2 + i, 3 + i], max_new=3) for i in range(12)]
     submit_all(eng, [seqs])
     assert seqs[0].num_cached_tokens == 0 and all(s.num_cached_tokens == 40 for s in seqs[1:])
-    assert eng.prefill_tokens_computed == 40 + 12 * 3
+    assert eng.planner.prefill_tokens_computed == 40 + 12 * 3
     assert all(s.output_token_ids == letters(s.prompt_token_ids, 3) for s in seqs) and full_again(eng)
 
 
@@ -118,7 +118,7 @@ def test_prefix_waiting_is_policy_not_a_refusal():
     a, b = seq(range(1, 20)), seq(range(1, 20))
     assert eng.can_admit([a]) and not eng.can_admit([a, b])
     eng.admit([a, b])
-    assert eng.prefill_tokens_computed == 38 and a.num_cached_tokens == b.num_cached_tokens == 0
+    assert eng.planner.prefill_tokens_computed == 38 and a.num_cached_tokens == b.num_cached_tokens == 0
     while eng.num_active():
         eng.step()
     assert full_again(eng)
@@ -129,7 +129,7 @@ def test_a_preempted_sequence_recomputes_mostly_from_the_cache():
     eng = FakeEngine(capacity=4, num_blocks=8, block_size=4)
     old, new = seq(range(1, 9), max_new=14), seq(range(50, 63), max_new=6)  # 2 blocks + 1 growing; 4 blocks
     submit_all(eng, [[old, new]], gap=0.01)
-    assert eng.num_preemptions >= 1
+    assert eng.planner.num_preemptions >= 1
     assert old.output_token_ids == letters(old.prompt_token_ids, 14)
     assert new.output_token_ids == letters(new.prompt_token_ids, 6)
     recomputed = eng.stats()["prefix_cache_hits"]
@@ -226,7 +226,7 @@ def test_admin_reset_drops_the_cache_behind_the_api_key():
 
 def hf_engine(model_dir: str, blocks: int = 64, **config):
     from config import Config
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     config = {"max_batch_size": 4, "num_threads": 2, "kv_block_size": 4, "kv_cache_dtype": "fp32", **config}
     return HFEngine(Config(model_id=model_dir, kv_cache_mb=pool_mb(model_dir, blocks, 4), **config))
@@ -262,7 +262,8 @@ def test_greedy_parity_for_every_kind_of_sharing(pressure_model, caching, budget
     cached = [s.num_cached_tokens for s in first + shared + same_step]
     if caching:
         assert cached == [0, 0, 0, 8, 12, 20, 20, 0, 16, 16], cached
-        assert engine.prefill_tokens_computed == sum(s.prompt_len for s in first + shared + same_step) - sum(cached)
+        prompts = sum(s.prompt_len for s in first + shared + same_step)
+        assert engine.planner.prefill_tokens_computed == prompts - sum(cached)
     else:
         assert not any(cached) and engine.blocks.num_cached_blocks == 0
     assert full_again(engine)
@@ -314,6 +315,7 @@ def test_greedy_parity_with_preemption_and_eviction_under_pressure(pressure_mode
     ]
     submit_all(engine, [seqs])
     assert_parity(reference, engine, seqs)
-    assert engine.num_preemptions >= 1 and engine.blocks.evictions >= 1, (engine.num_preemptions, engine.blocks)
+    preemptions = engine.planner.num_preemptions
+    assert preemptions >= 1 and engine.blocks.evictions >= 1, (preemptions, engine.blocks)
     assert engine.blocks.hit_tokens > 0
     assert full_again(engine)

@@ -55,7 +55,7 @@ def test_engine_prompt_logprobs_equal_hf_while_other_rows_decode(model_dir):
     forward; C and D's prompt logprobs equal HF's, and every row's tokens equal its solo run."""
     from core.sampling import SamplingParams
     from core.sequence import Sequence
-    from engine import HFEngine
+    from models.runtime import HFEngine
 
     engine = HFEngine(Config(model_id=model_dir, max_batch_size=8))
 
@@ -219,7 +219,7 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption(model_dir, budget)
 
     from core.sampling import SamplingParams
     from core.sequence import Sequence
-    from engine import HFEngine
+    from models.runtime import HFEngine
     from scheduler import Scheduler
 
     from conftest import run
@@ -254,6 +254,6 @@ def test_prompt_logprobs_across_prefill_chunks_and_preemption(model_dir, budget)
     )
     seqs = run_all(tight, prompts)
     assert [s.output_token_ids for s in seqs] == expected
-    assert tight.num_preemptions > 0, tight.stats()
+    assert tight.planner.num_preemptions > 0, tight.stats()
     for s in seqs:
         check_against_hf(model_dir, s.prompt_token_ids, s.prompt_logprobs)

@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from config import Config  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
 from core.sequence import Sequence, SequenceStatus  # noqa: E402
-from engine import NON_FINITE_LOGITS, HFEngine  # noqa: E402
+from models.runtime import NON_FINITE_LOGITS, HFEngine  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -241,7 +241,7 @@ def test_non_finite_logits_fail_that_row_alone(tiny_model_dir, ref, monkeypatch)
     def poisoning_forward(*args, **kwargs):
         logits = forward(*args, **kwargs).clone()
         if poisoned.status is SequenceStatus.RUNNING and len(poisoned.output_token_ids) == 3:
-            row = engine._rows.index(poisoned)
+            row = engine.planner.rows.index(poisoned)
             logits[row, 5] = float("nan")
         return logits
 

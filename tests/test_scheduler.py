@@ -326,8 +326,8 @@ def test_step_exception_fails_active_set_and_loop_goes_on(fail_step, caplog):
             # From step fail_step on, any decode holding long0 explodes. A newcomer joining then
             # rides in a mixed admit+step call first: it fails, commits nothing, and the retry
             # apart (admit, then step) fails with the newcomer in the active set.
-            if step_no >= fail_step and any(s is first[1] for s in eng._rows):
-                victims.update(eng._rows)  # the active set of the failing step
+            if step_no >= fail_step and any(s is first[1] for s in eng.planner.rows):
+                victims.update(eng.planner.rows)  # the active set of the failing step
                 raise Boom(f"decode exploded at {fail_step}+")
 
         eng = RecordingEngine(capacity=4, step_fault=fault)

@@ -21,6 +21,7 @@ from core.sampling import SamplingParams, apply_token_bitmask
 from core.sequence import Sequence, SequenceStatus
 from server import create_app
 
+from conftest import schedule_all
 from live import ThreadServer, openai_client
 
 TIMEOUT = 120.0
@@ -144,25 +145,15 @@ def test_apply_token_bitmask_masks_only_the_grammar_rows():
 
 # --- the engine: preemption and chunked prefill ---------------------------------------------------------
 def run_engine(engine, seqs: list[Sequence], max_steps: int = 2000) -> None:
-    """Admit as room allows, step, readmit the preempted (front of the queue): a scheduler's loop, bounded."""
-    waiting = list(seqs)
-    for _ in range(max_steps):
-        waiting = engine.take_preempted() + waiting
-        batch = []
-        while waiting and engine.can_admit([*batch, waiting[0]]):
-            batch.append(waiting.pop(0))
-        engine.admit_and_step(batch) if batch else engine.step()
-        waiting = engine.take_preempted() + waiting
-        if all(s.is_finished for s in seqs):
-            return
-    raise AssertionError("sequences did not finish")
+    """The scheduler's loop, synchronous and bounded (``conftest.schedule_all``)."""
+    schedule_all(engine, seqs, max_steps)
 
 
 def test_grammar_survives_preemption_and_chunked_prefill(tiny_llama_dir):
     """A KV pool too small for the batch preempts and recomputes sequences, and prompts arrive in chunks: every
     constrained answer still validates, and an unconstrained row gets the tokens it gets alone."""
-    from engine import HFEngine
     from guided.grammars import compiler_for, schema_grammar
+    from models.runtime import HFEngine
 
     cfg = dict(model_id=tiny_llama_dir, max_batch_size=4, kv_block_size=4, max_num_batched_tokens=8)
     engine = HFEngine(Config(**cfg, kv_cache_mb=0.08))
@@ -175,7 +166,7 @@ def test_grammar_survives_preemption_and_chunked_prefill(tiny_llama_dir):
         seqs.append(seq)
     free = Sequence(prompt, 40)  # greedy, unconstrained
     run_engine(engine, [*seqs, free])
-    assert engine.num_preemptions > 0
+    assert engine.planner.num_preemptions > 0
     for seq in seqs:
         assert seq.status == SequenceStatus.FINISHED_STOPPED, seq.status
         jsonschema.validate(json.loads(engine.decode(seq.output_token_ids)), PERSON)

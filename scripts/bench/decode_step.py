@@ -25,7 +25,11 @@ import time
 
 def measure(model: str, batch: int, contexts: list[int], steps: int, threads: int, warmup: int = 4) -> list[dict]:
     from config import Config
-    from engine import HFEngine
+
+    try:  # a checkout from before models/runtime.py keeps HFEngine in engine.py
+        from models.runtime import HFEngine
+    except ImportError:
+        from engine import HFEngine
 
     try:  # a checkout from before the package layout keeps its modules at the root
         from sequence import Sequence

@@ -26,8 +26,8 @@ def score(model_id: str, weights: str, ids: list[int] | None, quick: bool, activ
     """Load ``model_id`` at ``weights`` (quantized linears' activations: ``activations``, config.ACTIVATIONS) and score
     the passage (ids: its tokens, None = tokenize it now)."""
     from config import Config
-    from engine import HFEngine
     from models.quality import passage, perplexity
+    from models.runtime import HFEngine
 
     t0 = time.perf_counter()
     config = Config(

@@ -260,7 +260,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     from config import Config
     from core.sampling import SamplingParams
     from core.sequence import Sequence, group_choices
-    from engine import build_engine
+    from models.runtime import build_engine
     from scheduler import Scheduler, engine_thread
 
     env = ours_env(workload, gguf, weights, options)
@@ -273,7 +273,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
 
     def once() -> list[dict]:
         engine.reset_prefix_cache()  # every run starts cold: the warm-up must not serve the timed runs' prompts
-        before = getattr(engine, "prefill_tokens_computed", None)
+        before = engine.planner.prefill_tokens_computed
         peak_used = 0
 
         async def main():
@@ -312,10 +312,9 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
 
         out = asyncio.run(main())
         stats["kv_peak_used_mib"] = peak_used * engine.blocks.block_size * kv_bytes_per_token / 2**20
-        stats["num_preemptions"] = engine.num_preemptions
-        after = getattr(engine, "prefill_tokens_computed", None)
-        if before is not None and after is not None:  # the engine's counter, where it has one
-            stats["prefill_tokens_computed"] = after - before
+        stats["num_preemptions"] = engine.planner.num_preemptions
+        after = engine.planner.prefill_tokens_computed
+        stats["prefill_tokens_computed"] = after - before
         return out
 
     once.engine = engine
@@ -330,7 +329,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         "env": env,
         "env_not_in_config": sorted(k for k in env if k not in known),
         "max_model_len": engine.max_context,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_num_batched_tokens": engine.planner.max_num_batched_tokens,
         "kv_pool_mib": round(engine.kv_pool_bytes / 2**20, 1),
         "kv_cache_dtype": getattr(engine, "kv_cache_dtype", "fp32"),
         "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,

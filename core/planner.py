@@ -1,0 +1,566 @@
+"""The planner: the KV books and the decision of each step, as data. Torch-free; runs on the event loop.
+
+``Planner`` keeps the books of every admitted sequence: which decode row it has (``rows``), which are still
+prefilling their prompt in chunks and how far they got, which choices of an ``n`` > 1 request fork another's
+prefill, and the KV blocks each holds (``core.block_manager.BlockManager``). Each step it decides, in one pass:
+
+1. ``schedule(waiting)``: a slot for every running sequence's next token, oldest admission first; while a block
+   is missing, the most recently admitted sequence is preempted (vLLM's rule: its blocks are freed, it waits
+   again with its tokens and is recomputed on readmission). Then, when nothing was preempted, the oldest waiting
+   sequences that fit (a free row, KV blocks for the tokens they do not find in the prefix cache plus a 1%
+   watermark) are admitted, FCFS: the queue never skips its oldest. A newcomer whose next uncached block is
+   being computed right now by a sequence still prefilling (or by one admitted ahead of it) waits instead of
+   computing it twice. Then the prompt chunks of the step: decode rows first, then chunks of the prefilling
+   sequences, oldest first, within ``max_num_batched_tokens`` (and ``max_prefill_while_decoding`` while rows
+   decode). The result is a ``core.step.BatchPlan``.
+2. The engine executes the plan (its worker thread) and returns one token per sampled row.
+3. ``update_from_output(plan, output)``: the rows take their tokens, chunks advance, full blocks enter the
+   prefix cache, forked choices complete, finished sequences leave. This is where sequences change status
+   (RUNNING at admission, WAITING when preempted, FINISHED_* through ``Sequence.append_token`` / ``finish``).
+
+Prefix caching: every full block a sequence has computed is registered under its chain hash after the forward
+that wrote it, and stays cached when the sequence ends, until the pool needs the block; a newcomer shares the
+longest cached prefix of its tokens in whole blocks (short of the block holding its last token, whose logits it
+needs). A sequence that still needs its prompt logprobs skips the lookup: cached blocks have no logits.
+
+Parallel sampling (``Sequence.group``): a choice admitted while another choice of its group computes the same
+prompt takes no prompt of its own. It shares every block of that parent (``BlockManager.fork``), waits while the
+parent prefills, and when the parent's last chunk is computed it gets a copy of the parent's partial block (the
+plan's ``copies``), the parent's prompt logprobs, and its first token sampled from the parent's logits row. A
+parent that leaves before its prompt is complete hands its place to its first child (``_hand_over``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+from core.block_manager import BlockManager, extend_block_hashes
+from core.sequence import Sequence, SequenceStatus
+from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
+
+log = logging.getLogger("minibatch.engine")
+
+
+class Planner:
+    """The books of ``capacity`` rows over a pool of ``num_blocks`` KV blocks of ``block_size`` tokens (0: enough
+    for every row at ``max_context``, so nothing is ever preempted), and the plan of each step."""
+
+    def __init__(
+        self,
+        capacity: int,
+        max_context: int,
+        stop_token_ids: Iterable[int],
+        num_blocks: int = 0,
+        block_size: int = 32,
+        max_num_batched_tokens: int = 0,
+        prefix_caching: bool = True,
+        max_prefill_while_decoding: int = 0,
+    ) -> None:
+        self.capacity = capacity
+        self.max_context = max_context
+        self.max_num_batched_tokens = max_num_batched_tokens  # 0: whole prompts in the step that admits them
+        self.max_prefill_while_decoding = max_prefill_while_decoding
+        self.stop_token_ids = frozenset(stop_token_ids)
+        num_blocks = num_blocks or capacity * -(-max_context // block_size)
+        # Admission leaves 1% of the pool free (vLLM's watermark) so running sequences can grow a little
+        # before anyone is preempted.
+        self.blocks = BlockManager(num_blocks, block_size, num_blocks // 100, enable_caching=prefix_caching)
+        self.rows: list[Sequence] = []  # the decoding sequences, in row order
+        self._admitted: dict[int, int] = {}  # seq_id -> admission serial (the preemption order)
+        self._serial = itertools.count()
+        self._prefilling: list[Sequence] = []  # admitted, not all tokens computed yet (oldest first)
+        self._computed: dict[int, int] = {}  # seq_id -> how many of its tokens are in its blocks
+        self._forks: dict[int, list[Sequence]] = {}  # parent seq_id -> choices waiting for its prompt
+        self._parent_of: dict[int, Sequence] = {}
+        self.prefill_tokens_computed = 0  # tokens fed by prefill chunks (prompt, or recompute), cache hits excluded
+        self.num_preemptions = 0
+        self.num_forks = 0  # choices that took their prompt from a parent's prefill
+        self.num_block_copies = 0  # partial blocks copied for them
+        self._steps = 0
+        self._peak_batch = 0
+        self._tokens = 0
+        self.kv_window = 0  # a sliding window on every layer: blocks that left it go back to the pool
+
+    # --- what is admitted ---------------------------------------------------------------------
+    def num_active(self) -> int:
+        """Sequences holding a slot: decoding, prefilling, or forked and waiting for a parent's prompt."""
+        return len(self.rows) + len(self._prefilling) + len(self._parent_of)
+
+    def active_sequences(self) -> list[Sequence]:
+        return list(self.rows) + list(self._prefilling) + [c for cs in self._forks.values() for c in cs]
+
+    @property
+    def prefilling(self) -> list[Sequence]:
+        """Admitted sequences still computing their tokens in chunks, oldest first."""
+        return list(self._prefilling)
+
+    def forks_of(self, seq_id: int) -> list[Sequence]:
+        """The choices waiting for ``seq_id``'s prompt (they share its blocks)."""
+        return list(self._forks.get(seq_id, ()))
+
+    def check_admissible(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never be admitted (empty, longer than the context, more blocks than the pool), or None.
+        Cheap; called before queueing."""
+        if seq.prompt_len == 0:
+            return "prompt is empty after tokenization"
+        if seq.prompt_len + seq.max_new_tokens > self.max_context:
+            return (
+                f"prompt ({seq.prompt_len} tokens) + max_new_tokens ({seq.max_new_tokens}) "
+                f"exceeds the model's context window of {self.max_context} tokens"
+            )
+        total, bm = seq.prompt_len + seq.max_new_tokens, self.blocks
+        if bm.blocks_for(total) > bm.num_blocks or not bm.can_ever_allocate(seq.prompt_len):
+            return (
+                f"prompt ({seq.prompt_len} tokens) + max_new_tokens ({seq.max_new_tokens}) needs "
+                f"{bm.blocks_for(total)} KV blocks of {bm.block_size} tokens; the whole KV cache holds "
+                f"{bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} tokens, KV_CACHE_MB), "
+                f"{bm.watermark_blocks} of them kept free at admission"
+            )
+        return None
+
+    def can_admit(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs``, in this order, would all be admitted now (``admissible``)."""
+        return len(self.admissible(seqs)) == len(seqs)
+
+    def admissible(self, waiting: Iterable[Sequence], wait_for_prefixes: bool = True) -> list[Sequence]:
+        """The longest head of ``waiting`` that fits now, in one pass: free rows; free blocks for the tokens each
+        does not find in the prefix cache (a forked choice: its partial block's copy only) plus the watermark,
+        after the running sequences took the blocks their next token needs; and (``wait_for_prefixes``, the
+        policy) none that computes its prompt had better wait for a prefix being computed."""
+        bm = self.blocks
+        room = self.capacity - self.num_active()
+        need = bm.watermark_blocks + sum(
+            bm.blocks_to_append(s.seq_id, max(0, s.num_tokens - bm.num_tokens(s.seq_id))) for s in self.rows
+        )
+        computing = {s.seq_id for s in self._prefilling}
+        chosen: list[Sequence] = []
+        for seq in waiting:
+            if len(chosen) >= room or self.check_admissible(seq):
+                break
+            source = self._fork_source(seq, computing)
+            cost = bm.fork_cost(seq.num_tokens) if source else bm.admission_cost(seq.num_tokens, self._lookup(seq))
+            if need + cost > bm.num_free_blocks:
+                break
+            if wait_for_prefixes and source is None and self._waits_for_prefix(seq, chosen):
+                break
+            chosen.append(seq)
+            need += cost
+            if source is None:
+                computing.add(seq.seq_id)
+        return chosen
+
+    # --- the plan ------------------------------------------------------------------------------
+    def schedule(self, waiting: Iterable[Sequence], decode: bool = True) -> BatchPlan:
+        """The next step: every running sequence's slot (preempting while a block is missing), then, if nothing
+        was preempted, the head of ``waiting`` that fits (``admissible``), then the step's prompt chunks. The
+        caller takes ``plan.newcomers`` out of its queue and puts ``plan.preempted`` at its front."""
+        preempted = self._reserve_running() if decode else []
+        newcomers = [] if preempted else self.admissible(waiting)
+        return self._plan(newcomers, decode, preempted)
+
+    def plan(self, newcomers: list[Sequence], decode: bool = True) -> BatchPlan:
+        """A step that admits exactly ``newcomers`` (AdmissionError, nothing admitted, if they do not fit) and,
+        with ``decode``, advances every decode row."""
+        preempted = self._reserve_running() if decode else []
+        self._check_newcomers(newcomers)
+        return self._plan(newcomers, decode, preempted)
+
+    def _plan(self, newcomers: list[Sequence], decode: bool, preempted: list[Sequence]) -> BatchPlan:
+        start = time.perf_counter()
+        try:
+            for seq, cached in self._place(newcomers):
+                self._computed[seq.seq_id] = cached
+                self._prefilling.append(seq)
+            for seq in newcomers:
+                self._admitted.setdefault(seq.seq_id, next(self._serial))
+            rows = list(self.rows) if decode else []
+            chunks = self._plan_chunks(len(rows))
+        except BaseException:
+            self._unplace_all(newcomers)
+            raise
+        table, bs = self.blocks.block_table, self.blocks.block_size
+        ending = [c.seq for c in chunks if c.ends_prompt]
+        forks = {p.seq_id: list(self._forks[p.seq_id]) for p in ending if p.seq_id in self._forks}
+        copies = [
+            (table(p.seq_id)[p.prompt_len // bs], table(c.seq_id)[p.prompt_len // bs])
+            for p in ending
+            if p.prompt_len % bs
+            for c in forks.get(p.seq_id, ())
+        ]
+        return BatchPlan(
+            decode=rows,
+            chunks=chunks,
+            tables=[list(table(s.seq_id)) for s in rows] + [list(table(c.seq.seq_id)) for c in chunks],
+            newcomers=list(newcomers),
+            forks=forks,
+            preempted=preempted,
+            samples=rows + [x for p in ending for x in (p, *forks.get(p.seq_id, ()))],
+            copies=copies,
+            start=start,
+        )
+
+    def _plan_chunks(self, n_decode: int) -> list[Chunk]:
+        """A chunk per prefilling sequence, oldest first, within the budget left after the decode rows (and, when
+        rows decode, within ``max_prefill_while_decoding``); every prompt whole when chunking is off."""
+        if not self.max_num_batched_tokens:
+            return [Chunk(s, self._computed[s.seq_id], s.num_tokens) for s in self._prefilling]
+        budget = max(self.max_num_batched_tokens - n_decode, 1)
+        if n_decode and self.max_prefill_while_decoding:
+            budget = min(budget, self.max_prefill_while_decoding)
+        chunks = []
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            start = self._computed[seq.seq_id]
+            end = min(seq.num_tokens, start + budget)
+            chunks.append(Chunk(seq, start, end))
+            budget -= end - start
+        return chunks
+
+    def abandon(self, plan: BatchPlan) -> None:
+        """The engine failed on ``plan``: its newcomers hold nothing again (its preemptions stand)."""
+        self._unplace_all(plan.newcomers)
+
+    # --- applying a step's output ----------------------------------------------------------------
+    def update_from_output(self, plan: BatchPlan, output: StepOutput, now: float | None = None) -> StepResult:
+        """Apply what the engine computed for ``plan``: decode rows take their tokens, chunks advance (their full
+        blocks enter the cache), sequences whose prompt is complete take their first token and a row, forked
+        choices complete with their parent, finished sequences leave."""
+        now = time.perf_counter() if now is None else now
+        tokens, n = output.tokens, len(plan.decode)
+        for seq in plan.newcomers:
+            seq.status = SequenceStatus.RUNNING
+            if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
+                seq.admit_time = plan.start
+        if plan.decode:
+            self._commit_step(plan.decode, tokens[:n], now)
+        done = []
+        for seq, begin, end in plan.chunks:
+            self._computed[seq.seq_id] = end
+            self.prefill_tokens_computed += end - begin
+            if end == seq.num_tokens:
+                done.append(seq)
+            else:
+                self._cache_computed(seq, end)
+        for seq in done:
+            self._prefilling.remove(seq)
+            del self._computed[seq.seq_id]
+        self._commit_newcomers(self._complete_forks(done), tokens[n:], now)
+        finished = [s for s in self.rows if s.is_finished]
+        self._evict(finished)
+        return StepResult(finished=finished, preempted=list(plan.preempted))
+
+    def _commit_step(self, rows: list[Sequence], tokens: list[int | RowFailure], now: float) -> None:
+        for seq, token in zip(rows, tokens):
+            _take(seq, token, now)
+            self._cache_fed(seq)
+        self._steps += 1
+        self._tokens += len(rows)
+        self._peak_batch = max(self._peak_batch, len(self.rows))
+
+    def _commit_newcomers(self, seqs: list[Sequence], first_tokens: list[int | RowFailure], now: float) -> None:
+        """Sequences whose prompt a forward completed take rows, with their first tokens."""
+        self.rows.extend(seqs)
+        for seq, token in zip(seqs, first_tokens):
+            seq.status = SequenceStatus.RUNNING
+            if not seq.ignore_eos:
+                seq.stop_token_ids = seq.stop_token_ids | self.stop_token_ids
+            _take(seq, token, now)
+            self._cache_fed(seq)
+        self._tokens += len(seqs)
+        self._peak_batch = max(self._peak_batch, len(self.rows))
+
+    def _cache_fed(self, seq: Sequence) -> None:
+        """After a forward fed every token of ``seq`` but its newest: cache its full blocks, unless it failed
+        (its K/V may be garbage: never shared)."""
+        if seq.status is not SequenceStatus.FINISHED_ERROR:
+            self._cache_computed(seq, seq.num_tokens - 1)
+
+    # --- growth and preemption -------------------------------------------------------------------
+    def _reserve_running(self) -> list[Sequence]:
+        """A slot for every running sequence's next token, oldest admission first; while a block is missing,
+        preempt the most recently admitted (possibly the one that needs it). Returns the preempted."""
+        preempted: list[Sequence] = []
+        for seq in sorted(self.rows, key=lambda s: self._admitted[s.seq_id]):
+            if seq.seq_id not in self._admitted:  # preempted meanwhile
+                continue
+            need = seq.num_tokens - self.blocks.num_tokens(seq.seq_id)
+            if need <= 0:
+                continue
+            while not self.blocks.can_append(seq.seq_id, need):
+                victim = max(self.active_sequences(), key=lambda s: self._admitted[s.seq_id])
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append_slots(seq.seq_id, need)
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and row; it waits again with its tokens (recomputed on readmission)."""
+        if seq.seq_id in self._parent_of:
+            self._drop_fork(seq)
+        elif seq in self._prefilling:
+            self._drop_prefilling(seq)
+        else:
+            self._evict([seq])
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        log.info("preempted sequence %d (%d tokens): KV cache full", seq.seq_id, seq.num_tokens)
+
+    def _check_newcomers(self, seqs: list[Sequence]) -> None:
+        if self.num_active() + len(seqs) > self.capacity:
+            raise AdmissionError(f"{len(seqs)} newcomers exceed free capacity {self.capacity - self.num_active()}")
+        for seq in seqs:
+            reason = self.check_admissible(seq)
+            if reason:
+                raise AdmissionError(f"sequence {seq.seq_id}: {reason}")
+        if len(self.admissible(seqs, wait_for_prefixes=False)) < len(seqs):
+            raise AdmissionError(
+                f"{len(seqs)} newcomers need {sum(self.blocks.blocks_for(s.num_tokens) for s in seqs)} KV blocks; "
+                f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} are free"
+            )
+
+    # --- placing newcomers, forks ----------------------------------------------------------------
+    def _place(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """KV blocks for each newcomer: a choice whose prompt another computes forks it, any other allocates all
+        its tokens, its cached prefix shared. Returns the ones that compute, with how many tokens were cached."""
+        computing, ids = [], {s.seq_id for s in self._prefilling}
+        for seq in seqs:
+            source = self._fork_source(seq, ids)
+            if source is None:
+                computing.append((seq, self._allocate(seq)))
+                ids.add(seq.seq_id)
+            else:
+                self._fork(seq, source)
+        return computing
+
+    @staticmethod
+    def _fork_source(seq: Sequence, computing: set[int]) -> Sequence | None:
+        """A choice of ``seq``'s group that computes the same prompt (its seq_id in ``computing``: prefilling, or
+        admitted before ``seq`` in this step), neither of them with output yet (a recomputed sequence never
+        forks) and with the prompt logprobs ``seq`` wants; None if there is none."""
+        if seq.group is None or seq.output_token_ids:
+            return None
+        for other in seq.group:
+            if (
+                other is not seq
+                and other.seq_id in computing
+                and not other.output_token_ids
+                and seq.prompt_logprobs_k in (None, other.prompt_logprobs_k)
+                and other.prompt_token_ids == seq.prompt_token_ids
+            ):
+                return other
+        return None
+
+    def _fork(self, child: Sequence, parent: Sequence) -> None:
+        """The child shares the parent's blocks (its own fresh partial block) and waits for its prompt."""
+        self.blocks.fork(parent.seq_id, child.seq_id)
+        self._forks.setdefault(parent.seq_id, []).append(child)
+        self._parent_of[child.seq_id] = parent
+        if child.num_cached_tokens is None:  # the prompt's cache hit is the parent's (usage reports it once)
+            child.num_cached_tokens = parent.num_cached_tokens
+
+    def _complete_forks(self, parents: list[Sequence]) -> list[Sequence]:
+        """After a forward computed the prompts of ``parents`` (and the engine copied their partial blocks): each
+        forked child takes the parent's prompt logprobs and stops waiting. Returns each parent followed by its
+        children: the order of their first tokens."""
+        order = [x for p in parents for x in (p, *self._forks.get(p.seq_id, ()))]
+        for parent in parents:
+            for child in self._forks.pop(parent.seq_id, ()):
+                del self._parent_of[child.seq_id]
+                if parent.prompt_len % self.blocks.block_size:
+                    self.num_block_copies += 1
+                if child.prompt_logprobs_k is not None:
+                    child.prompt_logprobs = list(parent.prompt_logprobs)
+                child.block_hashes = list(parent.block_hashes)  # same prompt, same chain (spares the hashing)
+                self.num_forks += 1
+        return order
+
+    def _hand_over(self, parent: Sequence) -> None:
+        """A prefilling parent leaves (aborted, preempted, failed) while choices wait on it: the first of them
+        takes its place in the prefill queue and the others wait on it instead. It goes on from where the parent
+        got, since it shares the prompt's full blocks, but from no further than the start of the partial last
+        block: its own copy of that one holds nothing yet. It keeps the prompt logprobs scored so far."""
+        children = self._forks.pop(parent.seq_id, None)
+        if not children:
+            return
+        heir, rest = children[0], children[1:]
+        del self._parent_of[heir.seq_id]
+        bs = self.blocks.block_size
+        start = self._computed[heir.seq_id] = min(self._computed[parent.seq_id], parent.prompt_len // bs * bs)
+        if heir.prompt_logprobs_k is not None:  # the parent scored positions [0, start) already
+            heir.prompt_logprobs = list(parent.prompt_logprobs[: start + 1]) if start else []
+        self._prefilling.insert(self._prefilling.index(parent), heir)
+        if rest:
+            self._forks[heir.seq_id] = rest
+            for child in rest:
+                self._parent_of[child.seq_id] = heir
+
+    def _drop_fork(self, child: Sequence) -> None:
+        """A forked choice leaves before its parent's prompt is complete: its blocks go back (the shared ones
+        stay with the parent)."""
+        parent = self._parent_of.pop(child.seq_id)
+        siblings = self._forks[parent.seq_id]
+        siblings.remove(child)
+        if not siblings:
+            del self._forks[parent.seq_id]
+        self._admitted.pop(child.seq_id, None)
+        self.blocks.free(child.seq_id)
+
+    def _drop_prefilling(self, seq: Sequence) -> None:
+        self._hand_over(seq)
+        self._prefilling.remove(seq)
+        self._computed.pop(seq.seq_id, None)
+        self._admitted.pop(seq.seq_id, None)
+        if seq.seq_id in self.blocks:
+            self.blocks.free(seq.seq_id)
+
+    def _unplace_all(self, seqs: list[Sequence]) -> None:
+        """Undo the placing of newcomers (a failed plan or step): children before the parents they forked."""
+        for seq in reversed(seqs):
+            if seq.seq_id in self._parent_of:
+                self._drop_fork(seq)
+            elif seq in self._prefilling:
+                self._drop_prefilling(seq)
+            elif seq.seq_id in self.blocks:
+                self.blocks.free(seq.seq_id)
+            self._admitted.pop(seq.seq_id, None)
+
+    # --- prefix cache ------------------------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chain hashes of the full blocks among the sequence's first ``num_tokens`` tokens (kept on the
+        sequence and extended as its blocks fill)."""
+        n, bs = num_tokens // self.blocks.block_size, self.blocks.block_size
+        if len(seq.block_hashes) < n:
+            tokens = (seq.prompt_token_ids + seq.output_token_ids)[: n * bs]
+            extend_block_hashes(seq.block_hashes, tokens, bs)
+        return seq.block_hashes[:n]
+
+    def _lookup(self, seq: Sequence) -> list[bytes]:
+        """What a newcomer may find in the cache: its full blocks before the one holding its last token (that
+        one is computed, for its logits); nothing when caching is off or it still needs prompt logprobs."""
+        if not self.blocks.enable_caching or needs_prompt_logprobs(seq):
+            return []
+        return self._block_hashes(seq, seq.num_tokens - 1)
+
+    def _waits_for_prefix(self, seq: Sequence, ahead: list[Sequence]) -> bool:
+        """Whether the first block ``seq`` would have to compute is being computed by an admitted sequence still
+        prefilling, or will be by one of ``ahead`` (admitted before it in the same step): then it waits one
+        or a few steps and shares the block instead of computing it twice."""
+        hashes = self._lookup(seq)
+        hit = len(self.blocks.match(hashes))
+        if hit == len(hashes):
+            return False
+        wanted = hashes[hit]
+        for other in [*self._prefilling, *ahead]:
+            if needs_prompt_logprobs(other) or not self.blocks.enable_caching:
+                continue
+            done = self._computed.get(other.seq_id, 0) // self.blocks.block_size
+            if wanted in self._block_hashes(other, other.num_tokens)[done:]:
+                return True
+        return False
+
+    def _allocate(self, seq: Sequence) -> int:
+        """Blocks for all of a newcomer's tokens, its cached prefix shared; returns how many tokens are cached."""
+        self.blocks.allocate(seq.seq_id, seq.num_tokens, self._lookup(seq))
+        cached = self.blocks.cached_tokens(seq.seq_id)
+        if seq.num_cached_tokens is None:  # the first admission: what the prompt found in the cache
+            seq.num_cached_tokens = min(cached, seq.prompt_len)
+        return cached
+
+    def _cache_computed(self, seq: Sequence, computed: int) -> None:
+        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache;
+        under a sliding window on every layer (``kv_window``), the blocks that left it go back to the pool (its
+        next query, at position ``computed``, reads keys from ``computed - kv_window + 1`` on)."""
+        bm = self.blocks
+        if bm.enable_caching and computed // bm.block_size > bm.num_hashed_blocks(seq.seq_id):
+            bm.cache_blocks(seq.seq_id, self._block_hashes(seq, computed))
+        if self.kv_window and seq.seq_id in bm:
+            bm.release_before(seq.seq_id, computed - self.kv_window + 1)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no sequence holds (``POST /admin/reset_prefix_cache``); returns how many."""
+        return self.blocks.reset_cache()
+
+    # --- leaving -----------------------------------------------------------------------------------
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Free an admitted sequence's slot and blocks; it finishes as aborted unless it already has a finished
+        status. Returns it (None if not admitted)."""
+        seq = next((s for s in [*self.rows, *self._prefilling] if s.seq_id == seq_id), None)
+        parent = self._parent_of.get(seq_id)
+        if seq is None and parent is not None:
+            seq = next(c for c in self._forks[parent.seq_id] if c.seq_id == seq_id)
+        if seq is None:
+            return None
+        seq.finish(SequenceStatus.FINISHED_ABORTED)
+        if parent is not None:
+            self._drop_fork(seq)
+        elif seq in self._prefilling:
+            self._drop_prefilling(seq)
+        else:
+            self._evict([seq])
+        return seq
+
+    def reset(self) -> None:
+        """Forget every admitted sequence (after a failure); the prefix cache goes too, since a failed call may
+        have left blocks half written."""
+        self.rows.clear()
+        self._prefilling.clear()
+        self._computed.clear()
+        self._forks.clear()
+        self._parent_of.clear()
+        self._admitted.clear()
+        bm = self.blocks
+        self.blocks = BlockManager(bm.num_blocks, bm.block_size, bm.watermark_blocks, bm.enable_caching)
+        self.blocks.queried_tokens, self.blocks.hit_tokens = bm.queried_tokens, bm.hit_tokens
+
+    def _evict(self, leaving: list[Sequence]) -> None:
+        """Free the rows and blocks of ``leaving``; the survivors stay in rows [0, n), tail rows moved into the
+        holes (a row's K/V lives in its blocks, so a move is only a new row number)."""
+        if not leaving:
+            return
+        for seq in leaving:
+            self._admitted.pop(seq.seq_id, None)
+            if seq.seq_id in self.blocks:
+                self.blocks.free(seq.seq_id)
+        gone = {self.rows.index(s) for s in leaving}
+        keep = len(self.rows) - len(gone)
+        holes = sorted(r for r in gone if r < keep)
+        movers = [r for r in range(keep, len(self.rows)) if r not in gone]
+        for src, dst in zip(movers, holes):
+            self.rows[dst] = self.rows[src]
+        del self.rows[keep:]
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "steps": self._steps,
+            "peak_batch": self._peak_batch,
+            "generated_tokens": self._tokens,
+            "kv_blocks": self.blocks.num_blocks,
+            "kv_free_blocks": self.blocks.num_free_blocks,
+            "kv_block_size": self.blocks.block_size,
+            "num_preemptions": self.num_preemptions,
+            "num_prefilling": len(self._prefilling) + len(self._parent_of),  # forked choices wait for a prefill
+            "kv_cached_blocks": self.blocks.num_cached_blocks,
+            "prefix_cache_queries": self.blocks.queried_tokens,
+            "prefix_cache_hits": self.blocks.hit_tokens,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+        }
+
+
+def _take(seq: Sequence, token: int | RowFailure, now: float) -> None:
+    """A row's result: its next token, or its failure (it finishes with the error; the caller evicts it)."""
+    if isinstance(token, RowFailure):
+        seq.finish(SequenceStatus.FINISHED_ERROR, now, error=token.reason)
+    else:
+        seq.append_token(token, now)
+
+
+def needs_prompt_logprobs(seq: Sequence) -> bool:
+    """The sequence asked for prompt logprobs and does not have them all yet (a recomputed one may)."""
+    return seq.prompt_logprobs_k is not None and len(seq.prompt_logprobs) < seq.prompt_len

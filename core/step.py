@@ -1,0 +1,94 @@
+"""One engine step as data: what the planner decided (``BatchPlan``, vLLM's ``SchedulerOutput``), what the engine
+computed (``StepOutput``), and what applying it changed (``StepResult``). No torch.
+
+The scheduler asks the planner (``core/planner.py``) for a ``BatchPlan`` on the event loop, the engine executes
+it on its worker thread and returns a ``StepOutput`` (one token, or a ``RowFailure``, per sampled row), and the
+planner applies that output back on the loop (``Planner.update_from_output``): the one place where sequences
+take tokens and change status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from core.sequence import Sequence
+
+
+class AdmissionError(ValueError):
+    """A sequence cannot be admitted (too long, empty, over capacity). Nothing was admitted."""
+
+
+class RowFailure(NamedTuple):
+    """What the engine returns instead of a token for a row that failed alone (the others go on).
+
+    ``reason`` is stable text for clients; the internal detail is logged where the failure happens.
+    """
+
+    reason: str
+
+
+class Chunk(NamedTuple):
+    """Tokens ``[start, end)`` of ``seq`` fed at those positions (its earlier tokens are in its blocks)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def ends_prompt(self) -> bool:
+        """Whether this chunk feeds the sequence's last token: the forward samples its first token."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class BatchPlan:
+    """One step, decided. The engine executes it; nothing in it changes while it runs.
+
+    Rows of the forward, in order: each ``decode`` sequence feeds its last token (position ``num_tokens - 1``),
+    then each ``chunks`` entry feeds its tokens. ``tables[i]`` is the block table of the i-th row's sequence
+    (decode rows, then chunks), covering every position fed. The forward samples one token for each of
+    ``samples``: the decode rows, then, for each chunk that ends its prompt, that sequence followed by the
+    choices forked from it (``forks``: they sample from its logits row, each under its own parameters).
+    After the forward, ``copies`` (src, dst) give each completing fork its own copy of the parent's partial
+    last block.
+
+    Speculative decoding has its place here: draft tokens per decode row would extend that row's fed tokens
+    and its sampled positions (verify rows), and ``StepOutput`` would carry the accepted run per row.
+    """
+
+    decode: list[Sequence] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    newcomers: list[Sequence] = field(default_factory=list)  # admitted by this plan (they hold blocks now)
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)  # parent seq_id -> choices completing with it
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to the queue before this step
+    samples: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    start: float = 0.0  # when the plan was made (a newcomer's admit_time)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run: no decode row, no chunk."""
+        return not self.decode and not self.chunks
+
+    @property
+    def ending(self) -> list[Chunk]:
+        """The chunks that end their prompt (each samples its sequence's first token)."""
+        return [c for c in self.chunks if c.ends_prompt]
+
+
+@dataclass
+class StepOutput:
+    """What the engine computed for a plan: one token id (or ``RowFailure``) per ``BatchPlan.samples`` entry."""
+
+    tokens: list[int | RowFailure]
+
+
+@dataclass
+class StepResult:
+    """What applying a step's output changed: the sequences that finished (they hold no slot any more) and the
+    ones preempted before it (back to the front of the queue, tokens kept)."""
+
+    finished: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
