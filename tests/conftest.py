@@ -38,6 +38,23 @@ def _exact_activations():
         int_dot.AUTO_ROWS[kind].update(rows)
 
 
+SERVING_AUTO_KV = {}  # what KV_CACHE_DTYPE=auto gives quantized weights when served ("dtype"), saved by _exact_kv_pool
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _exact_kv_pool():
+    """Under KV_CACHE_DTYPE=auto the tests give quantized weights an fp32 pool (served, they get int8:
+    docs/kv-cache.md): the parity gates compare with HF token for token, which a narrower pool is not. The narrow
+    pools and the served default are tested where they are asked for (tests/test_kv_dtype.py); servers started by
+    ``live.ProcessServer`` get KV_CACHE_DTYPE=fp32 unless a test sets it."""
+    from models import runtime  # torch-free
+
+    SERVING_AUTO_KV["dtype"] = runtime.AUTO_QUANTIZED_KV
+    runtime.AUTO_QUANTIZED_KV = "fp32"
+    yield
+    runtime.AUTO_QUANTIZED_KV = SERVING_AUTO_KV["dtype"]
+
+
 def run(coro):
     """Run a coroutine to completion on a fresh event loop (no pytest-asyncio needed)."""
     return asyncio.run(coro)

@@ -268,10 +268,15 @@ def test_an_unknown_kv_cache_dtype_names_the_variable_and_the_choices(value):
         ({"MODEL_ID": "dir", "KV_CACHE_DTYPE": "bf16"}, "bf16"),
     ],
 )
-def test_auto_is_fp32_beside_fp32_weights_and_int8_beside_quantized_ones(env, dtype):
-    from models.runtime import kv_cache_dtype
+def test_auto_is_fp32_beside_fp32_weights_and_int8_beside_quantized_ones(env, dtype, monkeypatch):
+    """What a server picks (the tests' own engines run auto as fp32: conftest._exact_kv_pool)."""
+    from models import runtime
 
-    assert kv_cache_dtype(Config.from_env(env)) == dtype
+    from conftest import SERVING_AUTO_KV
+
+    monkeypatch.setattr(runtime, "AUTO_QUANTIZED_KV", SERVING_AUTO_KV["dtype"])
+    assert SERVING_AUTO_KV["dtype"] == "int8"
+    assert runtime.kv_cache_dtype(Config.from_env(env)) == dtype
 
 
 def test_a_dtype_the_cpu_cannot_run_fails_at_startup_with_one_line(monkeypatch):
