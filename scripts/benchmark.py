@@ -6,6 +6,8 @@
     python scripts/benchmark.py --quick --json out.json          # small and fast (used by the tests)
     python scripts/benchmark.py --model X.gguf --workload long-prompt --systems ours:budget=0,ours
     python scripts/benchmark.py --workload decode-step           # paged vs the contiguous engine of 380e2e9
+    python -m scripts.benchmark --model X --workload sweep --capacities 1,4,16,64,256 \
+        --systems ours:device=cuda,static_hf:device=cuda:dtype=bf16,hf_cb:device=cuda:dtype=bf16  # scripts/gpu_check.sh
     python scripts/benchmark.py --systems ours:tree=/tmp/before,ours  # another checkout's engine beside this one
     python scripts/benchmark.py --model llama-1b:Q4_K_M --workload seed,single --systems ours,llamacpp
                                               # a Llama-3.2-1B-shaped file made once by llama.cpp's own tools
@@ -367,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per system before the timed ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = physical cores)")
+    p.add_argument(
+        "--capacities",
+        type=lambda v: tuple(int(c) for c in v.split(",") if c),
+        default=(),
+        help="sweep: comma-separated capacities instead of 1,2,4,8,16,32 (a GPU's curve: 1,4,16,64,256)",
+    )
     p.add_argument("--quick", action="store_true", help="a few requests, 1 timed run")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per system run before it counts as failed")
     p.add_argument("--prev", default=PREV_COMMIT, help="decode-step: the contiguous-KV commit to compare ('' = none)")
@@ -423,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         if w == DECODE_STEP:
             continue
-        caps = CAPACITY_WORKLOADS.get(w, (0,))
+        caps = args.capacities if w == "sweep" and args.capacities else CAPACITY_WORKLOADS.get(w, (0,))
         caps = caps[: QUICK_CAPACITIES.get(w, 1)] if args.quick else caps
         jobs += [(w, c, s) for c in caps for s in systems if not (w in CAPACITY_WORKLOADS and s == RAY_SYSTEM)]
     if RAY_SYSTEM in systems and set(workloads) & set(CAPACITY_WORKLOADS):

@@ -32,6 +32,7 @@ LLAMA_SHAPES = {
     # name: (layers, hidden, heads, kv heads, intermediate, max_position_embeddings, vocab_size or None)
     "tiny": (2, 64, 4, 2, 128, 1024, None),
     "smollm2": (30, 576, 9, 3, 1536, 8192, 49152),
+    "llama-1b": (16, 2048, 32, 8, 8192, 8192, 128256),  # Llama-3.2-1B's tensor shapes (scripts/gpu_check.sh)
 }
 
 # The families beyond GPT-2 and Llama at test size: (config class, model class, config fields). Every one is tiny

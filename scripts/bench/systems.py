@@ -86,15 +86,29 @@ async def drive(requests: list[Request], send) -> list[dict]:
     return out
 
 
-def system_static_hf(model_dir: str, workload: Workload):
-    """FCFS batches of the capacity through HF generate; a request finishes when its batch does. Every row of
-    a batch gets its tokens at the batch's steps (the time each step's logits reach the sampler)."""
+HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the HF baselines' dtype=... option
+
+
+def hf_dtype(name: str):
+    """``static_hf:dtype=bf16`` -> torch.bfloat16 (fp32, bf16, fp16)."""
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+
+    if name not in HF_DTYPES:
+        raise SystemExit(f"dtype must be one of {', '.join(HF_DTYPES)} (got {name!r})")
+    return getattr(torch, HF_DTYPES[name])
+
+
+def system_static_hf(model_dir: str, workload: Workload, device: str = "cpu", dtype: str = "fp32"):
+    """FCFS batches of the capacity through HF generate on ``device`` in ``dtype``; a request finishes when its
+    batch does. Every row of a batch gets its tokens at the batch's steps (the time each step's logits reach the
+    sampler)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     from models.hf_baseline import HFModelRunner, left_pad
 
-    runner = HFModelRunner(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype(dtype))
+    runner = HFModelRunner(model_dir, device=device, model=model)
     requests, capacity = workload.requests, workload.capacity
 
     class Steps(LogitsProcessor):
@@ -114,6 +128,7 @@ def system_static_hf(model_dir: str, workload: Workload):
             batch = requests[first : first + capacity]
             start = time.perf_counter()
             ids, mask = left_pad([r.prompt_ids for r in batch], runner.pad_id)  # each [B, W]
+            ids, mask = ids.to(runner.device), mask.to(runner.device)
             width = ids.shape[1]
             steps = Steps()
             with torch.inference_mode():
@@ -143,17 +158,18 @@ def system_static_hf(model_dir: str, workload: Workload):
                 )
         return out
 
-    return once, {"batching": "static FCFS batches, left-padded, HF generate(do_sample=False)", "batch_size": capacity}
+    config = {"batching": "static FCFS batches, left-padded, HF generate(do_sample=False)", "batch_size": capacity}
+    return once, {**config, "device": str(runner.device), "dtype": dtype}
 
 
-def system_hf_cb(model_dir: str, workload: Workload):
-    """transformers' continuous batching (ContinuousBatchingManager), same request cap, all queued at t0;
-    token times are its own per-token timestamps (``record_timestamps``)."""
-    import torch
+def system_hf_cb(model_dir: str, workload: Workload, device: str = "cpu", dtype: str = "fp32"):
+    """transformers' continuous batching (ContinuousBatchingManager) on ``device`` in ``dtype``, same request cap,
+    all queued at t0; token times are its own per-token timestamps (``record_timestamps``)."""
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     requests, capacity = workload.requests, workload.capacity
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype(dtype), attn_implementation="sdpa")
+    model = model.to(device).eval()
     page = 32
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     # eos_token_id=-1: no EOS (None would fall back to the model's EOS).
@@ -176,6 +192,8 @@ def system_hf_cb(model_dir: str, workload: Workload):
         "page_size": page,
         "num_blocks": cb.num_blocks,
         "scheduler_type": "fifo",
+        "device": device,
+        "dtype": dtype,
     }
 
     def once() -> list[dict]:
@@ -231,6 +249,7 @@ OURS_OPTIONS = {
     "isa": "KERNEL_ISA",
     "kvd": "KV_CACHE_DTYPE",
     "act": "ACTIVATIONS",
+    "device": "DEVICE",
 }
 
 
@@ -576,6 +595,8 @@ def parse_system(name: str) -> tuple[str, dict]:
         "ours": {"weights", "fork", *OURS_OPTIONS},
         "ours_server": {"weights", *OURS_OPTIONS},
         "llamacpp": {"cache", "kvd"},
+        "static_hf": {"device", "dtype"},
+        "hf_cb": {"device", "dtype"},
     }.get(base, set())
     kwargs = {}
     for part in parts:
@@ -587,8 +608,9 @@ def parse_system(name: str) -> tuple[str, dict]:
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
-            "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours_server: as "
-            "ours but fork; llamacpp:cache=on, llamacpp:kvd=f16|q8_0 (-ctk / -ctv))"
+            "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours:device=cuda "
+            "(DEVICE), ours_server: as ours but fork; llamacpp:cache=on, llamacpp:kvd=f16|q8_0 (-ctk / -ctv); "
+            "static_hf and hf_cb: device=cuda, dtype=fp32|bf16|fp16)"
         )
     return base, kwargs
 

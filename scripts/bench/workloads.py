@@ -100,9 +100,10 @@ def scale_workload(tok, seed: int, quick: bool) -> Workload:
 
 
 def sweep_workload(tok, seed: int, quick: bool, capacity: int) -> Workload:
-    """The same 32 requests (prompts 32-64 tokens, 32 new tokens each) at a given capacity."""
+    """The same 32 requests (prompts 32-64 tokens, 32 new tokens each) at a given capacity; at a capacity above 32
+    (``--capacities``, a GPU's curve up to 256) as many requests as the capacity, drawn the same way."""
     rng = random.Random(seed)
-    n = 8 if quick else 32
+    n = 8 if quick else max(32, capacity)
     return Workload([Request(_window(tok, rng, rng.randint(32, 64)), 16 if quick else 32) for _ in range(n)], capacity)
 
 
