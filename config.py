@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from core.fair_queue import POLICIES  # torch-free
 from models.kernels.build import KERNEL_ISAS  # torch-free
 from models.kernels.int_dot import ACTIVATIONS  # torch-free
 from models.kv_dtype import KV_DTYPES  # torch-free
@@ -21,6 +22,7 @@ WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
 RUNTIMES = ("auto", "torch", "native")  # models.runtime.build_engine picks the engine by it
 # A CORS origin: "*", or scheme://host[:port] with no path (what browsers send in Origin).
 _ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.\-\[\]:]+")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an RFC 9110 token
 
 
 class ConfigError(ValueError):
@@ -92,11 +94,28 @@ class Config:
     served_model_name: str = ""
     # Chat template (Jinja) for models without one, as text or a path to a file. "" = the tokenizer's own.
     chat_template: str = ""
-    # Seconds a request may wait in the queue / live in total before it ends with a timeout. 0 = no limit.
-    max_queue_time_s: float = 0.0
-    request_timeout_s: float = 0.0
+    # Seconds a request may wait in the queue / live in total before it ends with a 504. 0 = no limit. 600 s total:
+    # the openai SDK's own default timeout, past which its caller has given up (and retried); 300 s waiting for a
+    # first slot: an overload no client waits out (docs/operations.md "Fair scheduling").
+    max_queue_time_s: float = 300.0
+    request_timeout_s: float = 600.0
+    # Admission order (core/fair_queue.py): "fair" (between clients, then between requests; a client or request owed
+    # its share of the slots preempts one of the most-served) or "fcfs" (arrival order: one request's sequences can
+    # hold every slot).
+    scheduling_policy: str = "fair"
+    # Most sequences (prompts x n) one request may queue; beyond it, 422.
+    max_sequences_per_request: int = 256
+    # Fraction of MAX_QUEUE_DEPTH one client's waiting sequences may fill; beyond it that client gets a 503 while the
+    # others still get in. 1 = no share of its own.
+    max_client_queue_share: float = 0.5
+    # Request header that names the client for fair scheduling, set by a trusted proxy in front (e.g. X-User-Id or
+    # X-Forwarded-For). "" = the peer's address.
+    client_id_header: str = ""
     # Most top logprobs a request may ask for.
     max_logprobs: int = 5
+    # Most logprob entries (tokens x (1 + alternatives), prompt and output, all choices) one answer may carry; beyond
+    # it, 422. 500,000: ~13 MB of JSON.
+    max_logprob_entries: int = 500_000
     # Most choices (n) one /v1 request may ask for; beyond it, 422.
     max_n: int = 8
     # Most prompts one /v1/completions request may carry (a list of texts or of token-id lists); beyond it, 422.
@@ -170,7 +189,20 @@ class Config:
         _check(1 <= self.port <= 65535, "PORT", "must be in [1, 65535]")
         _check(0 <= self.max_queue_time_s < float("inf"), "MAX_QUEUE_TIME_S", "must be a finite number >= 0")
         _check(0 <= self.request_timeout_s < float("inf"), "REQUEST_TIMEOUT_S", "must be a finite number >= 0")
+        _check(
+            self.scheduling_policy in POLICIES,
+            "SCHEDULING_POLICY",
+            f"must be one of {', '.join(POLICIES)} (got {self.scheduling_policy!r})",
+        )
+        _check(1 <= self.max_sequences_per_request <= 1 << 20, "MAX_SEQUENCES_PER_REQUEST", "must be in [1, 1048576]")
+        _check(0 < self.max_client_queue_share <= 1, "MAX_CLIENT_QUEUE_SHARE", "must be a number in (0, 1]")
+        _check(
+            self.client_id_header == "" or _HEADER_NAME.fullmatch(self.client_id_header) is not None,
+            "CLIENT_ID_HEADER",
+            f"must be an HTTP header name (got {self.client_id_header!r})",
+        )
         _check(0 <= self.max_logprobs <= 20, "MAX_LOGPROBS", "must be in [0, 20]")
+        _check(1 <= self.max_logprob_entries <= 100_000_000, "MAX_LOGPROB_ENTRIES", "must be in [1, 100000000]")
         _check(1 <= self.max_n <= 128, "MAX_N", "must be in [1, 128]")
         _check(1 <= self.max_prompts_per_request <= 1024, "MAX_PROMPTS_PER_REQUEST", "must be in [1, 1024]")
         _check(

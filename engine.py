@@ -121,6 +121,15 @@ class InferenceEngine(ABC):
         assistant's answer begins."""
         raise ChatTemplateError(f"model {self.model_name!r} has no chat template")
 
+    def control_tokens(self) -> list[str]:
+        """The tokenizer's special tokens as text (``<|im_start|>``, EOS...): a chat message that types one keeps it
+        as text (``text/chat_prompt.py``). None for an engine without them."""
+        return []
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """``text`` -> token ids with special-token strings in it tokenized as plain text, no BOS/EOS added."""
+        return self.encode(text, add_special_tokens=False)
+
     def grammar_vocabulary(self) -> tuple | None:
         """Structured output: (HF tokenizer, vocabulary size, stop token ids) that grammars are compiled against,
         or None when this engine cannot constrain its sampling (then a grammar request gets a 400)."""
@@ -299,7 +308,8 @@ class FakeEngine(InferenceEngine):
         for seq in seqs:  # the fake is certain of every prompt token too
             if seq.prompt_logprobs_k is not None:
                 k = seq.prompt_logprobs_k
-                seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, [(t, 0.0)][:k]) for t in seq.prompt_token_ids[1:]]
+                rest = seq.prompt_token_ids[1:]
+                seq.prompt_logprobs = [None] + [TokenLogprobs(t, 0.0, ((t, 0.0),)[:k]) for t in rest]
         return self._next_tokens(seqs)
 
     def _decode(self, seqs: list[Sequence]) -> list[int]:
@@ -317,7 +327,7 @@ class FakeEngine(InferenceEngine):
         tokens = [self.token_fn(s) for s in seqs]
         for seq, token in zip(seqs, tokens):
             if seq.logprobs is not None and not isinstance(token, RowFailure):
-                seq.output_logprobs.append(TokenLogprobs(token, 0.0, [(token, 0.0)][: seq.logprobs]))
+                seq.output_logprobs.append(TokenLogprobs(token, 0.0, ((token, 0.0),)[: seq.logprobs]))
         return tokens
 
     def reset_state(self) -> None:

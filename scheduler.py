@@ -2,16 +2,19 @@
 
 Each iteration, on the loop: apply pending aborts and time limits, then ask the planner
 (``engine.planner``, ``core/planner.py``) for the step, once: it reserves every running sequence's next
-slot (preempting while KV blocks are missing), admits the oldest waiting sequences that fit (slots, KV
-blocks for what they do not find in the prefix cache, a watermark; the queue never skips its oldest)
-and picks the step's prompt chunks. The plan (``core.step.BatchPlan``) runs in the engine's single
+slot (preempting while KV blocks are missing), gives a slot to a client or request owed its fair share
+(preempting one sequence of the most-served one), admits waiting sequences in the queue's order
+(``core/fair_queue.py``: fair between clients and requests, or FCFS) while they fit (slots, KV blocks
+for what they do not find in the prefix cache, a watermark; the queue never skips its next) and picks
+the step's prompt chunks. The plan (``core.step.BatchPlan``) runs in the engine's single
 worker thread (``engine.execute``: newcomers' prompts ride in the decode step's forward, so the weights
 stream once), never on the event loop, so HTTP keeps flowing while the model computes; its output is
 applied back on the loop (``planner.update_from_output``), where sequences take their tokens and change
 status. Every submitted sequence's future resolves exactly once, with the sequence itself, the moment it
 finishes (its status says why: stop, length, abort or error).
 
-Preemption: the plan names the sequences it preempted (most recently admitted first to go, vLLM's rule);
+Preemption: the plan names the sequences it preempted (for KV blocks the most recently admitted first to go,
+vLLM's rule; for fair share, the most-served client's or request's newest);
 they go back to the front of the queue with their tokens and are readmitted (recomputed) before anything
 newer. Their futures and listeners stay as they are: a stream sees no gap and no repeat, only a pause.
 
@@ -27,19 +30,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from core.fair_queue import FairQueue, QueueFullError
 from core.sequence import Sequence, SequenceStatus
 from core.step import AdmissionError, BatchPlan, StepOutput
 from engine import InferenceEngine
 
+__all__ = ["EngineCall", "QueueFullError", "Scheduler", "engine_thread"]
+
 log = logging.getLogger("minibatch.scheduler")
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at MAX_QUEUE_DEPTH."""
 
 
 @dataclass
@@ -56,42 +58,6 @@ class EngineCall:
         if self.prefilled and self.decoded:
             return "mixed"
         return "prefill" if self.prefilled else "decode"
-
-
-class WaitingQueue:
-    """FIFO of waiting sequences, indexed by seq_id: append, popleft and remove are all O(1), so
-    ending many queued sequences at once (expiry, aborts) is linear, not quadratic."""
-
-    def __init__(self) -> None:
-        self._seqs: dict[int, Sequence] = {}  # insertion order is arrival order
-
-    def append(self, seq: Sequence) -> None:
-        self._seqs[seq.seq_id] = seq
-
-    def popleft(self) -> Sequence:
-        return self._seqs.pop(next(iter(self._seqs)))
-
-    def peek(self) -> Sequence:
-        return next(iter(self._seqs.values()))
-
-    def extendleft(self, seqs: list[Sequence]) -> None:
-        """Put ``seqs`` (in this order) before everything waiting (O(queue); preemption is rare)."""
-        self._seqs = {**{s.seq_id: s for s in seqs}, **self._seqs}
-
-    def remove(self, seq_id: int) -> Sequence | None:
-        return self._seqs.pop(seq_id, None)
-
-    def clear(self) -> None:
-        self._seqs.clear()
-
-    def __contains__(self, seq: object) -> bool:
-        return isinstance(seq, Sequence) and self._seqs.get(seq.seq_id) is seq
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(list(self._seqs.values()))
-
-    def __len__(self) -> int:
-        return len(self._seqs)
 
 
 def engine_thread() -> ThreadPoolExecutor:
@@ -113,15 +79,17 @@ class Scheduler:
         max_queue_depth: int,
         stop_wait_s: float = 10.0,
         executor: ThreadPoolExecutor | None = None,
+        waiting: FairQueue | None = None,
     ) -> None:
         """``stop_wait_s``: how long ``stop()`` waits for an engine call in flight. ``executor``: the
         ``engine_thread()`` that built ``engine``, which stays its caller's to shut down (by default the
-        scheduler makes one of its own, and shuts it down in ``stop``)."""
+        scheduler makes one of its own, and shuts it down in ``stop``). ``waiting``: the queue and its admission
+        policy (``core/fair_queue.py``; by default fair, with no per-client limit)."""
         self.engine = engine
         self.planner = engine.planner  # the books: read and written on the loop only
         self.max_queue_depth = max_queue_depth
         self.stop_wait_s = stop_wait_s
-        self.waiting = WaitingQueue()
+        self.waiting = waiting if waiting is not None else FairQueue()
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence holding an engine slot
         # Hooks; one that raises is logged and never stops the loop.
         # on_tokens(seqs) after each engine call that gave seqs a token each (benchmarks);
@@ -145,7 +113,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self.failed_admits = 0  # sequences failed by admit errors
         self.failed_steps = 0  # step calls that raised
-        self.num_preemptions = 0  # sequences sent back to the queue by the planner (KV cache full)
+        self.num_preemptions = 0  # sequences sent back to the queue by the planner (KV cache full, or fair share)
 
     # --- public API (event loop only) ----------------------------------------------------------
     def start(self) -> None:
@@ -167,11 +135,11 @@ class Scheduler:
         """
         if len(self.waiting) >= self.max_queue_depth:
             raise QueueFullError(f"queue is full ({self.max_queue_depth} waiting)")
+        self.waiting.append(seq)  # raises QueueFullError past the client's share of the queue
         future: asyncio.Future[Sequence] = asyncio.get_running_loop().create_future()
         self._pending[seq.seq_id] = (seq, future)
         if listener is not None:
             self._listeners[seq.seq_id] = listener
-        self.waiting.append(seq)
         self._wakeup.set()
         return future
 
@@ -275,10 +243,15 @@ class Scheduler:
             self.waiting.extendleft(plan.preempted)
             self.num_preemptions += len(plan.preempted)
 
+    @property
+    def fair_preemptions(self) -> int:
+        """Of ``num_preemptions``, those the planner made for another client's or request's fair share."""
+        return self.planner.num_fair_preemptions
+
     def _refuse_head(self) -> None:
-        """The oldest waiting sequence does not fit even in an idle engine (callers that skipped
+        """The next waiting sequence does not fit even in an idle engine (callers that skipped
         ``check_admissible``): it ends with the engine's reason instead of blocking the queue."""
-        seq = self.waiting.popleft()
+        seq = self.waiting.remove(next(self.waiting.admission_order(())).seq_id)
         reason = self.engine.check_admissible(seq) or "does not fit in the KV cache"
         self.failed_admits += 1
         log.error("sequence %d can never be admitted: %s", seq.seq_id, reason)

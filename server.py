@@ -15,6 +15,7 @@ Run:  python server.py            (reads the environment; see config.py)
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -31,8 +32,16 @@ from api import admin, generate, openai, probes, tokenize
 from api.errors import APIError, describe_unparsable_body, describe_validation
 from api.ops import OPEN_PATHS, CORSFromConfig, Operations, OperationsMiddleware
 from api.serving import Runtime
-from api.transport import AcceptErrorLog, DrainingServer, raise_file_limit, uvicorn_config
+from api.transport import (
+    AcceptErrorLog,
+    DrainingServer,
+    defend_uvicorn,
+    loading_uvicorn_config,
+    raise_file_limit,
+    uvicorn_config,
+)
 from config import Config
+from core.fair_queue import FairQueue
 from engine import FakeEngine, InferenceEngine
 from models.runtime import build_engine
 from scheduler import Scheduler, engine_thread
@@ -59,7 +68,7 @@ def create_app(
             logging.basicConfig(format=LOG_FORMAT)
         executor = thread or engine_thread()
         eng = engine or await asyncio.wrap_future(executor.submit(load_engine, cfg))
-        scheduler = Scheduler(eng, cfg.max_queue_depth, executor=executor)
+        scheduler = Scheduler(eng, cfg.max_queue_depth, executor=executor, waiting=waiting_queue(cfg))
         scheduler.on_engine_call = operations.metrics.on_engine_call
         scheduler.on_resolved = operations.metrics.on_resolved
         scheduler.start()
@@ -95,7 +104,7 @@ def _add_error_handlers(app: FastAPI, operations: Operations) -> None:
     """Every error in the API's shape, counted in minibatch:request_rejected_total by its reason."""
 
     def answer(error: APIError) -> JSONResponse:
-        if error.reason is not None:
+        if error.reason:
             operations.metrics.rejected(error.reason)
         return error.response()
 
@@ -113,6 +122,15 @@ def _add_error_handlers(app: FastAPI, operations: Operations) -> None:
             # FastAPI's bare answer to a body json.loads raised on: say what the parser refused.
             return answer(APIError(422, describe_unparsable_body(exc.__cause__)))
         return answer(APIError(exc.status_code, str(exc.detail)))
+
+
+def waiting_queue(config: Config) -> FairQueue:
+    """The scheduler's queue under SCHEDULING_POLICY, each client's share of it MAX_CLIENT_QUEUE_SHARE (never less than
+    MAX_SEQUENCES_PER_REQUEST: any one request fits)."""
+    share = config.max_client_queue_share
+    per_client = int(share * config.max_queue_depth)
+    per_client = 0 if share >= 1 else max(per_client, min(config.max_sequences_per_request, config.max_queue_depth))
+    return FairQueue(config.scheduling_policy, max_client_waiting=per_client)
 
 
 def load_engine(config: Config) -> InferenceEngine:
@@ -176,9 +194,31 @@ def __getattr__(name: str):
     """``server.app`` for ``uvicorn server:app``, built on first access (``python server.py`` never
     touches it, so it builds its app once, in ``main``)."""
     if name == "app":
-        app = globals()["app"] = create_app()
+        app = globals()["app"] = app_for_uvicorn()
         return app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def app_for_uvicorn() -> FastAPI:
+    """The app ``uvicorn server:app`` imports, built as ``main`` builds it: the config and the engine first (a bad
+    configuration or a model that cannot load ends the process with one line, ``error: <why>``, and exit status 1,
+    before any socket is opened), then the transport defences (``api/transport.py``) onto the uvicorn that is
+    importing it, so they hold under either way of running."""
+    try:
+        config = Config.from_env()
+        thread = engine_thread()
+        engine = thread.submit(load_engine, config).result()
+    except Exception as exc:  # ConfigError, a model that cannot load: the message says which
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    uv = loading_uvicorn_config()
+    if uv is not None:
+        log.warning("uvicorn server:app: %s", defend_uvicorn(uv, config))
+    else:
+        log.warning("server.app built outside uvicorn's loader: python server.py's transport defences are not applied")
+    raise_file_limit()
+    freeze_startup_heap()
+    return create_app(config, engine, thread)
 
 
 def main() -> int:
@@ -192,6 +232,7 @@ def main() -> int:
     except Exception as exc:  # ConfigError, a model that cannot load: the message says which
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
+    freeze_startup_heap()
     soft, hard = raise_file_limit()
     log.info("open-file limit %d (hard %d)", soft, hard)
     app = create_app(config, engine, thread)
@@ -201,6 +242,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     return 0 if server.started else 3  # 3: the lifespan's startup failed (uvicorn's own code for it)
+
+
+def freeze_startup_heap() -> None:
+    """Leave what startup built (the model, torch, the tokenizer: millions of objects) out of every later garbage
+    collection: a full collection walks every tracked object while holding the GIL, and one over that heap stalled
+    the event loop for 1-2 s while a large logprobs answer was being built (docs/operations.md "Reliability")."""
+    gc.collect()
+    gc.freeze()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -25,8 +25,8 @@ ENGINE_FAILURE = "the engine failed while running this request; details are in t
 
 class APIError(Exception):
     """An error answer: HTTP status, message, error type and parameter for the body, and ``reason``,
-    the ``minibatch:request_rejected_total`` label it counts under (None: not counted there, e.g.
-    an engine failure, counted by its finish reason instead). ``headers`` go out with the answer."""
+    the ``minibatch:request_rejected_total`` label it counts under (None: the status's default; "": not counted there,
+    e.g. a sequence that ran and failed, counted by its finish reason instead). ``headers`` go out with the answer."""
 
     def __init__(
         self,
@@ -103,6 +103,8 @@ def field_errors() -> Iterator[None]:
 def sequence_error(seq: Sequence) -> APIError | None:
     """The error answer for a sequence that did not end normally (None if it did)."""
     if seq.status is SequenceStatus.FINISHED_ERROR:
+        if seq.error_status != 500:  # the request's own fault (a grammar no answer can complete)
+            return APIError(seq.error_status, seq.error or ENGINE_FAILURE, reason="")  # it ran: counted as "error"
         return APIError(500, f"generation failed: {seq.error or ENGINE_FAILURE}", "server_error")
     if seq.status is SequenceStatus.FINISHED_TIMEOUT:
         return APIError(504, f"request {seq.error}", "timeout", reason=None)

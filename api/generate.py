@@ -45,7 +45,7 @@ async def generate(req: GenerateRequest, request: Request, runtime: Runtime = De
     with field_errors():
         grammar, param = generate_grammar(req.json_schema, req.regex, req.choice)
     await attach_grammar(runtime, [seq], grammar, param)
-    gen = start_generation(runtime, seq, req.stop)
+    gen = start_generation(runtime, seq, req.stop, request)
     if req.stream:
         return sse_response([gen], request, GenerateFrames(request_id))
     done = await run_to_completion(gen, request)

@@ -187,6 +187,16 @@ class OperationsMiddleware:
                 extra=[(b"www-authenticate", b"Bearer")],
             )
             return
+        if b"content-length" in headers and b"transfer-encoding" in headers:  # (the h11 protocol refuses it first)
+            await self._reject(
+                send,
+                400,
+                "a request may not carry both Content-Length and Transfer-Encoding (RFC 9112 section 6.3)",
+                "invalid_request_error",
+                "validation",
+                extra=[(b"connection", b"close")],
+            )
+            return
         if ops.draining and not open_path:
             await self._shutting_down(send)
             return

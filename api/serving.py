@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,9 +23,10 @@ from core.generation import Generation
 from core.sampling import SamplingParams
 from core.sequence import Sequence, group_choices
 from engine import ChatTemplateError, InferenceEngine
-from guided.grammars import GrammarError, GrammarState, compiler_for
+from guided.grammars import CompiledGrammar, GrammarBusyError, GrammarError, GrammarState, compiler_for
 from scheduler import QueueFullError, Scheduler
 from schemas import SamplingFields
+from text.chat_prompt import ChatPrompt, encode_chat_prompt, render_chat_prompt
 
 
 class Runtime:
@@ -33,6 +35,16 @@ class Runtime:
     def __init__(self, config: Config, engine: InferenceEngine, scheduler: Scheduler) -> None:
         self.config, self.engine, self.scheduler = config, engine, scheduler
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
+        self.control_tokens = engine.control_tokens()  # kept as text where a chat message types them
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (``engine.decode([id])``; U+FFFD for part of a character), decoded once per server:
+        a logprobs answer names up to MAX_LOGPROB_ENTRIES tokens, mostly the same few thousand. Any thread."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.decode([token_id])
+        return text
 
     async def off_loop(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` in the tokenizer pool: the loop keeps serving meanwhile."""
@@ -99,13 +111,31 @@ async def detokenize(runtime: Runtime, ids: list[int]) -> str:
     return await runtime.off_loop(runtime.engine.decode, ids)
 
 
-async def render_chat(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The chat template applied to ``messages`` and ``tools`` (400 if the model has none or it fails on them)."""
+async def render_chat(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
+    """The chat template applied to ``messages`` and ``tools``, special-token strings the messages type kept as data
+    (``text/chat_prompt.py``); 400 if the model has no template or it fails on them."""
+    engine = runtime.engine
+
+    def apply(msgs: list[dict], tls: list[dict] | None) -> str:
+        return engine.apply_chat_template(msgs) if tls is None else engine.apply_chat_template(msgs, tls)
+
     try:
-        args = (messages,) if tools is None else (messages, tools)
-        return await runtime.off_loop(runtime.engine.apply_chat_template, *args)
+        return await runtime.off_loop(render_chat_prompt, apply, messages, tools, runtime.control_tokens)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
+
+
+async def chat_prompt_ids(runtime: Runtime, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The token ids of a conversation: rendered (``render_chat``), MAX_PROMPT_CHARS checked on the text, tokenized
+    off the loop with the template's control tokens matched and the messages' typed ones as plain text."""
+    prompt = await render_chat(runtime, messages, tools)
+    check_prompt_chars(runtime, prompt.text)
+    engine = runtime.engine
+
+    def encode(text: str) -> list[int]:
+        return engine.encode(text, add_special_tokens=False)  # the template holds BOS and the turn markers
+
+    return await runtime.off_loop(encode_chat_prompt, prompt, encode, engine.encode_as_text)
 
 
 def logit_bias(runtime: Runtime, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -148,6 +178,10 @@ def make_sequence(
         )
     except ValueError as exc:
         raise APIError(422, str(exc)) from None
+    vocab = runtime.engine.vocab_size
+    bad = next((t for t in fields.stop_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(422, f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})", param="stop_token_ids")
     now = time.perf_counter()
     seq = Sequence(
         prompt_token_ids=prompt_ids,
@@ -168,49 +202,113 @@ def make_sequence(
     return seq
 
 
-def start_generation(runtime: Runtime, seq: Sequence, stop: list[str] | None) -> Generation:
-    """Queue ``seq``; 503 with Retry-After when the queue is full."""
-    gen = Generation(seq, runtime.engine.decode, runtime.scheduler, stop)
-    try:
-        gen.start()
-    except QueueFullError as exc:
-        raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
-    return gen
+# --- fair scheduling: who sent a request, and how much it may queue ----------------------------------------------
+_request_keys = itertools.count(1)  # one per HTTP request: its sequences' Sequence.request_key
 
 
-def start_generations(runtime: Runtime, seqs: list[Sequence], stop: list[str] | None, n: int = 1) -> list[Generation]:
-    """Queue all of ``seqs`` at once (no await between them: the scheduler sees them together), or
-    none: if the queue fills part way, the ones already queued are cancelled and the answer is 503.
-    ``n`` > 1: each run of ``n`` consecutive sequences holds the choices of one prompt (``group_choices``),
-    so the engine prefills that prompt once and forks it to the other choices."""
+def client_id(runtime: Runtime, request: Request | None) -> str:
+    """Who sent ``request``, as fair scheduling tells clients apart (``core/fair_queue.py``): the CLIENT_ID_HEADER
+    a trusted proxy sets, else the peer's address. (API_KEY is one key for every client: it tells no one apart.)"""
+    if request is None:
+        return ""
+    header = runtime.config.client_id_header
+    if header:
+        value = request.headers.get(header, "").strip()
+        if value:
+            return "h:" + value[:256]
+    peer = request.client
+    return "a:" + peer.host if peer is not None else ""
+
+
+def check_sequence_count(runtime: Runtime, count: int, param: str = "n") -> None:
+    """MAX_SEQUENCES_PER_REQUEST: the sequences (prompts x n) one request would queue; 422 beyond it, before any
+    prompt is tokenized."""
+    limit = runtime.config.max_sequences_per_request
+    if count > limit:
+        raise APIError(
+            422,
+            f"this request asks for {count} sequences (prompts x n); the limit is {limit} (MAX_SEQUENCES_PER_REQUEST)",
+            param=param,
+            reason="too_large",
+        )
+
+
+def logprob_entries(seq: Sequence) -> int:
+    """The most logprob entries (a token or one of its alternatives) ``seq``'s answer can carry."""
+    total = 0
+    if seq.logprobs is not None:
+        total += seq.max_new_tokens * (1 + seq.logprobs)
+    if seq.prompt_logprobs_k is not None:
+        total += seq.prompt_len * (1 + seq.prompt_logprobs_k)
+    return total
+
+
+def check_logprob_entries(runtime: Runtime, seqs: list[Sequence]) -> None:
+    """MAX_LOGPROB_ENTRIES: what one answer may carry over all its sequences, counted before anything is queued;
+    422 beyond it."""
+    limit = runtime.config.max_logprob_entries
+    entries = sum(logprob_entries(s) for s in seqs)
+    if entries > limit:
+        raise APIError(
+            422,
+            f"this answer could carry {entries} logprob entries (tokens x (1 + alternatives), prompt and output, over "
+            f"{len(seqs)} sequences); the limit is {limit} (MAX_LOGPROB_ENTRIES)",
+            param="logprobs",
+            reason="too_large",
+        )
+
+
+def start_generation(
+    runtime: Runtime, seq: Sequence, stop: list[str] | None, request: Request | None = None
+) -> Generation:
+    """Queue ``seq`` as its own request; 503 with Retry-After when the queue (or the client's share of it) is full."""
+    return start_generations(runtime, [seq], stop, request=request)[0]
+
+
+def start_generations(
+    runtime: Runtime, seqs: list[Sequence], stop: list[str] | None, n: int = 1, request: Request | None = None
+) -> list[Generation]:
+    """Queue all of ``seqs`` at once, as one request of the client that sent ``request`` (no await between them:
+    the scheduler sees them together), or none: if the queue fills part way, the ones already queued are cancelled
+    and the answer is 503. ``n`` > 1: each run of ``n`` consecutive sequences holds the choices of one prompt
+    (``group_choices``), so the engine prefills that prompt once and forks it to the other choices."""
+    check_sequence_count(runtime, len(seqs))
+    check_logprob_entries(runtime, seqs)
     if n > 1:
         for i in range(0, len(seqs), n):
             group_choices(seqs[i : i + n])
+    key, client = next(_request_keys), client_id(runtime, request)
+    for seq in seqs:
+        seq.request_key, seq.client_id = key, client
     gens: list[Generation] = []
     try:
         for seq in seqs:
-            gens.append(start_generation(runtime, seq, stop))
-    except APIError:
+            gen = Generation(seq, runtime.engine.decode, runtime.scheduler, stop)
+            gen.start()
+            gens.append(gen)
+    except QueueFullError as exc:
         for gen in gens:
             gen.cancel()
-        raise
+        raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
     return gens
 
 
 # --- structured output ----------------------------------------------------------------------------
 async def attach_grammar(runtime: Runtime, seqs: list[Sequence], grammar: str | None, param: str) -> None:
-    """Compile ``grammar`` (off the event loop) into one matcher per sequence; 400 naming ``param`` when the
-    grammar is not supported. Nothing happens without a grammar: an unconstrained request pays nothing."""
+    """Compile ``grammar`` once (off the event loop; a grammar compiled before comes from the cache) and give every
+    sequence its own state over it; 400 naming ``param`` when the grammar is not supported, 503 while too many
+    distinct grammars are in use. Nothing happens without a grammar: an unconstrained request pays nothing."""
     if grammar is None:
         return
 
-    def build() -> list[GrammarState]:
-        compiler = compiler_for(runtime.engine)
-        return [compiler.matcher(grammar) for _ in seqs]
+    def build() -> CompiledGrammar:
+        return compiler_for(runtime.engine).compile(grammar)
 
     try:
-        states = await runtime.off_loop(build)
+        compiled = await runtime.off_loop(build)
+    except GrammarBusyError as exc:
+        raise APIError(503, str(exc), "overloaded", reason="queue_full", headers={"Retry-After": "1"}) from None
     except GrammarError as exc:
         raise APIError(400, f"`{param}`: {exc}", param=param) from None
-    for seq, state in zip(seqs, states):
-        seq.grammar = state
+    for seq in seqs:
+        seq.grammar = GrammarState(compiled)

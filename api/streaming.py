@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from api.errors import APIError, sequence_error
 from core.generation import Chunk, Generation, wait_for_disconnect
@@ -160,3 +161,27 @@ def sse_response(gens: list[Generation], request: Request, frames: Frames) -> St
     return StreamingResponse(
         event_stream(gens, request, frames), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+def json_answer(body: dict) -> Response:
+    """``body`` as a JSON response, encoded as FastAPI encodes it, but one choice per ``json.dumps`` call and in UTF-8
+    pieces joined as bytes: a C call holds the GIL from start to end, so a 10 MB answer encoded (or joined as text) at
+    once would stall the event loop for its whole length even from another thread. Build it with
+    ``Runtime.off_loop`` (a handler that returns the Response skips FastAPI's own encoding, which runs on the loop)."""
+    parts: list[bytes] = [b"{"]
+    for i, (key, value) in enumerate(body.items()):
+        parts.append(f"{',' if i else ''}{_dumps(key)}:".encode())
+        if key == "choices" and isinstance(value, list):
+            parts.append(b"[")
+            for j, choice in enumerate(value):
+                parts.append((b"," if j else b"") + _dumps(choice).encode())
+                time.sleep(0)  # lets the event loop take the GIL between choices
+            parts.append(b"]")
+        else:
+            parts.append(_dumps(value).encode())
+    parts.append(b"}")
+    return Response(b"".join(parts), media_type="application/json")
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))

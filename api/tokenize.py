@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 
 from api.errors import APIError
 from api.openai.models import check_model
-from api.serving import Runtime, current_runtime, detokenize, render_chat, tokenize
+from api.serving import Runtime, chat_prompt_ids, current_runtime, detokenize, render_chat, tokenize
 from schemas import DetokenizeRequest, DetokenizeResponse, ErrorResponse, TokenizeRequest, TokenizeResponse
 
 router = APIRouter()
@@ -26,12 +26,14 @@ async def tokenize_endpoint(req: TokenizeRequest, runtime: Runtime = Depends(cur
             found = message.unsupported(f"messages.{i}")
             if found is not None:
                 raise APIError(400, found[1], param=found[0])
-        text = await render_chat(runtime, [m.template_dict() for m in req.messages])
-        special = bool(req.add_special_tokens)  # false by default: the template holds them
+        messages = [m.template_dict() for m in req.messages]
+        if req.add_special_tokens:  # the tokenizer's BOS/EOS around the rendered text (false by default)
+            prompt = await render_chat(runtime, messages)
+            ids = await tokenize(runtime, prompt.text, add_special_tokens=True)
+        else:  # what /v1/chat/completions feeds the model
+            ids = await chat_prompt_ids(runtime, messages)
     else:
-        text = req.prompt
-        special = req.add_special_tokens is not False
-    ids = await tokenize(runtime, text, add_special_tokens=special)
+        ids = await tokenize(runtime, req.prompt, add_special_tokens=req.add_special_tokens is not False)
     strs = await runtime.off_loop(_token_strs, runtime, ids) if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=runtime.engine.max_context, tokens=ids, token_strs=strs)
 
@@ -50,4 +52,4 @@ async def detokenize_endpoint(
 
 def _token_strs(runtime: Runtime, ids: list[int]) -> list[str]:
     """Each token's own text (a token that is part of a multi-byte character decodes to U+FFFD)."""
-    return [runtime.engine.decode([t]) for t in ids]
+    return [runtime.token_text(t) for t in ids]

@@ -8,7 +8,10 @@ prefill, and the KV blocks each holds (``core.block_manager.BlockManager``). Eac
    is missing, the most recently admitted sequence is preempted (vLLM's rule: its blocks are freed, it waits
    again with its tokens and is recomputed on readmission). Then, when nothing was preempted, the oldest waiting
    sequences that fit (a free row, KV blocks for the tokens they do not find in the prefix cache plus a 1%
-   watermark) are admitted, FCFS: the queue never skips its oldest. A newcomer whose next uncached block is
+   watermark) are admitted in the queue's order: FCFS for a plain list; a ``core.fair_queue.FairQueue`` (the
+   server's) gives its fair order between clients and requests, and when every row is taken it may name one
+   running sequence of a client or request holding more than its share, which the plan preempts so that the next
+   in line takes its slot (fair share). The queue never skips its next. A newcomer whose next uncached block is
    being computed right now by a sequence still prefilling (or by one admitted ahead of it) waits instead of
    computing it twice. Then the prompt chunks of the step: decode rows first, then chunks of the prefilling
    sequences, oldest first, within ``max_num_batched_tokens`` (and ``max_prefill_while_decoding`` while rows
@@ -38,6 +41,7 @@ import time
 from collections.abc import Iterable
 
 from core.block_manager import BlockManager, extend_block_hashes
+from core.fair_queue import FairQueue
 from core.sequence import Sequence, SequenceStatus
 from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
@@ -76,7 +80,8 @@ class Planner:
         self._forks: dict[int, list[Sequence]] = {}  # parent seq_id -> choices waiting for its prompt
         self._parent_of: dict[int, Sequence] = {}
         self.prefill_tokens_computed = 0  # tokens fed by prefill chunks (prompt, or recompute), cache hits excluded
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # KV cache full or fair share
+        self.num_fair_preemptions = 0  # of those, for another client's or request's fair share
         self.num_forks = 0  # choices that took their prompt from a parent's prefill
         self.num_block_copies = 0  # partial blocks copied for them
         self._steps = 0
@@ -153,13 +158,33 @@ class Planner:
         return chosen
 
     # --- the plan ------------------------------------------------------------------------------
-    def schedule(self, waiting: Iterable[Sequence], decode: bool = True) -> BatchPlan:
+    def schedule(self, waiting: Iterable[Sequence] | FairQueue, decode: bool = True) -> BatchPlan:
         """The next step: every running sequence's slot (preempting while a block is missing), then, if nothing
-        was preempted, the head of ``waiting`` that fits (``admissible``), then the step's prompt chunks. The
+        was preempted for blocks, the head of ``waiting`` that fits (``admissible``; a ``FairQueue`` in its
+        admission order, after its fair-share preemption, ``_fair_share``), then the step's prompt chunks. The
         caller takes ``plan.newcomers`` out of its queue and puts ``plan.preempted`` at its front."""
         preempted = self._reserve_running() if decode else []
-        newcomers = [] if preempted else self.admissible(waiting)
-        return self._plan(newcomers, decode, preempted)
+        if preempted:
+            return self._plan([], decode, preempted)
+        if isinstance(waiting, FairQueue):
+            preempted = self._fair_share(waiting)
+            waiting = waiting.admission_order(self.active_sequences())
+        return self._plan(self.admissible(waiting), decode, preempted)
+
+    def _fair_share(self, queue: FairQueue) -> list[Sequence]:
+        """Every row taken and someone waiting: the running sequence the queue's policy gives up for the next in
+        its order (``FairQueue.preemption_victim``: a client or request holding at least two slots more, a slot
+        held a second or more), preempted here; returns it (or nothing)."""
+        if not len(queue) or self.num_active() < self.capacity:
+            return []
+        active = self.active_sequences()
+        head = next(queue.admission_order(active), None)
+        victim = None if head is None else queue.preemption_victim(head, active, time.perf_counter())
+        if victim is None:
+            return []
+        self._preempt(victim, "fair share")
+        self.num_fair_preemptions += 1
+        return [victim]
 
     def plan(self, newcomers: list[Sequence], decode: bool = True) -> BatchPlan:
         """A step that admits exactly ``newcomers`` (AdmissionError, nothing admitted, if they do not fit) and,
@@ -233,6 +258,7 @@ class Planner:
         tokens, n = output.tokens, len(plan.decode)
         for seq in plan.newcomers:
             seq.status = SequenceStatus.RUNNING
+            seq.slot_since = plan.start  # fair share preempts only a sequence that held its slot a while
             if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
                 seq.admit_time = plan.start
         if plan.decode:
@@ -300,7 +326,7 @@ class Planner:
                 self.blocks.append_slots(seq.seq_id, need)
         return preempted
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, why: str = "KV cache full") -> None:
         """Free the sequence's blocks and row; it waits again with its tokens (recomputed on readmission)."""
         if seq.seq_id in self._parent_of:
             self._drop_fork(seq)
@@ -309,8 +335,10 @@ class Planner:
         else:
             self._evict([seq])
         seq.status = SequenceStatus.WAITING
+        if seq.grammar is not None:
+            seq.grammar.release()  # its matcher's memory goes; replayed from its tokens on readmission
         self.num_preemptions += 1
-        log.info("preempted sequence %d (%d tokens): KV cache full", seq.seq_id, seq.num_tokens)
+        log.info("preempted sequence %d (%d tokens): %s", seq.seq_id, seq.num_tokens, why)
 
     def _check_newcomers(self, seqs: list[Sequence]) -> None:
         if self.num_active() + len(seqs) > self.capacity:
@@ -545,6 +573,7 @@ class Planner:
             "kv_free_blocks": self.blocks.num_free_blocks,
             "kv_block_size": self.blocks.block_size,
             "num_preemptions": self.num_preemptions,
+            "num_fair_preemptions": self.num_fair_preemptions,
             "num_prefilling": len(self._prefilling) + len(self._parent_of),  # forked choices wait for a prefill
             "kv_cached_blocks": self.blocks.num_cached_blocks,
             "prefix_cache_queries": self.blocks.queried_tokens,

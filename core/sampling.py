@@ -588,7 +588,9 @@ def apply_token_bitmask(logits: np.ndarray, rows: Sequence[int], bitmask: np.nda
 class TokenLogprobs(NamedTuple):
     token_id: int
     logprob: float  # of token_id
-    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), most likely first
+    # The k most likely (token_id, logprob), most likely first. Tuples all the way down: the garbage collector
+    # untracks them, so the hundreds of thousands a scored prompt keeps cost full collections nothing.
+    top: tuple[tuple[int, float], ...]
 
 
 def logprobs(logits: np.ndarray, chosen: Sequence[int] | np.ndarray, k: int = 0) -> list[TokenLogprobs]:
@@ -618,8 +620,8 @@ def logprobs(logits: np.ndarray, chosen: Sequence[int] | np.ndarray, k: int = 0)
 
         picked = at(ids.reshape(-1, 1))[:, 0].tolist()
         if k == 0:
-            return [TokenLogprobs(t, v, []) for t, v in zip(ids.tolist(), picked)]
+            return [TokenLogprobs(t, v, ()) for t, v in zip(ids.tolist(), picked)]
         top = np.sort(_top(x, min(k, vocab))[1], axis=1)
         top = _take(top, np.argsort(-_take(x, top), axis=1, kind="stable"))  # largest first, equal values by id
         top_v = at(top).tolist()
-    return [TokenLogprobs(t, v, list(zip(ti, tv))) for t, v, ti, tv in zip(ids.tolist(), picked, top.tolist(), top_v)]
+    return [TokenLogprobs(t, v, tuple(zip(ti, tv))) for t, v, ti, tv in zip(ids.tolist(), picked, top.tolist(), top_v)]

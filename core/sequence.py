@@ -34,6 +34,9 @@ class SequenceStatus(enum.Enum):
         return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
 
 
+# The error of a sequence whose grammar's matcher failed (llguidance's parser limits, a grammar with no way on).
+GRAMMAR_FAILED = "the output's grammar cannot be followed"
+
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -48,6 +51,10 @@ class Sequence:
     prompt_token_ids: list[int]
     max_new_tokens: int
     request_id: str = ""
+    # Fair scheduling (core/fair_queue.py): who sent it (api.serving.client_id) and which HTTP request it is part of
+    # (one key for a request's prompts x n choices; 0 = a request of its own).
+    client_id: str = ""
+    request_key: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False  # when True the engine's EOS/stop ids are not added
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -68,6 +75,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    error_status: int = 500  # the HTTP status of a FINISHED_ERROR answer (422: the request's own fault)
     # Prefix cache: chain hashes of the sequence's full blocks so far (the engine extends them as blocks fill;
     # block_manager.extend_block_hashes), and how many prompt tokens its first admission found cached.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -78,6 +86,7 @@ class Sequence:
     # perf_counter() timestamps; None until the event happens.
     arrival_time: float = field(default_factory=time.perf_counter)
     admit_time: float | None = None
+    slot_since: float | None = None  # when it last took a batch slot (the planner sets it at every admission)
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -109,18 +118,28 @@ class Sequence:
         self.output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+            if self.grammar.error is not None:  # the matcher cannot go on: the answer would not parse
+                self.finish(SequenceStatus.FINISHED_ERROR, now, f"{GRAMMAR_FAILED}: {self.grammar.error}", 422)
+                return
         if token_id in self.stop_token_ids or (self.grammar is not None and self.grammar.is_finished):
             self.finish(SequenceStatus.FINISHED_STOPPED, now)
         elif len(self.output_token_ids) >= self.max_new_tokens:
             self.finish(SequenceStatus.FINISHED_LENGTH, now)
 
-    def finish(self, status: SequenceStatus, now: float | None = None, error: str | None = None) -> None:
+    def finish(
+        self, status: SequenceStatus, now: float | None = None, error: str | None = None, error_status: int = 500
+    ) -> None:
+        """End it with ``status``; ``error_status``: the HTTP status of a failure's answer (500: the server's fault;
+        422: the request's, e.g. a grammar no answer can complete)."""
         assert status.is_finished, status
         if self.is_finished:
             return
         self.status = status
         self.error = error
+        self.error_status = error_status
         self.finish_time = time.perf_counter() if now is None else now
+        if self.grammar is not None:
+            self.grammar.release()  # its matcher's memory goes now, not when the request's answer is sent
 
     def metrics_ms(self) -> dict[str, float]:
         """Per-request latency breakdown in milliseconds (all from arrival)."""

@@ -9,6 +9,7 @@ whole-step kernel, never importing torch. This module imports no torch: ``HFEngi
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -83,6 +84,23 @@ class ModelEngine(InferenceEngine):
 
     def grammar_vocabulary(self) -> tuple:
         return self.tokenizer, self.vocab_size, self.stop_token_ids
+
+    def control_tokens(self) -> list[str]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return []
+        return [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+
+    def encode_as_text(self, text: str) -> list[int]:
+        backend = getattr(self, "_as_text", None)
+        if backend is None:  # a copy of the tokenizer's pipeline that reads special-token strings as text
+            source = getattr(self.tokenizer, "backend_tokenizer", None)
+            if source is None:
+                return self.encode(text, add_special_tokens=False)
+            backend = copy.copy(source)
+            backend.encode_special_tokens = True
+            self._as_text = backend
+        return backend.encode(text, add_special_tokens=False).ids
 
     def supports_tools(self) -> bool:
         from text.chat_template import template_supports_tools

@@ -1,7 +1,7 @@
 """Real uvicorn servers on 127.0.0.1 for tests that need real sockets, started and stopped by the test.
 
-* ``ProcessServer``: ``python server.py`` in a subprocess configured by environment variables
-  (what an operator runs; receives real signals; its RSS and its limits are its own). It picks a
+* ``ProcessServer``: ``python server.py`` (or ``uvicorn server:app``) in a subprocess configured by environment
+  variables (what an operator runs; receives real signals; its RSS and its limits are its own). It picks a
   free port, waits for ``/ready``, and stops by its own pid: SIGTERM, then SIGKILL if it does not
   exit in time.
 * ``ThreadServer``: ``uvicorn.Server`` in a thread of the test process, serving an app object (so a
@@ -62,7 +62,11 @@ def wait_ready(url: str, timeout: float, alive=lambda: True) -> None:
 
 
 class ProcessServer:
-    def __init__(self, env: dict[str, str], ready_timeout: float = 60.0, preexec_fn=None) -> None:
+    def __init__(
+        self, env: dict[str, str], ready_timeout: float = 60.0, preexec_fn=None, uvicorn_args: list[str] | None = None
+    ) -> None:
+        """``uvicorn_args``: run ``uvicorn server:app`` with these arguments (and the port) instead of
+        ``python server.py``: the other documented way of running."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
@@ -71,8 +75,11 @@ class ProcessServer:
         full_env["KV_CACHE_DTYPE"] = "fp32"  # the exact pool, as in-process tests run it (conftest._exact_kv_pool)
         full_env.update(env)
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
+        command = [sys.executable, os.path.join(ROOT, "server.py")]
+        if uvicorn_args is not None:
+            command = [sys.executable, "-m", "uvicorn", "server:app", "--port", str(self.port), *uvicorn_args]
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "server.py")],
+            command,
             cwd=ROOT,
             env=full_env,
             stdout=self.log,

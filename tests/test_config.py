@@ -54,6 +54,11 @@ ALL_VARS = (
     "CORS_ALLOW_ORIGINS",
     "PREFIX_CACHING",
     "MAX_N",
+    "SCHEDULING_POLICY",
+    "MAX_SEQUENCES_PER_REQUEST",
+    "MAX_CLIENT_QUEUE_SHARE",
+    "CLIENT_ID_HEADER",
+    "MAX_LOGPROB_ENTRIES",
 )
 
 
@@ -71,6 +76,9 @@ def test_defaults():
     assert cfg.host == "127.0.0.1"
     assert cfg.port == 8000
     assert cfg.prefix_caching is True and cfg.max_n == 8
+    assert (cfg.max_queue_time_s, cfg.request_timeout_s) == (300.0, 600.0)
+    assert cfg.scheduling_policy == "fair" and cfg.max_sequences_per_request == 256
+    assert cfg.max_client_queue_share == 0.5 and cfg.client_id_header == ""
     assert not cfg.is_fake
 
 
@@ -302,6 +310,10 @@ def test_is_fake(model_id, fake):
             ["https://a.example", "http://localhost:3000"],
         ),
         ("SERVED_MODEL_NAME", "my-model", "served_model_name", "my-model"),
+        ("SCHEDULING_POLICY", "fcfs", "scheduling_policy", "fcfs"),
+        ("MAX_SEQUENCES_PER_REQUEST", "64", "max_sequences_per_request", 64),
+        ("MAX_CLIENT_QUEUE_SHARE", "1", "max_client_queue_share", 1.0),
+        ("CLIENT_ID_HEADER", "X-User-Id", "client_id_header", "X-User-Id"),
     ],
 )
 def test_operational_variables_parse(var, raw, field, value):
@@ -322,6 +334,11 @@ def test_operational_variables_parse(var, raw, field, value):
         ("CORS_ALLOW_ORIGINS", "example.com"),
         ("CORS_ALLOW_ORIGINS", "https://a.example/path"),
         ("CORS_ALLOW_ORIGINS", "*, https://a.example"),
+        ("SCHEDULING_POLICY", "priority"),
+        ("MAX_SEQUENCES_PER_REQUEST", "0"),
+        ("MAX_CLIENT_QUEUE_SHARE", "0"),
+        ("MAX_CLIENT_QUEUE_SHARE", "1.5"),
+        ("CLIENT_ID_HEADER", "X User"),
     ],
 )
 def test_operational_variables_reject_bad_values(var, raw):

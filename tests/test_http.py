@@ -212,6 +212,7 @@ def test_health_ok():
                 "kv_free_blocks": 160,
                 "kv_block_size": 32,
                 "num_preemptions": 0,
+                "num_fair_preemptions": 0,
                 "num_prefilling": 0,
                 "kv_cached_blocks": 0,
                 "prefix_cache_queries": 1,

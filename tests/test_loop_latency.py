@@ -18,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from scripts.reliability_attacks import health_while_scoring
+
 from conftest import run
 from live import ProcessServer
 
@@ -109,3 +111,30 @@ def test_a_stream_stays_smooth_while_another_client_sends_oversized_prompts(tiny
     assert counts and set(counts) == {422}, counts
     assert sum(counts.values()) >= 8, counts
     assert max(loud) < WORST_GAP_S, max(loud)
+
+
+HEALTH_BOUND_S = 0.25
+
+
+def test_health_answers_within_250ms_while_two_10mb_logprob_answers_are_built(tiny_model_dir):
+    """Decoding the tokens and alternatives of a logprobs answer and encoding it run off the event loop (the JSON in
+    one bounded piece per choice, each token's text decoded once per server, startup's heap left out of garbage
+    collections): /health's worst latency stays under 250 ms while two ~10 MB answers are built (before: 4,125 ms on
+    the issue's run, everything on the loop)."""
+    env = {"MODEL_ID": tiny_model_dir, "LOG_LEVEL": "WARNING", "MAX_LOGPROBS": "20"}
+    with ProcessServer(env, ready_timeout=120) as srv:
+        latencies, answers = health_while_scoring(srv.url, timeout=120)  # the attack of scripts/reliability_attacks.py
+    sizes = [len(r.content) for r in answers]
+    print(
+        f"\n/health while two logprob answers ({sizes} bytes) were built: max {max(latencies) * 1e3:.0f} ms, "
+        f"p50 {statistics.median(latencies) * 1e3:.1f} ms over {len(latencies)} probes"
+    )
+    for r in answers:
+        assert r.status_code == 200, r.text[:300]
+        choices = r.json()["choices"]
+        assert len(choices) == 256 and all(len(c["logprobs"]["tokens"]) == 90 for c in choices)
+        # 20 alternatives each (fewer where two decode to the same text: the format's keys are texts)
+        tops = [len(top) for c in choices for top in c["logprobs"]["top_logprobs"][1:]]
+        assert max(tops) == 20 and sum(tops) > 0.6 * 20 * len(tops), statistics.mean(tops)
+    assert min(sizes) > 9_000_000, sizes
+    assert max(latencies) <= HEALTH_BOUND_S, f"/health took {max(latencies) * 1e3:.0f} ms"

@@ -547,7 +547,7 @@ def test_logprobs():
         assert [t for t, _ in r.top] == top_ids
         assert [v for _, v in r.top] == pytest.approx(lp[i, top_ids].tolist(), abs=1e-6)
         assert r.top[0][1] >= r.top[1][1] >= r.top[2][1]
-    assert all(r.top == [] for r in logprobs(logits, np.array(chosen)))
+    assert all(r.top == () for r in logprobs(logits, np.array(chosen)))
     full = logprobs(logits, chosen, k=500)
     assert all(len(r.top) == 50 for r in full)
     assert [[t for t, _ in r.top] for r in full] == np.argsort(-lp, axis=-1, kind="stable").tolist()

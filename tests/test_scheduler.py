@@ -14,9 +14,10 @@ import time
 
 import pytest
 
+from core.fair_queue import FairQueue
 from core.sequence import Sequence, SequenceStatus
 from engine import FakeEngine
-from scheduler import QueueFullError, Scheduler, WaitingQueue
+from scheduler import QueueFullError, Scheduler
 
 from conftest import Boom, Gate, RecordingEngine, bounded, fake_ids, wait_until
 
@@ -641,14 +642,17 @@ def test_expiring_a_full_queue_is_linear():
     assert CountingSequence.reads <= 10 * n, CountingSequence.reads
 
 
-def test_waiting_queue_is_fifo_and_indexed():
-    q = WaitingQueue()
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_waiting_queue_is_fifo_and_indexed(policy):
+    """Sequences that are each their own request come out first come, first served under either policy."""
+    q = FairQueue(policy)
     seqs = [make_seq(f"w{i}") for i in range(5)]
     for s in seqs:
         q.append(s)
     assert q.remove(seqs[2].seq_id) is seqs[2] and q.remove(seqs[2].seq_id) is None
     assert seqs[2] not in q and seqs[3] in q and len(q) == 4
-    assert [q.popleft() for _ in range(2)] == [seqs[0], seqs[1]]
+    assert list(q.admission_order([])) == [seqs[0], seqs[1], seqs[3], seqs[4]]
+    assert [q.remove(s.seq_id) for s in seqs[:2]] == seqs[:2]
     assert list(q) == [seqs[3], seqs[4]]
 
 

@@ -6,6 +6,7 @@ The tiny model is random: whatever it samples, the grammar must make the answer 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,10 +20,11 @@ from test_llama import GGUF_CACHE, smollm2_gguf  # noqa: F401  (SmolLM2's fetch-
 from config import Config
 from core.sampling import SamplingParams, apply_token_bitmask
 from core.sequence import Sequence, SequenceStatus
+from scripts.reliability_attacks import big_enum_format
 from server import create_app
 
-from conftest import schedule_all
-from live import ThreadServer, openai_client
+from conftest import run, schedule_all, sse_events
+from live import ProcessServer, ThreadServer, metric, openai_client, scrape_url
 
 TIMEOUT = 120.0
 
@@ -228,6 +230,10 @@ def test_generate_regex_choice_and_schema(live):
         choices = ["yes", "no", 'maybe "so"']
         assert gen(choice=choices, temperature=1.0, seed=seed)["text"] in choices
     jsonschema.validate(json.loads(gen(json_schema=PERSON, max_new_tokens=300)["text"]), PERSON)
+    # json_schema true: any JSON value, as the field's documentation says (before: a 400)
+    out = gen(json_schema=True, max_new_tokens=300, seed=1)
+    assert out["finish_reason"] == "stop", out
+    json.loads(out["text"])
 
 
 @pytest.mark.parametrize(
@@ -276,6 +282,142 @@ def test_unsupported_constructs_are_400_naming_them(live, path, body, param, wor
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+# --- grammars that fail say so ---------------------------------------------------------------------------
+SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+LOOP = {
+    "$defs": {
+        "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+        "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]},
+    },
+    "$ref": "#/$defs/a",
+}
+NONEMPTY = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}}}
+UNSATISFIABLE = [
+    (SELF, "no finite instance"),
+    (LOOP, "no finite instance"),
+    ({**NONEMPTY, "required": ["kids"]}, "no finite instance"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength"),
+    ({"enum": []}, "empty"),
+    (False, "admits no value"),
+]
+
+
+def grammar_requests(schema) -> list[tuple[str, dict]]:
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    return [
+        ("/generate", {"prompt": "x", "json_schema": schema, "max_new_tokens": 40}),
+        ("/v1/chat/completions", {"messages": ASK, "response_format": fmt, "max_tokens": 40}),
+        ("/v1/completions", {"prompt": "x", "response_format": fmt, "max_tokens": 40, "n": 2}),
+    ]
+
+
+@pytest.mark.parametrize("schema, words", UNSATISFIABLE)
+def test_schemas_with_no_finite_instance_are_refused_up_front(live, schema, words):
+    """The issue's schemas ($ref to itself as a required property; a -> b -> a) answered 200, finish_reason "stop",
+    text '{"' and "": now a 400 that says why, before anything runs, on every endpoint."""
+    for path, body in grammar_requests(schema):
+        r = httpx.post(f"{live.url}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, (path, r.text)
+        assert words in r.json()["error"]["message"], r.json()
+
+
+def test_recursion_with_a_way_out_is_not_refused(live):
+    """An optional or nullable self-reference, or a list that may be empty, has finite instances: served."""
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}
+    chain = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    for schema in (tree, {**chain, "required": ["next"]}, NONEMPTY):
+        r = httpx.post(
+            f"{live.url}/generate", json={"prompt": "x", "json_schema": schema, "max_new_tokens": 200}, timeout=TIMEOUT
+        )
+        assert r.status_code == 200, r.text
+        if r.json()["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(r.json()["text"]), schema)
+
+
+def test_a_matcher_that_fails_mid_answer_ends_it_as_an_error_never_stop(live, monkeypatch):
+    """The safety net behind the up-front check: with the check off, the issue's schemas reach llguidance, whose
+    matcher fails after a token or two (its parser's item limit). The sequence ends with finish_reason "error" and the
+    answer is a 422 naming the failure (a stream: its error event): never "stop" with text that does not parse."""
+    import guided.grammars as grammars
+
+    monkeypatch.setattr(grammars, "finite_instance_problem", lambda schema: None)
+    before = metric(scrape_url(live.url), "minibatch:request_success_total", 'finished_reason="error"')
+    for schema in (SELF, LOOP):
+        for path, body in grammar_requests(schema):
+            r = httpx.post(f"{live.url}{path}", json=body, timeout=TIMEOUT)
+            assert r.status_code == 422, (path, r.text)
+            assert "grammar cannot be followed" in r.json()["error"]["message"], r.json()
+        events = sse_events(
+            httpx.post(f"{live.url}/v1/chat/completions", json={**grammar_requests(schema)[1][1], "stream": True}).text
+        )
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 422, events[-3:]
+        assert not any(c.get("finish_reason") == "stop" for e in events[:-2] for c in e.get("choices", [])), events
+    after = metric(scrape_url(live.url), "minibatch:request_success_total", 'finished_reason="error"')
+    assert after - before >= 2 * (1 + 1 + 2 + 1)  # every sequence of the 8 requests above ended as an error
+
+
+def test_a_grammar_compiles_once_and_matchers_live_only_in_slots(tiny_llama_dir):
+    """One compile per distinct grammar, a copy per sequence made at its first mask and dropped when it finishes (or
+    is preempted, then replayed from its tokens); the cache and the grammars alive are bounded."""
+    from guided import grammars
+    from text.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(tiny_llama_dir)
+    compiler = grammars.GrammarCompiler(tok, len(tok), {tok.eos_token_id})
+    text = grammars.schema_grammar(PERSON)
+    states = [compiler.matcher(text) for _ in range(3)]
+    assert compiler.compiles == 1 and all(s.compiled is states[0].compiled for s in states)
+    assert all(s._matcher is None for s in states)  # nothing copied before the engine asks for a mask
+    mask = np.zeros((len(tok) + 31) // 32, dtype=np.int32)
+    first = states[0]
+    first.fill_mask(mask.ctypes.data, mask.nbytes)
+    token = int(np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0][0])
+    first.accept(token)
+    first.release()  # preempted: the copy goes, the tokens stay
+    assert first._matcher is None
+    first.fill_mask(mask.ctypes.data, mask.nbytes)  # replayed onto a fresh copy
+    assert first.tokens == [token] and first._matcher is not None and first.error is None
+    # bounded: a new grammar beyond MAX_LIVE_GRAMMARS, while that many are in use, is refused (a 503)
+    held = [compiler.compile(grammars.regex_grammar(f"a{i}")) for i in range(grammars.MAX_LIVE_GRAMMARS - 1)]
+    assert len(compiler._cache) == grammars.MAX_CACHED_GRAMMARS
+    with pytest.raises(grammars.GrammarBusyError):
+        compiler.compile(grammars.regex_grammar("one too many"))
+    del held  # requests done: their grammars can go
+    compiler.compile(grammars.regex_grammar("one too many"))
+
+
+def test_rss_stays_bounded_under_50_concurrent_grammar_requests_of_256_sequences(tiny_llama_dir):
+    """50 requests at once, each 32 prompts x n 8 under the 60,000-character enum: one compile, a matcher copy per
+    sequence only while it holds a slot. The server's RSS grows by a bounded amount (before: one such request took
+    it from 414 to 1218 MiB and two at once to 2773 MiB, a compile per sequence; figures in docs/operations.md)."""
+    env = {
+        "MODEL_ID": tiny_llama_dir,
+        "LOG_LEVEL": "WARNING",
+        "MAX_BATCH_SIZE": "64",
+        "MAX_QUEUE_DEPTH": "20000",
+        "MAX_CLIENT_QUEUE_SHARE": "1",
+    }
+    body = {"prompt": [f"p{i}" for i in range(32)], "n": 8, "max_tokens": 1, "response_format": big_enum_format()}
+    with ProcessServer(env, ready_timeout=120) as srv:
+
+        async def scenario() -> tuple[int, int, list]:
+            async with httpx.AsyncClient(timeout=600) as c:
+                first = await c.post(f"{srv.url}/v1/completions", json=body)  # warm: the compile, the first masks
+                assert first.status_code == 200, first.text
+                warm, peak = srv.rss_kib(), 0
+                answers = asyncio.gather(*(c.post(f"{srv.url}/v1/completions", json=body) for _ in range(50)))
+                while not answers.done():
+                    peak = max(peak, srv.rss_kib())
+                    await asyncio.sleep(0.1)
+                return warm, peak, answers.result()
+
+        warm, peak, answers = run(scenario())
+    print(f"\nRSS {warm / 1024:.0f} MiB warm, {peak / 1024:.0f} MiB peak over 50 x 256 grammar sequences")
+    assert all(r.status_code == 200 for r in answers), {r.status_code for r in answers}
+    assert all(len(r.json()["choices"]) == 256 for r in answers)
+    assert (peak - warm) / 1024 < 300, f"RSS grew {(peak - warm) / 1024:.0f} MiB"
 
 
 # --- tools -----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
 from api.errors import APIError, field_errors
 from api.openai.fields import ERRORS, check_fields, check_n, choice_fields, include_usage, openai_usage
@@ -16,14 +17,15 @@ from api.openai.logprobs import chat_logprobs
 from api.serving import (
     Runtime,
     attach_grammar,
+    chat_prompt_ids,
     check_max_tokens,
+    check_sequence_count,
     current_runtime,
     make_sequence,
-    render_chat,
     start_generations,
-    tokenize,
 )
-from api.streaming import run_all, sse_response
+from api.streaming import json_answer, run_all, sse_response
+from core.sequence import Sequence
 from guided.grammars import response_format_grammar
 from guided.tools import parse_tool_calls, tool_call_grammar, tool_mode
 from schemas import ChatCompletionRequest
@@ -37,6 +39,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(422, "top_logprobs requires logprobs: true", param="top_logprobs")
     n = check_n(runtime, req)
+    check_sequence_count(runtime, n)
     asked = req.max_completion_tokens or req.max_tokens
     if asked:
         check_max_tokens(runtime, asked, "max_completion_tokens")
@@ -50,8 +53,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
                     400, "response_format cannot be combined with tool_choice " + repr(mode), param="tool_choice"
                 )
             grammar, grammar_param = tool_call_grammar(tools, mode), "tools"
-    prompt_text = await render_chat(runtime, [m.template_dict() for m in req.messages], tools)
-    prompt_ids = await tokenize(runtime, prompt_text, add_special_tokens=False)  # the template holds them
+    prompt_ids = await chat_prompt_ids(runtime, [m.template_dict() for m in req.messages], tools)
     room = max(1, runtime.engine.max_context - len(prompt_ids))
     max_tokens = asked or min(room, runtime.config.max_new_tokens_limit)
     k = (req.top_logprobs or 0) if req.logprobs else None
@@ -61,29 +63,46 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
         for j in range(n)
     ]
     await attach_grammar(runtime, seqs, grammar, grammar_param)
-    gens = start_generations(runtime, seqs, req.stop, n)
+    gens = start_generations(runtime, seqs, req.stop, n, request)
     names = [t["function"]["name"] for t in tools or []] if mode not in (None, "none") else []
     if req.stream:
         frames = ChatFrames(runtime, rid, name, k is not None, include_usage(req), n=n, tool_names=names)
         return sse_response(gens, request, frames)
     done = await run_all(gens, request)
-    answers = [chat_message(gen.text, names, seq.finish_reason) for gen, seq in zip(gens, done)]
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": [
-            {
-                "index": j,
-                "message": message,
-                "logprobs": chat_logprobs(runtime, seq.output_logprobs) if k is not None else None,
-                "finish_reason": finish,
-            }
-            for j, (seq, (message, finish)) in enumerate(zip(done, answers))
-        ],
-        "usage": openai_usage(done, n),
-    }
+    texts = [gen.text for gen in gens]
+    return await runtime.off_loop(chat_answer, runtime, rid, name, done, texts, names, k is not None, n)
+
+
+def chat_answer(
+    runtime: Runtime,
+    rid: str,
+    name: str,
+    done: list[Sequence],
+    texts: list[str],
+    names: list[str],
+    with_logprobs: bool,
+    n: int,
+) -> Response:
+    """The whole ``chat.completion`` answer over the finished sequences, encoded (``json_answer``). Any thread."""
+    answers = [chat_message(text, names, seq.finish_reason) for text, seq in zip(texts, done)]
+    return json_answer(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": chat_logprobs(runtime, seq.output_logprobs) if with_logprobs else None,
+                    "finish_reason": finish,
+                }
+                for j, (seq, (message, finish)) in enumerate(zip(done, answers))
+            ],
+            "usage": openai_usage(done, n),
+        }
+    )
 
 
 def check_tools(runtime: Runtime, req: ChatCompletionRequest, tools: list[dict] | None) -> str | None:

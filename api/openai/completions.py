@@ -10,6 +10,7 @@ import uuid
 from contextlib import contextmanager
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
 from api.errors import APIError, field_errors
 from api.openai.fields import ERRORS, check_fields, check_n, choice_fields, include_usage, openai_usage
@@ -19,6 +20,7 @@ from api.serving import (
     Runtime,
     attach_grammar,
     check_max_tokens,
+    check_sequence_count,
     check_token_ids,
     current_runtime,
     detokenize,
@@ -26,7 +28,8 @@ from api.serving import (
     start_generations,
     tokenize,
 )
-from api.streaming import run_all, sse_response
+from api.streaming import json_answer, run_all, sse_response
+from core.sequence import Sequence
 from guided.grammars import response_format_grammar
 from schemas import CompletionRequest
 
@@ -44,7 +47,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
     max_tokens = 1 if score_only else check_max_tokens(runtime, req.max_tokens or 16, "max_tokens")
     prompt_k = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
     n = check_n(runtime, req)
-    prompts = await completion_prompts(runtime, req.prompt, req.echo)
+    prompts = await completion_prompts(runtime, req.prompt, req.echo, n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     seqs = []
     for i, (ids, _) in enumerate(prompts):  # every prompt is checked before any is queued
@@ -57,7 +60,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
         with field_errors():
             grammar = response_format_grammar(req.response_format)
         await attach_grammar(runtime, seqs, grammar, "response_format")
-    gens = start_generations(runtime, seqs, req.stop, n)
+    gens = start_generations(runtime, seqs, req.stop, n, request)
     echoes = [text for _, text in prompts for _ in range(n)]
     if req.stream:
         frames = CompletionFrames(
@@ -65,31 +68,51 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
         )
         return sse_response(gens, request, frames)
     done = await run_all(gens, request)
+    texts = [gen.text for gen in gens]
+    # Off the loop: a scored answer can name 500,000 tokens (MAX_LOGPROB_ENTRIES), ~13 MB of JSON.
+    return await runtime.off_loop(completion_answer, runtime, req, rid, name, done, texts, echoes, n)
+
+
+def completion_answer(
+    runtime: Runtime,
+    req: CompletionRequest,
+    rid: str,
+    name: str,
+    done: list[Sequence],
+    texts: list[str],
+    echoes: list[str],
+    n: int,
+) -> Response:
+    """The whole ``text_completion`` answer over the finished sequences, encoded (``json_answer``). Any thread."""
+    score_only = req.max_tokens == 0
     choices = []
-    for i, (gen, seq, echo) in enumerate(zip(gens, done, echoes)):
-        text = echo if score_only else echo + gen.text
+    for i, (seq, generated, echo) in enumerate(zip(done, texts, echoes)):
+        text = echo if score_only else echo + generated
         lps = None
         if req.logprobs is not None:
             lps = completion_logprobs(runtime, [] if score_only else seq.output_logprobs, len(echo))
-            if prompt_k is not None:
+            if req.echo:
                 lps = join_logprobs(prompt_logprobs(runtime, seq), lps)
         finish = "length" if score_only else seq.finish_reason  # the budget, 0, was reached
         choices.append({"index": i, "text": text, "logprobs": lps, "finish_reason": finish})
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": choices,
-        "usage": openai_usage(done, n, count_output=not score_only),
-    }
+    return json_answer(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": openai_usage(done, n, count_output=not score_only),
+        }
+    )
 
 
-async def completion_prompts(runtime: Runtime, prompt, echo: bool) -> list[tuple[list[int], str]]:
+async def completion_prompts(runtime: Runtime, prompt, echo: bool, n: int = 1) -> list[tuple[list[int], str]]:
     """Each prompt of a completions request as (token ids, the text ``echo`` prepends: "" without it).
     ``prompt`` is a text, a list of texts, a list of token ids or a list of such lists (OpenAI's four
-    forms). Every prompt is checked (count first, then each one, tokenized concurrently off the
-    loop); the first bad one, in order, fails the whole request before anything is queued."""
+    forms), ``n`` choices each. Every prompt is checked (the count first, and MAX_SEQUENCES_PER_REQUEST, then each
+    one, tokenized concurrently off the loop); the first bad one, in order, fails the whole request before anything
+    is queued."""
     several = not (isinstance(prompt, str) or isinstance(prompt[0], int))
     items = prompt if several else [prompt]
     limit = runtime.config.max_prompts_per_request
@@ -100,6 +123,7 @@ async def completion_prompts(runtime: Runtime, prompt, echo: bool) -> list[tuple
             param="prompt",
             reason="too_large",
         )
+    check_sequence_count(runtime, len(items) * n, "prompt" if n == 1 else "n")
 
     async def one(i: int, item: str | list[int]) -> tuple[list[int], str]:
         with prompt_errors(i, len(items)):

@@ -1,6 +1,11 @@
 """Logprobs in OpenAI's two formats: the legacy completions one (parallel lists of tokens, logprobs, top alternatives
 and text offsets; the prompt's too, for ``echo``) and chat's (``content``: one entry per token, with its bytes). No
-torch."""
+torch.
+
+An answer can name hundreds of thousands of tokens (MAX_LOGPROB_ENTRIES bounds it), mostly the same few thousand:
+each token's text comes from ``Runtime.token_text`` (decoded once per server), and the handlers build whole answers
+off the event loop (``api.streaming.json_answer``).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ from core.sequence import Sequence
 
 def completion_logprobs(runtime: Runtime, lps: list, text_offset: int) -> dict:
     """Legacy completions format: parallel lists of tokens, logprobs, top alternatives, offsets."""
-    decode = runtime.engine.decode
-    tokens = [decode([lp.token_id]) for lp in lps]
+    text = runtime.token_text
+    tokens = [text(lp.token_id) for lp in lps]
     offsets = []
     for tok in tokens:
         offsets.append(text_offset)
@@ -19,7 +24,7 @@ def completion_logprobs(runtime: Runtime, lps: list, text_offset: int) -> dict:
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{decode([t]): v for t, v in lp.top} for lp in lps],
+        "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
@@ -28,7 +33,7 @@ def prompt_logprobs(runtime: Runtime, seq: Sequence) -> dict:
     """The prompt's tokens in the legacy format, text offsets from 0; the first token's logprob and top
     alternatives are null (nothing precedes it), as OpenAI and vLLM answer."""
     rest = completion_logprobs(runtime, seq.prompt_logprobs[1:], 0)
-    tokens = [runtime.engine.decode([seq.prompt_token_ids[0]]), *rest["tokens"]]
+    tokens = [runtime.token_text(seq.prompt_token_ids[0]), *rest["tokens"]]
     offsets, at = [], 0
     for tok in tokens:
         offsets.append(at)
@@ -46,9 +51,11 @@ def join_logprobs(first: dict, then: dict) -> dict:
 
 
 def chat_logprobs(runtime: Runtime, lps: list) -> dict:
+    text = runtime.token_text
+
     def entry(token_id: int, logprob: float) -> dict:
-        text = runtime.engine.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        token = text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {
         "content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]

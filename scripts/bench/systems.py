@@ -464,6 +464,8 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
     limit = max(r.max_new_tokens for r in requests)
     env.update({"MODEL_ID": gguf or model_dir, "LOG_LEVEL": "WARNING", "MAX_NEW_TOKENS_LIMIT": str(limit)})
     env["MAX_QUEUE_DEPTH"] = str(sum(r.n for r in requests) + 1)
+    # One client (this harness) queues the whole workload at once: no share of the queue, no time limits.
+    env.update({"MAX_CLIENT_QUEUE_SHARE": "1", "MAX_QUEUE_TIME_S": "0", "REQUEST_TIMEOUT_S": "0"})
     port = _free_port()
     env.update({"HOST": "127.0.0.1", "PORT": str(port)})
     log_path = _log_path(f"ours-server-{port}.log")
