@@ -80,13 +80,14 @@ class Config:
     # a fraction of the memory), or "auto": native for quantized weights (a GGUF at WEIGHTS=auto, or int8 / int4)
     # where the kernel builds, else torch. docs/performance.md "Memory".
     runtime: str = "auto"
-    # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512F (1.3-1.7x
-    # at 4-64 rows, the same bits as AVX2), "avx2" their AVX2 paths everywhere. docs/performance.md "Quantized weights".
+    # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512 F/BW/VL
+    # (the same bits as AVX2), "avx2" their AVX2 paths everywhere. docs/quantization.md.
     kernel_isa: str = "auto"
-    # Activations of the int8 / int4 linears: "fp32" multiplies fp32 activations (bit for bit HF's math on the
-    # file's weights), "int8" rounds them to int8 per 32-group (as llama.cpp does) for integer dot products (VNNI /
-    # AVX2) in every step, "auto" does so per weight format from the step size measured to gain
-    # (models/kernels/int_dot.py AUTO_ROWS). docs/integer-dot.md.
+    # Activations of the Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears (WEIGHTS=int8 / int4 make Q8_0 / Q4_1): "fp32"
+    # multiplies fp32 activations (bit for bit HF's math on the file's weights), "int8" rounds them to int8 per
+    # 32-block (as llama.cpp does) for integer dot products (VNNI / AVX2) in every step, "auto" does so from the
+    # step size measured to gain (models/kernels/int_dot.py AUTO_ROWS). Other GGUF types always multiply fp32
+    # activations. docs/integer-dot.md.
     activations: str = "auto"
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()

@@ -19,9 +19,9 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,17 +57,20 @@ def create_app(
     """The ASGI app. ``config`` defaults to the environment; ``engine`` to ``load_engine(config)``, built on
     a new ``engine_thread()``; ``thread``: the engine thread that built ``engine``, which steps it from here."""
 
+    startup = StartupError()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        cfg = config or Config.from_env()
-        loop = asyncio.get_running_loop()
-        operations.config, operations.loop = cfg, loop
-        AcceptErrorLog().install(loop)
-        logging.getLogger("minibatch").setLevel(cfg.log_level.upper())
-        if not logging.getLogger().handlers:  # e.g. under `uvicorn server:app`: our lines need a handler
-            logging.basicConfig(format=LOG_FORMAT)
-        executor = thread or engine_thread()
-        eng = engine or await asyncio.wrap_future(executor.submit(load_engine, cfg))
+        with startup.recorded():  # a bad setting, a model that cannot load: one line under uvicorn too
+            cfg = config or Config.from_env()
+            loop = asyncio.get_running_loop()
+            operations.config, operations.loop = cfg, loop
+            AcceptErrorLog().install(loop)
+            logging.getLogger("minibatch").setLevel(cfg.log_level.upper())
+            if not logging.getLogger().handlers:  # e.g. under `uvicorn server:app`: our lines need a handler
+                logging.basicConfig(format=LOG_FORMAT)
+            executor = thread or engine_thread()
+            eng = engine or await asyncio.wrap_future(executor.submit(load_engine, cfg))
         scheduler = Scheduler(eng, cfg.max_queue_depth, executor=executor, waiting=waiting_queue(cfg))
         scheduler.on_engine_call = operations.metrics.on_engine_call
         scheduler.on_resolved = operations.metrics.on_resolved
@@ -89,7 +92,8 @@ def create_app(
     operations = Operations(config, lambda: app.state.server)
     app.state.ops = operations
     app.add_middleware(OperationsMiddleware, operations=operations)
-    app.add_middleware(CORSFromConfig, operations=operations)  # added last: outermost
+    app.add_middleware(CORSFromConfig, operations=operations)
+    app.add_middleware(OneLineStartupError, startup=startup)  # added last: outermost
     _add_error_handlers(app, operations)
     app.include_router(probes.router)
     app.include_router(generate.router)
@@ -98,6 +102,41 @@ def create_app(
     app.include_router(admin.router)
     app.openapi = _openapi_with_ops_errors(app)
     return app
+
+
+class StartupError:
+    """Why the lifespan's startup failed, in one line (``recorded`` keeps it, then lets the error go on)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+    @contextmanager
+    def recorded(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            self.reason = _one_line(exc)
+            raise
+
+
+class OneLineStartupError:
+    """Pure ASGI, outermost: under ``uvicorn server:app`` a startup that fails in the lifespan (a bad setting, a model
+    that cannot load) is reported by Starlette as a traceback; uvicorn logs its message. This makes that message
+    ``error: <why>``, the line ``python server.py`` prints for the same failure."""
+
+    def __init__(self, app, startup: StartupError) -> None:
+        self.app, self.startup = app, startup
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def send_one_line(message) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.startup.reason is not None:
+                message = {**message, "message": f"error: {self.startup.reason}"}
+            await send(message)
+
+        await self.app(scope, receive, send_one_line)
 
 
 def _add_error_handlers(app: FastAPI, operations: Operations) -> None:

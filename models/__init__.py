@@ -16,8 +16,9 @@ modules when a model loads.
     olmoe.py       one family each: its spec from the HF config, its weight names (docs/families.md: adding one)
     kv_cache.py    the preallocated KV block pool (the block manager, ``core/block_manager.py``, says who holds what)
     kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
-                   decode_ops.c; quant_gemm.c with the int8/int4 packed layout) and the build-once loader
-    quant.py       fp32 -> int8/int4, GGUF tensors -> our formats under HF names (GGUFModel), fused weights
+                   decode_ops.c; quant_gemm.c over GGUF blocks, one header per type in quants/) and the loader
+    gguf/          torch-free: the GGUF reader, every type's block layout and reference dequantization, names
+    quant.py       fp32 -> Q8_0/Q4_1, GGUF tensors -> our weights under HF names (GGUFModel), fused weights
     quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     image.py       the model image: a built model's packed weights in one file (written in a torch child process),
                    cached; ``ensure_image`` is torch-free

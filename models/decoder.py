@@ -7,7 +7,7 @@ A family (``llama.py``, ``qwen2.py``, ``gemma.py``, ...) is a ``Decoder`` subcla
   this code does not do raises ValueError naming it);
 - ``names``: where each weight sits in the HF state dict (``Names``: one name per role, None for a role the family
   does not have);
-- ``gguf``: llama.cpp's architecture name and tensor names for the same roles (``models/gguf_names.py``'s reader
+- ``gguf``: llama.cpp's architecture name and tensor names for the same roles (``models/gguf/names.py``; the reader
   renames a GGUF file's tensors with it).
 
 One block, then, for every family (N tokens, C width, H query heads, KVH K/V heads, D head_dim, I MLP width):
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_dtype
+from .gguf.names import LLAMA_BLOCK, LLAMA_TOP
 from .kernels import decode_ops, step_abi
 from .kernels.decode_step import StepPlan, layer_spec
 from .kernels.quant_gemm import QuantWeight
@@ -55,7 +56,7 @@ from .layers import (
     packed_blocks,
     release_file_pages,
 )
-from .quant import LLAMA_BLOCK, LLAMA_TOP, cat_rows
+from .quant import cat_rows
 from .rope import apply_rope, per_layer_type, rope_tables, rotary_dims
 
 log = logging.getLogger("minibatch.decoder")
@@ -161,7 +162,7 @@ class GGUFNames:
     experts: dict[str, str] = field(default_factory=dict)
 
 
-# llama.cpp's Llama-like tensor names (checked against files its converter wrote): quant.py's Llama table plus the
+# llama.cpp's Llama-like tensor names (checked against files its converter wrote): gguf/names.py's Llama table plus the
 # q/k norms (Qwen3, Gemma 3, OLMo) and the MoE router.
 LLAMA_GGUF_LAYER = {
     **LLAMA_BLOCK,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import kv_dtype
 from .kernels import decode_ops, step_abi
 from .kernels.decode_step import StepPlan, layer_spec
-from .kernels.quant_gemm import QuantWeight
+from .kernels.quant_gemm import QuantWeight, dequantize
 from .layers import (
     Linear,
     MixedBatch,
@@ -103,7 +103,8 @@ class GPT2(MixedForward):
         base = "transformer."
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
         self.wte = embedding_table(sd[base + "wte.weight"], weights)  # [V, C]
-        self.wpe = sd[base + "wpe.weight"]  # [P, C]
+        wpe = sd[base + "wpe.weight"]  # [P, C]; a GGUF's F16 position table is looked up in fp32
+        self.wpe = dequantize(wpe) if isinstance(wpe, QuantWeight) else wpe
         prefixes = [f"{base}h.{i}." for i in range(self.n_layer)]
         self.blocks = packed_blocks(sd, prefixes, lambda prefix: Block(sd, prefix, make_linear))
         self.ln_f = (sd[base + "ln_f.weight"], sd[base + "ln_f.bias"])

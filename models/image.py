@@ -44,7 +44,7 @@ from models.loading import ALIASES, ModelLoadError, build_dir_once, fetch_gguf, 
 
 log = logging.getLogger("minibatch.image")
 
-IMAGE_FORMAT = 2  # bumped when image.json's layout changes
+IMAGE_FORMAT = 3  # bumped when image.json's layout changes (2: the families; 3: linears of parts, GGUF-typed weights)
 WEIGHTS_FILE = "weights.bin"
 META_FILE = "image.json"
 TOKENIZER_DIR = "tokenizer"
@@ -292,6 +292,8 @@ def ensure_image(model_id: str, weights: str = "fp32") -> str:
     complete one. Torch-free. Raises ``ModelLoadError`` (the child's last error line) when it cannot be built.
     Stamps the image as used and prunes the cache (``prune_images``)."""
     source, out = image_dir(model_id, weights)
+    if source.lower().endswith(".gguf") and weights != "fp32":
+        check_gguf(source)  # before any child process: a file we cannot serve fails in one line, now
     if not _usable(out):
         log.info("building the model image of %s (WEIGHTS=%s) once into %s", model_id, weights, out)
         marker = {"source": source, "weights": weights, "format": IMAGE_FORMAT, "code": code_hash()}
@@ -303,6 +305,18 @@ def ensure_image(model_id: str, weights: str = "fp32") -> str:
     _stamp(out)
     prune_images(keep=out)
     return out
+
+
+def check_gguf(path: str) -> None:
+    """``ModelLoadError`` (one line, torch-free) when the GGUF file ``path`` cannot be served at its own precision:
+    missing, corrupt or truncated, an unknown type id, or a tensor of a type no kernel serves (named with its
+    type)."""
+    from models.gguf.reader import check_servable, open_gguf
+
+    try:
+        check_servable(path, open_gguf(path))
+    except ValueError as exc:
+        raise ModelLoadError(f"MODEL_ID {path}: {one_line(exc)}") from None
 
 
 def _usable(out: str) -> bool:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .kernels import decode_ops, decode_step, quant_gemm, small_gemm
 from .kernels import paged_attention as attention_kernel
 from .kernels.paged_attention import attend, paged_attention
-from .kernels.quant_gemm import QuantWeight
+from .kernels.quant_gemm import WEIGHTS_TYPES, QuantParts, QuantWeight, bytes_by_type
 from .kv_cache import PagedKVCache
 from .quant import quantize
 
@@ -58,13 +58,14 @@ class Linear:
     ``panel_gemm`` above, the same bits) and by the whole-step decode kernel. Without it: oneDNN's reordered
     copy (``onednn``), or the plain weight (off CPU, or ``table``: a tied lm_head whose rows the token
     embedding reads too, ``table()``).
-    Quantized (``weight`` a ``QuantWeight``, or ``quant`` = "int8" / "int4" to quantize an fp32
-    weight here): every call goes to ``quant_gemm`` on the one packed copy (``self.quant``).
+    Quantized (``weight`` a ``QuantWeight`` in its GGUF blocks, a ``QuantParts`` of several types, or ``quant`` =
+    "int8" / "int4" to quantize an fp32 weight here into Q8_0 / Q4_1): every call goes to ``quant_gemm`` on the one
+    copy (``self.quant``).
     """
 
     def __init__(
         self,
-        weight: torch.Tensor | QuantWeight,
+        weight: torch.Tensor | QuantWeight | QuantParts,
         bias: torch.Tensor | None,
         onednn: bool,
         batch_hint: int,
@@ -74,9 +75,9 @@ class Linear:
     ) -> None:
         self.bias = bias.contiguous() if bias is not None else None
         self.out_features, self.in_features = weight.shape
-        if quant is not None and not isinstance(weight, QuantWeight):
+        if quant is not None and not isinstance(weight, (QuantWeight, QuantParts)):
             weight = quantize(weight, quant)
-        self.quant = weight if isinstance(weight, QuantWeight) else None
+        self.quant = weight if isinstance(weight, (QuantWeight, QuantParts)) else None
         if self.quant is not None:
             self.onednn, self.small, self.weight = False, None, None
             return
@@ -90,7 +91,12 @@ class Linear:
 
     @property
     def fmt(self) -> str:
+        """The weight's format: "fp32", a GGUF type ("Q4_K"), or the types of a mixed fusion ("Q4_K+Q6_K")."""
         return self.quant.fmt if self.quant is not None else "fp32"
+
+    def bytes_by_format(self) -> dict[str, int]:
+        """Bytes of the one copy per format (a mixed fusion: per GGUF type)."""
+        return bytes_by_type(self.quant) if self.quant is not None else {"fp32": self.nbytes}
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +117,7 @@ class Linear:
         return self.nbytes
 
     @property
-    def copy(self) -> torch.Tensor | QuantWeight:
+    def copy(self) -> torch.Tensor | QuantWeight | QuantParts:
         """The one resident copy of the weight: quantized blocks, small_gemm panels, or oneDNN's / the plain one."""
         return next(c for c in (self.quant, self.small, self.weight) if c is not None)
 
@@ -158,9 +164,9 @@ def linear_factory(
 
     The compiled kernels run only where oneDNN does (CPU fp32), when asked for, and when they built;
     then every fp32 weight is held once, as small_gemm panels, and oneDNN is off. ``weights`` "int8" /
-    "int4" quantizes every fp32 weight it is given (CPU only); a ``QuantWeight`` is used as it is.
+    "int4" quantizes every fp32 weight it is given into Q8_0 / Q4_1 (CPU only); a ``QuantWeight`` is used as it is.
     """
-    quant = weights if weights in quant_gemm.FORMATS else None
+    quant = weights if weights in WEIGHTS_TYPES else None
     if quant is not None and device.type != "cpu":
         raise ValueError(f"WEIGHTS={weights} runs on the CPU only (device is {device}); use WEIGHTS=fp32")
     cpu_fp32 = use_onednn(device, torch.float32)
@@ -172,7 +178,7 @@ def linear_factory(
 
 def embedding_table(table: torch.Tensor | QuantWeight, weights: str) -> torch.Tensor | QuantWeight:
     """A token embedding [V, C] in the ``weights`` format (quantized under int8 / int4, so a tied lm_head shares it)."""
-    if weights in quant_gemm.FORMATS and not isinstance(table, QuantWeight):
+    if weights in WEIGHTS_TYPES and not isinstance(table, QuantWeight):
         return quantize(table, weights)
     return table
 
@@ -187,7 +193,7 @@ def embed_rows(table: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Te
 
 def check_cpu(sd: dict, device: torch.device) -> None:
     """Quantized weights (a GGUF served at its own precision) run on the CPU only."""
-    if device.type != "cpu" and any(isinstance(v, QuantWeight) for v in sd.values()):
+    if device.type != "cpu" and any(isinstance(v, (QuantWeight, QuantParts)) for v in sd.values()):
         raise ValueError(f"quantized weights run on the CPU only (device is {device}); use WEIGHTS=fp32")
 
 
@@ -494,6 +500,11 @@ def _owned_fp32(v: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out.clone() if out.numel() <= OWN_BELOW and out.data_ptr() == v.data_ptr() else out
 
 
+def _add(total: dict[str, int], more: dict[str, int]) -> None:
+    for fmt, n in more.items():
+        total[fmt] = total.get(fmt, 0) + n
+
+
 class MixedForward:
     """A model family's forward over a mixed batch: the loop every family shares.
 
@@ -588,7 +599,7 @@ class MixedForward:
         return linear + self.n_layer * 4 * context * self.n_head * self.head_dim
 
     def weight_bytes(self) -> dict[str, int]:
-        """Bytes of weights one forward step streams, per format ("fp32", "int8", "int4").
+        """Bytes of weights one forward step streams, per format ("fp32", or a GGUF type: "Q8_0", "Q4_K", ...).
 
         Each linear's one copy that the step reads (``Linear.streamed_bytes``): a decode step at small
         batch is bound by these. Embedding lookups read a few rows only and are left out; a tied lm_head
@@ -596,7 +607,7 @@ class MixedForward:
         """
         out: dict[str, int] = {}
         for lin in self.linears():
-            out[lin.fmt] = out.get(lin.fmt, 0) + lin.streamed_bytes
+            _add(out, lin.bytes_by_format())
         return out
 
     def resident_weights(self) -> dict[str, int]:
@@ -610,13 +621,12 @@ class MixedForward:
         for lin in self.linears():
             if id(lin.copy) not in held:
                 held.add(id(lin.copy))
-                out[lin.fmt] = out.get(lin.fmt, 0) + lin.nbytes
+                _add(out, lin.bytes_by_format())
         for table in self.embedding_tables():
             if id(table) in held:
                 continue
             held.add(id(table))
-            fmt, n = (table.fmt, table.nbytes) if isinstance(table, QuantWeight) else ("fp32", table.nbytes)
-            out[fmt] = out.get(fmt, 0) + n
+            _add(out, bytes_by_type(table) if isinstance(table, QuantWeight) else {"fp32": table.nbytes})
         return out
 
     def embedding_tables(self) -> list:

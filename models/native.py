@@ -58,7 +58,7 @@ class NativeModel:
             offsets = {name: entry["offset"] for name, entry in meta["buffers"].items()}
             base = self.weights.ctypes.data
             addresses = step_abi.map_buffers(spec, lambda _, name: base + offsets[name])
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ImageError(f"model image {image_dir}: image.json is malformed ({type(exc).__name__}: {exc})") from exc
         kv_dtype.check(kv_cache_dtype)
         if not 0 < block_size <= meta["max_block_size"] or num_blocks < 1 or threads < 1:

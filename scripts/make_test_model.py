@@ -278,19 +278,21 @@ def _llama(
 
     n_layer, hidden, n_head, n_kv_head, intermediate, default_positions, vocab = LLAMA_SHAPES[shape]
     config = LlamaConfig(
-        num_hidden_layers=n_layer,
-        hidden_size=hidden,
-        num_attention_heads=n_head,
-        num_key_value_heads=n_kv_head,
-        intermediate_size=intermediate,
-        max_position_embeddings=n_positions or default_positions,
-        vocab_size=vocab or len(tokenizer),
-        initializer_range=initializer_range,
-        tie_word_embeddings=tied,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **overrides,
+        **{
+            "num_hidden_layers": n_layer,
+            "hidden_size": hidden,
+            "num_attention_heads": n_head,
+            "num_key_value_heads": n_kv_head,
+            "intermediate_size": intermediate,
+            "max_position_embeddings": n_positions or default_positions,
+            "vocab_size": vocab or len(tokenizer),
+            "initializer_range": initializer_range,
+            "tie_word_embeddings": tied,
+            "bos_token_id": tokenizer.eos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **overrides,  # any of the above too (a wider tiny model)
+        }
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -353,16 +355,18 @@ def _gpt2(tokenizer, shape: str, initializer_range: float, seed: int, n_position
 
     n_layer, n_embd, n_head, default_positions, vocab = SHAPES[shape]
     config = GPT2Config(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_positions=n_positions or default_positions,
-        vocab_size=vocab or len(tokenizer),
-        initializer_range=initializer_range,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **overrides,
+        **{
+            "n_layer": n_layer,
+            "n_embd": n_embd,
+            "n_head": n_head,
+            "n_positions": n_positions or default_positions,
+            "vocab_size": vocab or len(tokenizer),
+            "initializer_range": initializer_range,
+            "bos_token_id": tokenizer.eos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **overrides,  # any of the above too (a wider tiny model)
+        }
     )
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config).eval()

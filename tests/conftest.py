@@ -118,7 +118,9 @@ def runtime_knobs(runtime: str) -> dict:
 RUNTIMES = ("torch", "native")  # parametrize a real-server test over both runtimes (``runtime_knobs``)
 
 
-needs_avx512 = pytest.mark.skipif(not has_avx512(), reason="the CPU has no AVX-512F: only the AVX2 kernels run here")
+needs_avx512 = pytest.mark.skipif(
+    not has_avx512(), reason="the CPU has no AVX-512 F/BW/VL: only the AVX2 kernels run here"
+)
 
 
 @pytest.fixture

@@ -182,7 +182,7 @@ def small_gemm_builds() -> bool:
 
 
 def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_model_dir, tmp_path):
-    """ours:int8 streams packed int8 weights, on the native runtime (RUNTIME=auto) and on torch, where the linears'
+    """ours:int8 streams Q8_0 blocks, on the native runtime (RUNTIME=auto) and on torch, where the linears'
     kernel rates are measured too; llamacpp on a non-GGUF model (or unbuilt) fails saying why."""
     out = tmp_path / "bench.json"
     systems = "ours:int8,ours:int8:runtime=torch,llamacpp"
@@ -191,13 +191,13 @@ def test_quick_benchmark_of_a_quantized_engine_beside_a_missing_llamacpp(tiny_mo
     native, ours = seed["ours:int8"], seed["ours:int8:runtime=torch"]
     for r, engine in ((native, "NativeEngine"), (ours, "HFEngine")):
         assert not r.get("failed") and r["tokens_per_s"] > 0 and r["config"]["weights"] == "int8"
-        assert set(r["config"]["resident_weight_mb"]) >= {"int8"} and r["config"]["engine"].startswith(engine)
+        assert set(r["config"]["resident_weight_mb"]) >= {"Q8_0"} and r["config"]["engine"].startswith(engine)
     assert [k["rows"] for k in ours["linear_kernels"]] == [1, 8]
-    assert all(k["quant_gemm_gb_s"] > 0 and k["fmt"] == "int8" for k in ours["linear_kernels"])
+    assert all(k["quant_gemm_gb_s"] > 0 and k["fmt"] == "Q8_0" for k in ours["linear_kernels"])
     assert seed["llamacpp"]["failed"] and (
         "llama-server" in seed["llamacpp"]["error"] or ".gguf" in seed["llamacpp"]["error"]
     )
-    assert "quant_gemm (int8)" in proc.stdout
+    assert "quant_gemm (Q8_0)" in proc.stdout
 
 
 def _fake_llama_server(path, behaviour: str) -> str:
@@ -288,9 +288,10 @@ def test_llamacpp_builds_are_kept_per_kind_of_cpu(tmp_path, monkeypatch):
 
 # --- the model's cost model (what the roofline asks), against a direct count of the checkpoint's weights ---
 # Bytes per weight by the formats' own definitions (GGUF): Q8_0 = 32 int8 + one fp16 scale per 32 weights,
-# Q4_1 = 32 nibbles + fp16 scale and min per 32. Packed, a quantized weight's rows are padded to panels of 8
-# and its inputs to groups of 32 (quant_gemm.c's layout).
-BYTES_PER_WEIGHT = {"fp32": 4, "int8": 34 / 32, "int4": 20 / 32}
+# Q4_1 = 32 nibbles + fp16 scale and min per 32, held as the blocks themselves (no padding). fp32 held as
+# small_gemm panels pads its rows to panels of 8.
+BYTES_PER_WEIGHT = {"fp32": 4, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
+SERVED_AS = {"fp32": "fp32", "int8": "Q8_0", "int4": "Q4_1"}  # WEIGHTS -> the format the weights are held in
 
 
 @pytest.fixture(scope="module")
@@ -311,11 +312,11 @@ def direct_linear_shapes(hf_model) -> list[tuple[int, ...]]:
 
 def direct_bytes(shapes: list[tuple[int, ...]], fmt: str, panels: bool) -> float:
     """Bytes of ``shapes`` in ``fmt``. Every tiny width is a multiple of 32 (so GPT-2's [in, out] Conv1D
-    orientation does not matter) except the vocab: only the lm_head [V, C] pads its rows to a panel of 8
-    (quantized, or fp32 held as small_gemm panels: ``panels``)."""
+    orientation does not matter) except the vocab: only the lm_head [V, C] of fp32 small_gemm panels (``panels``)
+    pads its rows to a panel of 8."""
     *blocks, (vocab, width) = shapes
     assert all(a % 32 == 0 and b % 32 == 0 for a, b in blocks) and width % 32 == 0
-    rows = -(-vocab // 8) * 8 if panels or fmt != "fp32" else vocab
+    rows = -(-vocab // 8) * 8 if panels and fmt == "fp32" else vocab
     return (sum(a * b for a, b in blocks) + rows * width) * BYTES_PER_WEIGHT[fmt]
 
 
@@ -341,7 +342,8 @@ def test_cost_model_agrees_with_a_direct_count_of_the_weights(family, fmt, tiny_
     # 2 FLOPs per weight, plus q.K and att.V over the context: 4 * L * H * D per layer.
     assert model.flops_per_token(0) == 2 * params
     assert model.flops_per_token(100) - model.flops_per_token(0) == n_layer * 4 * 100 * q_width
-    assert model.weight_bytes() == {fmt: direct_bytes(shapes, fmt, model.small_gemm)}
+    held = SERVED_AS[fmt]
+    assert model.weight_bytes() == {held: direct_bytes(shapes, held, model.small_gemm)}
     # A step streams the one copy of each weight; what is held is that plus the tables no linear holds.
     tables = [t for t in model.embedding_tables() if t is not model.lm_head.table()]
     table_bytes = sum(t.nbytes for t in tables)

@@ -1,9 +1,10 @@
-"""The integer-dot path (models/kernels/int_dot.c): int8 activations times quant_gemm's packed int8 / int4 weights.
+"""The integer-dot path (models/kernels/int_dot.c): int8 activations times GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+weights in their own blocks (random valid blocks written with numpy in each type's layout, as quant_gemm reads them).
 
 Each ISA the CPU has (AVX2 maddubs always; AVX-VNNI and AVX-512 VNNI where present, else the test says which it
 could not run and why: never a silent skip) against a float64 evaluation of the same quantized math: the
 activations rounded exactly as the kernel does (checked bit for bit first), then per output the sum over groups
-of dx d S (+ m s dx). Ragged shapes (K not a multiple of 32, N not of 8 or 16, odd panel ranges), 1-3 threads,
+of dx d S (+ m s dx). Ragged shapes (N not a multiple of 8 or 16, odd panel ranges), 1-3 threads,
 bias and residual; and the results do not depend on the ISA, the batch or the thread count (bit for bit).
 """
 
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from models.gguf.blocks import TYPES as GGUF_TYPES
+from models.gguf.blocks import _k4_nibbles, k4_scale_min, random_blocks
 from models.kernels import build, int_dot, quant_gemm
 
 pytestmark = pytest.mark.skipif(int_dot.load() is None, reason=f"int_dot kernel: {int_dot.KERNEL.unavailable_reason}")
@@ -21,7 +24,7 @@ FLAGS = build.cpu_flags() or set()
 CPU_ISAS = ["avx2"]
 if "avx_vnni" in FLAGS:
     CPU_ISAS.append("avxvnni")
-if {"avx512_vnni", "avx512vbmi", "avx512bw", "avx512vl"} <= FLAGS:
+if {"avx512_vnni", "avx512bw", "avx512vl"} <= FLAGS:
     CPU_ISAS.append("avx512vnni")
 
 
@@ -30,7 +33,7 @@ def isa(request):
     """Each ISA path; one the CPU lacks fails loudly unless the CPU really lacks it (then it reports the reason)."""
     name = request.param
     if name not in CPU_ISAS:
-        pytest.skip(f"this CPU has no {name} (flags: {sorted(f for f in FLAGS if 'vnni' in f or 'vbmi' in f)})")
+        pytest.skip(f"this CPU has no {name} (flags: {sorted(f for f in FLAGS if 'vnni' in f)})")
     got = int_dot.force_isa(name)
     assert got == name
     yield name
@@ -52,18 +55,16 @@ def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q.reshape(m, g * 32).astype(np.int8), d, q.sum(axis=2).astype(np.int32)
 
 
-def reference(x, fmt, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np.ndarray]:
-    """float64 (y, scale) of the quantized math: y[i, n] = sum_g dx d S (+ m s dx) (+ bias) (+ r); scale bounds
-    the fp32 rounding (the sum of the terms' magnitudes)."""
+def reference(x, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np.ndarray]:
+    """float64 (y, scale) of the quantized math: y[i, n] = sum_g dx d S (+ m s dx) (+ bias) (+ r), q the weights'
+    integers (Q4_0: q - 8); scale bounds the fp32 rounding (the sum of the terms' magnitudes)."""
     xq, dx, xs = quantize_ref(x.numpy())
     n, k = q.shape
     g = dx.shape[1]
-    wq = np.zeros((n, g * 32), np.int64)
-    wq[:, :k] = q.numpy().astype(np.int64)
-    S = np.einsum("mgk,ngk->mng", xq.astype(np.int64).reshape(-1, g, 32), wq.reshape(n, g, 32))  # exact
-    terms = dx.astype(np.float64)[:, None, :] * d.numpy().astype(np.float64)[None, :, :] * S
+    S = np.einsum("mgk,ngk->mng", xq.astype(np.int64).reshape(-1, g, 32), q.astype(np.int64).reshape(n, g, 32))
+    terms = dx.astype(np.float64)[:, None, :] * d.astype(np.float64)[None, :, :] * S  # S exact
     if m is not None:
-        terms = terms + m.numpy().astype(np.float64)[None, :, :] * (xs.astype(np.float64) * dx)[:, None, :]
+        terms = terms + m.astype(np.float64)[None, :, :] * (xs.astype(np.float64) * dx)[:, None, :]
     y = terms.sum(axis=2)
     scale = np.abs(terms).sum(axis=2)
     if bias is not None:
@@ -76,16 +77,37 @@ def reference(x, fmt, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int):
-    """Random valid blocks: int8 q over all of -128..127, int4 q 0..15; fp16 scales (and int4 mins) of both signs."""
-    gen = torch.Generator().manual_seed(seed)
-    g = -(-k // 32)
-    d = (torch.rand(n, g, generator=gen) * 0.02 + 0.001).half()
-    if fmt == "int8":
-        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int16).to(torch.int8)
-        return quant_gemm.pack("int8", q, d), q, d, None
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    m = ((torch.rand(n, g, generator=gen) - 0.5) * 0.2).half()
-    return quant_gemm.pack("int4", q, d, m), q, d, m
+    """[n, k] random valid blocks of GGUF type ``fmt`` (fp16 scales and mins of both signs) -> the weight and, as the
+    blocks hold them, its integers q [n, k] (Q4_0: q - 8; Q6_K: sc (q - 32)) and each 32-group's factors d [n, G]
+    and m [n, G] (None without a min): weight = d q (+ m) in fp32, gguf-py's values."""
+    t, g = GGUF_TYPES[fmt], k // 32
+    raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(seed), 0.01)  # [blocks, block bytes]
+    w = quant_gemm.from_blocks(fmt, raw.reshape(n, -1), k)
+    half = lambda at: raw[:, at : at + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731  [blocks, 1]
+    m = None
+    if fmt == "Q8_0":
+        q, d = raw[:, 2:34].view(np.int8).astype(np.int32), half(0)
+    elif fmt in ("Q4_0", "Q4_1"):
+        qs = raw[:, 4:20] if fmt == "Q4_1" else raw[:, 2:18]
+        q, d = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32), half(0)  # k 0-15 low nibbles, 16-31 high
+        q, m = (q, half(2)) if fmt == "Q4_1" else (q - 8, None)
+    elif fmt == "Q4_K":
+        sc, mn = k4_scale_min(raw[:, 4:16])  # [blocks, 8 sub-blocks]
+        q = _k4_nibbles(raw[:, 16:144]).astype(np.int32)
+        d, m = half(0) * sc.astype(np.float32), -(half(2) * mn.astype(np.float32))
+    else:  # Q6_K: 16 sub-blocks of 16, each (d sc) (q - 32); the integers carry sc
+        b = len(raw)
+        ql = raw[:, 0:128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = raw[:, 128:192].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q6 = ((ql & 15).reshape(b, 8, 32) | (qh & 3).reshape(b, 8, 32) << 4).astype(np.int32) - 32
+        sc = raw[:, 192:208].view(np.int8).astype(np.int32)
+        q, d = (sc[:, :, None] * q6.reshape(b, 16, 16)).reshape(b, 256), np.repeat(half(208), 8, axis=1)
+    d = d.astype(np.float32).reshape(n, g)
+    m = None if m is None else m.astype(np.float32).reshape(n, g)
+    q = q.reshape(n, k)
+    values = np.repeat(d, 32, axis=1) * q + (0 if m is None else np.repeat(m, 32, axis=1))
+    assert np.array_equal(values.astype(np.float32), quant_gemm.dequantize(w).numpy()), fmt  # the file's weights
+    return w, q, d, m
 
 
 def check(out: torch.Tensor, y: np.ndarray, scale: np.ndarray) -> None:
@@ -108,27 +130,34 @@ def test_activation_rounding_is_the_references():
         assert np.abs(q.astype(np.int32)).max() <= 127
 
 
-SHAPES = [(1, 32, 8), (1, 70, 17), (2, 96, 15), (3, 101, 40), (5, 64, 7), (8, 200, 33), (9, 64, 24), (17, 75, 16)]
-SHAPES += [(33, 130, 9)]  # rows, K, N
+SHAPES = [(1, 32, 8), (1, 64, 17), (2, 96, 15), (3, 128, 40), (5, 64, 7), (8, 224, 33), (9, 64, 24), (17, 96, 16)]
+SHAPES += [(33, 160, 9), (100, 64, 23)]  # rows, K, N (K: whole 32-blocks)
+SUPER_SHAPES = [(1, 256, 8), (3, 512, 17), (8, 256, 33), (9, 768, 16), (33, 256, 9), (100, 512, 23)]  # 256-blocks
+TYPES = list(int_dot.FORMATS)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def shapes(fmt: str) -> list[tuple[int, int, int]]:
+    return SUPER_SHAPES if GGUF_TYPES[fmt].block == 256 else SHAPES
+
+
+@pytest.mark.parametrize("fmt", TYPES)
 def test_each_isa_matches_the_float64_reference(isa, fmt):
-    for i, (rows, k, n) in enumerate(SHAPES):
+    for i, (rows, k, n) in enumerate(shapes(fmt)):
         w, q, d, m = random_weight(fmt, n, k, seed=10 + i)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i))
         bias = torch.randn(n) if i % 2 else None
         residual = torch.randn(rows, n) if i % 3 == 0 else None
-        y, scale = reference(x, fmt, q, d, m, bias, residual)
+        y, scale = reference(x, q, d, m, bias, residual)
         for threads in (1, 2, 3):
             out = int_dot.gemm(x, w, bias, residual, threads=threads)
             check(out, y, scale)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", TYPES)
 def test_results_do_not_depend_on_isa_batch_or_threads(fmt):
-    w, *_ = random_weight(fmt, 45, 160, seed=3)
-    x = torch.randn(20, 160, generator=torch.Generator().manual_seed(4))
+    k = 512 if GGUF_TYPES[fmt].block == 256 else 160
+    w, *_ = random_weight(fmt, 45, k, seed=3)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(4))
     outs = {}
     for name in CPU_ISAS:
         int_dot.force_isa(name)
@@ -146,7 +175,7 @@ def test_results_do_not_depend_on_isa_batch_or_threads(fmt):
 
 def test_close_to_the_exact_fp32_path():
     """Sanity of the whole idea: int8 activations change a linear's outputs by about 2^-8 relative, not more."""
-    w, *_ = random_weight("int4", 64, 512, seed=5)
+    w, *_ = random_weight("Q4_1", 64, 512, seed=5)
     x = torch.randn(8, 512, generator=torch.Generator().manual_seed(6))
     exact = quant_gemm.matmul(x, w)
     approx = int_dot.gemm(x, w)
@@ -154,16 +183,27 @@ def test_close_to_the_exact_fp32_path():
     assert 0 < rel < 0.02
 
 
+def test_other_types_keep_fp32_activations():
+    """The integer path takes Q8_0, Q4_0, Q4_1, Q4_K and Q6_K only: any other type is refused by its switch (the
+    whole-step kernel then runs quant_gemm's exact path for it) and by ``gemm``."""
+    lib = int_dot.load()
+    for name in ("F32", "F16", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "IQ4_NL", "IQ4_XS"):
+        assert lib.int_dot_set_rows(GGUF_TYPES[name].type_id, 1) == -1, name
+    raw = random_blocks("Q5_K", 8 * 2, np.random.default_rng(0), 0.01).reshape(8, -1)
+    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        int_dot.gemm(torch.randn(2, 512), quant_gemm.from_blocks("Q5_K", raw, 512))
+
+
 def test_activations_setting():
     lib = int_dot.load()
-    assert int_dot.rows_for("fp32", "int8") is None and int_dot.rows_for("int8", "int4") == 1
+    assert int_dot.rows_for("fp32", "Q8_0") is None and int_dot.rows_for("int8", "Q4_1") == 1
     with pytest.raises(ValueError, match="ACTIVATIONS"):
         int_dot.set_activations("int4")
     try:
         int_dot.set_activations("int8")
-        assert lib.int_dot_set_rows(0, 1) == 1 and lib.int_dot_set_rows(1, 1) == 1
+        assert all(lib.int_dot_set_rows(code, 1) == 1 for code in int_dot.FORMATS.values())
         int_dot.set_activations("fp32")
-        assert lib.int_dot_set_rows(0, 0) == 0
+        assert lib.int_dot_set_rows(int_dot.FORMATS["Q8_0"], 0) == 0
     finally:
         int_dot.set_activations("auto")
     assert "ACTIVATIONS=auto" in int_dot.describe()
@@ -221,14 +261,15 @@ def test_auto_is_the_measured_choice_and_the_tests_run_exact():
     try:
         for kind, rows in int_dot.MEASURED_AUTO_ROWS.items():
             int_dot.AUTO_ROWS[kind].update(rows)
-        assert int_dot.rows_for("auto", "int4", "avx512vnni") == int_dot.MEASURED_AUTO_ROWS["vnni"]["int4"]
-        assert int_dot.rows_for("auto", "int8", "avx2") == int_dot.MEASURED_AUTO_ROWS["avx2"]["int8"]
+        assert int_dot.rows_for("auto", "Q4_1", "avx512vnni") == int_dot.MEASURED_AUTO_ROWS["vnni"]["Q4_1"]
+        assert int_dot.rows_for("auto", "Q8_0", "avx2") == int_dot.MEASURED_AUTO_ROWS["avx2"]["Q8_0"]
         int_dot.set_activations("auto")
-        vnni = int_dot.MEASURED_AUTO_ROWS["vnni"]["int4"] or 0
+        q4_1 = int_dot.FORMATS["Q4_1"]
+        vnni = int_dot.MEASURED_AUTO_ROWS["vnni"]["Q4_1"] or 0
         if CPU_ISAS[-1] != "avx2":  # a VNNI CPU: auto's rows, then KERNEL_ISA=avx2 turns them to AVX2's
-            assert lib.int_dot_set_rows(1, vnni) == vnni
+            assert lib.int_dot_set_rows(q4_1, vnni) == vnni
             build.set_kernel_isa("avx2")
-            assert lib.int_dot_set_rows(1, 0) == (int_dot.MEASURED_AUTO_ROWS["avx2"]["int4"] or 0)
+            assert lib.int_dot_set_rows(q4_1, 0) == (int_dot.MEASURED_AUTO_ROWS["avx2"]["Q4_1"] or 0)
     finally:
         build.set_kernel_isa("auto")
         for kind, rows in saved.items():

@@ -274,8 +274,8 @@ def test_smollm2_alias_serves_the_cached_gguf_without_fetching_again(
     monkeypatch.setattr(fetch, "download_wheel", no_download)
     engine = make_engine("smollm2", capacity=1, max_model_len=64)
     assert type(engine.model).__name__ == "Llama" and engine.model_name == "smollm2"
-    # WEIGHTS=auto serves the alias's GGUF at its own precision (Q4_1 blocks as int4, Q8_0 as int8), as a path would.
-    assert set(engine.model.resident_weights()) >= {"int4", "int8"}, engine.model.resident_weights()
+    # WEIGHTS=auto serves the alias's GGUF at its own precision (its Q4_1 and Q8_0 blocks as they are), as a path would.
+    assert set(engine.model.resident_weights()) >= {"Q4_1", "Q8_0"}, engine.model.resident_weights()
     seq = seqs_for(smollm2_ref, ["The capital of France is"], [6])[0]
     drive(engine, [(0, [seq])])
     assert seq.output_token_ids == expected(smollm2_ref, seq, smollm2_ref.eos)

@@ -1,4 +1,4 @@
-"""Quantizing fp32 weights, and reading GGUF tensors into our formats (models/quant.py)."""
+"""Quantizing fp32 weights into GGUF blocks, and reading GGUF tensors into our weights (models/quant.py)."""
 
 from __future__ import annotations
 
@@ -13,46 +13,64 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
+from models.gguf.blocks import TYPES, random_blocks  # noqa: E402
 from models.kernels import quant_gemm as qg  # noqa: E402
-from models.quant import GGUFWeights, quantize, quantize_int4, quantize_int8  # noqa: E402
+from models.quant import GGUFWeights, quantize  # noqa: E402
 
-# ---------------------------------------------------------------- fp32 -> int8 / int4
-
-
-def group_view(t: torch.Tensor, k: int) -> torch.Tensor:
-    """[N, G] per-group values -> [N, K] per-weight values."""
-    return t.float().repeat_interleave(qg.GROUP, dim=1)[:, :k]
+# ---------------------------------------------------------------- fp32 -> Q8_0 / Q4_1
 
 
-def test_int8_error_is_at_most_half_a_step_per_group():
-    w = torch.randn(37, 70) * torch.logspace(-3, 1, 70)  # partial last group, very different group ranges
-    q, d = quantize_int8(w)
-    assert q.dtype == torch.int8 and q.abs().max() <= 127 and d.shape == (37, 3)
-    step = group_view(d, 70)
-    err = (qg.dequantize(quantize(w, "int8")) - w).abs()
-    assert (err <= step * 0.5 + 1e-3 * step).all()  # fp16 rounding of d adds a sliver at the group's extreme
+def block_view(t: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, G] per-block values -> [N, K] per-weight values."""
+    return t.float().repeat_interleave(32, dim=1)[:, :k]
 
 
-def test_int4_error_is_at_most_half_a_step_and_padding_never_widens_the_range():
-    w = torch.randn(21, 45) + 5.0  # all positive: a zero-padded last group would stretch its range to 0
-    q, d, m = quantize_int4(w)
-    assert q.dtype == torch.uint8 and q.max() <= 15 and d.shape == m.shape == (21, 2)
-    assert (m.float()[:, 1] > 1.0).all()  # the partial group's min is its own, not the padding's
-    step = group_view(d, 45)
-    err = (qg.dequantize(quantize(w, "int4")) - w).abs()
+def scales(w: qg.QuantWeight, at: int) -> torch.Tensor:
+    """The fp16 at byte ``at`` of each block -> [N, G]."""
+    blocks = w.data.view(w.out_features, -1, TYPES[w.fmt].nbytes)
+    return blocks[:, :, at : at + 2].contiguous().view(torch.float16)[..., 0]
+
+
+def test_q8_0_error_is_at_most_half_a_step_per_block():
+    w = torch.randn(37, 96) * torch.logspace(-3, 1, 96)  # very different block ranges
+    q = quantize(w, "int8")
+    assert q.fmt == "Q8_0" and q.data.shape == (37, 3 * 34)
+    err = (qg.dequantize(q) - w).abs()
+    step = block_view(scales(q, 0), 96)
+    assert (err <= step * 0.5 + 1e-3 * step).all()  # fp16 rounding of d adds a sliver at the block's extreme
+
+
+def test_q4_1_error_is_at_most_half_a_step():
+    w = torch.randn(21, 64) + 5.0
+    q = quantize(w, "int4")
+    assert q.fmt == "Q4_1" and q.data.shape == (21, 2 * 20)
+    err = (qg.dequantize(q) - w).abs()
+    step = block_view(scales(q, 0), 64)
     assert (err <= step * 0.5 + 2e-3 * step + 5e-3).all()  # plus fp16 rounding of m
 
 
-def test_constant_and_zero_groups_quantize_exactly():
+def test_quantizing_writes_ggufs_own_blocks():
+    """Our quantizers' bytes are GGUF blocks: gguf-py reads them back to our dequantized values."""
+    w = torch.randn(8, 64)
+    for fmt, kind in (("int8", T.Q8_0), ("int4", T.Q4_1)):
+        q = quantize(w, fmt)
+        assert torch.equal(qg.dequantize(q), torch.from_numpy(quants.dequantize(q.data.numpy(), kind)))
+
+
+def test_constant_and_zero_blocks_quantize_exactly():
     w = torch.zeros(8, 64)
-    w[:, 32:] = 127 * 2**-8  # int8: d = 2^-8 exactly; int4: m = the value, d = 0
+    w[:, 32:] = 127 * 2**-8  # Q8_0: d = 2^-8 exactly; Q4_1: m = the value, d = 0
     for fmt in ("int8", "int4"):
         assert torch.equal(qg.dequantize(quantize(w, fmt)), w)
 
 
-def test_unknown_format_is_refused():
+def test_unknown_format_is_refused_and_partial_blocks_fall_back_to_f16():
     with pytest.raises(ValueError, match="int3"):
-        quantize(torch.zeros(8, 8), "int3")
+        quantize(torch.zeros(8, 32), "int3")
+    w = torch.randn(8, 70, generator=torch.Generator().manual_seed(0))
+    for fmt in ("int8", "int4"):  # rows of 70: no 32-block type holds them (llama-quantize's fallback: F16)
+        q = quantize(w, fmt)
+        assert q.fmt == "F16" and torch.equal(qg.dequantize(q), w.half().float())
 
 
 # ---------------------------------------------------------------- GGUF
@@ -60,32 +78,22 @@ def test_unknown_format_is_refused():
 N, K = 12, 256  # 256: one K-quant superblock per row
 
 
-def random_k_blocks(kind: T, rows: int, seed: int) -> np.ndarray:
-    """Random but valid Q4_K / Q6_K rows (no quantizer for these in gguf-py): random bytes, sane fp16 scales."""
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows, K // block, size), dtype=np.uint8)
-    scales = (rng.random((rows, K // block, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
-    if kind == T.Q4_K:
-        raw[:, :, 0:4] = scales.reshape(rows, K // block, 4)  # d, dmin
-    else:
-        raw[:, :, size - 2 :] = scales[:, :, 0:2]  # d is the block's last field
-    return raw.reshape(rows, -1)
+def stored(kind: str, w: np.ndarray, rng) -> np.ndarray:
+    """The array a GGUF stores for ``w`` at ``kind``: gguf-py's quantizer where it has one, else random blocks."""
+    if kind in ("F32", "F16"):
+        return w.astype(np.float32 if kind == "F32" else np.float16)
+    try:
+        return quants.quantize(w, T[kind])
+    except NotImplementedError:
+        return random_blocks(kind, w.size // TYPES[kind].block, rng, 0.01).reshape(w.shape[0], -1)
 
 
 def source_tensors(seed: int = 0) -> dict[str, tuple[np.ndarray, T]]:
-    """name -> (stored array, its GGUF type); quantized arrays are block bytes."""
+    """name -> (stored array, its GGUF type): a [N, K] matrix of every type we serve, and a norm."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
-    out = {
-        "f32": (w, T.F32),
-        "f16": (w.astype(np.float16), T.F16),
-        "norm": (rng.standard_normal(K).astype(np.float32), T.F32),
-        "q4k": (random_k_blocks(T.Q4_K, N, seed), T.Q4_K),
-        "q6k": (random_k_blocks(T.Q6_K, N, seed + 1), T.Q6_K),
-    }
-    for name, kind in (("q8_0", T.Q8_0), ("q4_0", T.Q4_0), ("q4_1", T.Q4_1)):
-        out[name] = (quants.quantize(w, kind), kind)
+    out = {kind.lower(): (stored(kind, w, rng), T[kind]) for kind in TYPES}
+    out["norm"] = (rng.standard_normal(K).astype(np.float32), T.F32)
     return out
 
 
@@ -114,53 +122,33 @@ def ggml_values(arr: np.ndarray, kind: T) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(arr, kind), dtype=np.float32))
 
 
-@pytest.mark.parametrize(
-    "name, fmt", [("f32", "fp32"), ("f16", "fp32"), ("q8_0", "int8"), ("q4_0", "int4"), ("q4_1", "int4")]
-)
-def test_exact_types_are_served_as_stored(tiny_gguf, name, fmt):
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_every_type_is_served_in_its_own_blocks(tiny_gguf, kind):
+    """WEIGHTS=auto: a matrix keeps its file's bytes (F32 comes as an fp32 tensor, the same bytes), dequantizing to
+    gguf-py's values bit for bit."""
     path, tensors = tiny_gguf
     src = GGUFWeights(path, "auto")
-    served = src.get(name)
-    expect = ggml_values(*tensors[name])
-    if fmt == "fp32":
-        assert isinstance(served, torch.Tensor) and served.dtype == torch.float32
-        assert torch.equal(served, expect)
+    arr, t = tensors[kind.lower()]
+    served = src.get(kind.lower())
+    expect = ggml_values(arr, t)
+    if kind == "F32":
+        assert isinstance(served, torch.Tensor) and torch.equal(served, expect)
     else:
-        assert isinstance(served, qg.QuantWeight) and served.fmt == fmt and served.shape == (N, K)
-        assert torch.equal(qg.dequantize(served), expect)  # not one weight value changed
-    assert list(src.conversions) == [f"{tensors[name][1].name} -> {fmt} (exact)"]
+        assert isinstance(served, qg.QuantWeight) and served.fmt == kind and served.shape == (N, K)
+        assert np.array_equal(served.data.numpy(), np.ascontiguousarray(arr).view(np.uint8).reshape(N, -1))
+        assert torch.equal(qg.dequantize(served).view(torch.int32), expect.view(torch.int32))
+    assert list(src.conversions) == [f"{kind} -> {'fp32' if kind == 'F32' else kind} (exact)"]
+    assert sum(src.resident.values()) == np.asarray(arr).nbytes  # resident bytes = the file's tensor bytes
 
 
-def test_q4_k_keeps_its_4_bit_values_and_rounds_scales_to_fp16(tiny_gguf):
-    path, tensors = tiny_gguf
-    src = GGUFWeights(path, "auto")
-    served = src.get("q4k")
-    assert isinstance(served, qg.QuantWeight) and served.fmt == "int4"
-    expect = ggml_values(*tensors["q4k"])
-    # |w| <= 15 |scale| + |min|; both rounded to fp16 (relative error <= 2^-11 each)
-    torch.testing.assert_close(qg.dequantize(served), expect, rtol=0, atol=float(expect.abs().max()) * 2**-10)
-    assert list(src.conversions) == ["Q4_K -> int4 (requantized: scales rounded to fp16)"]
-
-
-def test_q6_k_becomes_int8_within_half_an_int8_step(tiny_gguf):
-    path, tensors = tiny_gguf
-    src = GGUFWeights(path, "auto")
-    served = src.get("q6k")
-    assert isinstance(served, qg.QuantWeight) and served.fmt == "int8"
-    expect = ggml_values(*tensors["q6k"])
-    _, d, _ = qg.unpack(served)
-    assert ((qg.dequantize(served) - expect).abs() <= group_view(d, K) * 0.51).all()
-    assert list(src.conversions) == ["Q6_K -> int8 (requantized)"]
-
-
-@pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q4k", "q6k"])
+@pytest.mark.parametrize("name", [*(k.lower() for k in TYPES), "norm"])
 def test_every_type_dequantizes_to_ggmls_values(tiny_gguf, name):
     path, tensors = tiny_gguf
     assert torch.equal(GGUFWeights(path, "fp32").get(name), ggml_values(*tensors[name]))
 
 
-@pytest.mark.parametrize("weights, fmt", [("int8", "int8"), ("int4", "int4")])
-def test_forced_format_converts_every_matrix_and_keeps_vectors_fp32(tiny_gguf, weights, fmt):
+@pytest.mark.parametrize("weights, kind", [("int8", "Q8_0"), ("int4", "Q4_1")])
+def test_forced_format_converts_every_matrix_and_keeps_vectors_fp32(tiny_gguf, weights, kind):
     path, tensors = tiny_gguf
     src = GGUFWeights(path, weights)
     for name in tensors:
@@ -168,34 +156,26 @@ def test_forced_format_converts_every_matrix_and_keeps_vectors_fp32(tiny_gguf, w
         if name == "norm":
             assert isinstance(served, torch.Tensor) and served.shape == (K,)
             continue
-        assert isinstance(served, qg.QuantWeight) and served.fmt == fmt
+        assert isinstance(served, qg.QuantWeight) and served.fmt == kind
         expect = ggml_values(*tensors[name])
-        _, d, m = qg.unpack(served)
-        bound = group_view(d.abs(), K) * 0.51 + 1e-6  # half a step (Q4_0 stores negative d too)
-        if m is not None:  # + the fp16 rounding of the min (Q4_K: of its scale and min)
-            bound += group_view(m.abs(), K) * 2**-10 + group_view(d.abs(), K) * 15 * 2**-10
+        if name == kind.lower():  # the file's own blocks, as they are
+            assert torch.equal(qg.dequantize(served), expect)
+            continue
+        d = block_view(scales(served, 0).abs(), K)
+        bound = d * 0.51 + 1e-6 + (block_view(scales(served, 2).abs(), K) * 2**-10 if kind == "Q4_1" else 0)
         assert ((qg.dequantize(served) - expect).abs() <= bound).all(), name
-    assert src.conversions[f"{'Q8_0' if fmt == 'int8' else 'Q4_1'} -> {fmt} (exact)"] == 1
-    assert src.conversions[f"F32 -> {fmt} (quantized)"] == 1  # the f32 matrix; the norm stays fp32
-    assert src.resident[fmt] == sum(v for k, v in src.resident.items() if k == fmt) > 0
+    assert src.conversions[f"{kind} -> {kind} (exact)"] == 1
+    assert src.conversions[f"F32 -> {kind} (quantized)"] == 1  # the f32 matrix; the norm stays fp32
+    assert src.conversions[f"Q4_K -> {kind} (requantized)"] == 1
 
 
-def test_resident_bytes_are_counted_per_format(tiny_gguf):
-    path, tensors = tiny_gguf
-    src = GGUFWeights(path, "auto")
-    for name in tensors:
-        src.get(name)
-    groups = K // qg.GROUP
-    assert src.resident["int4"] == 3 * 2 * groups * 160  # q4_0, q4_1, q4k: 12 rows = 2 panels
-    assert src.resident["int8"] == 2 * 2 * groups * 272  # q8_0, q6k
-    assert src.resident["fp32"] == (2 * N * K + K) * 4  # f32, f16, norm
-
-
-def test_unknown_type_fails_naming_it(tmp_path):
-    w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
-    path = write_gguf(tmp_path / "q5.gguf", {"ok": (w, T.F32), "odd": (quants.quantize(w, T.Q5_0), T.Q5_0)})
-    with pytest.raises(ValueError, match=r"tensor odd has GGUF type Q5_0, which is not supported"):
+def test_a_type_no_kernel_serves_fails_naming_the_tensor_and_its_type(tmp_path):
+    w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    odd = np.random.default_rng(1).integers(0, 256, (4, 66), dtype=np.uint8)  # one IQ2_XXS super-block a row
+    path = write_gguf(tmp_path / "iq2.gguf", {"ok": (w, T.F32), "blk.0.odd": (odd, T.IQ2_XXS)})
+    with pytest.raises(ValueError, match=r"tensor blk.0.odd has GGUF type IQ2_XXS, which is not supported") as info:
         GGUFWeights(path)
+    assert "\n" not in str(info.value) and "Q4_K" in str(info.value)
 
 
 def test_unknown_type_id_fails_naming_the_tensor_and_the_id(tmp_path):
@@ -254,7 +234,7 @@ def tiny_hf_model(model_type: str):
 
 
 def gguf_name_of(hf: str, model_type: str) -> str:
-    from models.quant import GPT2_BLOCK, GPT2_TOP, LLAMA_BLOCK, LLAMA_TOP
+    from models.gguf.names import GPT2_BLOCK, GPT2_TOP, LLAMA_BLOCK, LLAMA_TOP
 
     block, top = (LLAMA_BLOCK, LLAMA_TOP) if model_type == "llama" else (GPT2_BLOCK, GPT2_TOP)
     stem, kind = hf.rsplit(".", 1)
@@ -266,14 +246,18 @@ def gguf_name_of(hf: str, model_type: str) -> str:
     return f"blk.{layer}.{next(g for g, h in block.items() if h == local)}.{kind}"
 
 
+STATE_TYPES = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_0, T.Q5_1, T.F16, T.BF16, T.F32]  # the ones gguf-py quantizes at K = 64
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_gguf_state_dict_puts_every_weight_back_under_its_hf_name(tmp_path, model_type):
     """Written the way llama.cpp's converter writes (Llama Q/K rows permuted, GPT-2 Conv1D transposed), read back."""
-    from models.quant import GPT2_CONV1D, gguf_state_dict, llama_qk_rows
+    from models.gguf.names import GPT2_CONV1D, llama_qk_rows
+    from models.quant import gguf_state_dict
 
     model = tiny_hf_model(model_type)
     n_head, n_kv = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", None)
-    tensors, expect, types = {}, {}, [T.Q8_0, T.Q4_1, T.Q4_0]
+    tensors, expect = {}, {}
     for i, (name, w) in enumerate(model.state_dict().items()):
         if name.endswith("attn.bias") or name.endswith("masked_bias"):
             continue  # old GPT-2 buffers
@@ -284,10 +268,10 @@ def test_gguf_state_dict_puts_every_weight_back_under_its_hf_name(tmp_path, mode
             heads = n_head if "q_proj" in name else n_kv
             w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
         w = np.ascontiguousarray(w)
-        kind = types[i % 3] if w.ndim == 2 else T.F32
-        stored = w if kind == T.F32 else quants.quantize(w, kind)
-        tensors[gguf_name_of(name, model_type)] = (stored, kind)
-        expect[name] = ggml_values(stored, kind)
+        kind = STATE_TYPES[i % len(STATE_TYPES)] if w.ndim == 2 else T.F32
+        data = w if kind == T.F32 else w.astype(np.float16) if kind == T.F16 else quants.quantize(w, kind)
+        tensors[gguf_name_of(name, model_type)] = (data, kind)
+        expect[name] = ggml_values(data, kind)
     path = write_gguf(tmp_path / f"{model_type}.gguf", tensors)
     sd = gguf_state_dict(GGUFWeights(path, "auto"), model.config)
     assert set(sd) == set(expect)
@@ -307,41 +291,30 @@ def test_gguf_state_dict_puts_every_weight_back_under_its_hf_name(tmp_path, mode
         assert (hf_layout - hf[name].float()).abs().max() <= hf[name].abs().max() / 6, name
 
 
-def test_cat_rows_fuses_exactly_and_mixed_formats_go_to_the_finest():
+def test_cat_rows_fuses_exactly_and_mixed_types_stay_in_their_own_blocks():
     from models.quant import cat_rows
 
-    a, b, c = torch.randn(13, 70), torch.randn(5, 70), torch.randn(8, 70)
-    qa, qb = quantize(a, "int4"), quantize(b, "int4")
+    a, b, c = torch.randn(13, 64), torch.randn(5, 64), torch.randn(8, 64)
+    qa, qb, qc = quantize(a, "int4"), quantize(b, "int4"), quantize(c, "int8")
     fused, note = cat_rows([qa, qb])
-    assert note is None and fused.fmt == "int4" and fused.shape == (18, 70)
-    assert torch.equal(qg.dequantize(fused), torch.cat([qg.dequantize(qa), qg.dequantize(qb)]))
-    mixed, note = cat_rows([qa, quantize(c, "int8")])
-    assert mixed.fmt == "int8" and note == "fused int4+int8 weights served as int8"
-    assert torch.equal(qg.dequantize(mixed)[13:], qg.dequantize(quantize(c, "int8")))
-    dense, note = cat_rows([qa, c])
-    assert isinstance(dense, torch.Tensor) and torch.equal(dense, torch.cat([qg.dequantize(qa), c]))
-    assert note == "fused fp32+int4 weights served as fp32"
+    assert note is None and isinstance(fused, qg.QuantWeight) and fused.fmt == "Q4_1" and fused.shape == (18, 64)
+    assert torch.equal(fused.data, torch.cat([qa.data, qb.data]))
+    mixed, note = cat_rows([qa, qb, qc])
+    assert isinstance(mixed, qg.QuantParts) and mixed.fmt == "Q4_1+Q8_0" and mixed.shape == (26, 64)
+    assert note == "fused Q4_1+Q8_0 weights, each in its own blocks"
+    assert torch.equal(qg.dequantize(mixed), torch.cat([qg.dequantize(q) for q in (qa, qb, qc)]))
+    dense, note = cat_rows([a, c])
+    assert isinstance(dense, torch.Tensor) and torch.equal(dense, torch.cat([a, c])) and note is None
+    with_fp32, _ = cat_rows([qa, c])  # an fp32 part beside a quantized one: its F32 blocks, the same bytes
+    assert with_fp32.fmt == "Q4_1+F32" and torch.equal(qg.dequantize(with_fp32)[13:], c)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_cat_rows_of_whole_panels_concatenates_packed_bytes_exactly(fmt):
-    """Parts of 8k rows (QKV, gate+up) fuse by concatenating panels; a ragged last part is allowed."""
-    from models.quant import cat_rows
-
-    parts = [quantize(torch.randn(n, 70), fmt) for n in (16, 8, 11)]
-    fused, note = cat_rows(parts)
-    assert note is None and fused.shape == (35, 70) and fused.data.shape[0] == 2 + 1 + 2
-    repacked = qg.pack(fmt, *[torch.cat(p) for p in zip(*(qg.unpack(w)[: 2 if fmt == "int8" else 3] for w in parts))])
-    assert torch.equal(fused.data, repacked.data)
-
-
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_fused_group_shares_one_buffer_and_cat_rows_does_not_copy_it(fmt):
-    """``share_storage`` puts a group's packed weights into one buffer; ``cat_rows`` then returns that buffer as the
-    fused weight, byte for byte what concatenating copies gives (a load never holds a fused weight twice)."""
+def test_a_fused_group_shares_one_buffer_and_cat_rows_does_not_copy_it():
+    """``share_storage`` puts a group's weights of one type into one buffer; ``cat_rows`` then returns that buffer as
+    the fused weight, byte for byte what concatenating copies gives (a load never holds a fused weight twice)."""
     from models.quant import cat_rows, share_storage
 
-    parts = [quantize(torch.randn(n, 70), fmt) for n in (16, 8, 11)]
+    parts = [quantize(torch.randn(n, 64), "int4") for n in (16, 8, 11)]
     want, _ = cat_rows(parts)  # concatenated copies
     assert want.data.data_ptr() not in {p.data.data_ptr() for p in parts}
     sd = dict(zip("qkv", parts))
@@ -351,9 +324,12 @@ def test_a_fused_group_shares_one_buffer_and_cat_rows_does_not_copy_it(fmt):
     assert note is None and fused.shape == want.shape and torch.equal(fused.data, want.data)
     assert fused.data.data_ptr() == sd["q"].data.data_ptr()  # the shared buffer itself
     assert cat_rows([parts[0]])[0] is parts[0]  # one weight: nothing to fuse, nothing copied
-    ragged = {"a": quantize(torch.randn(11, 70), fmt), "b": parts[1]}  # a partial panel before the last part
-    share_storage(ragged, ["a", "b"])
-    assert ragged["a"].data._base is None and ragged["b"] is parts[1]
+    v = quantize(torch.randn(8, 64), "int8")
+    mixed = {"q": parts[0], "k": parts[1], "v": v}
+    share_storage(mixed, ["q", "k", "v"])  # Q and K share a buffer, V keeps its own
+    assert mixed["q"].data._base is mixed["k"].data._base is not None and mixed["v"] is v
+    fused, _ = cat_rows([mixed[n] for n in "qkv"])
+    assert isinstance(fused, qg.QuantParts) and fused.parts[0].data.data_ptr() == mixed["q"].data.data_ptr()
 
 
 def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path):
@@ -370,22 +346,6 @@ def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path
             bases = {sd[f"model.layers.{layer}.{n}.weight"].data._base.data_ptr() for n in group}
             assert len(bases) == 1, (layer, group)
     assert sd["model.layers.0.self_attn.o_proj.weight"].data._base is None  # not fused: its own storage
-
-
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_1, T.Q4_0])
-def test_a_large_matrix_packed_in_row_slices_is_the_same_weight(tmp_path, monkeypatch, kind):
-    """Above PACK_ROWS rows a matrix is repacked a slice at a time into one buffer: the same bytes as all at once,
-    the last slice ragged (45 rows: slices of 16, 16, 13)."""
-    import models.quant as mq
-
-    w = np.random.default_rng(1).standard_normal((45, 96)).astype(np.float32)
-    path = write_gguf(tmp_path / "rows.gguf", {"w": (quants.quantize(w, kind), kind)})
-    whole = GGUFWeights(path, "auto").get("w")
-    monkeypatch.setattr(mq, "PACK_ROWS", 16)
-    sliced = GGUFWeights(path, "auto").get("w")
-    assert (sliced.fmt, sliced.shape) == (whole.fmt, whole.shape)
-    assert torch.equal(sliced.data, whole.data)
-    assert torch.equal(qg.dequantize(sliced), ggml_values(quants.quantize(w, kind), kind))
 
 
 def mapped_rss_kib(path: str) -> int:

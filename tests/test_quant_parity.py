@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from models.kernels.quant_gemm import WEIGHTS_TYPES  # noqa: E402
 from models.quality import perplexity  # noqa: E402
 from models.quant import dequantize_hf_model_  # noqa: E402
 from scripts.make_test_model import build_checkpoint  # noqa: E402
@@ -38,8 +39,9 @@ def test_quantized_engine_matches_hf_on_dequantized_weights(arch_dir, fmt):
     ref = Reference(arch_dir)
     dequantize_hf_model_(ref.model, fmt)
     engine = make_engine(arch_dir, capacity=4, weights=fmt)
-    assert all(lin.fmt == fmt for block in engine.model.blocks for lin in block.linears())
-    assert engine.model.lm_head.fmt == fmt
+    kind = WEIGHTS_TYPES[fmt]  # int8: Q8_0 blocks, int4: Q4_1
+    assert all(lin.fmt == kind for block in engine.model.blocks for lin in block.linears())
+    assert engine.model.lm_head.fmt == kind
     assert len(engine.encode(PROMPTS[4])) + 4 > 16  # the join's forward takes the tile path, decode the direct one
     first = seqs_for(ref, PROMPTS[:4], [3, 17, 1, 30], ignore_eos=True)
     joiners = seqs_for(ref, PROMPTS[4:], [9, 5], ignore_eos=True)

@@ -31,11 +31,11 @@ def kernel_dir() -> str:
     return cache_subdir("kernels")
 
 
-def built_path(source: str, flags: list[str]) -> str:
-    """Where ``source`` built with ``flags`` lives in the cache (it may not exist yet)."""
-    key = hashlib.sha256(_source_bytes(source) + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[
-        :16
-    ]
+def built_path(source: str, flags: list[str], link: tuple[str, ...] = ()) -> str:
+    """Where ``source`` built with ``flags`` (and linked against the libraries ``link``) lives in the cache (it may not
+    exist yet)."""
+    spec = " ".join([*flags, *link]).encode() + platform.machine().encode()
+    key = hashlib.sha256(_source_bytes(source) + spec).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     return os.path.join(kernel_dir(), f"{stem}-{key}.so")
 
@@ -54,13 +54,18 @@ def _source_bytes(source: str, seen: frozenset[str] = frozenset()) -> bytes:
     return text
 
 
-def compile_to(compiler: str, source: str, flags: list[str], target: str) -> None:
-    """Compile to a temporary file, then rename: concurrent builders never see a half-written .so."""
+COMPILE_TIMEOUT_S = 900  # quant_gemm.c's per-type kernels take ~25 s of one core; a loaded box stretches that
+
+
+def compile_to(compiler: str, source: str, flags: list[str], target: str, link: tuple[str, ...] = ()) -> None:
+    """Compile to a temporary file, then rename: concurrent builders never see a half-written .so. ``link``: shared
+    libraries (paths) the result needs, given after the source (the loader finds them by those paths)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, source, "-o", tmp], capture_output=True, text=True, timeout=120)
+        cmd = [compiler, *flags, source, *link, "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -69,18 +74,23 @@ def compile_to(compiler: str, source: str, flags: list[str], target: str) -> Non
             os.unlink(tmp)
 
 
-def build_and_load(source: str, flags: list[str]) -> ctypes.CDLL:
-    """The loaded library of ``source``, compiling it first when the cache lacks it.
+def build(source: str, flags: list[str], link: tuple[str, ...] = ()) -> str:
+    """The path of ``source``'s library in the cache, compiling it first when the cache lacks it.
 
     Raises RuntimeError when no C compiler is found (``$CC``, else ``cc``, else ``gcc``) or the build fails.
     """
-    target = built_path(source, flags)
+    target = built_path(source, flags, link)
     if not os.path.exists(target):
         compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
         if compiler is None:
             raise RuntimeError(f"no C compiler found to build {os.path.basename(source)} (set CC, or install gcc)")
-        compile_to(compiler, source, flags, target)
-    return ctypes.CDLL(target)  # ctypes releases the GIL during each call
+        compile_to(compiler, source, flags, target, link)
+    return target
+
+
+def build_and_load(source: str, flags: list[str], link: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The loaded library of ``source`` (``build``), linked against ``link``."""
+    return ctypes.CDLL(build(source, flags, link))  # ctypes releases the GIL during each call
 
 
 def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str]:
@@ -106,8 +116,9 @@ def cpu_flags() -> set[str] | None:
 
 
 def has_avx512() -> bool:
-    """The CPU has AVX-512F, so the quantized kernels' AVX-512 paths can run (they check it themselves as well)."""
-    return "avx512f" in (cpu_flags() or set())
+    """The CPU has AVX-512 F, BW and VL, so the quantized kernels' AVX-512 paths can run (they check it themselves as
+    well)."""
+    return {"avx512f", "avx512bw", "avx512vl"} <= (cpu_flags() or set())
 
 
 def require_cpu_flags(flags: tuple[str, ...], needs: str) -> None:
@@ -159,10 +170,11 @@ class KernelLoader:
 
 
 def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Register a kernel with AVX-512 paths (quant_gemm.c, and decode_step.c which includes it; int_dot.c's
-    integer path; paged_attention.c's ``attention_isa``, in its own library and in decode_step.c's) and apply the
-    chosen instruction set to it. quant_gemm's AVX2 and AVX-512 paths give the same bits (quant_gemm.c), and so do
-    int_dot's (int_dot.c) and paged attention's (paged_attention.c), so the choice changes speed only."""
+    """Register a kernel with AVX-512 paths (quant_gemm.c's library, and decode_step.c linked against it; int_dot.c's
+    integer path; paged_attention.c's ``attention_isa``, in its own library and in decode_step.c's, which includes
+    it) and apply the chosen instruction set to it. quant_gemm's AVX2 and AVX-512 paths give the same bits
+    (quant_gemm.c), and so do int_dot's (int_dot.c) and paged attention's (paged_attention.c), so the choice changes
+    speed only."""
     for name in ISA_SWITCHES:
         if hasattr(lib, name):
             getattr(lib, name).restype = ctypes.c_int
@@ -189,8 +201,8 @@ def _apply_isa(lib: ctypes.CDLL) -> None:
 
 
 def set_kernel_isa(choice: str) -> None:
-    """``auto``: the kernels' AVX-512 paths where the CPU has AVX-512F; ``avx2``: their AVX2 paths everywhere. Applies
-    to kernels already loaded and to those loaded later; a call already running finishes on its ISA."""
+    """``auto``: the kernels' AVX-512 paths where the CPU has AVX-512 F/BW/VL; ``avx2``: their AVX2 paths everywhere.
+    Applies to kernels already loaded and to those loaded later; a call already running finishes on its ISA."""
     global _isa_choice
     if choice not in KERNEL_ISAS:
         raise ValueError(f"kernel ISA must be one of {', '.join(KERNEL_ISAS)} (got {choice!r})")

@@ -24,8 +24,8 @@
  * the caller needs: decode rows, a chunk's last token or all of its tokens).
  *
  * Each phase reuses its kernel's inner loops, included from their sources (one copy of each kernel's
- * math): the linears split their 8-column output panels over threads exactly as quant_gemm.c's direct
- * path (int8 / int4, any number of rows) and small_gemm.c (fp32 panels) do; attention is paged_attention.c's
+ * math): the linears split their outputs over threads in eights, as quant_gemm.c (rows of GGUF blocks, any
+ * number of rows: its direct path, or its tile path above 8 rows) and small_gemm.c (fp32 panels) do; attention is paged_attention.c's
  * attend_row per (row, KV head, partition) item (a KV head's query heads are independent of the others', so the
  * split changes no result); the norms and activations are decode_ops.c's, a row per call. Every output keeps
  * its kernel's summation order and is computed by one thread, so results do not depend on the thread count,
@@ -35,23 +35,31 @@
  * NUP = the up linear's width (2I Llama: gate then up; 4C GPT-2), I = the down linear's input width, V vocab.
  * x [B, C] is the residual stream, updated in place.
  *
- * Built by decode_step.py with -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp (the union of the
- * included kernels' flags; contraction off as paged_attention.c and decode_ops.c are built).
+ * Built by step_abi.py with -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp (the union of the included kernels'
+ * flags; contraction off as paged_attention.c and decode_ops.c are built), linked against quant_gemm.c's library;
+ * int_dot.c (the integer path of ACTIVATIONS) is included.
  */
-#include "quant_gemm.c"
+#include "quant_gemm.h"
 #include "int_dot.c"
 #include "small_gemm.c"
 #include "decode_ops.c"
 #include "paged_attention.c"
 
-#define FMT_FP32 (-1)   /* small_gemm.c panels (a linear), fp32 rows (a token table); 0 / 1: quant_gemm.c's formats */
+#define FMT_FP32 (-1)   /* small_gemm.c panels (a linear), fp32 rows (a token table); >= 0: a GGUF type id */
 #define FMT_PANELS (-2) /* a token table that is a tied lm_head's small_gemm.c panels */
+#define MAX_PARTS 3     /* parts of one linear (step_abi.MAX_PARTS) */
 
-/* One linear: packed weight w (quant_gemm.c layout for fmt 0 / 1, small_gemm.c panels for fmt -1), bias or NULL. */
+/* N outputs of a linear in one format: rows of GGUF blocks (fmt a type id, quant_gemm.c) or small_gemm.c panels. */
 typedef struct {
     const void *w;
+    int fmt, N;
+} LinPart;
+
+/* One linear: its parts' outputs side by side (one part, unless a fused linear mixes types), bias or NULL. */
+typedef struct {
     const float *bias;
-    int fmt, K, N;
+    int K, N, n_parts;
+    LinPart part[MAX_PARTS];
 } Lin;
 
 /* A mixture-of-experts MLP: router [E, C] fp32; per expert a fused gate+up [2I, C] and a down [C, I] linear. */
@@ -90,7 +98,7 @@ typedef struct {
     const float *normf_w, *normf_b;
     Lin lm_head;
     const Layer *layers;
-    const void *embed;       /* token table [V, C]: quant_gemm.c layout (0 / 1), fp32 rows (-1) or panels (-2) */
+    const void *embed;       /* token table [V, C]: rows of GGUF blocks (a type id), fp32 rows (-1) or panels (-2) */
     int embed_fmt;
     const float *pos_embed;  /* learned positions [max_len, C] (GPT-2), or NULL */
 } Model;
@@ -123,6 +131,7 @@ typedef struct {
     int *route_e, *order, *starts;                  /* each row's experts [B, k], rows by expert [B k], [E + 1] */
     float *route_w, *order_w;                       /* their weights */
     long priv_floats, act_at, scratch_at;           /* a thread's activation and Scratch in its priv */
+    int *failed;                                    /* set when a linear's tile buffer cannot be allocated */
 } Buffers;
 
 /* The widest up linear (dense 2I or 4C, an expert's 2I) and down input over the layers. */
@@ -167,12 +176,16 @@ static long moe_floats(const Model *m, int B) {
     return E ? 3 * lines((long)B * m->C) + 4 * lines((long)B * k) + lines(2 * E + 1) : 0;
 }
 
+/* Floats of the shared buffers but the MoE ones: xn, qkv, att, up, act, y and a dequantized token row (quant_row). */
+static long dense_floats(const Model *m, int B) {
+    const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
+    const long embed_tile = lines((long)m->C + 32);
+    return lines((long)B * (2 * m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile);
+}
+
 /* Floats of the shared buffers of a step of B rows. */
 static long shared_floats(const Model *m, int B) {
-    const long qkv = (long)(m->H + 2 * m->KVH) * m->D;
-    const long embed_tile = (long)m->C * 2 * PANEL; /* dequant_panel's buffer: one panel's 8 rows */
-    return lines((long)B * (2 * m->C + qkv + (long)m->H * m->D + up_width(m) + act_width(m)) + embed_tile) +
-           moe_floats(m, B);
+    return dense_floats(m, B) + moe_floats(m, B);
 }
 
 /* Rows a thread's own buffers hold: norm and activation compute up to 2 nt rows in every thread (fewer threads
@@ -186,8 +199,9 @@ static long own_floats(const Model *m, int B, int nt) {
     return lines((long)own_rows(B, nt) * (m->C + act_width(m)) + (scratch > route ? scratch : route));
 }
 
-static Buffers carve(const Model *m, int B, int nt, float *ws) {
+static Buffers carve(const Model *m, int B, int nt, float *ws, int *failed) {
     Buffers b;
+    b.failed = failed;
     b.xn = ws;
     b.qkv = b.xn + (long)B * m->C;
     b.att = b.qkv + (long)B * (m->H + 2 * m->KVH) * m->D;
@@ -195,8 +209,7 @@ static Buffers carve(const Model *m, int B, int nt, float *ws) {
     b.act = b.up + (long)B * up_width(m);
     b.y = b.act + (long)B * act_width(m);
     b.tile = b.y + (long)B * m->C;
-    float *moe = ws + lines((long)B * (2 * m->C + (long)(m->H + 2 * m->KVH) * m->D + (long)m->H * m->D +
-                                        up_width(m) + act_width(m)) + (long)m->C * 2 * PANEL);
+    float *moe = ws + dense_floats(m, B);
     if (moe_floats(m, B)) {
         const long k = max_experts(m, 1), rows = lines((long)B * m->C), picks = lines((long)B * k);
         /* moe_x, moe_y, moe_out [B, C]; route_e, route_w, order, order_w [B k]; starts [2 E + 1] */
@@ -221,19 +234,29 @@ long decode_step_workspace(const Model *m, int B, int nthreads) {
     return shared_floats(m, B) + (long)nthreads * own_floats(m, B, nthreads);
 }
 
-/* This thread's share [p0, p1) of a linear's output panels: the split quant_gemm's direct path and small_gemm make.
- * Any number of rows: above 8, quant_gemm.c dequantizes each block once into L1 for up to 48 rows (measured in
- * this call at 15-71 rows on SmolLM2: as fast as its L2-tile path or faster, decode_step.py). */
-static void linear_part(const Lin *L, const float *X, int ldx, const float *R, int ldr, float *Y, int ldy, int M,
-                        int t, int nt) {
-    const int npanels = (L->N + PANEL - 1) / PANEL;
-    const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
-    if (p0 >= p1) return;
-    if (L->fmt == FMT_FP32) panels(X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
-    else if (int_dot_wants(L->fmt, M) && int_dot_linear(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N,
-                                                        p0, p1) == 0)
-        ; /* int8 activations and integer dot products (int_dot.c; ACTIVATIONS) */
-    else direct_range(L->fmt, X, ldx, L->w, L->bias, R, ldr, Y, ldy, M, L->K, L->N, p0, p1);
+/* This thread's share of each part of a linear: its outputs split in eights over the threads (small_gemm's panels,
+ * quant_gemm's row groups); a part's outputs start at column n0 of Y (and of bias and R). A part of a type the
+ * integer path takes (ACTIVATIONS, int_dot.c) multiplies int8 activations; any other runs quant_gemm.c's exact
+ * fp32 path (its direct path up to Q_DIRECT_ROWS rows, its tile path above). */
+static void linear_part(const Buffers *buf, const Lin *L, const float *X, int ldx, const float *R, int ldr, float *Y,
+                        int ldy, int M, int t, int nt) {
+    for (int p = 0, n0 = 0; p < L->n_parts; n0 += L->part[p].N, p++) {
+        const LinPart *P = &L->part[p];
+        const int units = (P->N + PANEL - 1) / PANEL;
+        const int u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
+        if (u0 >= u1) continue;
+        const float *bias = L->bias ? L->bias + n0 : NULL, *r = R ? R + n0 : NULL;
+        if (P->fmt == FMT_FP32) {
+            panels(X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1);
+        } else if (int_dot_wants(P->fmt, M) &&
+                   int_dot_linear(P->fmt, X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1) == 0) {
+            ; /* int8 activations and integer dot products */
+        } else {
+            const int n1 = u1 * PANEL < P->N ? u1 * PANEL : P->N;
+            if (quant_range(P->fmt, X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, u0 * PANEL, n1, Q_DIRECT_ROWS))
+                __atomic_store_n(buf->failed, 1, __ATOMIC_RELAXED);
+        }
+    }
 }
 
 /* Rows [r0, r1) of the rows list (NULL: rows r0.. r1 - 1 of x) normalized into y's rows [r0, r1). */
@@ -421,10 +444,10 @@ static void moe_mlp(const Model *m, const Layer *L, const Buffers *buf, const fl
         for (int i = (int)((long)n * t / nt); i < (int)((long)n * (t + 1) / nt); i++)
             memcpy(buf->moe_x + (long)i * C, xn + (long)buf->order[first + i] * C, sizeof(float) * C);
 #pragma omp barrier
-        linear_part(&x->gate_up[e], buf->moe_x, C, NULL, 0, buf->up, nup, n, t, nt);
+        linear_part(buf, &x->gate_up[e], buf->moe_x, C, NULL, 0, buf->up, nup, n, t, nt);
 #pragma omp barrier
         const float *act = activation(m, buf, nup, I, n, t, nt);
-        linear_part(&x->down[e], act, I, NULL, 0, buf->moe_y, C, n, t, nt);
+        linear_part(buf, &x->down[e], act, I, NULL, 0, buf->moe_y, C, n, t, nt);
         for (int i = 0; i < n; i++) {
             const float w = buf->order_w[first + i], *yr = buf->moe_y + (long)i * C;
             float *o = buf->moe_out + (long)buf->order[first + i] * C;
@@ -437,7 +460,7 @@ static void moe_mlp(const Model *m, const Layer *L, const Buffers *buf, const fl
 static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *buf, float *x, int t, int nt) {
     const int B = s->B, C = m->C, HD = m->H * m->D, nqkv = L->qkv.N;
     const float *xn = norm(m, buf, L->norm1_w, L->norm1_b, x, NULL, B, t, nt);
-    linear_part(&L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, t, nt);
+    linear_part(buf, &L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, t, nt);
 #pragma omp barrier
     if (L->q_norm || m->clip_qkv > 0.0f) {
 #pragma omp for schedule(static)
@@ -445,10 +468,10 @@ static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *
     }
     attention(m, L, s, buf, t);
     if (plain_residual(m, L->post1_w)) { /* x += O att: an output's residual read, then written */
-        linear_part(&L->o, buf->att, HD, x, C, x, C, B, t, nt);
+        linear_part(buf, &L->o, buf->att, HD, x, C, x, C, B, t, nt);
 #pragma omp barrier
     } else {
-        linear_part(&L->o, buf->att, HD, NULL, 0, buf->y, C, B, t, nt);
+        linear_part(buf, &L->o, buf->att, HD, NULL, 0, buf->y, C, B, t, nt);
 #pragma omp barrier
         post_residual(m, L->post1_w, buf->y, x, B, t, nt);
     }
@@ -459,21 +482,21 @@ static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *
         return;
     }
     const int nup = L->up.N, I = L->down.K;
-    linear_part(&L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
+    linear_part(buf, &L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
 #pragma omp barrier
     const float *act = activation(m, buf, nup, I, B, t, nt);
     if (plain_residual(m, L->post2_w)) {
-        linear_part(&L->down, act, I, x, C, x, C, B, t, nt);
+        linear_part(buf, &L->down, act, I, x, C, x, C, B, t, nt);
 #pragma omp barrier
     } else {
-        linear_part(&L->down, act, I, NULL, 0, buf->y, C, B, t, nt);
+        linear_part(buf, &L->down, act, I, NULL, 0, buf->y, C, B, t, nt);
 #pragma omp barrier
         post_residual(m, L->post2_w, buf->y, x, B, t, nt);
     }
 }
 
 /* x[b] = row ids[b] of the token table (+ row pos[b] of the position table): a quantized row dequantized by
- * quant_gemm.c's dequant_panel (its panel's 8 rows into tile, the values quant_gemm.dequantize_rows gives). */
+ * quant_gemm.c's quant_row into tile (the values quant_gemm.dequantize_rows gives). */
 static void embed(const Model *m, const long *ids, const long *pos, float *x, int B, float *tile) {
     const int C = m->C;
     for (int b = 0; b < B; b++) {
@@ -484,9 +507,8 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
             const float *panel = (const float *)m->embed + ids[b] / PANEL * C * PANEL + ids[b] % PANEL;
             for (int k = 0; k < C; k++) xb[k] = panel[(long)k * PANEL];
         } else {
-            const long panel_bytes = (long)((C + GROUP - 1) / GROUP) * block_bytes(m->embed_fmt);
-            dequant_panel(m->embed_fmt, (const uint8_t *)m->embed + ids[b] / PANEL * panel_bytes, C, tile, 0);
-            for (int k = 0; k < C; k++) xb[k] = tile[(long)k * 2 * PANEL + ids[b] % PANEL];
+            quant_row(m->embed_fmt, (const uint8_t *)m->embed + ids[b] * quant_row_bytes(m->embed_fmt, C), C, tile);
+            memcpy(xb, tile, sizeof(float) * C);
         }
         if (m->pos_embed)
             for (int k = 0; k < C; k++) xb[k] += m->pos_embed[pos[b] * C + k];
@@ -499,7 +521,7 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
  * x [B, C] the residual stream (the embeddings, then each layer's output). block_tables [tables, table_stride]
  * and row_table [B] (NULL: row b reads table b): see Step. write_first: set when a sequence has several rows.
  * ws: decode_step_workspace(m, B, nthreads) floats. Returns 0, or -1 when the partition workspace of a long
- * context cannot be allocated. */
+ * context or a linear's tile buffer (quant_gemm.c) cannot be allocated. */
 int decode_step(const Model *m, const long *ids, float *x, int B, const long *pos, const long *slot_blocks,
                 const long *slot_offsets, const int *block_tables, int table_stride, const int *row_table,
                 int write_first, const long *sample_rows, int n_sample, float *logits, float *ws, int nthreads) {
@@ -519,7 +541,8 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         s.ws_m = partials + items * m->H * m->D;
         s.ws_l = s.ws_m + items * m->H;
     }
-    const Buffers buf = carve(m, B, nthreads, ws);
+    int failed = 0;
+    const Buffers buf = carve(m, B, nthreads, ws, &failed);
     embed(m, ids, pos, x, B, buf.tile);
 #pragma omp parallel num_threads(nthreads)
     {
@@ -530,7 +553,7 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
 #endif
         for (int l = 0; l < m->n_layer; l++) layer(m, &m->layers[l], &s, &buf, x, t, nt);
         const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
-        linear_part(&m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
+        linear_part(&buf, &m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
         if (m->logits_divisor != 1.0f || m->final_softcap > 0.0f) {
 #pragma omp barrier
             const long V = m->lm_head.N;
@@ -540,5 +563,5 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         }
     }
     free(partials);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -52,13 +52,16 @@ def _pool_addresses(k_pool: torch.Tensor, v_pool: torch.Tensor, scales) -> tuple
 
 
 def lin(linear) -> step_abi.LinSpec | None:
-    """A ``layers.Linear`` as the kernel's linear (its buffers tensors): its quantized copy, or its small_gemm
-    panels; None when it has neither (an fp32 linear on oneDNN only)."""
+    """A ``layers.Linear`` as the kernel's linear (its buffers tensors): its quantized copy (a part per GGUF type),
+    or its small_gemm panels; None when it has neither (an fp32 linear on oneDNN only)."""
     if linear.quant is not None:
-        q = linear.quant
-        return step_abi.LinSpec(q.data, linear.bias, quant_gemm.FORMATS[q.fmt], q.in_features, q.out_features)
+        parts = [step_abi.PartSpec(q.data, q.type_id, q.out_features) for q in quant_gemm.parts_of(linear.quant)]
+        if len(parts) > step_abi.MAX_PARTS:
+            return None
+        return step_abi.LinSpec(parts, linear.bias, linear.in_features, linear.out_features)
     if linear.small is not None:
-        return step_abi.LinSpec(linear.small, linear.bias, FP32, linear.in_features, linear.out_features)
+        part = step_abi.PartSpec(linear.small, FP32, linear.out_features)
+        return step_abi.LinSpec([part], linear.bias, linear.in_features, linear.out_features)
     return None
 
 
@@ -92,7 +95,7 @@ class StepPlan:
         self.kernel = load()
         table, positions = embed
         if isinstance(table, quant_gemm.QuantWeight):
-            table, table_fmt = table.data, quant_gemm.FORMATS[table.fmt]
+            table, table_fmt = table.data, table.type_id
         else:
             table_fmt = PANELS if table.dim() == 3 else FP32
         cos, sin = (rope[0], rope[1]) if rope is not None else (None, None)
@@ -113,7 +116,8 @@ class StepPlan:
         self.structs = step_abi.Structs(addresses, [_pool_addresses(*p) for p in self._pools], geometry)
         self.step = step_abi.StepKernel(self.kernel, self.structs, dims["C"])
         # fp32 panels stay within small_gemm's row limit (panel_gemm wins above it); quantized linears go further.
-        self.max_rows = small_gemm.MAX_ROWS if any(x.fmt == FP32 for x in self.spec.linears()) else QUANT_MAX_ROWS
+        fp32 = any(p.fmt == FP32 for x in self.spec.linears() for p in x.parts)
+        self.max_rows = small_gemm.MAX_ROWS if fp32 else QUANT_MAX_ROWS
         self.n_vocab = lm_head.out_features
         self.ws = torch.empty(0)
 

@@ -1,38 +1,50 @@
-/* Quantized linears by integer dot products: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]), with X
- * quantized per 32-group to int8 first, as llama.cpp quantizes its activations (Q8_0 / Q8_1 blocks).
+/* Quantized linears by integer dot products: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]) for W of GGUF
+ * type Q8_0, Q4_0, Q4_1, Q4_K or Q6_K in the file's own blocks, with X quantized per 32-block to int8 first, as
+ * llama.cpp quantizes its activations (Q8_0 / Q8_1 / Q8_K blocks) for its vec_dot_<type>_q8_* kernels.
  *
  * Why: quant_gemm.c multiplies fp32 activations by weights dequantized to fp32, one FMA per weight and row (16
  * multiply-adds an instruction with AVX-512). Here a weight stays an integer: VNNI's vpdpbusd does 64 u8 x s8
  * multiply-adds an instruction (4 per 32-bit lane), so a batch's linears do ~4x fewer instructions per weight.
- * The cost is the activations' rounding to 8 bits (int_dot.py has the perplexity and speed figures): this path is
- * NOT bit-exact against HF; the fp32-activation path (quant_gemm.c) stays the exact one.
+ * The cost is the activations' rounding to 8 bits (docs/integer-dot.md has the perplexity and speed figures): this
+ * path is NOT bit-exact against HF; the fp32-activation path (quant_gemm.c) stays the exact one.
  *
- * Weights: quant_gemm.c's packed layouts, read as they are (int_dot.py says which GGUF types they hold):
- *   int8 block (272 bytes): d[8] fp16 | q[32 k][8 cols] int8           w = q d
- *   int4 block (160 bytes): d[8] fp16 | m[8] fp16 | byte[16 t][8 cols]  w = q d + m, q[2t] | q[2t+1] << 4
- * panels of 8 output columns, each a run of G = ceil(K / 32) blocks.
+ * Weights: W is N rows of GGUF blocks, as quant_gemm.c reads them (models/gguf/blocks.py), never copied:
+ *   Q8_0 (34 bytes / 32): d fp16 | q[32] int8              w = d q
+ *   Q4_0 (18 bytes / 32): d fp16 | qs[16]                  w = d (q - 8),  q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
+ *   Q4_1 (20 bytes / 32): d fp16 | m fp16 | qs[16]         w = d q + m
+ *   Q4_K (144 bytes / 256): 8 sub-blocks of 32, each w = (d sc) q - (dmin m), q a nibble (quants/q4_k.h)
+ *   Q6_K (210 bytes / 256): 16 sub-blocks of 16, each w = (d sc) (q - 32), q 6 bits (quants/q6_k.h)
+ * Every 32 weights of a row (a "group": a Q8_0 / Q4_0 / Q4_1 block, a Q4_K sub-block, two Q6_K sub-blocks) meet one
+ * 32-block of the activations.
+ * A panel is 8 consecutive output rows (the last one's missing rows read its last row again; their outputs are
+ * dropped). Each 32-block of a panel's 8 rows is turned in registers into the kernels' operand form: 8 k-quads,
+ * each a register of 8 columns x 4 k (an 8 x 8 transpose of 32-bit words), once per block for all of a step's rows.
  *
  * Activations: row x, group g (32 k, the last zero-padded): a = max |x_k|, dx = a / 127, q_k = round(x_k 127 / a)
- * (nearest, ties to even: the vector rounding), all 0 when a = 0; s = sum q_k (int). Then per output n:
- *   int8: y = sum_g dx_g d_gn S_gn                    S = sum_k q_k w_k (exact, int32)
- *   int4: y = sum_g dx_g d_gn S_gn + m_gn (s_g dx_g)  S = sum_k q_k x_k, w in 0..15
- * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (int4: first y = fma(m, s dx, y)); then
+ * (nearest, ties to even: the vector rounding), all 0 when a = 0; s = sum q_k (int), s' the sum of its first 16.
+ * Then per output n, the group's integers S exact in int32 and its factors d (and m) in fp32:
+ *   Q8_0: y = sum_g dx_g d_gn S_gn                    S = sum_k q_k w_k (w the int8 q)
+ *   Q4_0: the same with S = sum_k q_k (w_k - 8)       (sum q_k w_k - 8 s)
+ *   Q4_1: y = sum_g dx_g d_gn S_gn + m_gn (s_g dx_g)  S = sum_k q_k w_k, w in 0..15
+ *   Q4_K: as Q4_1 with d = d sc, m = -(dmin m) of the group's sub-block (each product exact in fp32)
+ *   Q6_K: as Q8_0 with d the super-block's d, S = sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')), S_a / S_b the
+ *         sums of q_k w_k over the group's two sub-blocks of 16, sc_a / sc_b their int8 scales
+ * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (Q4_1, Q4_K: first y = fma(m, s dx, y)); then
  * y (+ bias) (+ r). S is exact and the order is fixed, so results do not depend on M, the thread count, the path
  * or the ISA (every ISA computes the same S and the same fp32 operations). tests/test_int_dot.py checks this
  * against a float64 evaluation of the same quantized math.
  *
  * Kernels (chosen when the library loads, ``int_dot_isa``; a call reads the choice once):
- *   avx512vnni (AVX-512 VNNI + VBMI + BW): a panel pair = 16 columns per 512-bit register. Per group, each of
- *     its 8 k-quads becomes a register of 16 columns x 4 k (vpermt2b reorders the block's [k][col] bytes; int8
- *     is offset by 128 to u8, and S starts at -128 s); one vpdpbusd per k-quad and row, x's 4 bytes broadcast.
- *   avxvnni (AVX-VNNI, 256-bit vpdpbusd): the same per panel, 8 columns a register (vpermd + vpshufb reorder).
- *   avx2 (vpmaddubsw): u8 x s8 pairs to int16, vpmaddwd to int32, as llama.cpp's AVX2 path; int8 weights take
- *     the sign trick (|w| as u8 times x with w's sign: no int16 overflow, as |w| <= 128, |q| <= 127).
- * Up to 8 rows the prepared weights stay in registers and every row's sums live in registers over all of K; more
- * rows prepare a panel (pair) once into a per-thread buffer and run it in tiles of 8 rows.
+ *   avx512vnni (AVX-512 VNNI + BW + VL): a panel pair = 16 columns per 512-bit register, one vpdpbusd per k-quad
+ *     and row, x's 4 bytes broadcast. Q8_0 is offset by 128 to u8 (S starts at -128 s).
+ *   avxvnni (AVX-VNNI, 256-bit vpdpbusd): the same per panel, 8 columns a register.
+ *   avx2 (vpmaddubsw): u8 x s8 pairs to int16, vpmaddwd to int32, as llama.cpp's AVX2 path; Q8_0 takes the sign
+ *     trick (|w| as u8 times x with w's sign: no int16 overflow, as |w| <= 128, |q| <= 127).
+ * Up to 8 rows each block's operands are made in registers and used by every row at once; more rows make a panel
+ * (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
  *
  * Built by int_dot.py on its own (tests, and its entry int_dot_gemm) and included by decode_step.c, whose linears
- * call int_dot_linear for the formats and row counts int_dot_set_rows enables.
+ * call int_dot_linear for the types and row counts int_dot_set_rows enables (ACTIVATIONS, int_dot.py).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -42,30 +54,65 @@
 #include <omp.h>
 #endif
 
+#include "quants/q4_k.h" /* k4_scale_min */
+
 #define ID_PANEL 8
 #define ID_GROUP 32
 #define ID_TILE 8 /* rows per register tile */
-enum { ID_INT8 = 0, ID_INT4 = 1 };
+enum { IDF_Q8_0 = 0, IDF_Q4_0 = 1, IDF_Q4_1 = 2, IDF_Q4_K = 3, IDF_Q6_K = 4, IDF_KINDS = 5 }; /* the types it takes */
 enum { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512VNNI = 2 };
 
-#define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+#define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define ID_VNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+#define ID_INLINE static inline __attribute__((always_inline))
 
-static inline int id_block_bytes(int fmt) { return fmt == ID_INT8 ? 16 + ID_GROUP * ID_PANEL : 32 + ID_GROUP * ID_PANEL / 2; }
+/* GGUF type id -> this path's kind, or -1 (ggml's ids: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14) */
+static inline int id_kind(int type) {
+    switch (type) {
+    case 8: return IDF_Q8_0;
+    case 2: return IDF_Q4_0;
+    case 3: return IDF_Q4_1;
+    case 12: return IDF_Q4_K;
+    case 14: return IDF_Q6_K;
+    default: return -1;
+    }
+}
 
-/* ---------------- ISA choice and the per-format switch ---------------- */
+static inline int id_super(int f) { return f == IDF_Q4_K || f == IDF_Q6_K; } /* 256-weight blocks of 8 groups */
+static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q4_K; }
+
+/* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1) or a super-block's (8 groups). */
+static inline int id_block_bytes(int f) {
+    switch (f) {
+    case IDF_Q8_0: return 34;
+    case IDF_Q4_0: return 18;
+    case IDF_Q4_1: return 20;
+    case IDF_Q4_K: return 144;
+    default: return 210;
+    }
+}
+
+/* The block holding group g of a row, and the group's index in it. */
+static inline const uint8_t *id_block(int f, const uint8_t *row, int g, int *sub) {
+    *sub = id_super(f) ? g & 7 : 0;
+    return row + (size_t)(id_super(f) ? g >> 3 : g) * id_block_bytes(f);
+}
+
+static inline size_t id_row_bytes(int f, int G) { return (size_t)(id_super(f) ? G / 8 : G) * id_block_bytes(f); }
+
+/* ---------------- ISA choice and the per-type switch ---------------- */
 
 static int id_best_isa(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
         return ISA_AVX512VNNI;
     if (__builtin_cpu_supports("avxvnni")) return ISA_AVXVNNI;
     return ISA_AVX2;
 }
 
 static int id_isa = -1; /* set when the library loads; read atomically */
-static int id_rows[2] = {0, 0}; /* per format: calls of at least this many rows take this path; 0: never */
+static int id_rows[IDF_KINDS]; /* per kind: calls of at least this many rows take this path; 0: never */
 
 __attribute__((constructor)) static void id_pick_isa(void) { __atomic_store_n(&id_isa, id_best_isa(), __ATOMIC_RELAXED); }
 
@@ -81,30 +128,34 @@ int int_dot_isa(int want) {
     return __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
 }
 
-/* Calls of format fmt with at least min_rows rows take this path (min_rows <= 0: none). Returns the old value. */
-int int_dot_set_rows(int fmt, int min_rows) {
-    if (fmt < 0 || fmt > 1) return -1;
-    return __atomic_exchange_n(&id_rows[fmt], min_rows > 0 ? min_rows : 0, __ATOMIC_RELAXED);
+/* Calls on weights of GGUF type `type` with at least min_rows rows take this path (min_rows <= 0: none). Returns
+ * the old value, or -1 for a type this path does not take. */
+int int_dot_set_rows(int type, int min_rows) {
+    const int f = id_kind(type);
+    if (f < 0) return -1;
+    return __atomic_exchange_n(&id_rows[f], min_rows > 0 ? min_rows : 0, __ATOMIC_RELAXED);
 }
 
-static inline int int_dot_wants(int fmt, int M) {
-    if (fmt < 0 || fmt > 1) return 0;
-    const int rows = __atomic_load_n(&id_rows[fmt], __ATOMIC_RELAXED);
+static inline int int_dot_wants(int type, int M) {
+    const int f = id_kind(type);
+    if (f < 0) return 0;
+    const int rows = __atomic_load_n(&id_rows[f], __ATOMIC_RELAXED);
     return rows > 0 && M >= rows;
 }
 
 /* ---------------- activations ---------------- */
 
-/* The quantized rows of X: q [M][G * 32] int8, d [M][G] (dx), sd [M][G] (s dx), s [M][G]. */
+/* The quantized rows of X: q [M][G * 32] int8, d [M][G] (dx), sd [M][G] (s dx), s [M][G], s16 [M][G] (the sum
+ * of a group's first 16 q: Q6_K's sub-blocks). */
 typedef struct {
     int8_t *q;
     float *d, *sd;
-    int32_t *s;
+    int32_t *s, *s16;
     int G;
 } QRows;
 
 /* One row's groups (scalar: the same bits as any vector form; the rounding is nearest-even, rintf). */
-static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, int32_t *s) {
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, int32_t *s, int32_t *s16) {
     const int G = (K + ID_GROUP - 1) / ID_GROUP;
     for (int g = 0; g < G; g++) {
         const int k0 = g * ID_GROUP, kn = K - k0 < ID_GROUP ? K - k0 : ID_GROUP;
@@ -120,6 +171,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, 
             if (k < kn) v = (int)__builtin_rintf(x[k0 + k] * inv);
             q[k0 + k] = (int8_t)v;
             sum += v;
+            if (k == 15) s16[g] = sum;
         }
         d[g] = dx;
         s[g] = sum;
@@ -130,7 +182,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *sd, 
 /* Bytes of a QRows of M rows of K. */
 static size_t qrows_bytes(int M, int K) {
     const size_t G = (size_t)(K + ID_GROUP - 1) / ID_GROUP;
-    return (size_t)M * G * (ID_GROUP + 3 * sizeof(float)) + 64;
+    return (size_t)M * G * (ID_GROUP + 4 * sizeof(float)) + 64;
 }
 
 static QRows qrows_carve(void *mem, int M, int K) {
@@ -141,23 +193,26 @@ static QRows qrows_carve(void *mem, int M, int K) {
     r.d = (float *)(r.q + n * ID_GROUP);
     r.sd = r.d + n;
     r.s = (int32_t *)(r.sd + n);
+    r.s16 = r.s + n;
     return r;
 }
 
 static void quantize_rows(const float *X, int ldx, int M, int K, QRows *r) {
     for (int i = 0; i < M; i++)
         quantize_row(X + (size_t)i * ldx, K, r->q + (size_t)i * r->G * ID_GROUP, r->d + (size_t)i * r->G,
-                     r->sd + (size_t)i * r->G, r->s + (size_t)i * r->G);
+                     r->sd + (size_t)i * r->G, r->s + (size_t)i * r->G, r->s16 + (size_t)i * r->G);
 }
 
 /* For tests: X's quantized rows into q [M][G*32], d [M][G], s [M][G]. */
 void int_dot_quantize(const float *X, int ldx, int M, int K, int8_t *q, float *d, int32_t *s) {
     const int G = (K + ID_GROUP - 1) / ID_GROUP;
     float *sd = malloc(sizeof(float) * (size_t)M * G + 1);
+    int32_t *s16 = malloc(sizeof(int32_t) * (size_t)M * G + 1);
     for (int i = 0; i < M; i++)
         quantize_row(X + (size_t)i * ldx, K, q + (size_t)i * G * ID_GROUP, d + (size_t)i * G, sd + (size_t)i * G,
-                     s + (size_t)i * G);
+                     s + (size_t)i * G, s16 + (size_t)i * G);
     free(sd);
+    free(s16);
 }
 
 /* A per-thread scratch buffer that grows (OpenMP's pool threads keep theirs between calls). */
@@ -187,79 +242,149 @@ static inline void id_store(const float *acc, const float *bias, const float *r,
     }
 }
 
+/* ---------------- a panel's block in operand form ---------------- */
+
+/* The 32 weights of group g of a row as k-ordered bytes: Q8_0 its int8 q, the others their unsigned q (Q4_0 / Q4_1 /
+ * Q4_K nibbles 0..15, Q6_K 0..63). */
+ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
+    int sub;
+    const uint8_t *blk = id_block(f, row, g, &sub);
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (f == IDF_Q4_K) { /* sub-block 2p + i: nibble i of qs[32 p ..] */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (sub >> 1)));
+        return _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
+    }
+    if (f == IDF_Q6_K) { /* half h = sub / 4, quarter c = sub % 4 (quants/q6_k.h) */
+        const int h = sub >> 2, c = sub & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (c & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i low = _mm256_and_si256(c < 2 ? ql : _mm256_srli_epi16(ql, 4), lo4);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_Q4_1 ? 4 : 2))), l4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
+}
+
+/* Group g of a panel's 8 rows -> the 8 k-quads w[j]: 32-bit word c of w[j] = row c's k 4j .. 4j + 3. */
+ID_INLINE void id_operands(int f, const uint8_t *const *rows, int g, __m256i w[8]) {
+    __m256i r[8], t[8], u[8];
+    for (int c = 0; c < 8; c++) {
+        int sub;
+        _mm_prefetch((const char *)id_block(f, rows[c], g, &sub) + 768, _MM_HINT_T0);
+        r[c] = id_values(f, rows[c], g);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* rows 4h .. 4h + 3: u[4h + e] holds their word e of each lane */
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        w[e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
+        w[4 + e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+    }
+}
+
+/* Group g's factors in each of a panel's 8 rows: d, m (0 without a min) and, for Q6_K, its two sub-block scales. */
+typedef struct {
+    __m256 d, m;
+    __m256i sca, scb;
+} Factors8;
+
+ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
+    float d[8], m[8];
+    int32_t sa[8], sb[8];
+    for (int c = 0; c < 8; c++) {
+        int sub;
+        const uint8_t *blk = id_block(f, rows[c], g, &sub);
+        sa[c] = sb[c] = 0, m[c] = 0.0f;
+        if (f == IDF_Q4_K) {
+            int sc, mn;
+            k4_scale_min(blk + 4, sub, &sc, &mn);
+            d[c] = f16_at(blk) * (float)sc, m[c] = -(f16_at(blk + 2) * (float)mn);
+        } else if (f == IDF_Q6_K) {
+            d[c] = f16_at(blk + 208);
+            sa[c] = (int8_t)blk[192 + 2 * sub], sb[c] = (int8_t)blk[193 + 2 * sub];
+        } else {
+            d[c] = f16_at(blk);
+            if (f == IDF_Q4_1) m[c] = f16_at(blk + 2);
+        }
+    }
+    Factors8 r = {_mm256_loadu_ps(d), _mm256_loadu_ps(m), _mm256_loadu_si256((const __m256i *)sa),
+                  _mm256_loadu_si256((const __m256i *)sb)};
+    return r;
+}
+
+/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, else 0 (Q6_K's offsets come with
+ * its scales). */
+ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
+    return f == IDF_Q4_0 ? -8 * s : f == IDF_Q8_0 && offset8 ? -128 * s : 0;
+}
+
 /* ================ AVX-512 VNNI: a panel pair per register ================ */
 
-/* vpermt2b indices: output byte 4j + k of a register is column j (0-7 panel a, 8-15 panel b) at k of a k-quad.
- * int8: source a / b = 64 bytes = 8 k-rows x 8 columns of each panel; quad h (0, 1) of them. */
-ID_512 static inline __m512i idx_int8(int h) {
-    uint8_t t[64];
-    for (int j = 0; j < 16; j++)
-        for (int k = 0; k < 4; k++) t[4 * j + k] = (uint8_t)((j < 8 ? 0 : 64) + (4 * h + k) * 8 + (j & 7));
-    return _mm512_loadu_si512(t);
+typedef struct {
+    __m512i w[8];
+    __m512 d, m;
+    __m512i sca, scb;
+} Prep512;
+
+/* [a | b] as one 16-lane register */
+ID_512 ID_INLINE __m512 join512(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
 
-/* int4: source = [panel a's 4 t-rows x 8 | panel b's] as low nibbles (first operand) and high nibbles (second);
- * quad h covers t-rows 2h, 2h + 1: k = 0, 1 from t 2h (lo, hi), k = 2, 3 from t 2h + 1. */
-ID_512 static inline __m512i idx_int4(int h) {
-    uint8_t t[64];
-    for (int j = 0; j < 16; j++)
-        for (int k = 0; k < 4; k++)
-            t[4 * j + k] = (uint8_t)((j < 8 ? 0 : 32) + (2 * h + (k >> 1)) * 8 + (j & 7) + (k & 1 ? 64 : 0));
-    return _mm512_loadu_si512(t);
-}
+ID_512 ID_INLINE __m512i join512i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 
-/* The 8 k-quad registers of group g of a panel pair (b NULL: no second panel, its columns zero), and its d (m). */
-ID_512 static inline void prep512(int fmt, const uint8_t *a, const uint8_t *b, __m512i w[8], __m512 *d, __m512 *m,
-                                  __m512i i0, __m512i i1) {
-    if (fmt == ID_INT8) {
-        const __m512i off = _mm512_set1_epi8((char)0x80);
-        for (int i = 0; i < 4; i++) {
-            const __m512i va = _mm512_loadu_si512(a + 16 + 64 * i);
-            const __m512i vb = b ? _mm512_loadu_si512(b + 16 + 64 * i) : _mm512_setzero_si512();
-            w[2 * i] = _mm512_xor_si512(_mm512_permutex2var_epi8(va, i0, vb), off);
-            w[2 * i + 1] = _mm512_xor_si512(_mm512_permutex2var_epi8(va, i1, vb), off);
-        }
-        *m = _mm512_setzero_ps();
-    } else {
-        const __m512i lo4 = _mm512_set1_epi8(15);
-        for (int i = 0; i < 4; i++) {
-            const __m256i ha = _mm256_loadu_si256((const __m256i *)(a + 32 + 32 * i));
-            const __m256i hb = b ? _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * i)) : _mm256_setzero_si256();
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1);
-            const __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-            w[2 * i] = _mm512_permutex2var_epi8(lo, i0, hi);
-            w[2 * i + 1] = _mm512_permutex2var_epi8(lo, i1, hi);
-        }
-        const __m128i mh = _mm_loadu_si128((const __m128i *)(a + 16));
-        const __m128i mb = b ? _mm_loadu_si128((const __m128i *)(b + 16)) : _mm_setzero_si128();
-        *m = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(mh), mb, 1));
+/* Group g of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: Q8_0 offset to u8. */
+ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, Prep512 *p) {
+    __m256i a[8], b[8];
+    id_operands(f, rows, g, a);
+    id_operands(f, rows + 8, g, b);
+    for (int j = 0; j < 8; j++) {
+        p->w[j] = join512i(a[j], b[j]);
+        if (f == IDF_Q8_0) p->w[j] = _mm512_xor_si512(p->w[j], _mm512_set1_epi8((char)0x80));
     }
-    const __m128i da = _mm_loadu_si128((const __m128i *)a);
-    const __m128i db = b ? _mm_loadu_si128((const __m128i *)b) : _mm_setzero_si128();
-    *d = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(da), db, 1));
+    const Factors8 fa = id_factors(f, rows, g), fb = id_factors(f, rows + 8, g);
+    p->d = join512(fa.d, fb.d), p->m = join512(fa.m, fb.m);
+    p->sca = join512i(fa.sca, fb.sca), p->scb = join512i(fa.scb, fb.scb);
 }
 
 /* R rows (constant after inlining) x group g: acc[i] += the group's contribution (see the header). */
-ID_512 static inline __attribute__((always_inline)) void rows512(int fmt, const QRows *x, int m0, int g,
-                                                                 const __m512i w[8], __m512 d, __m512 m,
-                                                                 __m512 *acc, int R) {
+ID_512 ID_INLINE void rows512(int f, const QRows *x, int m0, int g, const Prep512 *p, __m512 *acc, int R) {
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {
         const size_t at = (size_t)(m0 + i) * x->G + g;
         const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);
-        __m512i s0 = fmt == ID_INT8 ? _mm512_set1_epi32(-128 * x->s[at]) : _mm512_setzero_si512();
-        __m512i s1 = _mm512_setzero_si512();
-        s0 = _mm512_dpbusd_epi32(s0, w[0], _mm512_set1_epi32(xq[0]));
-        s1 = _mm512_dpbusd_epi32(s1, w[1], _mm512_set1_epi32(xq[1]));
-        s0 = _mm512_dpbusd_epi32(s0, w[2], _mm512_set1_epi32(xq[2]));
-        s1 = _mm512_dpbusd_epi32(s1, w[3], _mm512_set1_epi32(xq[3]));
-        s0 = _mm512_dpbusd_epi32(s0, w[4], _mm512_set1_epi32(xq[4]));
-        s1 = _mm512_dpbusd_epi32(s1, w[5], _mm512_set1_epi32(xq[5]));
-        s0 = _mm512_dpbusd_epi32(s0, w[6], _mm512_set1_epi32(xq[6]));
-        s1 = _mm512_dpbusd_epi32(s1, w[7], _mm512_set1_epi32(xq[7]));
-        const __m512 S = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        /* s0: k 0-15 (quads 0-3), s1: k 16-31, two chains each (integer sums: exact in any order) */
+        __m512i s0 = _mm512_set1_epi32(id_start(f, 1, x->s[at])), s1 = _mm512_setzero_si512();
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        s0 = _mm512_dpbusd_epi32(s0, p->w[0], _mm512_set1_epi32(xq[0]));
+        t0 = _mm512_dpbusd_epi32(t0, p->w[1], _mm512_set1_epi32(xq[1]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[4], _mm512_set1_epi32(xq[4]));
+        t1 = _mm512_dpbusd_epi32(t1, p->w[5], _mm512_set1_epi32(xq[5]));
+        s0 = _mm512_dpbusd_epi32(s0, p->w[2], _mm512_set1_epi32(xq[2]));
+        t0 = _mm512_dpbusd_epi32(t0, p->w[3], _mm512_set1_epi32(xq[3]));
+        s1 = _mm512_dpbusd_epi32(s1, p->w[6], _mm512_set1_epi32(xq[6]));
+        t1 = _mm512_dpbusd_epi32(t1, p->w[7], _mm512_set1_epi32(xq[7]));
+        s0 = _mm512_add_epi32(s0, t0), s1 = _mm512_add_epi32(s1, t1);
+        __m512i Si;
+        if (f == IDF_Q6_K) { /* sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')) */
+            const int32_t sa = x->s16[at], sb = x->s[at] - sa;
+            Si = _mm512_add_epi32(_mm512_mullo_epi32(p->sca, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * sa))),
+                                  _mm512_mullo_epi32(p->scb, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * sb))));
+        } else {
+            Si = _mm512_add_epi32(s0, s1);
+        }
+        const __m512 S = _mm512_cvtepi32_ps(Si);
         __m512 y = acc[i];
-        if (fmt == ID_INT4) y = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sd[at]), y);
-        acc[i] = _mm512_fmadd_ps(S, _mm512_mul_ps(d, _mm512_set1_ps(x->d[at])), y);
+        if (id_has_min(f)) y = _mm512_fmadd_ps(p->m, _mm512_set1_ps(x->sd[at]), y);
+        acc[i] = _mm512_fmadd_ps(S, _mm512_mul_ps(p->d, _mm512_set1_ps(x->d[at])), y);
     }
 }
 
@@ -273,56 +398,37 @@ ID_512 static inline void store512(const __m512 *acc, int R, const float *bias, 
     }
 }
 
-/* Up to ID_TILE rows over one panel pair, weights prepared group by group in registers. */
-ID_512 static inline __attribute__((always_inline)) void pair_rows512(int fmt, const QRows *x, int m0, int R,
-                                                                      const uint8_t *a, const uint8_t *b, int G,
-                                                                      int bb, __m512 *acc) {
-    const __m512i i0 = fmt == ID_INT8 ? idx_int8(0) : idx_int4(0), i1 = fmt == ID_INT8 ? idx_int8(1) : idx_int4(1);
-    for (int g = 0; g < G; g++) {
-        __m512i w[8];
-        __m512 d, m;
-        const uint8_t *ba = a + (size_t)g * bb, *bq = b ? b + (size_t)g * bb : NULL;
-        _mm_prefetch((const char *)ba + 2048, _MM_HINT_T0);
-        prep512(fmt, ba, bq, w, &d, &m, i0, i1);
-        rows512(fmt, x, m0, g, w, d, m, acc, R);
+/* R rows x every group, the operands made per group in registers (R <= ID_TILE) or read from prep. */
+ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,
+                              const Prep512 *prep, __m512 *acc) {
+    for (int g = 0; g < x->G; g++) {
+        Prep512 one;
+        if (!prep) prep512(f, rows, g, &one);
+        rows512(f, x, m0, g, prep ? &prep[g] : &one, acc, R);
     }
 }
 
-/* Prepared weights of a whole panel pair (more than ID_TILE rows): per group 8 registers, then d and m. */
-typedef struct {
-    __m512i w[8];
-    __m512 d, m;
-} Prep512;
-
-ID_512 static void pair512(int fmt, const QRows *x, int M, const uint8_t *a, const uint8_t *b, int G, int bb,
-                           const float *bias, const float *Rr, int ldr, float *Y, int ldy, int cols) {
-    __m512 acc[ID_TILE];
-#define TILE(R)                                                                                              \
-    case R:                                                                                                  \
-        if (fmt == ID_INT8) pair_rows512(ID_INT8, x, m0, R, a, b, G, bb, acc);                               \
-        else pair_rows512(ID_INT4, x, m0, R, a, b, G, bb, acc);                                              \
-        break;
-    if (M <= ID_TILE) {
-        const int m0 = 0;
-        for (int i = 0; i < M; i++) acc[i] = _mm512_setzero_ps();
-        switch (M) { TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) }
-        store512(acc, M, bias, Rr, ldr, Y, ldy, 0, cols);
-        return;
+ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,
+                           const float *Rr, int ldr, float *Y, int ldy, int cols) {
+    const int G = x->G;
+    Prep512 *prep = NULL;
+    if (M > ID_TILE) {
+        prep = scratch_get(&id_w_scratch, sizeof(Prep512) * (size_t)G);
+        if (!prep) return; /* cannot happen for any K a model has (G * 768 bytes); Y is left as it was */
+        for (int g = 0; g < G; g++) prep512(f, rows, g, &prep[g]);
     }
-#undef TILE
-    Prep512 *prep = scratch_get(&id_w_scratch, sizeof(Prep512) * (size_t)G);
-    if (!prep) return; /* cannot happen for any K a model has (G * 640 bytes); Y is left as it was */
-    const __m512i i0 = fmt == ID_INT8 ? idx_int8(0) : idx_int4(0), i1 = fmt == ID_INT8 ? idx_int8(1) : idx_int4(1);
-    for (int g = 0; g < G; g++)
-        prep512(fmt, a + (size_t)g * bb, b ? b + (size_t)g * bb : NULL, prep[g].w, &prep[g].d, &prep[g].m, i0, i1);
+    __m512 acc[ID_TILE];
     for (int m0 = 0; m0 < M; m0 += ID_TILE) {
         const int R = M - m0 < ID_TILE ? M - m0 : ID_TILE;
         for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
-#define TILE(R)                                                                                              \
-    case R:                                                                                                  \
-        for (int g = 0; g < G; g++) {                                                                        \
-            if (fmt == ID_INT8) rows512(ID_INT8, x, m0, g, prep[g].w, prep[g].d, prep[g].m, acc, R);         \
-            else rows512(ID_INT4, x, m0, g, prep[g].w, prep[g].d, prep[g].m, acc, R);                        \
+#define TILE(N)                                                                                              \
+    case N:                                                                                                  \
+        switch (f) {                                                                                         \
+        case IDF_Q8_0: tile512(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                  \
+        case IDF_Q4_0: tile512(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                  \
+        case IDF_Q4_1: tile512(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                  \
+        case IDF_Q4_K: tile512(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                  \
+        default: tile512(IDF_Q6_K, x, m0, N, rows, prep, acc);                                               \
         }                                                                                                    \
         break;
         switch (R) { TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) }
@@ -331,78 +437,85 @@ ID_512 static void pair512(int fmt, const QRows *x, int M, const uint8_t *a, con
     }
 }
 
-ID_512 static void range512(int fmt, const QRows *x, const uint8_t *Wp, const float *bias, const float *Rr, int ldr,
-                            float *Y, int ldy, int M, int K, int N, int p0, int p1) {
-    const int bb = id_block_bytes(fmt), G = (K + ID_GROUP - 1) / ID_GROUP;
-    const size_t panel_bytes = (size_t)G * bb;
+/* The 8 row pointers of panel p (rows past N: its last row again). */
+static inline void id_panel_rows(const uint8_t *W, size_t row_bytes, int N, int p, const uint8_t **rows) {
+    for (int c = 0; c < ID_PANEL; c++) {
+        const int n = p * ID_PANEL + c < N ? p * ID_PANEL + c : N - 1;
+        rows[c] = W + (size_t)n * row_bytes;
+    }
+}
+
+ID_512 static void range512(int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
+                            float *Y, int ldy, int M, int N, int p0, int p1) {
+    const size_t row_bytes = id_row_bytes(f, x->G);
     for (int p = p0; p < p1; p += 2) {
         const int np = p + 1 < p1 ? 2 : 1, n0 = p * ID_PANEL; /* one panel: the next is another thread's, or none */
         const int cols = N - n0 < np * ID_PANEL ? N - n0 : np * ID_PANEL;
-        const uint8_t *a = Wp + (size_t)p * panel_bytes, *b = np == 2 ? a + panel_bytes : NULL;
-        pair512(fmt, x, M, a, b, G, bb, bias ? bias + n0 : NULL, Rr ? Rr + n0 : NULL, ldr, Y + n0, ldy,
-                cols < 0 ? 0 : cols);
+        const uint8_t *rows[2 * ID_PANEL];
+        id_panel_rows(W, row_bytes, N, p, rows);
+        id_panel_rows(W, row_bytes, N, np == 2 ? p + 1 : p, rows + ID_PANEL); /* a lone panel: its rows twice */
+        pair512(f, x, M, rows, bias ? bias + n0 : NULL, Rr ? Rr + n0 : NULL, ldr, Y + n0, ldy, cols < 0 ? 0 : cols);
     }
 }
 
 /* ================ 256-bit: a panel per register (AVX-VNNI, or AVX2 maddubs) ================ */
 
-/* The 8 k-quads of one block as [col][4 k] bytes (32 per quad), and for AVX2 int8 also |w| (u8) per quad. */
-static inline void prep256(int fmt, const uint8_t *blk, __m256i w[8]) {
-    if (fmt == ID_INT8) {
-        /* rows k of 8 bytes: [k0 | k1 | k2 | k3] -> dwords (k, half) reordered so each 128-bit lane holds the same
-         * 4 columns of k0..k3, then a 4x4 byte transpose per lane. */
-        const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5,
-                                            9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+typedef struct {
+    __m256i w[8], sgn[8];
+    Factors8 k;
+} Prep256;
+
+/* Block g's operands for the chosen step: VNNI offsets Q8_0 to u8; AVX2 keeps Q8_0's signed weights for the sign
+ * and multiplies their magnitudes. */
+ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, int g, Prep256 *p) {
+    id_operands(f, rows, g, p->w);
+    if (f == IDF_Q8_0)
         for (int j = 0; j < 8; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-            w[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(v, perm), tr);
+            if (vnni) {
+                p->w[j] = _mm256_xor_si256(p->w[j], _mm256_set1_epi8((char)0x80));
+            } else {
+                p->sgn[j] = p->w[j];
+                p->w[j] = _mm256_abs_epi8(p->w[j]);
+            }
         }
-    } else {
-        const __m256i lo4 = _mm256_set1_epi8(15);
-        for (int i = 0; i < 4; i++) { /* t-rows 4i..4i+3: lanes [t0 t1 | t2 t3] -> quads 2i, 2i + 1 */
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i));
-            const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            const __m256i a = _mm256_unpacklo_epi8(lo, hi); /* lane 0: t0's columns (lo, hi); lane 1: t2's */
-            const __m256i b = _mm256_unpackhi_epi8(lo, hi); /* t1's; t3's */
-            const __m256i c = _mm256_unpacklo_epi16(a, b);  /* cols 0-3 of quad 2i | of quad 2i + 1 */
-            const __m256i e = _mm256_unpackhi_epi16(a, b);  /* cols 4-7 */
-            w[2 * i] = _mm256_permute2x128_si256(c, e, 0x20);
-            w[2 * i + 1] = _mm256_permute2x128_si256(c, e, 0x31);
-        }
-    }
+    p->k = id_factors(f, rows, g);
 }
 
-static inline __m256 load_h8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-
 /* One dot-product step: s += sum over each lane's 4 (u8 w, s8 x) pairs. */
-ID_VNNI static inline __m256i dot_vnni(__m256i s, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
+ID_VNNI ID_INLINE __m256i dot_vnni(__m256i s, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
 
-static inline __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
+ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
-/* R rows x one block; vnni: the AVX-VNNI step (weights offset by 128 for int8), else maddubs (int8: w = |w|, the
- * sign moved onto x). */
+/* R rows x one block; VNNI: the AVX-VNNI step, else maddubs (Q8_0: w = |w|, the sign moved onto x). */
 #define ROWS256(NAME, ATTR, DOT, VNNI)                                                                            \
-    ATTR static inline __attribute__((always_inline)) void NAME(int fmt, const QRows *x, int m0, int g,          \
-                                                                const __m256i w[8], const __m256i sgn[8],        \
-                                                                __m256 d, __m256 m, __m256 *acc, int R) {        \
+    ATTR ID_INLINE void NAME(int f, const QRows *x, int m0, int g, const Prep256 *p, __m256 *acc, int R) {        \
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                    \
             const size_t at = (size_t)(m0 + i) * x->G + g;                                                       \
             const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);                                         \
-            __m256i s0 = VNNI && fmt == ID_INT8 ? _mm256_set1_epi32(-128 * x->s[at]) : _mm256_setzero_si256();   \
-            __m256i s1 = _mm256_setzero_si256();                                                                 \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2) {                                             \
-                __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);                        \
-                if (!VNNI && fmt == ID_INT8) x0 = _mm256_sign_epi8(x0, sgn[j]), x1 = _mm256_sign_epi8(x1, sgn[j + 1]); \
-                s0 = DOT(s0, w[j], x0);                                                                          \
-                s1 = DOT(s1, w[j + 1], x1);                                                                      \
+            /* s0: k 0-15 (quads 0-3), s1: k 16-31 (4-7); integer sums: exact in any order */                    \
+            __m256i s0 = _mm256_set1_epi32(id_start(f, VNNI, x->s[at])), s1 = _mm256_setzero_si256();            \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                \
+                __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 4]);                        \
+                if (!VNNI && f == IDF_Q8_0)                                                                      \
+                    x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 4]);              \
+                s0 = DOT(s0, p->w[j], x0);                                                                       \
+                s1 = DOT(s1, p->w[j + 4], x1);                                                                   \
             }                                                                                                    \
-            const __m256 S = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));                                       \
+            __m256i Si;                                                                                          \
+            if (f == IDF_Q6_K) {                                                                                 \
+                const int32_t sa = x->s16[at], sb = x->s[at] - sa;                                               \
+                Si = _mm256_add_epi32(                                                                           \
+                    _mm256_mullo_epi32(p->k.sca, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * sa))),              \
+                    _mm256_mullo_epi32(p->k.scb, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * sb))));             \
+            } else {                                                                                             \
+                Si = _mm256_add_epi32(s0, s1);                                                                   \
+            }                                                                                                    \
+            const __m256 S = _mm256_cvtepi32_ps(Si);                                                             \
             __m256 y = acc[i];                                                                                   \
-            if (fmt == ID_INT4) y = _mm256_fmadd_ps(m, _mm256_set1_ps(x->sd[at]), y);                            \
-            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(d, _mm256_set1_ps(x->d[at])), y);                          \
+            if (id_has_min(f)) y = _mm256_fmadd_ps(p->k.m, _mm256_set1_ps(x->sd[at]), y);                        \
+            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(p->k.d, _mm256_set1_ps(x->d[at])), y);                     \
         }                                                                                                        \
     }
 
@@ -410,64 +523,38 @@ ROWS256(rows_vnni, ID_VNNI, dot_vnni, 1)
 ROWS256(rows_avx2, , dot_avx2, 0)
 #undef ROWS256
 
-/* The block's prepared registers for the chosen step: VNNI int8 offsets the weights to u8; AVX2 int8 keeps the
- * signed weights for the sign and multiplies their magnitudes. */
-static inline void prep_step(int fmt, int vnni, const uint8_t *blk, __m256i w[8], __m256i sgn[8]) {
-    prep256(fmt, blk, w);
-    if (fmt != ID_INT8) return;
-    for (int j = 0; j < 8; j++) {
-        if (vnni) {
-            w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8((char)0x80));
-        } else {
-            sgn[j] = w[j];
-            w[j] = _mm256_abs_epi8(w[j]);
-        }
-    }
-}
-
-typedef struct {
-    __m256i w[8], sgn[8];
-    __m256 d, m;
-} Prep256;
-
 #define PANEL256(NAME, ATTR, ROWS, VNNI)                                                                          \
-    ATTR static void NAME(int fmt, const QRows *x, int M, const uint8_t *a, int G, int bb, const float *bias,    \
+    ATTR ID_INLINE void NAME##_tile(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,             \
+                                    const Prep256 *prep, __m256 *acc) {                                          \
+        for (int g = 0; g < x->G; g++) {                                                                         \
+            Prep256 one;                                                                                         \
+            if (!prep) prep256(f, VNNI, rows, g, &one);                                                          \
+            ROWS(f, x, m0, g, prep ? &prep[g] : &one, acc, R);                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    ATTR static void NAME(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,           \
                           const float *Rr, int ldr, float *Y, int ldy, int cols) {                               \
-        __m256 acc[ID_TILE];                                                                                     \
-        float tmp[8];                                                                                            \
-        Prep256 *prep = NULL, one;                                                                               \
+        const int G = x->G;                                                                                      \
+        Prep256 *prep = NULL;                                                                                    \
         if (M > ID_TILE) {                                                                                       \
             prep = scratch_get(&id_w_scratch, sizeof(Prep256) * (size_t)G);                                      \
             if (!prep) return;                                                                                   \
-            for (int g = 0; g < G; g++) {                                                                        \
-                const uint8_t *blk = a + (size_t)g * bb;                                                         \
-                prep_step(fmt, VNNI, blk, prep[g].w, prep[g].sgn);                                               \
-                prep[g].d = load_h8(blk);                                                                        \
-                prep[g].m = fmt == ID_INT4 ? load_h8(blk + 16) : _mm256_setzero_ps();                            \
-            }                                                                                                    \
+            for (int g = 0; g < G; g++) prep256(f, VNNI, rows, g, &prep[g]);                                     \
         }                                                                                                        \
+        __m256 acc[ID_TILE];                                                                                     \
+        float tmp[8];                                                                                            \
         for (int m0 = 0; m0 < M; m0 += ID_TILE) {                                                                \
             const int R = M - m0 < ID_TILE ? M - m0 : ID_TILE;                                                   \
             for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();                                            \
-            for (int g = 0; g < G; g++) {                                                                        \
-                const Prep256 *p = prep ? &prep[g] : &one;                                                       \
-                if (!prep) {                                                                                     \
-                    const uint8_t *blk = a + (size_t)g * bb;                                                     \
-                    _mm_prefetch((const char *)blk + 2048, _MM_HINT_T0);                                         \
-                    prep_step(fmt, VNNI, blk, one.w, one.sgn);                                                   \
-                    one.d = load_h8(blk);                                                                        \
-                    one.m = fmt == ID_INT4 ? load_h8(blk + 16) : _mm256_setzero_ps();                            \
-                }                                                                                                \
-                switch (R) {                                                                                     \
-                case 1: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 1); break;                            \
-                case 2: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 2); break;                            \
-                case 3: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 3); break;                            \
-                case 4: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 4); break;                            \
-                case 5: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 5); break;                            \
-                case 6: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 6); break;                            \
-                case 7: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 7); break;                            \
-                default: ROWS(fmt, x, m0, g, p->w, p->sgn, p->d, p->m, acc, 8);                                  \
-                }                                                                                                \
+            switch (R) {                                                                                         \
+            case 1: NAME##_TILES(1) break;                                                                       \
+            case 2: NAME##_TILES(2) break;                                                                       \
+            case 3: NAME##_TILES(3) break;                                                                       \
+            case 4: NAME##_TILES(4) break;                                                                       \
+            case 5: NAME##_TILES(5) break;                                                                       \
+            case 6: NAME##_TILES(6) break;                                                                       \
+            case 7: NAME##_TILES(7) break;                                                                       \
+            default: NAME##_TILES(8)                                                                             \
             }                                                                                                    \
             for (int i = 0; i < R; i++) {                                                                        \
                 _mm256_storeu_ps(tmp, acc[i]);                                                                   \
@@ -477,49 +564,73 @@ typedef struct {
         }                                                                                                        \
     }
 
+#define panel_vnni_TILES(N)                                                                                       \
+    switch (f) {                                                                                                  \
+    case IDF_Q8_0: panel_vnni_tile(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_0: panel_vnni_tile(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_1: panel_vnni_tile(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_K: panel_vnni_tile(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                   \
+    default: panel_vnni_tile(IDF_Q6_K, x, m0, N, rows, prep, acc);                                                \
+    }
+#define panel_avx2_TILES(N)                                                                                       \
+    switch (f) {                                                                                                  \
+    case IDF_Q8_0: panel_avx2_tile(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_0: panel_avx2_tile(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_1: panel_avx2_tile(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                   \
+    case IDF_Q4_K: panel_avx2_tile(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                   \
+    default: panel_avx2_tile(IDF_Q6_K, x, m0, N, rows, prep, acc);                                                \
+    }
+
 PANEL256(panel_vnni, ID_VNNI, rows_vnni, 1)
 PANEL256(panel_avx2, , rows_avx2, 0)
 #undef PANEL256
+#undef panel_vnni_TILES
+#undef panel_avx2_TILES
 
-static void range256(int isa, int fmt, const QRows *x, const uint8_t *Wp, const float *bias, const float *Rr,
-                     int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
-    const int bb = id_block_bytes(fmt), G = (K + ID_GROUP - 1) / ID_GROUP;
-    const size_t panel_bytes = (size_t)G * bb;
+static void range256(int isa, int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
+                     float *Y, int ldy, int M, int N, int p0, int p1) {
+    const size_t row_bytes = id_row_bytes(f, x->G);
     for (int p = p0; p < p1; p++) {
         const int n0 = p * ID_PANEL, cols = N - n0 < ID_PANEL ? N - n0 : ID_PANEL;
-        const uint8_t *a = Wp + (size_t)p * panel_bytes;
+        const uint8_t *rows[ID_PANEL];
+        id_panel_rows(W, row_bytes, N, p, rows);
         const float *b = bias ? bias + n0 : NULL, *r = Rr ? Rr + n0 : NULL;
-        if (isa == ISA_AVXVNNI) panel_vnni(fmt, x, M, a, G, bb, b, r, ldr, Y + n0, ldy, cols);
-        else panel_avx2(fmt, x, M, a, G, bb, b, r, ldr, Y + n0, ldy, cols);
+        if (isa == ISA_AVXVNNI) panel_vnni(f, x, M, rows, b, r, ldr, Y + n0, ldy, cols);
+        else panel_avx2(f, x, M, rows, b, r, ldr, Y + n0, ldy, cols);
     }
 }
 
 /* ---------------- entry points ---------------- */
 
-static void id_range(const QRows *x, int fmt, const uint8_t *Wp, const float *bias, const float *R, int ldr,
-                     float *Y, int ldy, int M, int K, int N, int p0, int p1) {
+static void id_range(const QRows *x, int f, const uint8_t *W, const float *bias, const float *R, int ldr, float *Y,
+                     int ldy, int M, int N, int p0, int p1) {
     const int isa = __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
-    if (isa == ISA_AVX512VNNI) range512(fmt, x, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
-    else range256(isa, fmt, x, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
+    if (isa == ISA_AVX512VNNI) range512(f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    else range256(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
 }
 
-/* Panels [p0, p1) of Y = X W^T (+ bias) (+ R), X quantized here into this thread's own buffer (every thread of a
- * step quantizes the same rows the same way: no barrier). decode_step.c's linears call this. Returns -1 when the
- * buffer cannot be allocated (Y untouched), else 0. */
-static int int_dot_linear(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R,
+/* Panels [p0, p1) of Y = X W^T (+ bias) (+ R) for W of GGUF type `type` (K whole blocks), X quantized here into
+ * this thread's own buffer (every thread of a step quantizes the same rows the same way: no barrier).
+ * decode_step.c's linears call this. Returns -1 when the buffer cannot be allocated or the type or K is not this
+ * path's (Y untouched), else 0. */
+static int int_dot_linear(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R,
                           int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
+    const int f = id_kind(type);
+    if (f < 0 || K % (id_super(f) ? 8 * ID_GROUP : ID_GROUP)) return -1;
     void *mem = scratch_get(&id_act_scratch, qrows_bytes(M, K));
     if (!mem) return -1;
     QRows x = qrows_carve(mem, M, K);
     quantize_rows(X, ldx, M, K, &x);
-    id_range(&x, fmt, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
+    id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     return 0;
 }
 
 /* Y = X W^T (+ bias) (+ R) by integer dot products, on nthreads threads splitting the panels.
- * Returns 0, or -1 when a buffer cannot be allocated. */
-int int_dot_gemm(int fmt, const float *X, int ldx, const uint8_t *Wp, const float *bias, const float *R, int ldr,
+ * Returns 0, or -1 when a buffer cannot be allocated or the type or K is not this path's. */
+int int_dot_gemm(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R, int ldr,
                  float *Y, int ldy, int M, int K, int N, int nthreads) {
+    const int f = id_kind(type);
+    if (f < 0 || K % (id_super(f) ? 8 * ID_GROUP : ID_GROUP)) return -1;
     if (M <= 0 || N <= 0) return 0;
     void *mem = malloc(qrows_bytes(M, K));
     if (!mem) return -1;
@@ -536,7 +647,7 @@ int int_dot_gemm(int fmt, const float *X, int ldx, const uint8_t *Wp, const floa
         nt = omp_get_num_threads();
 #endif
         const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
-        if (p0 < p1) id_range(&x, fmt, Wp, bias, R, ldr, Y, ldy, M, K, N, p0, p1);
+        if (p0 < p1) id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     }
     free(mem);
     return 0;

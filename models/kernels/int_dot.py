@@ -1,20 +1,22 @@
-"""Quantized linears by integer dot products (``int_dot.c``): activations rounded to int8 per 32-group, as llama.cpp
+"""Quantized linears by integer dot products (``int_dot.c``): activations rounded to int8 per 32-block, as llama.cpp
 rounds its activations (Q8_0 / Q8_1 blocks), multiplied with VNNI (AVX-512 or AVX-VNNI) or AVX2 ``maddubs``.
 
 Which steps use it is the ``ACTIVATIONS`` setting (config.py), applied to every loaded kernel that has the path
 (``decode_step.c`` includes ``int_dot.c``; this module's own build serves the tests and ``gemm``):
 
     fp32   every linear multiplies fp32 activations (quant_gemm.c): bit for bit HF's math on the weights
-    int8   every int8 / int4 linear of every step takes int8 activations and integer dot products
-    auto   per format, steps of at least ``AUTO_ROWS[fmt]`` rows take int8 activations (measured, below)
+    int8   every Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linear of every step takes int8 activations and integer dot products
+    auto   per type, steps of at least ``AUTO_ROWS[kind][type]`` rows take int8 activations (measured, below)
 
-The weights are ``quant_gemm``'s packed int8 / int4 blocks as they are (GGUF Q8_0, Q4_0, Q4_1 exactly), so the
-path costs no memory. It is not exact against HF: the activations' rounding changes the logits slightly
-(perplexity figures below); ``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the
-thread count or the ISA (``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation
-of the same quantized math.
+The weights are the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks as quant_gemm reads them (``WEIGHTS=int8``
+/ ``int4`` make Q8_0 / Q4_1; a Q4_K_M file is Q4_K and Q6_K), so the path costs no memory. Every other GGUF type
+(Q2_K, Q3_K, Q5_K, Q5_*, IQ4_*, the floats) always multiplies fp32 activations: this path has no kernel for them
+(docs/integer-dot.md). It is not exact against HF:
+the activations' rounding changes the logits slightly (perplexity figures in docs/integer-dot.md);
+``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the thread count or the ISA
+(``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation of the same quantized math.
 
-The ISA is chosen when a kernel loads (``int_dot_isa``: AVX-512 VNNI with VBMI, else AVX-VNNI, else AVX2);
+The ISA is chosen when a kernel loads (``int_dot_isa``: AVX-512 VNNI with BW and VL, else AVX-VNNI, else AVX2);
 ``KERNEL_ISA=avx2`` forces the AVX2 path here as it does quant_gemm's (``build.set_kernel_isa``).
 """
 
@@ -32,18 +34,17 @@ log = logging.getLogger("minibatch.int_dot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int_dot.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-FORMATS = {"int8": 0, "int4": 1}  # quant_gemm.FORMATS
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # the GGUF types it takes -> ids (gguf/blocks.py)
 ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32
 
-# ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight format and kind of ISA (None:
-# never), chosen by measurement (docs/integer-dot.md): with VNNI the integer path is 1.6-2.3x quant_gemm's from 8
-# rows (int4) and 16 (int8); AVX2's maddubs gains too little (at most 1.2x) for the activations' rounding.
-# AUTO_ROWS is what runs (the tests pin it to None: conftest._exact_activations).
+# ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight type and kind of ISA (None:
+# never), chosen by measurement (docs/integer-dot.md, "The default"). AUTO_ROWS is what runs (the tests pin it to
+# None: conftest._exact_activations).
 MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
-    "vnni": {"int8": 16, "int4": 8},
-    "avx2": {"int8": None, "int4": None},
+    "vnni": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
+    "avx2": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
 }
 AUTO_ROWS = {kind: dict(rows) for kind, rows in MEASURED_AUTO_ROWS.items()}
 
@@ -85,8 +86,8 @@ def register(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def rows_for(choice: str, fmt: str, isa_name: str = "avx512vnni") -> int | None:
-    """The fewest rows of a step that take int8 activations for weights ``fmt`` under ``choice`` on ISA ``isa_name``
-    (None: none)."""
+    """The fewest rows of a step that take int8 activations for weights of GGUF type ``fmt`` (one of ``FORMATS``)
+    under ``choice`` on ISA ``isa_name`` (None: none)."""
     if choice not in ACTIVATIONS:
         raise ValueError(f"ACTIVATIONS must be one of {', '.join(ACTIVATIONS)} (got {choice!r})")
     kind = "avx2" if isa_name == "avx2" else "vnni"
@@ -111,7 +112,7 @@ on_isa_change(_reapply)
 def set_activations(choice: str) -> None:
     """Apply ``ACTIVATIONS`` (``auto`` | ``fp32`` | ``int8``) to the kernels loaded and to those loaded later."""
     global _choice
-    rows_for(choice, "int8")  # validates
+    rows_for(choice, "Q8_0")  # validates
     _choice = choice
     for lib in _libs:
         _apply(lib)
@@ -161,12 +162,15 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def gemm(x, w, bias=None, residual=None, threads: int = 1):
-    """x [M, K] fp32 (torch) @ W^T (+ bias) (+ residual) for a ``quant_gemm.QuantWeight`` by integer dot products."""
+    """x [M, K] fp32 (torch) @ W^T (+ bias) (+ residual) for a ``quant_gemm.QuantWeight`` of one of ``FORMATS`` by
+    integer dot products."""
     import torch
 
     lib = load()
     if lib is None:
         raise RuntimeError(f"the integer-dot kernel is unavailable: {KERNEL.unavailable_reason}")
+    if w.fmt not in FORMATS:
+        raise ValueError(f"the integer path takes {', '.join(FORMATS)} weights, not {w.fmt}")
     x = x.contiguous()
     m, k = x.shape
     if k != w.in_features:

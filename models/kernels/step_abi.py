@@ -27,6 +27,7 @@ from typing import Any
 
 from . import int_dot
 from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
+from .quant_lib import library_path
 
 log = logging.getLogger("minibatch.decode_step")
 
@@ -34,13 +35,19 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_step.c
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-lm"]
 FP32 = -1  # FMT_FP32 in decode_step.c: small_gemm panels (a linear), fp32 rows (a token table)
 PANELS = -2  # FMT_PANELS: a token table that is a tied lm_head's small_gemm panels (3-D)
+# fmt >= 0: a GGUF type id (models/gguf/blocks.py): rows of the type's blocks (quant_gemm.c)
+MAX_PARTS = 3  # parts of one linear (a fused QKV of three types), each its own weight and format
 WS_ALIGN = 64  # bytes: the workspace starts on a cache line (decode_step.c carves per-thread buffers from it)
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
 
+class LinPart(ctypes.Structure):
+    _fields_ = [("w", _P), ("fmt", _I), ("N", _I)]
+
+
 class Lin(ctypes.Structure):
-    _fields_ = [("w", _P), ("bias", _P), ("fmt", _I), ("K", _I), ("N", _I)]
+    _fields_ = [("bias", _P), ("K", _I), ("N", _I), ("n_parts", _I), ("part", LinPart * MAX_PARTS)]
 
 
 class Moe(ctypes.Structure):
@@ -70,7 +77,7 @@ class Model(ctypes.Structure):
 
 def _load() -> ctypes.CDLL:
     require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
-    lib = build_and_load(SOURCE, FLAGS)
+    lib = build_and_load(SOURCE, FLAGS, (library_path(),))  # linked against quant_gemm.c's library
     lib.decode_step_workspace.restype = _L
     lib.decode_step_workspace.argtypes = [_P, _I, _I]  # model, B, nthreads
     lib.decode_step.restype = _I
@@ -96,15 +103,28 @@ def load() -> ctypes.CDLL | None:
 
 
 @dataclass
-class LinSpec:
-    """One linear: packed weight ``w`` (quant_gemm blocks for fmt 0 / 1, small_gemm panels for ``FP32``),
-    ``bias`` or None; K inputs, N outputs."""
+class PartSpec:
+    """Outputs of a linear held in one format: weight ``w`` (rows of GGUF blocks for a type id ``fmt`` >= 0,
+    small_gemm panels for ``FP32``), N outputs."""
 
     w: Any
-    bias: Any
     fmt: int
+    N: int
+
+
+@dataclass
+class LinSpec:
+    """One linear: its parts (outputs side by side, each in its own format: one part unless a fused linear mixes
+    types), ``bias`` or None; K inputs, N outputs in all."""
+
+    parts: list[PartSpec]
+    bias: Any
     K: int
     N: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.parts) <= MAX_PARTS or sum(p.N for p in self.parts) != self.N:
+            raise ValueError(f"a linear has 1-{MAX_PARTS} parts whose outputs add up to N={self.N}")
 
 
 @dataclass
@@ -168,7 +188,7 @@ class ModelSpec:
     """The model without its KV pools: ``act`` (``ACT_*``), dims (C width, H query heads, KVH K/V heads, D head_dim,
     R rotary dims), the norms' eps, the embedding scale, the residual scale, the logits' divisor and soft-cap (0:
     none), the q/k/v clip (0: none), RoPE tables cos / sin [max_len, R] (None: no rotation), the final norm, the
-    lm_head, the layers, the token table (``embed_fmt``: quant_gemm's 0 / 1, ``FP32`` rows [V, C], ``PANELS``) and
+    lm_head, the layers, the token table (``embed_fmt``: a GGUF type id, ``FP32`` rows [V, C], ``PANELS``) and
     learned positions [max_len, C] (None: none)."""
 
     act: int
@@ -208,7 +228,8 @@ def map_buffers(spec: ModelSpec, f: Callable[[str, Any], Any]) -> ModelSpec:
     def lin(name: str, x: LinSpec | None) -> LinSpec | None:
         if x is None:
             return None
-        return dataclasses.replace(x, w=one(f"{name}.w", x.w), bias=one(f"{name}.bias", x.bias))
+        parts = [dataclasses.replace(p, w=one(f"{name}.w" + (f"{i}" if i else ""), p.w)) for i, p in enumerate(x.parts)]
+        return dataclasses.replace(x, parts=parts, bias=one(f"{name}.bias", x.bias))
 
     def moe(name: str, x: MoeSpec | None) -> MoeSpec | None:
         if x is None:
@@ -244,7 +265,7 @@ def spec_from_json(d: dict) -> ModelSpec:
     """``spec_to_json``'s inverse. Raises KeyError / TypeError on a malformed object."""
 
     def lin(x: dict | None) -> LinSpec | None:
-        return None if x is None else LinSpec(**x)
+        return None if x is None else LinSpec(**{**x, "parts": [PartSpec(**p) for p in x["parts"]]})
 
     def moe(x: dict | None) -> MoeSpec | None:
         if x is None:
@@ -254,7 +275,7 @@ def spec_from_json(d: dict) -> ModelSpec:
     def layer(x: dict) -> LayerSpec:
         return LayerSpec(**{**x, **{k: lin(x[k]) for k in ("qkv", "o", "up", "down")}, "moe": moe(x.get("moe"))})
 
-    return ModelSpec(**{**d, "lm_head": LinSpec(**d["lm_head"]), "layers": [layer(x) for x in d["layers"]]})
+    return ModelSpec(**{**d, "lm_head": lin(d["lm_head"]), "layers": [layer(x) for x in d["layers"]]})
 
 
 # --- the structs and the call ----------------------------------------------------------------------------------
@@ -275,7 +296,10 @@ class PoolGeometry:
 
 
 def _lin(x: LinSpec | None) -> Lin:
-    return Lin() if x is None else Lin(x.w, x.bias, x.fmt, x.K, x.N)
+    if x is None:
+        return Lin()
+    parts = (LinPart * MAX_PARTS)(*(LinPart(p.w, p.fmt, p.N) for p in x.parts))
+    return Lin(x.bias, x.K, x.N, len(x.parts), parts)
 
 
 class Structs:
@@ -364,4 +388,4 @@ class StepKernel:
             *(row_table, int(write_first), sample_rows, n_sample, logits, ws + 4 * self._x_floats(rows), threads),
         )
         if rc != 0:
-            raise MemoryError("decode step: cannot allocate the attention partition workspace")
+            raise MemoryError("decode step: cannot allocate its attention partitions or a linear's tile buffer")

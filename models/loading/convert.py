@@ -46,7 +46,7 @@ def gguf_metadata_dir(path: str) -> str:
     if os.path.isfile(os.path.join(out_dir, MARKER)):
         log.info("GGUF %s: tokenizer and config from %s", path, out_dir)
         return out_dir
-    from models.quant import open_gguf
+    from models.gguf.reader import open_gguf
 
     try:  # a corrupt or truncated file fails here, in one line, before any conversion
         open_gguf(path)

@@ -1,0 +1,177 @@
+"""Reading a GGUF file's tensor directory (torch-free): the header parsed by hand, the tensors as views of one
+read-only memory map.
+
+Unlike ``gguf.GGUFReader`` nothing of the metadata is materialized (its reader builds numpy objects for every
+vocabulary entry: about 160 MB resident for SmolLM2 while it lives); only ``general.alignment`` is kept. Every way a
+file can be unreadable (not a GGUF, an unsupported version, a truncated or corrupt header, a tensor past the end of
+the file, an unknown type id, two tensors with one name) raises ``ValueError`` with a one-line message naming the
+file; ``check_servable`` names the first tensor whose type we cannot serve.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .blocks import GGML_TYPES, TYPES
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file: ``shape`` in GGUF order (ne0, the contiguous dimension, first); ``data`` a
+    read-only view of the memory-mapped file (F32 / F16: [..., ne0] floats; other types: [..., row bytes] uint8)."""
+
+    name: str
+    type_name: str  # ggml's name of its type ("Q4_K"), also for types we do not serve ("IQ2_XXS")
+    shape: tuple[int, ...]
+    data_offset: int
+    n_bytes: int
+    data: np.ndarray
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape in PyTorch order (rows first, ne0 last)."""
+        return tuple(int(n) for n in reversed(self.shape))
+
+    @property
+    def rows(self) -> int:
+        """Rows of ne0 elements (1 for a vector)."""
+        return int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+
+    def raw_rows(self) -> np.ndarray:
+        """The bytes as uint8 [rows, row bytes] (a view of the map)."""
+        return np.asarray(self.data).view(np.uint8).reshape(self.rows, -1)
+
+
+# GGUF metadata value types -> their size in bytes (8: string, 9: array are variable-sized)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Cursor:
+    """Little-endian reads from the start of a GGUF file (IndexError / struct.error past its end)."""
+
+    def __init__(self, buf) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str):
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return value[0] if len(value) == 1 else value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        out = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
+        self.pos += n
+        return out
+
+    def skip_value(self, vtype: int) -> None:
+        """Step over one metadata value (a 49,152-string vocabulary array too) without building it."""
+        if vtype in _SCALAR_BYTES:
+            self.pos += _SCALAR_BYTES[vtype]
+        elif vtype == 8:
+            self.pos += 8 + self.take("Q")
+        elif vtype == 9:
+            etype, count = self.take("I"), self.take("Q")
+            if etype in _SCALAR_BYTES:
+                self.pos += _SCALAR_BYTES[etype] * count
+            else:
+                for _ in range(count):
+                    self.skip_value(etype)
+        else:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        if self.pos > len(self.buf):
+            raise ValueError("metadata runs past the end of the file")
+
+
+def _type_of(name: str, type_id: int) -> tuple[str, int, int]:
+    """(type name, block, bytes per block) of a tensor's type id; ValueError for an id ggml does not define."""
+    if type_id not in GGML_TYPES:
+        raise ValueError(f"tensor {name} has an unknown GGUF type id {type_id}")
+    return GGML_TYPES[type_id]
+
+
+def _read_tensor_infos(buf) -> list[GGUFTensor]:
+    """Parse a GGUF (v2/v3) header: skip the metadata (keeping only ``general.alignment``), read the tensor infos."""
+    cur = _Cursor(buf)
+    cur.pos = 4  # the magic, checked by map_gguf
+    version = cur.take("I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = cur.string(), cur.take("I")
+        if key == "general.alignment" and vtype == 4:
+            alignment = cur.take("I")
+        else:
+            cur.skip_value(vtype)
+    if alignment < 1:
+        raise ValueError(f"general.alignment is {alignment}")
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = cur.string(), cur.take("I")
+        if n_dims > 4:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions (GGUF allows at most 4)")
+        dims = tuple(int(cur.take("Q")) for _ in range(n_dims))
+        infos.append((name, dims, cur.take("I"), cur.take("Q")))
+    start = -(-cur.pos // alignment) * alignment
+    if len({info[0] for info in infos}) != len(infos):
+        raise ValueError("two tensors have the same name")
+    tensors = []
+    for name, dims, type_id, offset in infos:
+        kind, block, type_size = _type_of(name, type_id)
+        n_elems = int(np.prod(dims)) if dims else 1
+        if dims and dims[0] % block:
+            raise ValueError(f"tensor {name} has rows of {dims[0]} elements, not whole {kind} blocks of {block}")
+        n_bytes = n_elems // block * type_size
+        at = start + offset
+        if at + n_bytes > len(buf):
+            raise ValueError(f"truncated: tensor {name} needs bytes up to {at + n_bytes}, the file has {len(buf)}")
+        rows = tuple(reversed(dims[1:]))
+        if kind in ("F32", "F16"):
+            data = np.frombuffer(buf, np.float32 if kind == "F32" else np.float16, n_elems, at)
+            data = data.reshape(*rows, dims[0] if dims else 1)
+        else:
+            row_bytes = (dims[0] if dims else 1) // block * type_size
+            data = np.frombuffer(buf, np.uint8, n_bytes, at).reshape(*rows, row_bytes)
+        tensors.append(GGUFTensor(name, kind, dims, at, n_bytes, data))
+    return tensors
+
+
+def map_gguf(path: str) -> tuple[mmap.mmap, list[GGUFTensor]]:
+    """The GGUF file ``path`` memory-mapped read-only, and its tensors (views of that map); or ValueError
+    saying why the file is unreadable."""
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the map outlives the file object
+    try:
+        return buf, _read_tensor_infos(buf)
+    except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
+
+
+def open_gguf(path: str) -> list[GGUFTensor]:
+    """The tensors of the GGUF file ``path`` (memory-mapped), or ValueError saying why the file is unreadable."""
+    return map_gguf(path)[1]
+
+
+SERVED = tuple(TYPES)  # every type the kernels multiply by (models/gguf/blocks.py)
+
+
+def check_servable(path: str, tensors: list[GGUFTensor]) -> None:
+    """ValueError naming the first tensor whose type no kernel serves (one line: the tensor, its type, ours)."""
+    for t in tensors:
+        if t.type_name not in TYPES:
+            raise ValueError(
+                f"{path}: tensor {t.name} has GGUF type {t.type_name}, which is not supported "
+                f"(supported: {', '.join(SERVED)})"
+            )
