@@ -16,6 +16,7 @@ from core.fair_queue import POLICIES  # torch-free
 from core.speculative import MAX_SPEC_TOKENS, SPEC_METHODS, SpecParams  # torch-free
 from models.kernels.build import KERNEL_ISAS  # torch-free
 from models.kernels.int_dot import ACTIVATIONS  # torch-free
+from models.kv_dtype import KV_DTYPES  # torch-free
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
@@ -49,6 +50,11 @@ class Config:
     # KV pool size in MiB. 0 = enough for MAX_BATCH_SIZE sequences of MAX_MODEL_LEN tokens, capped at a
     # quarter of the machine's RAM.
     kv_cache_mb: float = 0.0
+    # Element type of the KV pool: "fp32" (exact: what the parity gates run), "fp16" or "bf16" (half the bytes per
+    # token: KV_CACHE_MB holds 2x the tokens), "int8" (q8_0-like, one scale per token and head: ~3.8x), or "auto":
+    # fp32 beside fp32 weights, int8 beside quantized ones (a GGUF, WEIGHTS=int8 / int4). Read in place by the
+    # attention kernels on both runtimes. docs/kv-cache.md has the quality and speed measured per dtype.
+    kv_cache_dtype: str = "auto"
     # Chunked prefill: most tokens one engine step feeds (decode rows first, then prompt chunks), so a long
     # prompt loads over several steps while running streams keep getting tokens. 0 = off (whole prompts).
     # 256: half 512's worst stall at the same throughput (docs/performance.md "The KV pool, measured").
@@ -181,6 +187,11 @@ class Config:
             0 <= self.kv_cache_mb <= 1 << 24,
             "KV_CACHE_MB",
             "must be a number in [0, 16777216] (0 = sized from MAX_BATCH_SIZE)",
+        )
+        _check(
+            self.kv_cache_dtype in ("auto", *KV_DTYPES),
+            "KV_CACHE_DTYPE",
+            f"must be one of auto, {', '.join(KV_DTYPES)} (got {self.kv_cache_dtype!r})",
         )
         _check(
             0 <= self.max_num_batched_tokens <= 1 << 20, "MAX_NUM_BATCHED_TOKENS", "must be in [0, 1048576] (0 = off)"

@@ -224,6 +224,7 @@ class _LiveCollector:
         "kv_cache_free_blocks": "KV-cache blocks free in the pool.",
         "kv_cache_blocks": "KV-cache blocks in the pool (KV_CACHE_MB / bytes per block).",
         "kv_cache_cached_blocks": "KV-cache blocks in the prefix cache (held by a sequence, or free and evictable).",
+        "kv_cache_bytes": "Bytes of the KV-cache pool (K and V in KV_CACHE_DTYPE elements, int8's scales).",
         "num_requests_in_flight": "HTTP requests in flight (probes and /metrics excluded).",
         "batch_capacity": "Most sequences running at once (MAX_BATCH_SIZE).",
         "ready": "1 when /ready answers 200.",
@@ -237,6 +238,11 @@ class _LiveCollector:
         values = self.live() or {}
         for name, doc in self._GAUGES.items():
             yield GaugeMetricFamily(f"minibatch:{name}", doc, value=float(values.get(name, 0.0)))
+        if "kv_cache_dtype" in values:
+            doc = "The KV-cache pool's element type (KV_CACHE_DTYPE); always 1."
+            info = GaugeMetricFamily("minibatch:kv_cache_info", doc, labels=["dtype"])
+            info.add_metric([str(values["kv_cache_dtype"])], 1.0)
+            yield info
         failures = CounterMetricFamily(
             "minibatch:engine_failures",
             "Engine calls that raised (their sequences ended with an error).",

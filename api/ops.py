@@ -90,6 +90,8 @@ class Operations:
                 failed_steps=runtime.scheduler.failed_steps,
                 num_preemptions=runtime.scheduler.num_preemptions,
                 kv_cache_cached_blocks=stats.get("kv_cached_blocks", 0),
+                kv_cache_dtype=getattr(runtime.engine, "kv_cache_dtype", "none"),
+                kv_cache_bytes=getattr(runtime.engine, "kv_pool_bytes", 0),
                 prefix_cache_queries=stats.get("prefix_cache_queries", 0),
                 prefix_cache_hits=stats.get("prefix_cache_hits", 0),
                 prefill_tokens_computed=stats.get("prefill_tokens_computed", 0),

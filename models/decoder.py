@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from . import kv_dtype
 from .gguf.names import LLAMA_BLOCK, LLAMA_TOP
 from .kernels import decode_ops, step_abi
 from .kernels.decode_step import StepPlan, layer_spec
@@ -354,9 +355,11 @@ class Decoder(MixedForward):
         return max(windows) if windows and all(windows) else 0
 
     @classmethod
-    def kv_bytes_per_token(cls, hf_config) -> int:
-        """fp32 K and V of one token over every layer (what one KV slot costs)."""
-        return 2 * hf_config.num_hidden_layers * kv_heads(hf_config) * head_dim_of(hf_config) * 4
+    def kv_bytes_per_token(cls, hf_config, kv_cache_dtype: str = "fp32") -> int:
+        """K and V of one token over every layer in a pool of ``kv_cache_dtype`` (what one KV slot costs)."""
+        return kv_dtype.bytes_per_token(
+            kv_cache_dtype, hf_config.num_hidden_layers, kv_heads(hf_config), head_dim_of(hf_config)
+        )
 
     def __init__(
         self,
@@ -368,8 +371,10 @@ class Decoder(MixedForward):
         num_blocks: int = 0,
         block_size: int = 32,
         weights: str = "fp32",
+        kv_cache_dtype: str = "fp32",
     ) -> None:
-        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
+        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``) of
+        ``kv_cache_dtype`` elements."""
         cfg = hf_model.config
         spec = self.cfg_spec = self.spec(cfg)
         self.n_layer, self.n_embd, self.n_head, self.n_kv_head = spec.n_layer, spec.hidden, spec.n_head, spec.n_kv_head
@@ -393,7 +398,7 @@ class Decoder(MixedForward):
         self.embed = self.lm_head.table() if tied else self.embed  # tied: the lm_head's one copy serves the lookups
         release_file_pages(sd.values())  # the embedding and lm_head tables, packed now
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
-        self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size)
+        self._init_cache(self.n_layer, self.n_kv_head, self.head_dim, device, num_blocks, block_size, kv_cache_dtype)
 
     # --- what the model costs (MixedForward's counts, with only the active experts) ---
 

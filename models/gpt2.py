@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import kv_dtype
 from .kernels import decode_ops, step_abi
 from .kernels.decode_step import StepPlan, layer_spec
 from .kernels.quant_gemm import QuantWeight, dequantize
@@ -65,9 +66,10 @@ class GPT2(MixedForward):
         return hf_config.n_positions
 
     @staticmethod
-    def kv_bytes_per_token(hf_config) -> int:
-        """fp32 K and V of one token over every layer (what one KV slot costs)."""
-        return 2 * hf_config.n_layer * hf_config.n_embd * 4
+    def kv_bytes_per_token(hf_config, kv_cache_dtype: str = "fp32") -> int:
+        """K and V of one token over every layer in a pool of ``kv_cache_dtype`` (what one KV slot costs)."""
+        head_dim = hf_config.n_embd // hf_config.n_head
+        return kv_dtype.bytes_per_token(kv_cache_dtype, hf_config.n_layer, hf_config.n_head, head_dim)
 
     def __init__(
         self,
@@ -79,8 +81,10 @@ class GPT2(MixedForward):
         num_blocks: int = 0,
         block_size: int = 32,
         weights: str = "fp32",
+        kv_cache_dtype: str = "fp32",
     ) -> None:
-        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``)."""
+        """``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for ``capacity`` x ``max_len``) of
+        ``kv_cache_dtype`` elements."""
         cfg = hf_model.config
         if getattr(cfg, "reorder_and_upcast_attn", False):
             raise ValueError("GPT-2 option reorder_and_upcast_attn is not supported by the fast engine")
@@ -109,7 +113,7 @@ class GPT2(MixedForward):
         self.wte = self.lm_head.table() if tied else self.wte  # tied: the lm_head's one copy serves the lookups
         release_file_pages(sd.values())  # the embedding and lm_head tables, packed now
         num_blocks = num_blocks or capacity * -(-max_len // block_size)
-        self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size)
+        self._init_cache(self.n_layer, self.n_head, self.head_dim, device, num_blocks, block_size, kv_cache_dtype)
 
     def _fused_plan(self) -> StepPlan | None:
         """Every layer of a lean step in one call: LayerNorm, no RoPE, GELU (tanh only: the kernel has no erf GELU)."""

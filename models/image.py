@@ -94,10 +94,12 @@ def check_image(image_dir: str) -> dict:
 # --- the writer (imports torch when called) --------------------------------------------------------------------
 
 
-def build_model(model_id: str, weights: str, num_blocks: int = 1, block_size: int = BUILD_BLOCK_SIZE):
+def build_model(
+    model_id: str, weights: str, num_blocks: int = 1, block_size: int = BUILD_BLOCK_SIZE, kv_cache_dtype: str = "fp32"
+):
     """(tokenizer, HF model, family class, our model) for ``model_id`` served at ``weights``, built as ``HFEngine``
     builds it (small_gemm panels on, one sequence, RoPE / positions over the whole context window, ``num_blocks``
-    KV blocks of ``block_size``). Imports torch. Raises ``ModelLoadError``."""
+    KV blocks of ``block_size`` of ``kv_cache_dtype``). Imports torch. Raises ``ModelLoadError``."""
     import torch
 
     from models import families
@@ -118,6 +120,7 @@ def build_model(model_id: str, weights: str, num_blocks: int = 1, block_size: in
             num_blocks=num_blocks,
             block_size=block_size,
             weights="fp32" if weights == "auto" else weights,  # a GGUF's "auto" is in hf_model already
+            kv_cache_dtype=kv_cache_dtype,
         )
     except ValueError as exc:  # a config option our forward does not implement
         raise ModelLoadError(f"MODEL_ID {model_id}: {exc}") from exc

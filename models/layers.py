@@ -292,22 +292,28 @@ def mixed_attention(
 
     q: [N, H, D], k, v: [N, KVH, D] (H = KVH x G; G = 1 is plain multi-head attention, GPT-2)
     -> [N, H, D]. Decode rows attend over their blocks in place (``paged_attention``: the compiled
-    kernel on CPU fp32, no gather; query head ``h = kvh * G + g`` reads K/V head ``kvh``). A prompt
+    kernel on the CPU, no gather; query head ``h = kvh * G + g`` reads K/V head ``kvh``). A prompt
     chunk attends causally over itself, plus its sequence's earlier positions (gathered once from its
     blocks) when it does not start at 0. ``window`` > 0 (a sliding-window layer): a token at position p
     sees keys in (p - window, p] only (HF's mask), and a chunk gathers only the blocks its window reaches;
     ``softcap`` > 0: scores are soft-capped (``attention_kernel.attend``).
+    With an fp16 / bf16 / int8 pool a chunk attends over what the pool holds, its own tokens as stored included
+    (``_stored_chunk_attention``), so a prompt gives the same K/V to every later token whether it was prefilled at
+    once, in chunks or found in the prefix cache.
     """
     N, H, D = q.shape
     B = batch.n_decode
     kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     out = torch.empty(N, H, D, device=q.device, dtype=q.dtype)
+    k_pool, v_pool, scales = kv.pools(layer)
     if B:
-        k_pool, v_pool = kv.pools(layer)
         tables, lens = batch.block_tables[:B], batch.context_lens
-        out[:B] = paged_attention(q[:B], k_pool, v_pool, tables, lens, scale, window, softcap)
+        out[:B] = paged_attention(q[:B], k_pool, v_pool, tables, lens, scale, window, softcap, scales)
     for row, n, start, table in batch.prompts:
         span = slice(row, row + n)
+        if kv.dtype != "fp32":
+            out[span] = _stored_chunk_attention(q[span], kv, layer, table, start, scale, window, softcap)
+            continue
         qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [H or KVH, n, D]
         first = max(0, start - window + 1) if window > 0 else 0  # the earliest key any of the chunk's queries sees
         if start == 0 and (window <= 0 or n <= window):
@@ -327,14 +333,45 @@ def mixed_attention(
     return out
 
 
+def _stored_chunk_attention(
+    q: torch.Tensor,
+    kv: PagedKVCache,
+    layer: int,
+    table: torch.Tensor,
+    start: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """A prompt chunk's queries q [n, H, D] (positions start .. start + n - 1) over its sequence's stored K/V
+    [0, start + n) (written already; within each query's ``window`` when set) -> [n, H, D]. On the CPU the paged
+    kernel reads the pool in place, each row a query with its own context (what the whole-step kernel does with a
+    chunk's rows); elsewhere the blocks the chunk's windows reach are gathered dequantized and masked."""
+    n, H, D = q.shape
+    k_pool, v_pool, scales = kv.pools(layer)
+    if attention_kernel.kernel_supports(q, k_pool):
+        tables = table.to(torch.int32).expand(n, -1)
+        lens = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+        return paged_attention(q, k_pool, v_pool, tables, lens, scale, window, softcap, scales)
+    first = max(0, start - window + 1) if window > 0 else 0  # the earliest key any of the chunk's queries sees
+    keys, values = kv.gather(layer, table, start + n, first, q.dtype)  # [KVH, start + n - first, D]
+    at, pos = torch.arange(first, start + n, device=q.device), start + torch.arange(n, device=q.device)[:, None]
+    mask = at <= pos
+    if window > 0:
+        mask &= at > pos - window
+    return attend(q.transpose(0, 1), keys, values, mask, scale, softcap).transpose(0, 1)
+
+
 LEAN_MAX_ROWS = small_gemm.MAX_ROWS  # decode steps up to this batch take the lean path (dispatch-bound there)
 
 
-def lean_decode_supported(device: torch.device, head_dim: int, block_size: int) -> bool:
+def lean_decode_supported(
+    device: torch.device, head_dim: int, block_size: int, pool_dtype: torch.dtype = torch.float32
+) -> bool:
     """Whether this model can run lean decode steps: CPU, and the compiled kernels it needs load here."""
     if device.type != "cpu" or decode_ops.load() is None:
         return False
-    probe_q, probe_pool = torch.empty(1, 1, head_dim), torch.empty(1, block_size, 1, head_dim)
+    probe_q, probe_pool = torch.empty(1, 1, head_dim), torch.empty(1, block_size, 1, head_dim, dtype=pool_dtype)
     return attention_kernel.kernel_supports(probe_q, probe_pool)
 
 
@@ -342,16 +379,16 @@ def lean_attention(
     qkv: torch.Tensor,
     n_head: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
-    pools: tuple[torch.Tensor, torch.Tensor],
+    pools: tuple,
     batch: MixedBatch,
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """A lean decode step's attention: qkv [B, (H + 2 KVH) D] -> [B, H D]; RoPE (the full cos, sin tables, or
-    None), the K/V write into this layer's ``pools`` (``PagedKVCache.pools``) and the paged attention (its
-    ``window`` and ``softcap``) in one kernel call."""
-    k_pool, v_pool = pools
+    None), the K/V write into this layer's ``pools`` (``PagedKVCache.pools``: K, V, int8's scales) and the paged
+    attention (its ``window`` and ``softcap``) in one kernel call."""
+    k_pool, v_pool, scales = pools
     out = attention_kernel.rope_write_attend(
         qkv,
         n_head,
@@ -366,6 +403,7 @@ def lean_attention(
         scale,
         window,
         softcap,
+        scales,
     )
     return out.view(qkv.shape[0], -1)
 
@@ -602,11 +640,19 @@ class MixedForward:
         return 0
 
     def _init_cache(
-        self, n_layer: int, n_kv_head: int, head_dim: int, device, num_blocks: int, block_size: int
+        self,
+        n_layer: int,
+        n_kv_head: int,
+        head_dim: int,
+        device,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "fp32",
     ) -> None:
-        """The KV block pool (K/V heads only); lean decode steps where their kernels run."""
-        self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device)
-        self.lean_decode = lean_decode_supported(device, head_dim, block_size)
+        """The KV block pool (K/V heads only, elements ``kv_cache_dtype``); lean decode steps where their kernels
+        run."""
+        self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device, kv_cache_dtype)
+        self.lean_decode = lean_decode_supported(device, head_dim, block_size, self.kv.k.dtype)
         self.layer_pools = [self.kv.pools(layer) for layer in range(n_layer)]  # views, made once, not per step
         self.fused_step = self._fused_plan() if self.lean_decode else None
 

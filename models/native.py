@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 
+from models import kv_dtype
 from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.kernels import step_abi
 
@@ -41,12 +42,15 @@ def _map_weights(image_dir: str) -> np.ndarray:
 class NativeModel:
     """One model image with its own KV pools, stepped without torch.
 
-    ``num_blocks`` KV blocks of ``block_size`` tokens (pools [n_layer, num_blocks, KVH, block_size, D] fp32, K and
-    V: ``PagedKVCache``'s layout); ``threads`` OpenMP threads per step. Raises ``ImageError`` for an unusable
-    image, ``RuntimeError`` when the kernel cannot be built or run here.
+    ``num_blocks`` KV blocks of ``block_size`` tokens (pools [n_layer, num_blocks, KVH, block_size, D] of
+    ``kv_cache_dtype`` elements, K and V: ``PagedKVCache``'s layout; int8's scales [n_layer, num_blocks, KVH,
+    block_size] fp32 beside them); ``threads`` OpenMP threads per step. Raises ``ImageError`` for an unusable
+    image, ``RuntimeError`` when the kernel cannot be built or run here, ValueError for an unknown dtype.
     """
 
-    def __init__(self, image_dir: str, num_blocks: int, block_size: int, threads: int = 1) -> None:
+    def __init__(
+        self, image_dir: str, num_blocks: int, block_size: int, threads: int = 1, kv_cache_dtype: str = "fp32"
+    ) -> None:
         meta = check_image(image_dir)
         try:
             spec = step_abi.spec_from_json(meta["plan"])
@@ -56,6 +60,7 @@ class NativeModel:
             addresses = step_abi.map_buffers(spec, lambda _, name: base + offsets[name])
         except (KeyError, TypeError, ValueError) as exc:
             raise ImageError(f"model image {image_dir}: image.json is malformed ({type(exc).__name__}: {exc})") from exc
+        kv_dtype.check(kv_cache_dtype)
         if not 0 < block_size <= meta["max_block_size"] or num_blocks < 1 or threads < 1:
             raise ValueError(
                 f"need 1 <= block_size <= {meta['max_block_size']}, num_blocks >= 1, threads >= 1 "
@@ -67,26 +72,41 @@ class NativeModel:
         self.meta, self.image_dir, self.threads = meta, image_dir, threads
         self.model_type, self.vocab_size, self.n_vocab = meta["model_type"], meta["vocab_size"], meta["n_vocab"]
         self.context_window, self.eos_ids = meta["context_window"], set(meta["eos_ids"])
-        self.max_rows, self.kv_bytes_per_token = meta["max_rows"], meta["kv_bytes_per_token"]
+        self.max_rows, self.kv_cache_dtype = meta["max_rows"], kv_cache_dtype
         self.tokenizer_dir = os.path.join(image_dir, TOKENIZER_DIR)
         self.num_blocks, self.block_size = num_blocks, block_size
         n_layer, KVH, D = meta["kv"]["n_layer"], meta["kv"]["n_kv_head"], meta["kv"]["head_dim"]
+        self.kv_bytes_per_token = kv_dtype.bytes_per_token(kv_cache_dtype, n_layer, KVH, D)
         # np.zeros is calloc: a page is committed when first written (np.zeros_like would write every page)
-        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), np.float32)
-        self.v = np.zeros(self.k.shape, np.float32)
-        # Layer l's pools as [num_blocks, block_size, KVH, D]: PagedKVCache.pools' strides (floats).
-        geometry = step_abi.PoolGeometry(block_size, KVH * block_size * D, D, block_size * D)
-        layer_bytes = self.k.strides[0]
-        pools = [(self.k.ctypes.data + i * layer_bytes, self.v.ctypes.data + i * layer_bytes) for i in range(n_layer)]
-        self.structs = step_abi.Structs(addresses, pools, geometry)
+        elements = kv_dtype.NUMPY_DTYPES[kv_cache_dtype]
+        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), elements)
+        self.v = np.zeros(self.k.shape, elements)
+        self.k_scale = self.v_scale = None
+        if kv_dtype.has_scales(kv_cache_dtype):  # one per (block, head, token): the pools' strides / D
+            self.k_scale = np.zeros(self.k.shape[:4], np.float32)
+            self.v_scale = np.zeros(self.k.shape[:4], np.float32)
+        # Layer l's pools as [num_blocks, block_size, KVH, D]: PagedKVCache.pools' strides (elements).
+        geometry = step_abi.PoolGeometry(
+            block_size, KVH * block_size * D, D, block_size * D, kv_dtype.CODES[kv_cache_dtype]
+        )
+        self.structs = step_abi.Structs(addresses, [self._layer_pools(i) for i in range(n_layer)], geometry)
         self.step = step_abi.StepKernel(lib, self.structs, spec.C)
         self._ws = np.empty(0, np.float32)
 
     # --- what the server and the benchmark ask ---
 
+    def _layer_pools(self, layer: int) -> tuple[int, int, int | None, int | None]:
+        """Addresses of layer ``layer``'s K and V pools and (int8) their scales."""
+
+        def at(a: np.ndarray | None) -> int | None:
+            return None if a is None else a.ctypes.data + layer * a.strides[0]
+
+        return at(self.k), at(self.v), at(self.k_scale), at(self.v_scale)
+
     @property
     def kv_nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        """Bytes of the KV pool: K and V, and int8's scales."""
+        return sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
 
     def resident_weights(self) -> dict[str, int]:
         """Bytes of weights held, per format (``MixedForward.resident_weights`` of the model the image came from)."""
@@ -101,11 +121,13 @@ class NativeModel:
         return self.meta["flops"]["token"] + context * self.meta["flops"]["per_position"]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Block ``dst`` becomes a copy of block ``src``, K and V, every layer (``PagedKVCache.copy_block``)."""
+        """Block ``dst`` becomes a copy of block ``src``, K and V (and int8's scales), every layer
+        (``PagedKVCache.copy_block``)."""
         if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
             raise ValueError(f"blocks {src}, {dst} outside the pool of {self.num_blocks}")
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for pool in (self.k, self.v, self.k_scale, self.v_scale):
+            if pool is not None:
+                pool[:, dst] = pool[:, src]
 
     # --- a step ---
 

@@ -22,6 +22,8 @@ from engine import ChatTemplateError, FakeEngine, InferenceEngine
 from model_runner import ModelRunner
 from models.kernels import int_dot
 from models.kernels.build import kernel_isa, set_kernel_isa
+from models.kv_dtype import bytes_per_token as bytes_per_kv_token
+from models.kv_dtype import unavailable_reason as kv_dtype_unavailable
 from models.loading import ModelLoadError
 from models.native_memory import HeapTrimmer
 
@@ -64,6 +66,7 @@ class ModelEngine(InferenceEngine):
             config.max_prefill_tokens_while_decoding,
         )
         self.model_name = config.model_id
+        self.kv_cache_dtype = kv_cache_dtype(config)  # the pool's elements (what /metrics' kv_cache_info says)
         self.planner.kv_window = kv_window
         configure_speculation(self.planner, config)
         self._heap = HeapTrimmer()
@@ -300,6 +303,8 @@ class HFEngine(ModelEngine):
         set_kernel_isa(config.kernel_isa)
         int_dot.set_activations(config.activations)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            _check_kv_dtype(config)
         self.tokenizer, hf_model = load_checkpoint(config.model_id, config.weights)
         hf_config = hf_model.config
         supported = families()
@@ -314,9 +319,8 @@ class HFEngine(ModelEngine):
             kv_window = family.kv_window(hf_config)
         except ValueError as exc:  # a config option our forward does not implement
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
-        num_blocks = self._init_batching(
-            config, family.context_window(hf_config), stops, family.kv_bytes_per_token(hf_config), kv_window
-        )
+        bytes_per_token = family.kv_bytes_per_token(hf_config, kv_cache_dtype(config))
+        num_blocks = self._init_batching(config, family.context_window(hf_config), stops, bytes_per_token, kv_window)
         max_context, block_size = self.max_context, self.planner.blocks.block_size
         self.vocab_size = hf_config.vocab_size
         self.chat_template = config.chat_template_text() or getattr(self.tokenizer, "chat_template", None)
@@ -331,6 +335,7 @@ class HFEngine(ModelEngine):
                 num_blocks=num_blocks,
                 block_size=block_size,
                 weights=weights,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
@@ -342,13 +347,14 @@ class HFEngine(ModelEngine):
         self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
         memory = memory_mib()
         log.info(
-            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %d blocks x %d tokens = %d tokens, "
+            "loaded %s on %s: up to %d sequences of up to %d tokens; KV cache %s, %d blocks x %d tokens = %d tokens, "
             "%.1f MiB; weights resident, one copy each: %s (%.1f MiB); fp32 linears on %s, quantized kernels %s, "
             "%d threads; RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             self.device,
             self.capacity,
             max_context,
+            self.kv_cache_dtype,
             num_blocks,
             block_size,
             num_blocks * block_size,
@@ -394,14 +400,18 @@ class NativeEngine(ModelEngine):
         from models.native import NativeModel
         from text.tokenizer import TextTokenizer
 
+        _check_kv_dtype(config)
         image_dir = image_dir or ensure_image(config.model_id, config.weights)
         try:
             meta = check_image(image_dir)
             self.tokenizer = TextTokenizer.from_dir(os.path.join(image_dir, TOKENIZER_DIR))
+            kv = meta["kv"]
+            bytes_per_token = bytes_per_kv_token(kv_cache_dtype(config), kv["n_layer"], kv["n_kv_head"], kv["head_dim"])
             num_blocks = self._init_batching(
-                config, meta["context_window"], set(meta["eos_ids"]), meta["kv_bytes_per_token"], meta["kv_window"]
+                config, meta["context_window"], set(meta["eos_ids"]), bytes_per_token, meta["kv_window"]
             )
-            self.model = NativeModel(image_dir, num_blocks, self.planner.blocks.block_size, engine_threads(config))
+            block_size = self.planner.blocks.block_size
+            self.model = NativeModel(image_dir, num_blocks, block_size, engine_threads(config), self.kv_cache_dtype)
         except (ImageError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
         self.vocab_size = meta["vocab_size"]
@@ -410,13 +420,14 @@ class NativeEngine(ModelEngine):
         self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
         memory = memory_mib()
         log.info(
-            "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %d blocks x %d "
+            "loaded %s without torch (image %s): up to %d sequences of up to %d tokens; KV cache %s, %d blocks x %d "
             "tokens, %.1f MiB; weights resident (mapped), one copy each: %s (%.1f MiB); quantized kernels %s; "
             "%d threads (%s); RSS %.0f MiB (peak %.0f MiB)",
             config.model_id,
             image_dir,
             self.capacity,
             self.max_context,
+            self.kv_cache_dtype,
             num_blocks,
             self.planner.blocks.block_size,
             self.model.kv_nbytes / 2**20,
@@ -467,6 +478,13 @@ def _score_prompt(seq: Sequence, logits, start: int, end: int) -> None:
     stop = min(end, seq.prompt_len - 1)  # the last prompt position predicts the first output token
     predicted = seq.prompt_token_ids[start + 1 : stop + 1]
     seq.prompt_logprobs += logprobs(logits[: stop - start], predicted, seq.prompt_logprobs_k)
+
+
+def _check_kv_dtype(config: Config) -> None:
+    """KV_CACHE_DTYPE must be one this CPU runs (fp16 needs F16C): a one-line startup error otherwise."""
+    reason = kv_dtype_unavailable(kv_cache_dtype(config))
+    if reason:
+        raise ModelLoadError(reason)
 
 
 def kv_pool_blocks(config: Config, max_context: int, block_bytes: int) -> int:
@@ -588,14 +606,30 @@ def configure_speculation(planner, config: Config) -> None:
     planner.spec_adaptive = config.speculative_adaptive
 
 
+def quantized_weights(config: Config) -> bool:
+    """Whether the model's weights are served quantized: a GGUF at WEIGHTS=auto, or WEIGHTS=int8 / int4."""
+    from models.loading import is_gguf
+
+    return config.weights in ("int8", "int4") or (config.weights == "auto" and is_gguf(config.model_id))
+
+
+def kv_cache_dtype(config: Config) -> str:
+    """The KV pool's elements: KV_CACHE_DTYPE, or for ``auto`` fp32 beside fp32 weights (exact, as the parity gates
+    run) and ``AUTO_QUANTIZED_KV`` beside quantized ones (docs/kv-cache.md has the measurements behind it)."""
+    if config.kv_cache_dtype != "auto":
+        return config.kv_cache_dtype
+    return AUTO_QUANTIZED_KV if quantized_weights(config) else "fp32"
+
+
+AUTO_QUANTIZED_KV = "int8"  # KV_CACHE_DTYPE=auto beside quantized weights
+
+
 def uses_native_runtime(config: Config) -> bool:
     """RUNTIME=native, or RUNTIME=auto with quantized weights (a GGUF at WEIGHTS=auto, int8, int4) on the CPU
     where the whole-step kernel builds (else auto falls back to torch, and says why)."""
-    from models.loading import is_gguf
-
     if config.runtime != "auto":
         return config.runtime == "native"
-    quantized = config.weights in ("int8", "int4") or (config.weights == "auto" and is_gguf(config.model_id))
+    quantized = quantized_weights(config)
     if not quantized or config.device not in ("auto", "cpu"):
         return False
     from models.native import unavailable_reason

@@ -17,7 +17,10 @@
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
 prefill, against ours:fork=off); copy (one user pasting text to repeat or fix: speculative decoding, ours with
-n-gram drafts, against ours:spec=off and llama.cpp with and without its --spec-type). See scripts/bench/workloads.py.
+n-gram drafts, against ours:spec=off and llama.cpp with and without its --spec-type); long (8 x 1500-token prompts
++ 128 new), ctx4k and ctx8k (one user at that context: TTFT of the long prompt, inter-token latency there), scale-8k (the scale requests at 32 x 8192 tokens
+under KV_CACHE_MB=512) for the KV dtypes (issue 29, ``ours:kvd=int8`` ...; docs/kv-cache.md).
+See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, models/hf_baseline.py), ``hf_cb``
 (transformers' own continuous batching, ``generate_batch``), ``ours`` (HFEngine behind the
@@ -60,6 +63,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from scripts.bench import scale_model
+from scripts.bench.kv_quality import kv_quality_workload
 from scripts.bench.quality import quality_workload
 from scripts.bench.report import plot, report, summarize, write_json
 from scripts.bench.roofline import linear_kernel_rates, machine_peaks, overhead_and_roofline
@@ -77,6 +81,7 @@ from scripts.bench.workloads import CAPACITY_WORKLOADS, WORKLOADS, build_workloa
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("static_hf", "hf_cb", "ours")  # the default set
 QUICK_CAPACITIES = {"sweep": 2, "memory": 1}  # how many of a capacity workload's capacities --quick runs
+NOT_SERVING = ("quality", "kv-quality")  # workloads that score the model (bench/quality.py, bench/kv_quality.py)
 
 
 # --- worker and driver ---------------------------------------------------------------------------
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workload",
         default="seed",
-        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, "quality"]),
+        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, *NOT_SERVING]),
     )
     p.add_argument(
         "--systems",
@@ -418,10 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     print(note)
     print("machine:", machine)
     for w in workloads:
-        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, "quality"):
+        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, *NOT_SERVING):
             raise SystemExit(f"unknown workload {w!r}")
     quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
-    workloads = [w for w in workloads if w != "quality"]
+    kv_quality = kv_quality_workload(workloads, args.gguf or model_dir, ROOT, args.quick)  # bench/kv_quality.py
+    workloads = [w for w in workloads if w not in NOT_SERVING]
     for s in systems:
         parse_system(worker_tree(s)[0])
     jobs = []
@@ -455,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         header = {"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats, "quick": args.quick}
         header.update({"quality": quality} if quality else {})
+        header.update({"kv_quality": kv_quality} if kv_quality else {})
         write_json(args.json, results, **header)
         print(f"\nwrote {args.json}")
     if args.plot:

@@ -38,6 +38,23 @@ def _exact_activations():
         int_dot.AUTO_ROWS[kind].update(rows)
 
 
+SERVING_AUTO_KV = {}  # what KV_CACHE_DTYPE=auto gives quantized weights when served ("dtype"), saved by _exact_kv_pool
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _exact_kv_pool():
+    """Under KV_CACHE_DTYPE=auto the tests give quantized weights an fp32 pool (served, they get int8:
+    docs/kv-cache.md): the parity gates compare with HF token for token, which a narrower pool is not. The narrow
+    pools and the served default are tested where they are asked for (tests/test_kv_dtype.py); servers started by
+    ``live.ProcessServer`` get KV_CACHE_DTYPE=fp32 unless a test sets it."""
+    from models import runtime  # torch-free
+
+    SERVING_AUTO_KV["dtype"] = runtime.AUTO_QUANTIZED_KV
+    runtime.AUTO_QUANTIZED_KV = "fp32"
+    yield
+    runtime.AUTO_QUANTIZED_KV = SERVING_AUTO_KV["dtype"]
+
+
 def run(coro):
     """Run a coroutine to completion on a fresh event loop (no pytest-asyncio needed)."""
     return asyncio.run(coro)
@@ -95,7 +112,7 @@ def runtime_knobs(runtime: str) -> dict:
     if runtime == "torch":
         return {}
     need_native()
-    return {"weights": "int8", "runtime": "native"}
+    return {"weights": "int8", "runtime": "native", "kv_cache_dtype": "fp32"}  # auto would be int8: parity needs fp32
 
 
 RUNTIMES = ("torch", "native")  # parametrize a real-server test over both runtimes (``runtime_knobs``)
@@ -199,10 +216,12 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 # --- engines -----------------------------------------------------------------------------------------------
 def make_engine(model_id: str, capacity: int = 4, **config):
-    """An ``HFEngine`` on ``model_id`` with ``capacity`` slots and 2 threads; ``config``: other Config fields."""
+    """An ``HFEngine`` on ``model_id`` with ``capacity`` slots and 2 threads; ``config``: other Config fields (an fp32
+    KV pool unless they say otherwise: the parity gates' exact one, also beside quantized weights)."""
     from config import Config
     from models.runtime import HFEngine
 
+    config.setdefault("kv_cache_dtype", "fp32")
     return HFEngine(Config(model_id=model_id, max_batch_size=capacity, num_threads=2, **config))
 
 
@@ -468,11 +487,12 @@ def pressure_model(request, tmp_path_factory) -> str:
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_pool")), arch="llama", seed=2, tied=False)
 
 
-def pool_mb(model_dir: str, blocks: int, block_size: int) -> float:
-    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint."""
+def pool_mb(model_dir: str, blocks: int, block_size: int, kv_dtype: str = "fp32") -> float:
+    """KV_CACHE_MB that buys exactly ``blocks`` blocks of ``block_size`` tokens for this checkpoint (a pool of
+    ``kv_dtype`` elements)."""
     import transformers
 
     from models import families
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    return families()[cfg.model_type].kv_bytes_per_token(cfg) * block_size * blocks / 2**20
+    return families()[cfg.model_type].kv_bytes_per_token(cfg, kv_dtype) * block_size * blocks / 2**20

@@ -72,6 +72,7 @@ class ProcessServer:
         full_env = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
         full_env.update({"HOST": "127.0.0.1", "PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
         full_env["ACTIVATIONS"] = "fp32"  # the exact path, as in-process tests run it (conftest._exact_activations)
+        full_env["KV_CACHE_DTYPE"] = "fp32"  # the exact pool, as in-process tests run it (conftest._exact_kv_pool)
         full_env.update(env)
         self.log = tempfile.NamedTemporaryFile(prefix="minibatch-server-", suffix=".log", delete=False)
         command = [sys.executable, os.path.join(ROOT, "server.py")]

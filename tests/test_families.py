@@ -75,16 +75,17 @@ def family_ref(family) -> Reference:
 
 
 def engine_for(model_dir: str, runtime: str = "torch", blocks: int = POOL_BLOCKS, **config):
-    """An engine on ``runtime`` with a pool of ``blocks`` blocks of ``BLOCK`` tokens. The native runtime's model image
-    is written in this process (``image.write_image``, what the server's child process runs) into a directory of its
-    own, sparing each family a fresh interpreter that imports torch again."""
+    """An engine on ``runtime`` with a pool of ``blocks`` blocks of ``BLOCK`` tokens (of its KV_CACHE_DTYPE). The
+    native runtime's model image is written in this process (``image.write_image``, what the server's child process
+    runs) into a directory of its own, sparing each family a fresh interpreter that imports torch again."""
     from models.runtime import NativeEngine
 
     from conftest import pool_mb
 
     knobs = runtime_knobs(runtime) if runtime == "native" else {"runtime": "torch"}  # then WEIGHTS from config
     config = {"max_batch_size": 4, "num_threads": 1, "kv_block_size": BLOCK, **knobs, **config}
-    config = Config(model_id=model_dir, kv_cache_mb=pool_mb(model_dir, blocks, BLOCK), **config)
+    pool = pool_mb(model_dir, blocks, BLOCK, config.get("kv_cache_dtype", "fp32"))  # blocks of the pool's dtype
+    config = Config(model_id=model_dir, kv_cache_mb=pool, **config)
     if runtime != "native":
         return build_engine(config)
     from models.image import write_image

@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def engine_config(model_dir: str, weights: str, blocks: int = 64, **config) -> Config:
     base = {"max_batch_size": 4, "num_threads": 2, "kv_block_size": 4, "kv_cache_mb": pool_mb(model_dir, blocks, 4)}
+    base["kv_cache_dtype"] = "fp32"  # exact: KV_CACHE_DTYPE=auto would pick int8 beside these quantized weights
     return Config(model_id=model_dir, weights=weights, **{**base, **config})
 
 

@@ -64,14 +64,34 @@ def family_dir(request, tmp_path_factory) -> str:
     return build_checkpoint(str(tmp_path_factory.mktemp("llama_native")), arch="llama", seed=2, tied=False)
 
 
-class Pair:
-    """The torch model and the native runner over the same image, each with its own pools of NB x BS."""
+def pool_arrays(model) -> list[np.ndarray]:
+    """A model's K and V pools (and int8's scales) as numpy arrays of their raw elements (bf16 as its 16 bits)."""
+    if isinstance(model, NativeModel):
+        return [a for a in (model.k, model.v, model.k_scale, model.v_scale) if a is not None]
+    kv = model.kv
+    tensors = [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+    return [t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy() for t in tensors]
 
-    def __init__(self, model_dir: str, weights: str, out: str) -> None:
+
+def dequantized(arrays: list[np.ndarray], kv_dtype: str) -> list[np.ndarray]:
+    """``pool_arrays`` as fp32 values: K, V."""
+    k, v = arrays[:2]
+    if kv_dtype == "bf16":
+        return [(a.astype(np.int32) << 16).view(np.float32) for a in (k, v)]
+    if kv_dtype == "int8":
+        return [k * arrays[2][..., None], v * arrays[3][..., None]]
+    return [k.astype(np.float32), v.astype(np.float32)]
+
+
+class Pair:
+    """The torch model and the native runner over the same image, each with its own pools of NB x BS (elements
+    ``kv_dtype``)."""
+
+    def __init__(self, model_dir: str, weights: str, out: str, kv_dtype: str = "fp32") -> None:
         image.write_image(model_dir, weights, out)  # in-process: the child build is tested once, below
-        self.image_dir = out
-        self.tm = image.build_model(model_dir, weights, num_blocks=NB, block_size=BS)[3]
-        self.nm = NativeModel(out, NB, BS, threads=2)
+        self.image_dir, self.kv_dtype = out, kv_dtype
+        self.tm = image.build_model(model_dir, weights, num_blocks=NB, block_size=BS, kv_cache_dtype=kv_dtype)[3]
+        self.nm = NativeModel(out, NB, BS, threads=2, kv_cache_dtype=kv_dtype)
         self.exact = 0  # steps compared bit for bit (the torch model took its one-call path)
         torch.set_num_threads(2)
 
@@ -82,19 +102,23 @@ class Pair:
         one_call = self.tm._takes_fused_step(len(args[0]), prompts)
         want = self.tm.forward(*args, **kwargs).numpy()
         got = self.nm.forward(*args, **kwargs)
-        k, v = self.tm.kv.k.numpy(), self.tm.kv.v.numpy()
+        mine, theirs = pool_arrays(self.nm), pool_arrays(self.tm)
         assert got.shape == want.shape and got.dtype == np.float32
         if one_call:
             self.exact += 1
             assert np.array_equal(got, want)
-            assert np.array_equal(self.nm.k, k) and np.array_equal(self.nm.v, v)
+            assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
         else:
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+            # fp32 K/V within float tolerance; a narrower element may round the other way (int8: by one step), and
+            # so move the logits by more
+            logits_tol = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 3e-3, "int8": 3e-3}[self.kv_dtype]
+            np.testing.assert_allclose(got, want, rtol=logits_tol, atol=logits_tol)
             assert (got.argmax(-1) == want.argmax(-1)).all()
-            np.testing.assert_allclose(self.nm.k, k, rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(self.nm.v, v, rtol=1e-5, atol=1e-5)
-            self.tm.kv.k.copy_(torch.from_numpy(self.nm.k))  # the same state again for the next step
-            self.tm.kv.v.copy_(torch.from_numpy(self.nm.v))
+            tol = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1e-2, "int8": 2e-2}[self.kv_dtype]
+            for a, b in zip(dequantized(mine, self.kv_dtype), dequantized(theirs, self.kv_dtype)):
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+            for a, b in zip(mine, theirs):  # the same state again for the next step
+                b[...] = a
         return want, got
 
 
@@ -102,6 +126,19 @@ class Pair:
 def pair(request, family_dir, cache_root, tmp_path_factory) -> Pair:
     before = torch.get_num_threads()
     yield Pair(family_dir, request.param, str(tmp_path_factory.mktemp(f"image_{request.param}")))
+    torch.set_num_threads(before)
+
+
+# Narrower KV pools (KV_CACHE_DTYPE), each with a weights format: the 16-row calls of fp32 linears, the 128 of the
+# quantized ones.
+KV_PAIRS = [("int8", "fp16"), ("fp32", "bf16"), ("int4", "int8")]
+
+
+@pytest.fixture(scope="module", params=KV_PAIRS, ids=[f"{w}-kv{d}" for w, d in KV_PAIRS])
+def kv_pair(request, family_dir, cache_root, tmp_path_factory) -> Pair:
+    weights, kv_dtype = request.param
+    before = torch.get_num_threads()
+    yield Pair(family_dir, weights, str(tmp_path_factory.mktemp(f"image_{weights}_kv{kv_dtype}")), kv_dtype)
     torch.set_num_threads(before)
 
 
@@ -140,6 +177,17 @@ def test_mixed_steps_match_the_torch_model(pair):
     """Prefill chunks from 0 and mid-sequence, ending mid-block and on block boundaries, every-position chunks,
     decode rows riding with them; then a chunk longer than max_rows riding with decode rows (split over calls),
     and the same sequence's next chunk, from mid-sequence, split again."""
+    mixed_steps(pair)
+
+
+@pytest.mark.model
+def test_mixed_steps_match_the_torch_model_with_narrower_kv(kv_pair):
+    """The same steps over fp16, bf16 and int8 pools: the two runtimes store and read the same elements (bit for
+    bit on one-call steps)."""
+    mixed_steps(kv_pair)
+
+
+def mixed_steps(pair: Pair) -> None:
     m = pair.nm.max_rows
     long = m + 37  # a chunk of more rows than one call takes
     seqs = Sequences(7, [6, 8, 13, 16, 11, 9, 2 * long + 5, 12, 3])
@@ -225,19 +273,46 @@ def test_avx512_and_avx2_steps_give_the_same_bits(family_dir, cache_root, tmp_pa
 
 @pytest.mark.model
 def test_copy_block(pair):
+    copy_block(pair)
+
+
+@pytest.mark.model
+def test_copy_block_with_narrower_kv(kv_pair):
+    copy_block(kv_pair)
+
+
+def copy_block(pair: Pair) -> None:
+    """Both runtimes' copy_block: every array of the pool (int8's scales too), the same bytes."""
     seqs = Sequences(5, [10])
     pair.both([], [], [], **seqs.chunks([(0, 0, 10)]))
     src, dst = seqs.tables[0][1], seqs.tables[0][2]
     pair.nm.copy_block(src, dst)
     pair.tm.kv.copy_block(src, dst)
-    assert np.array_equal(pair.nm.k, pair.tm.kv.k.numpy()) and np.array_equal(pair.nm.v, pair.tm.kv.v.numpy())
-    assert np.array_equal(pair.nm.k[:, dst], pair.nm.k[:, src])
+    mine, theirs = pool_arrays(pair.nm), pool_arrays(pair.tm)
+    assert len(mine) == (4 if pair.kv_dtype == "int8" else 2)
+    for a, b in zip(mine, theirs):
+        assert np.array_equal(a, b) and np.array_equal(a[:, dst], a[:, src]) and np.any(a[:, src])
     with pytest.raises(ValueError, match="outside the pool"):
         pair.nm.copy_block(0, NB)
 
 
 @pytest.mark.model
 def test_what_the_runner_reports(pair):
+    what_the_runner_reports(pair)
+
+
+@pytest.mark.model
+def test_what_the_runner_reports_with_narrower_kv(kv_pair):
+    """The pool's bytes by dtype: fp16 / bf16 half of fp32's, int8 a quarter plus a 4-byte scale per token and
+    head."""
+    nm = kv_pair.nm
+    what_the_runner_reports(kv_pair)
+    n_layer, KVH, D = (nm.meta["kv"][k] for k in ("n_layer", "n_kv_head", "head_dim"))
+    per_token = {"fp16": 2 * D, "bf16": 2 * D, "int8": D + 4}[kv_pair.kv_dtype] * 2 * n_layer * KVH
+    assert nm.kv_bytes_per_token == per_token == kv_pair.tm.kv.bytes_per_block(n_layer, 1, KVH, D, kv_pair.kv_dtype)
+
+
+def what_the_runner_reports(pair: Pair) -> None:
     nm, tm = pair.nm, pair.tm
     assert nm.n_vocab == tm.lm_head.out_features and nm.max_rows == tm.fused_step.max_rows
     assert nm.kv_nbytes == tm.kv.nbytes

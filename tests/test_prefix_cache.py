@@ -228,7 +228,7 @@ def hf_engine(model_dir: str, blocks: int = 64, **config):
     from config import Config
     from models.runtime import HFEngine
 
-    config = {"max_batch_size": 4, "num_threads": 2, "kv_block_size": 4, **config}
+    config = {"max_batch_size": 4, "num_threads": 2, "kv_block_size": 4, "kv_cache_dtype": "fp32", **config}
     return HFEngine(Config(model_id=model_dir, kv_cache_mb=pool_mb(model_dir, blocks, 4), **config))
 
 

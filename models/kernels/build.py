@@ -24,7 +24,7 @@ from ..cache_dir import cache_subdir
 
 KERNEL_ISAS = ("auto", "avx2")  # config.KERNEL_ISA: "auto" = AVX-512 where the CPU has it
 _isa_choice = "auto"
-_isa_libs: list[ctypes.CDLL] = []  # loaded kernels that have AVX-512 paths (``kernel_isa`` in their source)
+_isa_libs: list = []  # the loaded kernels that have AVX-512 paths (``with_isa``: their ISA_SWITCHES)
 
 
 def kernel_dir() -> str:
@@ -171,9 +171,11 @@ class KernelLoader:
 
 def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Register a kernel with AVX-512 paths (quant_gemm.c's library, and decode_step.c linked against it; int_dot.c's
-    integer path) and apply the chosen instruction set to it. quant_gemm's AVX2 and AVX-512 paths give the same bits
-    (quant_gemm.c), and so do int_dot's (int_dot.c), so the choice changes speed only."""
-    for name in ("kernel_isa", "int_dot_isa"):
+    integer path; paged_attention.c's ``attention_isa``, in its own library and in decode_step.c's, which includes
+    it) and apply the chosen instruction set to it. quant_gemm's AVX2 and AVX-512 paths give the same bits
+    (quant_gemm.c), and so do int_dot's (int_dot.c) and paged attention's (paged_attention.c), so the choice changes
+    speed only."""
+    for name in ISA_SWITCHES:
         if hasattr(lib, name):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = [ctypes.c_int]
@@ -182,6 +184,7 @@ def with_isa(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+ISA_SWITCHES = ("kernel_isa", "attention_isa", "int_dot_isa")
 _isa_hooks: list[Callable[[], None]] = []  # called after set_kernel_isa (int_dot: ACTIVATIONS=auto follows the ISA)
 
 
@@ -190,8 +193,9 @@ def on_isa_change(hook: Callable[[], None]) -> None:
 
 
 def _apply_isa(lib: ctypes.CDLL) -> None:
-    if hasattr(lib, "kernel_isa"):
-        lib.kernel_isa(1 if _isa_choice == "auto" else 0)  # 1: AVX-512 where the CPU has it (the kernel checks)
+    for name in ("kernel_isa", "attention_isa"):  # 1: AVX-512 where the CPU has it (the kernel checks)
+        if hasattr(lib, name):
+            getattr(lib, name)(1 if _isa_choice == "auto" else 0)
     if hasattr(lib, "int_dot_isa"):
         lib.int_dot_isa(2 if _isa_choice == "auto" else 0)  # 2: the best VNNI path the CPU has; 0: AVX2 maddubs
 
@@ -212,7 +216,8 @@ def set_kernel_isa(choice: str) -> None:
 def kernel_isa() -> str:
     """What the quantized kernels run: "avx512" when they take their AVX-512 paths, else "avx2" (before any
     kernel loads: what they will run)."""
-    libs = [lib for lib in _isa_libs if hasattr(lib, "kernel_isa")]
+    libs = [lib for lib in _isa_libs if hasattr(lib, "kernel_isa") or hasattr(lib, "attention_isa")]
     if libs:
-        return "avx512" if libs[-1].kernel_isa(-1) else "avx2"
+        switch = getattr(libs[-1], "kernel_isa", None) or libs[-1].attention_isa
+        return "avx512" if switch(-1) else "avx2"
     return "avx512" if _isa_choice == "auto" and has_avx512() else "avx2"

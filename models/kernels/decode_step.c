@@ -72,8 +72,9 @@ typedef struct {
 typedef struct {
     const float *norm1_w, *norm1_b, *norm2_w, *norm2_b; /* the *_b NULL: RMSNorm, else LayerNorm; a *_w NULL: none */
     Lin qkv, o, up, down;                               /* up / down unused when moe is set */
-    float *k_pool, *v_pool; /* this layer's pools, [num_blocks, block_size, KVH, D] with the model's strides */
-    float scale;            /* attention scale */
+    void *k_pool, *v_pool;    /* this layer's pools, [num_blocks, block_size, KVH, D] with the model's strides */
+    float *k_scale, *v_scale; /* KV_INT8: their scales (paged_attention.c's KVPool), else NULL */
+    float scale;              /* attention scale */
     const float *post1_w, *post2_w; /* RMSNorm of the attention / MLP output before its residual add, or NULL */
     const float *q_norm, *k_norm;   /* q/k RMSNorm weights: [D] per head, or over the projection (qk_full), or NULL */
     int qk_full;
@@ -90,7 +91,8 @@ typedef struct {
 typedef struct {
     int act;                                         /* ACT_* */
     int n_layer, C, H, KVH, D, R, block_size;        /* R: rotary dims of each head (the first R of D) */
-    long block_stride, token_stride, head_stride;    /* pool strides in floats (D unit stride) */
+    long block_stride, token_stride, head_stride;    /* pool strides in elements (D unit stride) */
+    int kv_dtype;                                    /* the pools' elements: KV_FP32 .. KV_INT8 (paged_attention.c) */
     float eps;
     float embed_scale, residual_scale, logits_divisor, final_softcap, clip_qkv; /* 1, 1, 1, 0, 0: none */
     const float *normf_w, *normf_b;
@@ -284,6 +286,13 @@ static const float *norm(const Model *m, const Buffers *buf, const float *w, con
     return buf->xn;
 }
 
+/* This layer's pools as paged_attention.c reads them. */
+static KVPool layer_pool(const Model *m, const Layer *L) {
+    KVPool p = {L->k_pool, L->v_pool, L->k_scale, L->v_scale, m->block_stride, m->token_stride, m->head_stride,
+                m->kv_dtype, m->block_size, m->KVH, m->D};
+    return p;
+}
+
 /* One attention item: row b, KV head kvh (its G query heads), tokens [t0, t1) of partition part. */
 static void attend_item(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int t, int b, int kvh,
                         int part) {
@@ -296,9 +305,8 @@ static void attend_item(const Model *m, const Layer *L, const Step *s, const Buf
     Scratch w = scratch_at(buf->priv + t * buf->priv_floats + buf->scratch_at, G, D);
     rope_queries(row, c, sn, w.acc, R, D, h0, h0 + G); /* acc as the rotated queries' buffer, zeroed by attend_row */
     for (long i = 0; i < (long)G * D; i++) w.qs[i] = w.acc[i] * L->scale;
-    attend_row(&w, L->k_pool + kvh * m->head_stride, L->v_pool + kvh * m->head_stride, m->block_stride,
-               m->token_stride, m->head_stride, table_of(s, b), m->block_size, t0, t1,
-               window_first(ctx, L->window), L->softcap, G, 1, D);
+    const KVPool pool = layer_pool(m, L);
+    attend_row(&w, &pool, table_of(s, b), t0, t1, window_first(ctx, L->window), L->softcap, kvh, kvh + 1, G);
     if (s->max_parts == 1) {
         finish_heads(&w, G, D, buf->att + ((long)b * H + h0) * D);
     } else {
@@ -307,13 +315,14 @@ static void attend_item(const Model *m, const Layer *L, const Step *s, const Buf
     }
 }
 
-/* Row b's new k (rotated) and v of KV heads [h0, h1) into their slot. */
+/* Row b's new k (rotated) and v of KV heads [h0, h1) into their slot, in the pools' dtype. */
 static void write_row(const Model *m, const Layer *L, const Step *s, const Buffers *buf, int b, int h0, int h1) {
     const int H = m->H, KVH = m->KVH, D = m->D, R = m->R;
     const float *row = buf->qkv + (long)b * (H + 2 * KVH) * D;
     const float *c = L->cos ? L->cos + s->pos[b] * R : 0, *sn = L->sin ? L->sin + s->pos[b] * R : 0;
     const long slot = s->slot_blocks[b] * m->block_stride + s->slot_offsets[b] * m->token_stride;
-    write_kv(row, c, sn, L->k_pool + slot, L->v_pool + slot, m->head_stride, H, KVH, R, D, h0, h1);
+    const KVPool pool = layer_pool(m, L);
+    write_kv(row, c, sn, &pool, slot, H, R, h0, h1);
 }
 
 /* RoPE + K/V write, then attention over every row's blocks -> buf->att [B, H D]. Ends after a barrier.
@@ -518,7 +527,7 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
                 int write_first, const long *sample_rows, int n_sample, float *logits, float *ws, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     Step s = {B, pos, slot_blocks, slot_offsets, block_tables, row_table, table_stride, write_first, 1, 0, 0, 0, 0};
-    s.part_tokens = part_tokens_for(m->block_size);
+    s.part_tokens = part_tokens_for(m->block_size, 0);
     for (int b = 0; b < B; b++) {
         const int parts = (context_of(&s, b) + s.part_tokens - 1) / s.part_tokens;
         s.max_parts = parts > s.max_parts ? parts : s.max_parts;

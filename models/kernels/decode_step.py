@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import quant_gemm, small_gemm, step_abi
+from . import paged_attention, quant_gemm, small_gemm, step_abi
 from .step_abi import FP32, KERNEL, PANELS, load
 
 __all__ = ["FP32", "KERNEL", "PANELS", "QUANT_MAX_ROWS", "StepPlan", "layer_spec", "lin", "load"]
@@ -43,6 +43,12 @@ QUANT_MAX_ROWS = 128  # rows (decode + prompt-chunk tokens) a step of quantized 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _pool_addresses(k_pool: torch.Tensor, v_pool: torch.Tensor, scales) -> tuple:
+    """One layer's (k, v, k_scale, v_scale) addresses for ``step_abi.Structs`` (the scales None but for int8)."""
+    ks, vs = (scales[0].data_ptr(), scales[1].data_ptr()) if scales is not None else (None, None)
+    return k_pool.data_ptr(), v_pool.data_ptr(), ks, vs
 
 
 def lin(linear) -> step_abi.LinSpec | None:
@@ -76,10 +82,11 @@ class StepPlan:
     """One model described to the kernel; ``plan(batch)`` runs a step -> logits.
 
     embed: (token table: fp32 [V, C], panels or a ``QuantWeight``, learned positions [P, C] or None); layers: per layer
-    a ``layer_spec``; pools: per layer the ``PagedKVCache.pools`` views; rope: the (cos, sin) tables [max_len, 1, R]
-    (None: no rotation); ``model``: ``step_abi.ModelSpec``'s scalar fields beyond the dims (embed_scale, ...).
-    ``spec`` is the model as the kernel reads it, its buffers the tensors themselves (what a model image writes); it
-    and ``_pools`` hold every tensor the structs point at (the model holds them too), so the pointers stay valid.
+    a ``layer_spec``; pools: per layer the ``PagedKVCache.pools`` views (k_pool, v_pool, int8's scales or None);
+    rope: the (cos, sin) tables [max_len, 1, R] (None: no rotation); ``model``: ``step_abi.ModelSpec``'s scalar fields
+    beyond the dims (embed_scale, ...). ``spec`` is the model as the kernel reads it, its buffers the tensors
+    themselves (what a model image writes); it and ``_pools`` hold every tensor the structs point at (the model holds
+    them too), so the pointers stay valid.
     """
 
     def __init__(
@@ -100,11 +107,13 @@ class StepPlan:
             R=cos.shape[-1] if cos is not None else 0,
             **model,
         )
-        self._pools = pools
+        self._pools = pools  # (k_pool, v_pool, int8 scales or None) per layer
         k_pool = self._pools[0][0]
-        geometry = step_abi.PoolGeometry(k_pool.shape[1], k_pool.stride(0), k_pool.stride(1), k_pool.stride(2))
+        geometry = step_abi.PoolGeometry(
+            k_pool.shape[1], *k_pool.stride()[:3], paged_attention.DTYPE_CODES[k_pool.dtype]
+        )
         addresses = step_abi.map_buffers(self.spec, lambda _, t: t.data_ptr())
-        self.structs = step_abi.Structs(addresses, [(kp.data_ptr(), vp.data_ptr()) for kp, vp in self._pools], geometry)
+        self.structs = step_abi.Structs(addresses, [_pool_addresses(*p) for p in self._pools], geometry)
         self.step = step_abi.StepKernel(self.kernel, self.structs, dims["C"])
         # fp32 panels stay within small_gemm's row limit (panel_gemm wins above it); quantized linears go further.
         fp32 = any(p.fmt == FP32 for x in self.spec.linears() for p in x.parts)

@@ -58,7 +58,7 @@ class Layer(ctypes.Structure):
     _fields_ = [
         *(("norm1_w", _P), ("norm1_b", _P), ("norm2_w", _P), ("norm2_b", _P)),
         *(("qkv", Lin), ("o", Lin), ("up", Lin), ("down", Lin)),
-        *(("k_pool", _P), ("v_pool", _P), ("scale", _F)),
+        *(("k_pool", _P), ("v_pool", _P), ("k_scale", _P), ("v_scale", _P), ("scale", _F)),
         *(("post1_w", _P), ("post2_w", _P), ("q_norm", _P), ("k_norm", _P), ("qk_full", _I)),
         *(("cos", _P), ("sin", _P), ("window", _I), ("softcap", _F), ("moe", _P)),
     ]
@@ -67,7 +67,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [
         *(("act", _I), ("n_layer", _I), ("C", _I), ("H", _I), ("KVH", _I), ("D", _I), ("R", _I), ("block_size", _I)),
-        *(("block_stride", _L), ("token_stride", _L), ("head_stride", _L), ("eps", _F)),
+        *(("block_stride", _L), ("token_stride", _L), ("head_stride", _L), ("kv_dtype", _I), ("eps", _F)),
         *(("embed_scale", _F), ("residual_scale", _F), ("logits_divisor", _F), ("final_softcap", _F)),
         ("clip_qkv", _F),
         *(("normf_w", _P), ("normf_b", _P), ("lm_head", Lin), ("layers", _P)),
@@ -283,13 +283,16 @@ def spec_from_json(d: dict) -> ModelSpec:
 
 @dataclass(frozen=True)
 class PoolGeometry:
-    """The KV pools' layout, every layer's the same: [num_blocks, block_size, KVH, D] with these strides (floats;
-    D has unit stride). ``PagedKVCache.pools``: head-major blocks, so head_stride = block_size * D."""
+    """The KV pools' layout, every layer's the same: [num_blocks, block_size, KVH, D] with these strides (elements;
+    D has unit stride) of elements ``dtype`` (``models/kv_dtype.CODES``: 0 fp32 .. 3 int8, whose scales
+    [num_blocks, block_size, KVH] have the strides divided by D). ``PagedKVCache.pools``: head-major blocks, so
+    head_stride = block_size * D."""
 
     block_size: int
     block_stride: int
     token_stride: int
     head_stride: int
+    dtype: int = 0
 
 
 def _lin(x: LinSpec | None) -> Lin:
@@ -300,11 +303,11 @@ def _lin(x: LinSpec | None) -> Lin:
 
 
 class Structs:
-    """A spec whose handles are addresses (ints) and each layer's (k_pool, v_pool) addresses -> the kernel's
-    ``Model`` (``ref`` for the call) and the ``Layer`` array it points at (and each MoE layer's ``Moe`` and expert
-    ``Lin`` arrays). The addressed memory must outlive this."""
+    """A spec whose handles are addresses (ints) and each layer's (k_pool, v_pool, k_scale, v_scale) addresses (the
+    scales None but for an int8 pool) -> the kernel's ``Model`` (``ref`` for the call) and the ``Layer`` array it
+    points at (and each MoE layer's ``Moe`` and expert ``Lin`` arrays). The addressed memory must outlive this."""
 
-    def __init__(self, spec: ModelSpec, pools: list[tuple[int, int]], geometry: PoolGeometry) -> None:
+    def __init__(self, spec: ModelSpec, pools: list[tuple], geometry: PoolGeometry) -> None:
         if len(pools) != len(spec.layers):
             raise ValueError(f"{len(pools)} KV pools for {len(spec.layers)} layers")
         self._keep: list = []  # the MoE structs and expert arrays the layers point at
@@ -312,17 +315,17 @@ class Structs:
             Layer(
                 *(x.norm1_w, x.norm1_b, x.norm2_w, x.norm2_b),
                 *(_lin(getattr(x, k)) for k in ("qkv", "o", "up", "down")),
-                *(k_pool, v_pool, x.scale),
+                *(k_pool, v_pool, k_scale, v_scale, x.scale),
                 *(x.post1_w, x.post2_w, x.q_norm, x.k_norm, int(x.qk_full)),
                 *(x.cos, x.sin, x.window, x.softcap, self._moe(x.moe)),
             )
-            for x, (k_pool, v_pool) in zip(spec.layers, pools)
+            for x, (k_pool, v_pool, k_scale, v_scale) in zip(spec.layers, pools)
         ]
         self.layers = (Layer * len(layers))(*layers)
         g = geometry
         self.model = Model(
             *(spec.act, len(layers), spec.C, spec.H, spec.KVH, spec.D, spec.R or spec.D, g.block_size),
-            *(g.block_stride, g.token_stride, g.head_stride, spec.eps),
+            *(g.block_stride, g.token_stride, g.head_stride, g.dtype, spec.eps),
             *(spec.embed_scale, spec.residual_scale, spec.logits_divisor, spec.final_softcap, spec.clip_qkv),
             *(spec.normf_w, spec.normf_b, _lin(spec.lm_head)),
             ctypes.cast(self.layers, _P),

@@ -247,6 +247,7 @@ OURS_OPTIONS = {
     "kv": "KV_CACHE_MB",
     "runtime": "RUNTIME",
     "isa": "KERNEL_ISA",
+    "kvd": "KV_CACHE_DTYPE",
     "act": "ACTIVATIONS",
     "spec": "SPECULATIVE_METHOD",
     "k": "NUM_SPECULATIVE_TOKENS",
@@ -359,6 +360,8 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         "max_model_len": engine.max_context,
         "max_num_batched_tokens": engine.planner.max_num_batched_tokens,
         "kv_pool_mib": round(engine.kv_pool_bytes / 2**20, 1),
+        "kv_cache_dtype": getattr(engine, "kv_cache_dtype", "fp32"),
+        "kv_pool_tokens": engine.blocks.num_blocks * engine.blocks.block_size,
         "kv_blocks": engine.blocks.num_blocks,
         "kv_block_size": engine.blocks.block_size,
         # the pre-pool design: every slot reserved MAX_MODEL_LEN tokens up front
@@ -373,6 +376,7 @@ def system_llamacpp(
     gguf: str = "",
     cache: str = "off",
     repack: str = "auto",
+    kvd: str = "",
     spec: str = "",
     n: str = "",
     m: str = "",
@@ -385,7 +389,9 @@ def system_llamacpp(
     while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up). ``spec``: its
     ``--spec-type`` (``ngram-simple``, ``ngram-map-k``, ``ngram-mod`` ...), ``n`` / ``m`` that type's lookup and
     draft lengths (``--spec-ngram-<type>-size-n`` / ``-size-m``; ``ngram-mod``: ``--spec-ngram-mod-n-match`` /
-    ``-n-max``); its drafts and accepted drafts per run come from each answer's ``timings``."""
+    ``-n-max``); its drafts and accepted drafts per run come from each answer's ``timings``.
+    ``kvd``: its KV cache type for K and V (``-ctk`` / ``-ctv``: f16 by default, q8_0 ...; its flash attention,
+    on by default here, reads a quantized V)."""
     import httpx
     import torch
 
@@ -422,6 +428,8 @@ def system_llamacpp(
         for name, value in zip(names, (n, m)):
             if value:
                 cmd += [f"--spec-ngram-{kind}-{name}", value]
+    if kvd:
+        cmd += ["-ctk", kvd, "-ctv", kvd]
     log_path = _log_path(f"llamacpp-{port}.log")
     drafts = {"spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0}
     proc, log_file, repacked = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, repack)
@@ -472,6 +480,7 @@ def system_llamacpp(
         + ("" if repacked else ", --no-repack")
         + (f", {' '.join(cmd[cmd.index('--spec-type') :])}" if spec else ""),
         "capacity": capacity,
+        "kv_cache_type": kvd or "f16 (default)",
         "cache_prompt": cache == "on",
         "repack": repacked,
     }
@@ -625,7 +634,7 @@ def parse_system(name: str) -> tuple[str, dict]:
     allowed = {
         "ours": {"weights", "fork", *OURS_OPTIONS},
         "ours_server": {"weights", *OURS_OPTIONS},
-        "llamacpp": {"cache", "spec", "n", "m"},
+        "llamacpp": {"cache", "kvd", "spec", "n", "m"},
         "static_hf": {"device", "dtype"},
         "hf_cb": {"device", "dtype"},
     }.get(base, set())
@@ -642,6 +651,8 @@ def parse_system(name: str) -> tuple[str, dict]:
             "ours:runtime=torch|native (RUNTIME), ours:device=cuda (DEVICE), ours:spec=off|ngram "
             "(SPECULATIVE_METHOD), ours:k=N (NUM_SPECULATIVE_TOKENS), ours_server: as ours but fork; "
             "llamacpp:cache=on, llamacpp:spec=ngram-simple|ngram-map-k|ngram-mod...[:n=N][:m=M]; "
+            "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours:device=cuda "
+            "(DEVICE), ours_server: as ours but fork; llamacpp:cache=on, llamacpp:kvd=f16|q8_0 (-ctk / -ctv); "
             "static_hf and hf_cb: device=cuda, dtype=fp32|bf16|fp16)"
         )
     return base, kwargs

@@ -274,6 +274,35 @@ def copy_workload(tok, seed: int, quick: bool) -> Workload:
     return Workload(reqs, 1, ours_env={"SPECULATIVE_METHOD": "ngram"})
 
 
+def long_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 29: 8 requests at t0, each its own 1500-token prompt and 128 new tokens (quick: 150 + 16): prefill
+    and decode both read long contexts, and the KV pool is most of the memory (llama.cpp gets the same context
+    per slot, its default f16 KV)."""
+    rng = random.Random(seed)
+    prompt, new = (150, 16) if quick else (1500, 128)
+    return Workload([Request(_window(tok, rng, prompt), new) for _ in range(8)], 8)
+
+
+def context_workload(tok, seed: int, quick: bool, context: int) -> Workload:
+    """Issue 29: one user at a long context, two requests in turn, each a prompt of its own that fills the context
+    but for its 64 new tokens (quick: a 256-token context, 8 new): TTFT is the long prompt's prefill, the
+    inter-token latency a decode step at that context."""
+    rng = random.Random(seed)
+    context, new = (256, 8) if quick else (context, 64)
+    prompt = context - new - 8
+    reqs = [Request(_window(tok, rng, prompt), new, after=i - 1 if i else None) for i in range(2)]
+    return Workload(reqs, 1, ours_env={"MAX_MODEL_LEN": str(context)}, slot_context=context)
+
+
+def scale_8k_workload(tok, seed: int, quick: bool) -> Workload:
+    """Issue 29: the scale workload's requests (128 at t0, prompts 16-256, budgets 16-128; quick: 32) at 32 slots
+    of 8192 tokens each under a 512 MiB pool: every token delivered while the pool holds what its dtype buys
+    (fp16 2x, int8 ~3.8x fp32's tokens). ours and llama.cpp (which reserves 32 x 8192 tokens of f16 up front)."""
+    base = scale_workload(tok, seed, quick)
+    env = {"MAX_MODEL_LEN": "8192", "KV_CACHE_MB": "512"}
+    return Workload(base.requests, 32, ours_env=env, slot_context=8192, only=("ours", "ours_server", "llamacpp"))
+
+
 WORKLOADS = {
     "seed": seed_workload,
     "scale": scale_workload,
@@ -283,6 +312,10 @@ WORKLOADS = {
     "multi-turn": multi_turn_workload,
     "n-choices": n_choices_workload,
     "copy": copy_workload,
+    "long": long_workload,
+    "ctx4k": lambda tok, seed, quick: context_workload(tok, seed, quick, 4096),
+    "ctx8k": lambda tok, seed, quick: context_workload(tok, seed, quick, 8192),
+    "scale-8k": scale_8k_workload,
 }
 
 
