@@ -19,7 +19,8 @@ Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (th
 prefill, against ours:fork=off); copy (one user pasting text to repeat or fix: speculative decoding, ours with
 n-gram drafts, against ours:spec=off and llama.cpp with and without its --spec-type); long (8 x 1500-token prompts
 + 128 new), ctx4k and ctx8k (one user at that context: TTFT of the long prompt, inter-token latency there),
-scale-8k (the scale requests at 32 x 8192 tokens under KV_CACHE_MB=512) for the KV dtypes (issue 29, ``ours:kvd=int8`` ...; docs/kv-cache.md).
+scale-8k (the scale requests at 32 x 8192 tokens under KV_CACHE_MB=512) for the KV dtypes (issue 29,
+``ours:kvd=int8`` ...; docs/kv-cache.md).
 See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, models/hf_baseline.py), ``hf_cb``
