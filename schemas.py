@@ -431,7 +431,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    code: str | None = None  # OpenAI's: a string naming the error, or null (api.errors.error_code)
 
 
 class ErrorResponse(BaseModel):
