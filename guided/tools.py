@@ -92,7 +92,7 @@ def _checked_call(call: Any, names: list[str]) -> dict | None:
     are not an object."""
     if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict)):
         return None
-    return _call(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+    return _call(call["name"], json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":")))
 
 
 class ToolFormat:
