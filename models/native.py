@@ -91,6 +91,7 @@ class NativeModel:
         )
         self.structs = step_abi.Structs(addresses, [self._layer_pools(i) for i in range(n_layer)], geometry)
         self.step = step_abi.StepKernel(lib, self.structs, spec.C)
+        self.n_embd = spec.C  # the model's width: a final hidden state's size
         self._ws = np.empty(0, np.float32)
 
     # --- what the server and the benchmark ask ---
@@ -140,22 +141,26 @@ class NativeModel:
         prompt_tables: list[list[int]] = (),
         prompt_starts: list[int] | None = None,
         every_position: list[bool] = (),
-    ) -> np.ndarray:
+        hidden: list[bool] = (),
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """``MixedForward.forward``'s contract: decode B tokens (token_ids[b] at positions[b], block table
         tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block
         table prompt_tables[i]; every table covers its tokens' positions).
 
         Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
-        with ``every_position[i]`` set has all its positions there instead, in order. Every row's K/V is written.
-        Raises ValueError for arguments that do not fit the pools, tables or context window.
+        with ``every_position[i]`` set has all its positions there instead, in order. A chunk with ``hidden[i]``
+        set has no logits rows; its final hidden states (after the final norm) at every position come in a second
+        array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. Every row's K/V is
+        written. Raises ValueError for arguments that do not fit the pools, tables or context window.
         """
         rows = _StepRows.build(
-            self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position
+            self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden
         )
         logits = np.empty((rows.n_sample, self.n_vocab), np.float32)
+        states = None if rows.hidden is None else np.empty((len(rows.hidden), self.n_embd), np.float32)
         for r0 in range(0, rows.n, self.max_rows):
-            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits)
-        return logits
+            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits, states)
+        return logits if states is None else (logits, states)
 
     def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
         """Whole prompts into their blocks -> each prompt's last-position logits [len(prompts), V]."""
@@ -172,8 +177,9 @@ class NativeModel:
             self._ws = np.empty(need, np.float32)
         return self._ws.ctypes.data + (-self._ws.ctypes.data % step_abi.WS_ALIGN)
 
-    def _call(self, rows: _StepRows, r0: int, r1: int, logits: np.ndarray) -> None:
-        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``."""
+    def _call(self, rows: _StepRows, r0: int, r1: int, logits: np.ndarray, states: np.ndarray | None) -> None:
+        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``, their hidden
+        rows' final hidden states into theirs of ``states``."""
         seq = rows.row_table[r0:r1]
         write_first = bool(np.any(seq[1:] == seq[:-1]))  # a sequence with several rows here attends its own slots
         if rows.sample is None:  # every row sampled: output rows are the rows
@@ -182,12 +188,18 @@ class NativeModel:
             s0, s1 = np.searchsorted(rows.sample, [r0, r1])
             local = rows.sample[s0:s1] - r0
             sample, n_sample = local.ctypes.data, int(s1 - s0)
+        hidden = {}
+        if states is not None:
+            h0, h1 = np.searchsorted(rows.hidden, [r0, r1])
+            mine = rows.hidden[h0:h1] - r0
+            hidden = {"hidden_rows": mine.ctypes.data, "n_hidden": int(h1 - h0), "hidden": states[h0:].ctypes.data}
         at = 8 * r0  # bytes into the int64 row arrays
         self.step(
             *(r1 - r0, rows.ids.ctypes.data + at, rows.pos.ctypes.data + at, rows.slot_blocks.ctypes.data + at),
             *(rows.slot_offsets.ctypes.data + at, rows.tables.ctypes.data, rows.tables.shape[1]),
             *(seq.ctypes.data, write_first, sample, n_sample),
             *(logits.ctypes.data + 4 * int(s0) * self.n_vocab, self._workspace(r1 - r0), self.threads),
+            **hidden,
         )
 
 
@@ -196,19 +208,33 @@ class _StepRows:
 
     ids, pos, slot_blocks, slot_offsets: [N] int64; tables [B + P, width] int32 (decode rows' tables, then the
     chunks'; padded with 0); row_table [N] int32 (row -> its table); sample: int64 rows whose logits are wanted, in
-    order, or None (no prompts: every row).
+    order, or None (no prompts: every row); hidden: int64 rows whose final hidden states are wanted (the chunks
+    flagged ``hidden``: every row of theirs, none of them sampled), or None (no chunk flagged).
     """
 
-    __slots__ = ("n", "ids", "pos", "slot_blocks", "slot_offsets", "tables", "row_table", "sample", "n_sample")
+    __slots__ = (
+        "n",
+        "ids",
+        "pos",
+        "slot_blocks",
+        "slot_offsets",
+        "tables",
+        "row_table",
+        "sample",
+        "n_sample",
+        "hidden",
+    )
 
     @classmethod
-    def build(cls, model: NativeModel, token_ids, positions, tables, prompts, prompt_tables, starts, every):
+    def build(cls, model: NativeModel, token_ids, positions, tables, prompts, prompt_tables, starts, every, hidden=()):
         B, P = len(token_ids), len(prompts)
         starts = [0] * P if starts is None else list(starts)
         if len(positions) != B or len(tables) != B or len(prompt_tables) != P or len(starts) != P:
             raise ValueError("token_ids, positions and tables, and prompts, prompt_tables and prompt_starts differ")
         if every and len(every) != P:
             raise ValueError(f"every_position has {len(every)} entries for {P} prompts")
+        if hidden and len(hidden) != P:
+            raise ValueError(f"hidden has {len(hidden)} entries for {P} prompts")
         lengths = np.fromiter(map(len, prompts), np.int64, P)
         if P and lengths.min() < 1:
             raise ValueError("an empty prompt chunk")
@@ -226,6 +252,7 @@ class _StepRows:
         block = self.pos // model.block_size
         self.slot_blocks = self.tables[self.row_table, block].astype(np.int64)
         self.slot_offsets = self.pos % model.block_size
+        self.hidden = None
         if not P:
             self.sample, self.n_sample = None, n
             return self
@@ -234,6 +261,10 @@ class _StepRows:
         wanted[first + lengths - 1] = True
         if every:
             wanted[B:] |= np.repeat(np.asarray(every, bool), lengths)
+        if any(hidden):  # a flagged chunk's rows: hidden states, no logits
+            pooled = np.concatenate([np.zeros(B, bool), np.repeat(np.asarray(hidden, bool), lengths)])
+            wanted &= ~pooled
+            self.hidden = np.flatnonzero(pooled).astype(np.int64)
         self.sample = np.flatnonzero(wanted).astype(np.int64)
         self.n_sample = len(self.sample)
         return self
