@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API, one file per endpoint: ``models.py`` (``GET /v1/models``), ``completions.py``
+"""The OpenAI-compatible API, one file per endpoint: ``models.py`` (``GET /v1/models``, LoRA adapters' load and
+unload), ``completions.py``
 (``POST /v1/completions``), ``chat.py`` (``POST /v1/chat/completions``); what they share: ``fields.py`` (request
 checks, choices, usage), ``logprobs.py`` (OpenAI's two logprob formats), ``frames.py`` (the stream events).
 ``router`` is all of them. Errors use OpenAI's body shape (``api/errors.py``). No torch."""
