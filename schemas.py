@@ -90,7 +90,9 @@ class SamplingFields(BaseModel):
 
 class GenerateRequest(SamplingFields):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
-    model: str | None = Field(default=None, max_length=256, description="a LoRA adapter's name, or the base model's")
+    model: str | None = Field(
+        default=None, min_length=1, max_length=256, description="a LoRA adapter's name, or the base model's"
+    )
     prompt: str | list[int] = Field(min_length=1, description="text, or token ids (fed as they are)")
     # The upper bound is MAX_NEW_TOKENS_LIMIT, checked by the server (it is configuration).
     max_new_tokens: int = Field(default=16, ge=1)

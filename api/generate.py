@@ -33,7 +33,7 @@ router = APIRouter()
     "/generate",
     response_model=GenerateResponse,
     response_model_exclude_none=True,  # prompt_logprobs only when asked for
-    responses={code: {"model": ErrorResponse} for code in (400, 422, 500, 503, 504)},
+    responses={code: {"model": ErrorResponse} for code in (400, 404, 422, 500, 503, 504)},
 )
 async def generate(req: GenerateRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
     model = check_model(runtime, req.model)  # a LoRA adapter's name, or the base model's (None: the base)

@@ -579,8 +579,10 @@ class MixedForward:
             every_position,
             for_step=whole_step,
         )
-        if whole_step:
-            return self.fused_step(batch)  # the embedding, every layer, the final norm and the lm_head in one call
+        if whole_step:  # the embedding, every layer, the final norm and the lm_head in one call
+            if self.lora is not None and self.lora.row_slots is not None:  # and each adapter's deltas, in the kernel
+                return self.fused_step(batch, (self.lora.kernel, self.lora.row_slots))
+            return self.fused_step(batch)
         batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
@@ -592,7 +594,7 @@ class MixedForward:
         """Whether a step of ``n_decode`` decode rows and these prompt chunks runs as one whole-step call: the
         kernel plan exists (lean decode on), and its rows (decode tokens plus chunk tokens) are within the
         plan's limit (``StepPlan.max_rows``)."""
-        if self.fused_step is None or not self.lean_decode or (self.lora is not None and self.lora.groups):
+        if self.fused_step is None or not self.lean_decode:
             return False
         rows = n_decode + sum(len(p) for p in prompts)
         return 0 < rows <= self.fused_step.max_rows
@@ -609,22 +611,15 @@ class MixedForward:
 
     def lora_targets(self) -> list:
         """The linears adapters may target (``lora.Target``s): each block's ``lora_linears()``."""
-        from .lora import target
+        from .lora_torch import targets
 
-        return [
-            target(i, kind, lin.in_features, modules)
-            for i, block in enumerate(self.blocks)
-            for kind, (lin, modules) in block.lora_linears().items()
-        ]
+        return targets(self.blocks)
 
     def enable_lora(self, max_loras: int) -> None:
         """Room for ``max_loras`` adapters (``set_lora``): every targetable linear gets its hook."""
-        from .lora_torch import LinearLora, TorchLora
+        from .lora_torch import TorchLora
 
-        self.lora = TorchLora(max_loras, self.device)
-        for i, block in enumerate(self.blocks):
-            for kind, (lin, _) in block.lora_linears().items():
-                lin.lora = LinearLora(self.lora, i, kind)
+        self.lora = TorchLora(self.blocks, max_loras, self.device)
 
     def set_lora(self, slot: int, adapter) -> None:
         """Slot ``slot`` holds ``adapter`` (a ``lora.Adapter``) from the next forward on; None empties it."""

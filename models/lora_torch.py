@@ -12,20 +12,39 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
-from .lora import Adapter, row_groups
+from .kernels.lora_step import KernelLora
+from .lora import Adapter, Target, row_groups, target
+
+
+def targets(blocks: list) -> list[Target]:
+    """The linears adapters may target in these blocks (each block's ``lora_linears()``: kind -> (Linear, modules))."""
+    return [
+        target(i, kind, lin.in_features, modules)
+        for i, block in enumerate(blocks)
+        for kind, (lin, modules) in block.lora_linears().items()
+    ]
 
 
 class TorchLora:
-    """Adapters resident in ``max_loras`` slots of one torch model, and the rows of each in the current forward."""
+    """Adapters resident in ``max_loras`` slots of one torch model (its ``blocks``: every targetable linear gets a
+    ``LinearLora`` hook), the whole-step kernel's view of them (``kernel``), and the rows of each in the current
+    forward."""
 
-    def __init__(self, max_loras: int, device: torch.device) -> None:
+    def __init__(self, blocks: list, max_loras: int, device: torch.device) -> None:
         self.device = device
+        self.kernel = KernelLora(len(blocks), max_loras)  # the same adapters' arrays, for decode_step.c's hook
+        for i, block in enumerate(blocks):
+            for kind, (lin, _) in block.lora_linears().items():
+                lin.lora = LinearLora(self, i, kind)
         self.slots: list[dict | None] = [None] * max_loras  # slot -> {(layer, kind): (a_t, [(j0, r, n0, N, s, b_t)])}
         self.groups: list[tuple[int, torch.Tensor]] = []  # this forward's (slot, row indices), base rows left out
+        self.row_slots: np.ndarray | None = None  # this forward's slot per token row (-1: the base), for the kernel
 
     def set(self, slot: int, adapter: Adapter | None) -> None:
+        self.kernel.set(slot, adapter)
         if adapter is None:
             self.slots[slot] = None
             return
@@ -43,11 +62,12 @@ class TorchLora:
         """Within it, the forward's rows belong to these slots (one per decode row / prompt chunk, ``counts`` tokens
         each; None: every row is the base's)."""
         if slots is not None:
+            self.row_slots = np.repeat(np.asarray(slots, np.int64), counts)
             self.groups = [(s, torch.from_numpy(r).to(self.device)) for s, r in row_groups(slots, counts)]
         try:
             yield
         finally:
-            self.groups = []
+            self.groups, self.row_slots = [], None
 
 
 class LinearLora:

@@ -441,7 +441,7 @@ class NativeEngine(ModelEngine):
         except (ImageError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
         self.vocab_size = meta["vocab_size"]
-        self._init_loras(config, self.model.lora_targets)
+        self._init_loras(config, self.model.lora_targets())
         self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
         resident = self.model.resident_weights()
         self.planner.spec_row_limit = exact_row_limit(config.activations, resident)

@@ -537,9 +537,14 @@ def lora_checkpoints(tmp_path_factory):
     return get
 
 
-def peft_reference(model_dir: str, adapter_dir: str | None = None) -> Reference:
-    """``Reference`` of HF + PEFT's ``generate`` with the adapter in ``adapter_dir`` (None: the base alone)."""
+def peft_reference(model_dir: str, adapter_dir: str | None = None, weights: str = "fp32") -> Reference:
+    """``Reference`` of HF + PEFT's ``generate`` with the adapter in ``adapter_dir`` (None: the base alone), over the
+    base's weights as the engine multiplies by them under ``WEIGHTS=weights`` (int8 / int4: dequantized)."""
     ref = Reference(model_dir)
+    if weights != "fp32":
+        from models.quant import dequantize_hf_model_
+
+        dequantize_hf_model_(ref.model, weights)
     if adapter_dir is not None:
         from peft import PeftModel
 

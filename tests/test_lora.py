@@ -19,11 +19,16 @@ from test_prefix_cache import submit_all
 
 from core.sequence import Sequence
 
-from conftest import PROMPTS, Reference, lora_modules, make_engine, peft_reference
+from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference
 
 pytestmark = pytest.mark.model
 
 N_TOKENS = 10
+
+
+# (runtime, WEIGHTS): the torch runtime on fp32 (its linears' hooks and the whole-step kernel's), the native runner's
+# whole-step kernel on an int8 base (the quantized linears' path; the torch runtime's int8 linears take the same hooks).
+RUNS = [("torch", "fp32"), ("native", "int8")]
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -32,10 +37,37 @@ def lora_base(request, lora_checkpoints) -> tuple[str, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def references(lora_base) -> dict[str, Reference]:
-    """HF generate for the base ("") and HF + PEFT generate for each adapter."""
+def reference_sets(lora_base):
+    """WEIGHTS -> {"": HF generate on the base, adapter name: HF + PEFT generate}, over the weights as served."""
     model_dir, adapters = lora_base
-    return {"": peft_reference(model_dir), **{name: peft_reference(model_dir, path) for name, path in adapters.items()}}
+    built: dict[str, dict[str, Reference]] = {}
+
+    def get(weights: str) -> dict[str, Reference]:
+        if weights not in built:
+            refs = {"": peft_reference(model_dir, None, weights)}
+            built[weights] = refs | {name: peft_reference(model_dir, path, weights) for name, path in adapters.items()}
+        return built[weights]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(reference_sets) -> dict[str, Reference]:
+    return reference_sets("fp32")
+
+
+def lora_engine(model_dir: str, adapters: dict[str, str], runtime: str, weights: str, **config):
+    """An engine of 8 slots serving ``adapters`` from startup on ``runtime`` at ``weights`` (an fp32 KV pool)."""
+    if runtime == "torch":
+        return make_engine(model_dir, capacity=8, weights=weights, lora_modules=lora_modules(adapters), **config)
+    from config import Config
+    from models.runtime import NativeEngine
+
+    need_native()
+    knobs = {"max_batch_size": 8, "num_threads": 2, "kv_cache_dtype": "fp32", **config}
+    return NativeEngine(
+        Config(model_id=model_dir, weights=weights, runtime="native", lora_modules=lora_modules(adapters), **knobs)
+    )
 
 
 def mixed_seqs(engine, refs: dict[str, Reference], prompts: list[str]) -> list[Sequence]:
@@ -57,13 +89,16 @@ def assert_peft_tokens(engine, refs: dict[str, Reference], seqs: list[Sequence])
         assert seq.output_token_ids == want, (name or "base", seq.prompt_token_ids)
 
 
-def test_mixed_batch_equals_peft_and_each_alone(lora_base, references):
+@pytest.mark.parametrize("runtime, weights", RUNS, ids=[f"{r}-{w}" for r, w in RUNS])
+def test_mixed_batch_equals_peft_and_each_alone(lora_base, reference_sets, runtime, weights):
     """Three adapters and the base in one batch (12 sequences over 8 slots: joins, chunked prefill riding with decode
-    rows): every sequence's greedy tokens are PEFT's; then each again alone, found in the prefix cache, the same."""
+    rows): every sequence's greedy tokens are PEFT's (over the int8 base: on its dequantized weights); then each
+    again alone, found in the prefix cache, the same. On the torch runtime the decode steps run the whole-step
+    kernel's LoRA hook and the mixed steps the torch linears' hooks; on the native runtime every step is the
+    kernel's."""
     model_dir, adapters = lora_base
-    engine = make_engine(
-        model_dir, capacity=8, lora_modules=lora_modules(adapters), kv_block_size=4, max_num_batched_tokens=24
-    )
+    references = reference_sets(weights)
+    engine = lora_engine(model_dir, adapters, runtime, weights, kv_block_size=4, max_num_batched_tokens=24)
     seqs = mixed_seqs(engine, references, PROMPTS[:3])
     submit_all(engine, [seqs[:8], seqs[8:]], gap=0.02)
     assert_peft_tokens(engine, references, seqs)
@@ -139,3 +174,26 @@ def test_refused_adapters_are_named(lora_base, tmp_path):
         read_adapter("other", good, shrunk, 64)
     with pytest.raises(LoraError, match="is not a linear this server applies LoRA to"):
         read_adapter("embed", good, [t for t in targets if t.kind != "qkv"], 64)
+
+
+def test_gguf_base_equals_peft_on_its_weights(tmp_path):
+    """A Llama GGUF of every served type (llama.cpp's Q/K row order undone by the reader) on the native runtime, with
+    an adapter trained for its HF checkpoint: the tokens of HF + PEFT over the file's dequantized weights."""
+    from test_gguf_parity import gguf_case
+
+    from scripts.make_test_adapter import build_adapter
+
+    need_native()
+    path, ref_dir = gguf_case("llama", 0)
+    adapter = build_adapter(ref_dir, str(tmp_path / "adapter"), rank=8, seed=5)
+    ref, base = peft_reference(ref_dir, adapter), peft_reference(ref_dir)
+    engine = lora_engine(path, {"a": adapter}, "native", "auto", kv_block_size=4)
+    ids = [ref.encode(p) for p in PROMPTS[:3]]
+    seqs = [
+        Sequence(prompt_token_ids=p, max_new_tokens=N_TOKENS, ignore_eos=True, lora_id=i) for p in ids for i in (1, 0)
+    ]
+    submit_all(engine, [seqs])
+    for seq in seqs:
+        want = (ref if seq.lora_id else base).generate(seq.prompt_token_ids, N_TOKENS, set())
+        assert seq.output_token_ids == want, seq.lora_id
+    assert seqs[0].output_token_ids != seqs[1].output_token_ids

@@ -33,7 +33,7 @@ async def models(runtime: Runtime = Depends(current_runtime)) -> dict:
     return {"object": "list", "data": cards}
 
 
-LORA_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 503)}
+LORA_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422, 503)}
 
 
 @router.post("/load_lora_adapter", responses=LORA_ERRORS, response_class=PlainTextResponse)
