@@ -67,10 +67,14 @@ class Config:
     # sequence shares the longest cached prefix of its prompt instead of computing it (core/block_manager.py).
     prefix_caching: bool = True
     # --- speculative decoding (core/speculative.py, docs/speculative.md) ---
-    # The default of requests that do not choose (the API's `speculative` field): "off", or "ngram" (prompt lookup:
+    # The default of requests that do not choose (the API's `speculative` field): "off", "ngram" (prompt lookup:
     # drafts are what followed the sequence's last tokens earlier in its prompt or output, verified in one forward;
-    # the output is the output without drafts, token for token).
+    # the output is the output without drafts, token for token), or "draft_model" (SPECULATIVE_MODEL proposes them).
     speculative_method: str = "off"
+    # A draft model (a MODEL_ID: alias, hub id, directory or .gguf) with the target's tokenizer, served in the same
+    # process on the same runtime kind with its own KV pool (KV_CACHE_MB as the target's), proposing the drafts of
+    # requests that choose "draft_model". "" = none (a request asking for one gets a 400). models/draft_model.py.
+    speculative_model: str = ""
     # Most draft tokens a sequence verifies per step, and the n-gram lengths prompt lookup matches (longest first).
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
@@ -213,6 +217,11 @@ class Config:
             self.speculative_method in SPEC_METHODS,
             "SPECULATIVE_METHOD",
             f"must be one of {', '.join(SPEC_METHODS)} (got {self.speculative_method!r})",
+        )
+        _check(
+            self.speculative_method != "draft_model" or self.speculative_model != "",
+            "SPECULATIVE_METHOD",
+            "draft_model needs SPECULATIVE_MODEL, the draft model (a MODEL_ID with the target's tokenizer)",
         )
         _check(
             1 <= self.num_speculative_tokens <= MAX_SPEC_TOKENS,
