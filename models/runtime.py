@@ -640,6 +640,8 @@ def attach_draft_model(engine: ModelEngine, config: Config) -> None:
         speculative_model="",
         served_model_name="",
         chat_template="",
+        lora_modules="",  # a draft model proposes from its base weights: the target verifies under the adapter
+        max_loras=0,
     )
     try:
         draft = NativeEngine(draft_config) if native else HFEngine(draft_config)

@@ -18,6 +18,7 @@ import pytest
 from test_prefix_cache import submit_all
 
 from core.sequence import Sequence
+from core.speculative import SpecParams
 
 from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference
 
@@ -197,3 +198,32 @@ def test_gguf_base_equals_peft_on_its_weights(tmp_path):
         want = (ref if seq.lora_id else base).generate(seq.prompt_token_ids, N_TOKENS, set())
         assert seq.output_token_ids == want, seq.lora_id
     assert seqs[0].output_token_ids != seqs[1].output_token_ids
+
+
+def test_adapters_under_speculative_decoding(lora_base, references):
+    """A draft model (the base itself, SPECULATIVE_MODEL) and n-gram drafts verified under each adapter: the verify
+    rows run under their sequence's adapter, so the tokens are still PEFT's (the drafts, the base's guesses, are
+    often rejected)."""
+    from config import Config
+    from models.runtime import build_engine
+
+    model_dir, adapters = lora_base
+    config = Config(
+        model_id=model_dir,
+        max_batch_size=8,
+        num_threads=2,
+        kv_cache_dtype="fp32",
+        lora_modules=lora_modules(adapters),
+        speculative_method="draft_model",
+        speculative_model=model_dir,  # its draft engine serves no adapter
+        speculative_disable_by_batch_size=0,
+        speculative_adaptive=False,
+    )
+    engine = build_engine(config)
+    seqs = mixed_seqs(engine, references, PROMPTS[3:5])
+    for i, seq in enumerate(seqs):
+        seq.max_new_tokens = 16
+        seq.speculation = SpecParams("ngram" if i % 2 else "draft_model", num_tokens=3)
+    submit_all(engine, [seqs])
+    assert_peft_tokens(engine, references, seqs)
+    assert engine.planner.spec.num_draft_tokens > 0 and engine.planner.spec.num_accepted_tokens > 0
