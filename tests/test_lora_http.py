@@ -104,6 +104,15 @@ def test_model_chooses_the_adapter_on_every_endpoint(server, refs):
     assert r.json()["choices"][0]["message"]["content"] == want
 
 
+def test_metrics_name_the_adapters(server):
+    from live import metric
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert metric(text, "minibatch:lora_adapters_loaded") >= 2
+    info = next(line for line in text.splitlines() if line.startswith("minibatch:lora_requests_info{"))
+    assert 'max_lora="3"' in info and info.endswith(" 1.0"), info
+
+
 def test_unknown_model_is_a_404(server):
     for path, body in (
         ("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2}),
