@@ -1,8 +1,8 @@
 """LoRA adapters over HTTP, on a real uvicorn on 127.0.0.1: LORA_MODULES at startup, ``GET /v1/models`` listing them
-with ``parent``, ``model`` choosing one on /v1/completions, /v1/chat/completions and /generate (tokens equal HF +
-PEFT's), an unknown name a 404 in OpenAI's shape, ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` behind
-API_KEY with their refusals (a taken name, MAX_LORAS, an adapter that cannot be served, 409 while requests that chose
-it are in flight: those finish unharmed).
+with ``parent``, ``model`` choosing one on /v1/completions, /v1/chat/completions, /v1/responses and /generate
+(tokens equal HF + PEFT's), an unknown name a 404 in OpenAI's shape, ``POST /v1/load_lora_adapter`` /
+``unload_lora_adapter`` behind API_KEY with their refusals (a taken name, MAX_LORAS, an adapter that cannot be
+served, 409 while requests that chose it are in flight: those finish unharmed).
 """
 
 from __future__ import annotations
@@ -102,6 +102,11 @@ def test_model_chooses_the_adapter_on_every_endpoint(server, refs):
     assert r.status_code == 200 and r.json()["model"] == "qv16", r.text
     want = refs["qv16"].tokenizer.decode(refs["qv16"].generate(prompt, 10, set()), skip_special_tokens=True)
     assert r.json()["choices"][0]["message"]["content"] == want
+    body = {"model": "qv16", "input": "hello there", "max_output_tokens": 10, "ignore_eos": True, "temperature": 0}
+    r = post(server, "/v1/responses", body)
+    assert r.status_code == 200 and r.json()["model"] == "qv16", r.text
+    texts = [c["text"] for item in r.json()["output"] if item["type"] == "message" for c in item["content"]]
+    assert texts == [want], r.json()["output"]
 
 
 def test_metrics_name_the_adapters(server):
@@ -118,6 +123,7 @@ def test_unknown_model_is_a_404(server):
         ("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2}),
         ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
         ("/generate", {"model": "nope", "prompt": "hi"}),
+        ("/v1/responses", {"model": "nope", "input": "hi"}),
     ):
         err = assert_error(post(server, path, body), 404, contains="`nope` does not exist")
         assert err["param"] == "model" and "`all8`" in err["message"], err
