@@ -1,0 +1,229 @@
+"""LoRA adapters (models/lora.py): greedy tokens under an adapter are HF + PEFT's ``generate`` on the same adapter,
+token for token, on a random tiny Llama and GPT-2 with random adapters (lora_B far from PEFT's zero init); a batch
+mixing three adapters and the base gives each sequence what it gets alone; on the torch and the native runtime, and
+on an int8 base against PEFT over the dequantized base; a prompt's KV blocks are shared under one adapter and never
+between two; adapters this server cannot serve are refused by name.
+
+The HTTP side (LORA_MODULES at startup, /v1/models, ``model`` on every endpoint, load / unload) is
+tests/test_lora_http.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from test_prefix_cache import submit_all
+
+from core.sequence import Sequence
+from core.speculative import SpecParams
+
+from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference
+
+pytestmark = pytest.mark.model
+
+N_TOKENS = 10
+
+
+# (runtime, WEIGHTS): the torch runtime on fp32 (its linears' hooks and the whole-step kernel's), the native runner's
+# whole-step kernel on an int8 base (the quantized linears' path; the torch runtime's int8 linears take the same hooks).
+RUNS = [("torch", "fp32"), ("native", "int8")]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def lora_base(request, lora_checkpoints) -> tuple[str, dict[str, str]]:
+    return lora_checkpoints(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference_sets(lora_base):
+    """WEIGHTS -> {"": HF generate on the base, adapter name: HF + PEFT generate}, over the weights as served."""
+    model_dir, adapters = lora_base
+    built: dict[str, dict[str, Reference]] = {}
+
+    def get(weights: str) -> dict[str, Reference]:
+        if weights not in built:
+            refs = {"": peft_reference(model_dir, None, weights)}
+            built[weights] = refs | {name: peft_reference(model_dir, path, weights) for name, path in adapters.items()}
+        return built[weights]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(reference_sets) -> dict[str, Reference]:
+    return reference_sets("fp32")
+
+
+def lora_engine(model_dir: str, adapters: dict[str, str], runtime: str, weights: str, **config):
+    """An engine of 8 slots serving ``adapters`` from startup on ``runtime`` at ``weights`` (an fp32 KV pool)."""
+    if runtime == "torch":
+        return make_engine(model_dir, capacity=8, weights=weights, lora_modules=lora_modules(adapters), **config)
+    from config import Config
+    from models.runtime import NativeEngine
+
+    need_native()
+    knobs = {"max_batch_size": 8, "num_threads": 2, "kv_cache_dtype": "fp32", **config}
+    return NativeEngine(
+        Config(model_id=model_dir, weights=weights, runtime="native", lora_modules=lora_modules(adapters), **knobs)
+    )
+
+
+def mixed_seqs(engine, refs: dict[str, Reference], prompts: list[str]) -> list[Sequence]:
+    """Every prompt under the base and each adapter, interleaved (so one batch holds all four)."""
+    seqs = []
+    for prompt in prompts:
+        for name in refs:
+            lora_id = engine.loras.id_of(name) if name else 0
+            ids = refs[""].encode(prompt)
+            seqs.append(Sequence(prompt_token_ids=ids, max_new_tokens=N_TOKENS, ignore_eos=True, lora_id=lora_id))
+    return seqs
+
+
+def assert_peft_tokens(engine, refs: dict[str, Reference], seqs: list[Sequence]) -> None:
+    names = {engine.loras.id_of(n) if n else 0: n for n in refs}
+    for seq in seqs:
+        name = names[seq.lora_id]
+        want = refs[name].generate(seq.prompt_token_ids, seq.max_new_tokens, set())
+        assert seq.output_token_ids == want, (name or "base", seq.prompt_token_ids)
+
+
+@pytest.mark.parametrize("runtime, weights", RUNS, ids=[f"{r}-{w}" for r, w in RUNS])
+def test_mixed_batch_equals_peft_and_each_alone(lora_base, reference_sets, runtime, weights):
+    """Three adapters and the base in one batch (12 sequences over 8 slots: joins, chunked prefill riding with decode
+    rows): every sequence's greedy tokens are PEFT's (over the int8 base: on its dequantized weights); then each
+    again alone, found in the prefix cache, the same. On the torch runtime the decode steps run the whole-step
+    kernel's LoRA hook and the mixed steps the torch linears' hooks; on the native runtime every step is the
+    kernel's."""
+    model_dir, adapters = lora_base
+    references = reference_sets(weights)
+    engine = lora_engine(model_dir, adapters, runtime, weights, kv_block_size=4, max_num_batched_tokens=24)
+    seqs = mixed_seqs(engine, references, PROMPTS[:3])
+    submit_all(engine, [seqs[:8], seqs[8:]], gap=0.02)
+    assert_peft_tokens(engine, references, seqs)
+    outputs = {}
+    for prompt in PROMPTS[:3]:  # each differs from the base's (the adapters are far from zero)
+        ids = references[""].encode(prompt)
+        outputs[prompt] = [s.output_token_ids for s in seqs if s.prompt_token_ids == ids]
+        assert len({tuple(o) for o in outputs[prompt]}) == 4, outputs[prompt]
+    alone = mixed_seqs(engine, references, PROMPTS[:3])
+    for seq in alone:
+        submit_all(engine, [[seq]])
+    assert [s.output_token_ids for s in alone] == [s.output_token_ids for s in seqs]
+
+
+def test_prefix_cache_keys_include_the_adapter(lora_base, references):
+    """The same 3-block prompt: under one adapter a second request finds its blocks cached; under another adapter or
+    the base it finds none (their K/V differ), and every answer is still PEFT's."""
+    model_dir, adapters = lora_base
+    engine = make_engine(model_dir, capacity=4, lora_modules=lora_modules(adapters), kv_block_size=4)
+    ids = references[""].encode(PROMPTS[4])[:13]  # 3 whole blocks before the last token's
+    a, b = engine.loras.id_of("all8"), engine.loras.id_of("qv16")
+    order = [a, a, b, 0, b, 0]
+    seqs = [Sequence(prompt_token_ids=ids, max_new_tokens=4, ignore_eos=True, lora_id=i) for i in order]
+    for seq in seqs:  # one at a time: each finds what the ones before it cached
+        submit_all(engine, [[seq]])
+    assert [s.num_cached_tokens for s in seqs] == [0, 12, 0, 0, 12, 12]
+    assert_peft_tokens(engine, references, seqs)
+
+
+def test_refused_adapters_are_named(lora_base, tmp_path):
+    """What the server cannot compute is refused by name, in one line: DoRA, a LoRA bias, modules_to_save, a module
+    the model does not have, a rank above MAX_LORA_RANK, an adapter of another shape, a missing file."""
+    from models.lora import LoraError, read_adapter
+
+    model_dir, adapters = lora_base
+    engine = make_engine(model_dir, capacity=2, max_lora_rank=8)
+    targets = engine.loras.targets
+    good = adapters["all8"]
+
+    def edited(name: str, **changes) -> str:
+        out = str(tmp_path / name)
+        shutil.copytree(good, out)
+        path = os.path.join(out, "adapter_config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config.update(changes)
+        with open(path, "w") as f:
+            json.dump(config, f)
+        return out
+
+    cases = {
+        edited("dora", use_dora=True): "DoRA",
+        edited("bias", bias="all"): "bias 'all'",
+        edited("save", modules_to_save=["lm_head"]): "modules_to_save",
+        edited("prompt", peft_type="PROMPT_TUNING"): "PROMPT_TUNING",
+        adapters["qv16"]: "rank 16; this server's MAX_LORA_RANK is 8",
+        str(tmp_path / "missing"): "no adapter_config.json",
+    }
+    from models.loading import ModelLoadError
+
+    dora = next(p for p, w in cases.items() if w == "DoRA")
+    with pytest.raises(ModelLoadError) as info:  # at startup: one line, the server does not start
+        make_engine(model_dir, capacity=2, lora_modules=f"ok={good},bad={dora}")
+    assert str(info.value).startswith("LORA_MODULES: LoRA adapter 'bad'") and "DoRA" in str(info.value), info.value
+    for path, words in cases.items():
+        with pytest.raises(LoraError) as info:
+            read_adapter("bad", path, targets, 8)
+        message = str(info.value)
+        assert "'bad'" in message and words in message and "\n" not in message, message
+    other = make_engine(model_dir, capacity=2, max_loras=1)  # a target list with fewer outputs: another model
+    shrunk = [t.__class__(t.layer, t.kind, t.K + 1, t.parts) for t in other.loras.targets]
+    with pytest.raises(LoraError, match="do not fit the base's linear"):
+        read_adapter("other", good, shrunk, 64)
+    with pytest.raises(LoraError, match="is not a linear this server applies LoRA to"):
+        read_adapter("embed", good, [t for t in targets if t.kind != "qkv"], 64)
+
+
+def test_gguf_base_equals_peft_on_its_weights(tmp_path):
+    """A Llama GGUF of every served type (llama.cpp's Q/K row order undone by the reader) on the native runtime, with
+    an adapter trained for its HF checkpoint: the tokens of HF + PEFT over the file's dequantized weights."""
+    from test_gguf_parity import gguf_case
+
+    from scripts.make_test_adapter import build_adapter
+
+    need_native()
+    path, ref_dir = gguf_case("llama", 0)
+    adapter = build_adapter(ref_dir, str(tmp_path / "adapter"), rank=8, seed=5)
+    ref, base = peft_reference(ref_dir, adapter), peft_reference(ref_dir)
+    engine = lora_engine(path, {"a": adapter}, "native", "auto", kv_block_size=4)
+    ids = [ref.encode(p) for p in PROMPTS[:3]]
+    seqs = [
+        Sequence(prompt_token_ids=p, max_new_tokens=N_TOKENS, ignore_eos=True, lora_id=i) for p in ids for i in (1, 0)
+    ]
+    submit_all(engine, [seqs])
+    for seq in seqs:
+        want = (ref if seq.lora_id else base).generate(seq.prompt_token_ids, N_TOKENS, set())
+        assert seq.output_token_ids == want, seq.lora_id
+    assert seqs[0].output_token_ids != seqs[1].output_token_ids
+
+
+def test_adapters_under_speculative_decoding(lora_base, references):
+    """A draft model (the base itself, SPECULATIVE_MODEL) and n-gram drafts verified under each adapter: the verify
+    rows run under their sequence's adapter, so the tokens are still PEFT's (the drafts, the base's guesses, are
+    often rejected)."""
+    from config import Config
+    from models.runtime import build_engine
+
+    model_dir, adapters = lora_base
+    config = Config(
+        model_id=model_dir,
+        max_batch_size=8,
+        num_threads=2,
+        kv_cache_dtype="fp32",
+        lora_modules=lora_modules(adapters),
+        speculative_method="draft_model",
+        speculative_model=model_dir,  # its draft engine serves no adapter
+        speculative_disable_by_batch_size=0,
+        speculative_adaptive=False,
+    )
+    engine = build_engine(config)
+    seqs = mixed_seqs(engine, references, PROMPTS[3:5])
+    for i, seq in enumerate(seqs):
+        seq.max_new_tokens = 16
+        seq.speculation = SpecParams("ngram" if i % 2 else "draft_model", num_tokens=3)
+    submit_all(engine, [seqs])
+    assert_peft_tokens(engine, references, seqs)
+    assert engine.planner.spec.num_draft_tokens > 0 and engine.planner.spec.num_accepted_tokens > 0
