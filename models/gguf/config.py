@@ -21,13 +21,18 @@ its users get it from llama.cpp.
     granite                granite             the four multipliers
 
 Anything a file states that the served model would not honour (a RoPE scaling type, per-layer head counts, a value
-length other than the key length, Llama 3's RoPE frequency factors) raises ValueError naming the key or tensor;
-``ARCHITECTURES`` lists what is served.
+length other than the key length) raises ValueError naming the key or tensor; ``ARCHITECTURES`` lists what is
+served. Llama 3.1's RoPE scaling, which the converter writes as a tensor of frequency divisors
+(``rope_freqs.weight``), is carried in the config (``rope_parameters["freq_factors"]``, ``rope.py`` divides by them
+as llama.cpp does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+ROPE_FACTORS = "rope_freqs.weight:values"  # where file_config passes the frequency factors' values to hf_config
+CONFIG_TENSORS = ("rope_freqs.weight",)  # tensors the config carries (no weight of the model)
 
 
 class _Keys:
@@ -55,8 +60,10 @@ class _Keys:
         return value
 
 
-def _rope(keys: _Keys, head_dim: int) -> dict:
-    """RoPE settings: base, scaling (none or linear), partial rotary (rope.dimension_count < head_dim)."""
+def _rope(keys: _Keys, head_dim: int, factors: list[float] | None = None) -> dict:
+    """RoPE settings: base, scaling (none or linear), partial rotary (rope.dimension_count < head_dim), and the
+    file's frequency factors (``rope_freqs.weight``: Llama 3.1's scaling as llama.cpp's converter writes it, one
+    divisor per frequency)."""
     params: dict = {"rope_type": "default", "rope_theta": float(keys.get("rope.freq_base", 10000.0))}
     kind = keys.get("rope.scaling.type", "none")
     if kind == "linear":
@@ -66,12 +73,16 @@ def _rope(keys: _Keys, head_dim: int) -> dict:
     rotary = keys.get("rope.dimension_count", head_dim)
     if rotary != head_dim:
         params["partial_rotary_factor"] = rotary / head_dim
+    if factors is not None:
+        if len(factors) != rotary // 2 or params["rope_type"] != "default":
+            raise ValueError(f"tensor rope_freqs.weight has {len(factors)} factors for {rotary} rotary dims")
+        params["freq_factors"] = [float(f) for f in factors]
     return params
 
 
 def _common(keys: _Keys, tensors: dict[str, tuple[int, ...]], model_type: str) -> dict:
     """What every llama.cpp decoder states: dims, heads, norms' epsilon, RoPE, vocabulary, tied or not, the special
-    token ids."""
+    token ids. ``tensors`` may carry the values of ``rope_freqs.weight`` under ``ROPE_FACTORS``."""
     heads = keys.one("attention.head_count")
     hidden = keys("embedding_length")
     head_dim = keys.get("attention.key_length", hidden // heads)
@@ -90,7 +101,7 @@ def _common(keys: _Keys, tensors: dict[str, tuple[int, ...]], model_type: str) -
         "head_dim": head_dim,
         "max_position_embeddings": keys("context_length"),
         "rms_norm_eps": float(keys("attention.layer_norm_rms_epsilon")),
-        "rope_parameters": _rope(keys, head_dim),
+        "rope_parameters": _rope(keys, head_dim, tensors.get(ROPE_FACTORS)),
         "vocab_size": tensors["token_embd.weight"][0],
         "tie_word_embeddings": "output.weight" not in tensors,  # llama.cpp writes the lm_head only when untied
         "hidden_act": "silu",
@@ -100,8 +111,8 @@ def _common(keys: _Keys, tensors: dict[str, tuple[int, ...]], model_type: str) -
     }
     if keys.get("feed_forward_length") is not None:  # an all-experts file may leave the dense width out
         cfg["intermediate_size"] = keys.one("feed_forward_length")
-    if "rope_freqs.weight" in tensors:
-        raise ValueError("tensor rope_freqs.weight (RoPE frequency factors, Llama 3.1's scaling) is not supported")
+    if "rope_freqs.weight" in tensors and ROPE_FACTORS not in tensors:
+        raise ValueError("tensor rope_freqs.weight (RoPE frequency factors) was not read")
     return cfg
 
 
@@ -283,4 +294,8 @@ def file_config(path: str) -> dict | None:
     metadata, tensors = read_metadata(path)
     if metadata.get("general.architecture") == "gpt2":
         return None
-    return hf_config(metadata, {t.name: t.torch_shape for t in tensors})
+    found: dict = {t.name: t.torch_shape for t in tensors}
+    for t in tensors:
+        if t.name == "rope_freqs.weight" and t.type_name == "F32":
+            found[ROPE_FACTORS] = t.data.reshape(-1).tolist()
+    return hf_config(metadata, found)
