@@ -255,7 +255,22 @@ def test_a_llama_file_with_experts_is_served_as_mixtral_not_as_a_dense_llama(con
     assert {lin.fmt for moe in engine.model._experts() for lin in moe.linears()} == {"Q8_0"}
 
 
-def test_llama31_rope_factors_of_a_converted_file_are_served(converter, tmp_path):
+LLAMA31 = {
+    "outtype": "f16",
+    "overrides": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+}
+
+
+def test_llama31_rope_factors_of_a_converted_file_are_served(converter):
     """Llama 3.1's RoPE scaling (factor 8 beyond a 64-token original context: every band of frequencies scaled, kept
     or interpolated), which the converter writes as ``rope_freqs.weight``: the served RoPE frequencies are HF's
     llama3 ones (to fp32 rounding; llama.cpp divides as we do) and greedy tokens equal HF ``generate``."""
@@ -263,12 +278,9 @@ def test_llama31_rope_factors_of_a_converted_file_are_served(converter, tmp_path
 
     from conftest import drive
 
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
-    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    hf = build_checkpoint(str(tmp_path / "hf"), arch="llama", seed=4, tied=False, overrides={"rope_parameters": rope})
-    path = convert_checkpoint(hf, str(tmp_path / "llama31.gguf"), "f16")
-    ref = Reference(file_weights_reference(hf, path, str(tmp_path / "ref")))
-    engine = engine_for(path, "torch", config_dir=str(tmp_path / "ref"), weights="auto", blocks=64)
+    path, ref_dir = converted("llama", LLAMA31)
+    ref = Reference(ref_dir)
+    engine = engine_for(path, "torch", config_dir=ref_dir, weights="auto", blocks=64)
     cos, sin = engine.model.rope[None]  # [P, 1, D]: the angles of position 1 are the frequencies
     want = ref.model.model.rotary_emb.inv_freq
     got = torch.atan2(sin[1, 0, :8], cos[1, 0, :8])
