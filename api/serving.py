@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ class Runtime:
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
         self.control_tokens = engine.control_tokens()  # kept as text where a chat message types them
+        self.fingerprint = system_fingerprint(config, engine)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (``engine.decode([id])``; U+FFFD for part of a character), decoded once per server:
@@ -54,6 +56,13 @@ class Runtime:
 
     def close(self) -> None:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def system_fingerprint(config: Config, engine: InferenceEngine) -> str:
+    """OpenAI's ``system_fingerprint``: names what serves the answers (the checkpoint, its weights format, the
+    runtime, the KV dtype), so a client sees when the backend configuration changed (greedy output may then differ)."""
+    parts = (config.model_id, config.weights, type(engine).__name__, getattr(engine, "kv_cache_dtype", ""))
+    return "fp_" + hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=5).hexdigest()
 
 
 def current_runtime(request: Request) -> Runtime:
@@ -210,24 +219,37 @@ def speculation(runtime: Runtime, fields: SpeculativeFields | None) -> SpecParam
     if fields is None:
         return None
     default = runtime.config.speculative
-    if fields.method == "draft_model" or fields.draft_model is not None:
-        name = fields.draft_model or ""
-        raise APIError(
-            400,
-            f"draft model {name!r} is not served here: this server has no draft model"
-            if name
-            else "`speculative.method` draft_model needs `speculative.draft_model`, a model this server serves",
-            param="speculative.draft_model",
-        )
+    method = fields.method or ("draft_model" if fields.draft_model is not None else default.method)
+    if method == "draft_model" or fields.draft_model is not None:
+        check_draft_model(runtime, fields.draft_model, method)
     try:
         return SpecParams(
-            fields.method or default.method,
+            method,
             fields.num_speculative_tokens or default.num_tokens,
             fields.prompt_lookup_min or min(default.lookup_min, fields.prompt_lookup_max or default.lookup_min),
             fields.prompt_lookup_max or max(default.lookup_max, fields.prompt_lookup_min or default.lookup_max),
         )
     except ValueError as exc:
         raise APIError(400, f"`speculative`: {exc}", param="speculative") from None
+
+
+def check_draft_model(runtime: Runtime, name: str | None, method: str) -> None:
+    """A request naming a draft model (or method draft_model) must name this server's (SPECULATIVE_MODEL), or none
+    when it has one: else a 400 naming it."""
+    served = runtime.config.speculative_model if getattr(runtime.engine, "drafter", None) is not None else ""
+    if method != "draft_model":
+        raise APIError(
+            400, f"`speculative.draft_model` goes with method draft_model, not {method!r}", param="speculative.method"
+        )
+    if name is not None and name != served:
+        where = f"this server's draft model is {served!r}" if served else "this server has no draft model"
+        raise APIError(400, f"draft model {name!r} is not served here: {where}", param="speculative.draft_model")
+    if not served:
+        raise APIError(
+            400,
+            "`speculative.method` draft_model needs a draft model; this server has none (SPECULATIVE_MODEL)",
+            param="speculative.method",
+        )
 
 
 # --- fair scheduling: who sent a request, and how much it may queue ----------------------------------------------

@@ -576,6 +576,8 @@ def build_engine(config: Config) -> InferenceEngine:
     Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
     """
     if config.is_fake:
+        if config.speculative_model:
+            raise ModelLoadError("SPECULATIVE_MODEL needs a real MODEL_ID: MODEL_ID=fake has no model to draft for")
         engine = FakeEngine(
             capacity=config.max_batch_size,
             stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
@@ -587,7 +589,56 @@ def build_engine(config: Config) -> InferenceEngine:
         )
         configure_speculation(engine.planner, config)
         return engine
-    return NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+    engine = NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+    if config.speculative_model:
+        attach_draft_model(engine, config)
+    return engine
+
+
+def attach_draft_model(engine: ModelEngine, config: Config) -> None:
+    """SPECULATIVE_MODEL: the draft model, loaded as a target is (``models/loading``) on ``engine``'s runtime kind
+    with its own KV pool, checked to share ``engine``'s tokenizer, proposes the drafts of the requests choosing
+    ``draft_model`` (``models/draft_model.py``). ModelLoadError, naming both models, when it cannot."""
+    import dataclasses
+
+    from models.draft_model import DraftModel
+
+    name, native = config.speculative_model, isinstance(engine, NativeEngine)
+    draft_config = dataclasses.replace(
+        config,
+        model_id=name,
+        runtime="native" if native else "torch",
+        max_model_len=engine.max_context,
+        speculative_method="off",
+        speculative_model="",
+        served_model_name="",
+        chat_template="",
+    )
+    try:
+        draft = NativeEngine(draft_config) if native else HFEngine(draft_config)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"SPECULATIVE_MODEL {name}: {exc}") from None
+    problem = tokenizer_mismatch(engine, draft)
+    if problem:
+        raise ModelLoadError(
+            f"SPECULATIVE_MODEL {name} cannot draft for MODEL_ID {config.model_id}: {problem}; a draft model must "
+            "share the target's tokenizer"
+        )
+    engine.attach_drafter(DraftModel(draft, name, config.max_num_batched_tokens))
+    log.info("draft model %s proposes the drafts of requests choosing draft_model", name)
+
+
+TOKENIZER_PROBE = "Hello, world! The quick brown fox jumps over 13 lazy dogs: naïve café, 東京, def f(x): return x**2\n"
+
+
+def tokenizer_mismatch(target: InferenceEngine, draft: InferenceEngine) -> str | None:
+    """Why ``draft`` does not share ``target``'s tokenizer (its vocabulary size, or how it tokenizes a probe text),
+    or None."""
+    if draft.vocab_size != target.vocab_size:
+        return f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}"
+    if draft.encode(TOKENIZER_PROBE) != target.encode(TOKENIZER_PROBE):
+        return "it tokenizes text differently"
+    return None
 
 
 def exact_row_limit(activations: str, resident: dict[str, int]) -> int:
