@@ -200,14 +200,15 @@ def test_gguf_base_equals_peft_on_its_weights(tmp_path):
     assert seqs[0].output_token_ids != seqs[1].output_token_ids
 
 
-def test_adapters_under_speculative_decoding(lora_base, references):
+def test_adapters_under_speculative_decoding(lora_checkpoints):
     """A draft model (the base itself, SPECULATIVE_MODEL) and n-gram drafts verified under each adapter: the verify
     rows run under their sequence's adapter, so the tokens are still PEFT's (the drafts, the base's guesses, are
-    often rejected)."""
+    often rejected). Llama only: verify rows are the engine's, not the family's."""
     from config import Config
     from models.runtime import build_engine
 
-    model_dir, adapters = lora_base
+    model_dir, adapters = lora_checkpoints("llama")
+    references = {"": peft_reference(model_dir), **{n: peft_reference(model_dir, p) for n, p in adapters.items()}}
     config = Config(
         model_id=model_dir,
         max_batch_size=8,
@@ -227,3 +228,23 @@ def test_adapters_under_speculative_decoding(lora_base, references):
     submit_all(engine, [seqs])
     assert_peft_tokens(engine, references, seqs)
     assert engine.planner.spec.num_draft_tokens > 0 and engine.planner.spec.num_accepted_tokens > 0
+
+
+def test_native_step_over_several_calls(lora_checkpoints):
+    """A prompt longer than the kernel's rows per call (128 on quantized weights) prefilled in one step beside decode
+    rows of other adapters: the step is several kernel calls, each grouping its own rows by adapter (Llama only:
+    the split is the runner's, not the family's)."""
+    model_dir, adapters = lora_checkpoints("llama")
+    references = {"": peft_reference(model_dir, None, "int8")}
+    references |= {name: peft_reference(model_dir, path, "int8") for name, path in adapters.items()}
+    engine = lora_engine(model_dir, adapters, "native", "int8", max_num_batched_tokens=0)
+    assert engine.model.max_rows == 128
+    long_prompt = (references[""].encode(" ".join(PROMPTS)) * 4)[:150]
+    ids = {name: engine.loras.id_of(name) for name in adapters}
+    seqs = [Sequence(prompt_token_ids=long_prompt, max_new_tokens=6, ignore_eos=True, lora_id=ids["qv16"])]
+    seqs += [
+        Sequence(prompt_token_ids=references[""].encode(p), max_new_tokens=12, ignore_eos=True, lora_id=ids[name])
+        for p, name in zip(PROMPTS[:2], ("all8", "mlp4"))
+    ]
+    submit_all(engine, [seqs[1:], seqs[:1]], gap=0.05)  # the long prompt joins while the others decode
+    assert_peft_tokens(engine, references, seqs)
