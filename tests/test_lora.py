@@ -289,3 +289,51 @@ def test_kernel_hook_matches_the_torch_hooks_at_any_thread_count(lora_checkpoint
     np.testing.assert_allclose(runs[0], torch_logits, rtol=1e-4, atol=1e-4)
     assert np.array_equal(runs[0][0], base[0])  # the base row: no adapter, no change
     assert not np.allclose(runs[0][1:], base[1:], atol=1e-2)  # every adapter row moved
+
+
+def test_a_damaged_weights_file_is_refused_by_name(lora_checkpoints, tmp_path):
+    """A truncated or non-safetensors adapter_model.safetensors, an unknown dtype, bf16 weights (read exactly):
+    each refused in one line naming the adapter, or read, without torch."""
+    import numpy as np
+
+    from models.lora import LoraError, read_adapter
+
+    model_dir, adapters = lora_checkpoints("llama")
+    targets = make_engine(model_dir, capacity=1, max_loras=1).loras.targets
+    good = read_adapter("good", adapters["mlp4"], targets, 64)
+
+    def variant(name: str, edit) -> str:
+        out = str(tmp_path / name)
+        shutil.copytree(adapters["mlp4"], out)
+        path = os.path.join(out, "adapter_model.safetensors")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(edit(data))
+        return out
+
+    for name, edit, words in (
+        ("cut", lambda d: d[: len(d) // 2], "truncated"),
+        ("junk", lambda d: b"\xff" * 64, "cannot be read"),
+        ("int", lambda d: d.replace(b'"F32"', b'"I32"', 1), "dtype 'I32'"),
+    ):
+        with pytest.raises(LoraError) as info:
+            read_adapter(name, variant(name, edit), targets, 64)
+        assert f"'{name}'" in str(info.value) and words in str(info.value), info.value
+    from safetensors.numpy import load_file
+
+    bf16_dir = variant("bf16", lambda d: d)
+    path = os.path.join(bf16_dir, "adapter_model.safetensors")
+    header, blobs, at = {}, [], 0  # each fp32 tensor written as bfloat16 by hand (numpy has none): its high half
+    for key, value in load_file(path).items():
+        blob = (value.view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[key] = {"dtype": "BF16", "shape": list(value.shape), "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+    bf16 = read_adapter("bf16", bf16_dir, targets, 64)
+    for key, lin in good.linears.items():
+        want = (lin.a_t.view(np.uint32) & 0xFFFF0000).view(np.float32)
+        np.testing.assert_array_equal(bf16.linears[key].a_t, want)
