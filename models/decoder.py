@@ -153,13 +153,16 @@ class GGUFNames:
 
     ``layer``: blk.<i>.<gguf> -> <layers>.<i>.<hf>; ``top``: <gguf> -> <hf>; ``permuted_qk``: llama.cpp's converter
     interleaved Q and K's rotary halves (its Llama-family models), which the reader undoes; ``experts``: 3-D
-    tensors [E, out, in] of one expert matrix each -> the HF experts' (gate, up -> gate_up_proj; down)."""
+    tensors [E, out, in] of one expert matrix each -> the HF experts' (gate, up -> gate_up_proj; down);
+    ``norm_shift``: the converter stored every norm weight as shift + w (Gemma's 1 + w), which the reader undoes.
+    ``gguf_model.gguf_state_dict`` reads a file with it; ``gguf/config.py`` converts the architecture's metadata."""
 
     arch: str
     layer: dict[str, str]
     top: dict[str, str] = field(default_factory=lambda: dict(LLAMA_TOP))
     permuted_qk: bool = False
     experts: dict[str, str] = field(default_factory=dict)
+    norm_shift: float = 0.0
 
 
 # llama.cpp's Llama-like tensor names (checked against files its converter wrote): gguf/names.py's Llama table plus the
@@ -400,9 +403,14 @@ class Decoder(MixedForward):
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
         self.embed = embedding_table(sd[f"{names.embed}.weight"], weights)  # [V, C]
         layer_of = {f"{names.layers}.{i}.": i for i in range(self.n_layer)}
-        self.blocks = packed_blocks(
-            sd, list(layer_of), lambda p: Block(sd, p, names, spec, spec.is_moe(layer_of[p]), make_linear)
-        )
+        try:
+            self.blocks = packed_blocks(
+                sd, list(layer_of), lambda p: Block(sd, p, names, spec, spec.is_moe(layer_of[p]), make_linear)
+            )
+        except KeyError as exc:  # a checkpoint (a GGUF file) without a weight the spec needs: one line naming it
+            raise ValueError(
+                f"the checkpoint has no weight {exc.args[0]} (a {self.model_type} model needs it)"
+            ) from exc
         self.norm = norm_weight(sd[f"{names.final_norm}.weight"], spec)  # [C]
         tied = spec.tied or f"{names.lm_head}.weight" not in sd
         lm_head = self.embed if tied else sd[f"{names.lm_head}.weight"]

@@ -311,12 +311,14 @@ def ensure_image(model_id: str, weights: str = "fp32") -> str:
 
 def check_gguf(path: str) -> None:
     """``ModelLoadError`` (one line, torch-free) when the GGUF file ``path`` cannot be served at its own precision:
-    missing, corrupt or truncated, an unknown type id, or a tensor of a type no kernel serves (named with its
-    type)."""
+    missing, corrupt or truncated, an unknown type id, a tensor of a type no kernel serves (named with its type),
+    an architecture or a metadata key we do not serve (``gguf/config.py``)."""
+    from models.gguf.config import file_config
     from models.gguf.reader import check_servable, open_gguf
 
     try:
         check_servable(path, open_gguf(path))
+        file_config(path)
     except ValueError as exc:
         raise ModelLoadError(f"MODEL_ID {path}: {one_line(exc)}") from None
 

@@ -202,7 +202,8 @@ def embed_rows(table: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Te
 
 def check_cpu(sd: dict, device: torch.device) -> None:
     """Quantized weights (a GGUF served at its own precision) run on the CPU only."""
-    if device.type != "cpu" and any(isinstance(v, (QuantWeight, QuantParts)) for v in sd.values()):
+    quantized = [x for v in sd.values() for x in (v if isinstance(v, list) else [v])]  # a GGUF's experts: lists
+    if device.type != "cpu" and any(isinstance(v, (QuantWeight, QuantParts)) for v in quantized):
         raise ValueError(f"quantized weights run on the CPU only (device is {device}); use WEIGHTS=fp32")
 
 
@@ -420,14 +421,15 @@ def lean_attention(
 def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor | QuantWeight]:
     """The HF module's weights as contiguous fp32 tensors on ``device`` (the HF module can then go).
 
-    A GGUF served at its own precision (``models.quant.GGUFModel``) also hands over ``QuantWeight``s as they are.
+    A GGUF served at its own precision (``models.gguf_model.GGUFModel``) also hands over ``QuantWeight``s, and a
+    layer's quantized experts as a list of them, as they are.
     Small tensors (norms, biases, position tables: at most ``OWN_BELOW`` elements) are copied out of the
     checkpoint: safetensors maps the file, and one tensor the model keeps as it is would pin every page of the
     file read during the load (the whole checkpoint) in RSS; the large weights are packed into copies of their own.
     """
     sd = hf_model.state_dict()
     check_cpu(sd, device)
-    out = {k: v if isinstance(v, QuantWeight) else _owned_fp32(v, device) for k, v in sd.items()}
+    out = {k: v if isinstance(v, (QuantWeight, list)) else _owned_fp32(v, device) for k, v in sd.items()}
     copied = [v for k, v in sd.items() if isinstance(v, torch.Tensor) and out[k].data_ptr() != v.data_ptr()]
     release_file_pages(copied)  # their pages of the checkpoint's mapping were read by the copy and are not needed
     return out
