@@ -156,7 +156,7 @@ def read_adapter(name: str, path: str, targets: list[Target], max_rank: int) -> 
             raise refuse(f"tensor {key!r} is not a LoRA A/B weight this server applies (DoRA, biases, embeddings?)")
         if module not in by_module:
             raise refuse(f"module {module!r} is not a linear this server applies LoRA to ({_supported(targets)})")
-        pairs.setdefault(module, {})[which] = value
+        pairs.setdefault(module, {})[which] = value  # checked first: the tensors are read once every name is
     if not pairs:
         raise refuse(f"{WEIGHTS_FILE} holds no LoRA weights")
     adapter = Adapter(name, path, 0)
@@ -167,15 +167,17 @@ def read_adapter(name: str, path: str, targets: list[Target], max_rank: int) -> 
         tgt, i = by_module[module]
         _, _, n_out = tgt.parts[i]
         a, b = ab["A"], ab["B"]
+        if a.ndim != 2 or a.shape[0] < 1:
+            raise refuse(f"module {module!r}: lora_A has shape {list(a.shape)}")
         r = a.shape[0]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != tgt.K or b.shape != (n_out, r):
+        if a.shape[1] != tgt.K or b.shape != (n_out, r):
             raise refuse(
                 f"module {module!r}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit the base's linear "
                 f"of {tgt.K} inputs and {n_out} outputs (an adapter of another model?)"
             )
         if r > max_rank:
             raise refuse(f"module {module!r} has rank {r}; this server's MAX_LORA_RANK is {max_rank}")
-        grouped.setdefault(tgt, []).append((i, a, b))
+        grouped.setdefault(tgt, []).append((i, _fp32(a), _fp32(b)))
         adapter.rank = max(adapter.rank, r)
     for tgt, parts in grouped.items():
         adapter.linears[(tgt.layer, tgt.kind)] = _linear(tgt, sorted(parts, key=lambda p: p[0]), alpha, rslora)
@@ -221,15 +223,20 @@ def _read_config(path: str, refuse) -> dict:
 
 
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
+_MAX_HEADER = 100 << 20  # bytes of a safetensors header this reader accepts
 
 
 def _read_tensors(file: str, refuse) -> dict[str, np.ndarray]:
-    """A safetensors file's tensors as fp32 numpy arrays (F32, F16, BF16, F64), without torch."""
+    """A safetensors file's tensors, without torch: views of the file's read-only map in their own dtype (F32, F16,
+    F64; BF16 as uint16, ``_fp32`` widens it), so only the tensors used are ever read."""
     try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-            data = f.read()
+        data = np.memmap(file, dtype=np.uint8, mode="r")
+        (n,) = struct.unpack("<Q", data[:8].tobytes())
+        if not 0 < n <= min(_MAX_HEADER, data.size - 8):
+            raise ValueError(f"a header of {n} bytes")
+        header = json.loads(data[8 : 8 + n].tobytes())
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
     except FileNotFoundError:
         raise refuse(f"no {WEIGHTS_FILE}") from None
     except (OSError, ValueError, struct.error) as exc:
@@ -238,18 +245,24 @@ def _read_tensors(file: str, refuse) -> dict[str, np.ndarray]:
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        try:
+            dtype, (begin, end), shape = _SAFETENSORS_DTYPES.get(entry["dtype"]), entry["data_offsets"], entry["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise refuse(f"{WEIGHTS_FILE}: tensor {key!r} has a malformed entry") from None
         if dtype is None:
-            raise refuse(f"tensor {key!r} has dtype {entry.get('dtype')!r} (F32, F16, BF16 are read)")
-        begin, end = entry["data_offsets"]
-        shape = entry["shape"]
-        raw = np.frombuffer(data[begin:end], dtype=dtype)
-        if raw.size != math.prod(shape):
-            raise refuse(f"tensor {key!r} is truncated")
-        if dtype is np.uint16:  # bfloat16: the high half of an fp32
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        out[key] = raw.astype(np.float32).reshape(shape)
+            raise refuse(f"tensor {key!r} has dtype {entry['dtype']!r} (F32, F16, BF16 are read)")
+        count = math.prod(shape)
+        if not 0 <= begin <= end <= data.size - 8 - n or end - begin != count * np.dtype(dtype).itemsize:
+            raise refuse(f"tensor {key!r} lies outside {WEIGHTS_FILE} or does not fill its shape (truncated?)")
+        out[key] = data[8 + n + begin : 8 + n + end].view(dtype).reshape(shape)
     return out
+
+
+def _fp32(raw: np.ndarray) -> np.ndarray:
+    """A tensor of ``_read_tensors`` as an fp32 array of its own (bfloat16: the high half of an fp32)."""
+    if raw.dtype == np.uint16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
 
 
 def _module_of(key: str) -> tuple[str, str | None]:

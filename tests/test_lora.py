@@ -248,3 +248,92 @@ def test_native_step_over_several_calls(lora_checkpoints):
     ]
     submit_all(engine, [seqs[1:], seqs[:1]], gap=0.05)  # the long prompt joins while the others decode
     assert_peft_tokens(engine, references, seqs)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_kernel_hook_matches_the_torch_hooks_at_any_thread_count(lora_checkpoints, weights):
+    """The whole-step kernel's LoRA hook (decode_step.c + lora_step.c) against the torch linears' hooks on one step of
+    ragged groups (7 decode rows: the base, rank 8 on every linear x1, rank 16 on q/v x2, rank 4 on the MLP x3) plus a
+    5-token chunk under an adapter: the same logits within fp32 rounding, and bit for bit the same at 1, 2 and 3
+    threads (each output column is one thread's, summed in one order)."""
+    import numpy as np
+    import torch
+
+    from models.kernels import decode_step
+
+    from conftest import need_kernel
+
+    need_kernel(decode_step, "decode step")
+    model_dir, adapters = lora_checkpoints("llama")
+    engine = make_engine(model_dir, capacity=8, weights=weights, lora_modules=lora_modules(adapters), kv_block_size=4)
+    model, slot = engine.model, {n: engine.loras.slots._slot_of[engine.loras.id_of(n)] for n in adapters}
+    assert model.fused_step is not None
+    rows = [-1, slot["all8"], slot["qv16"], slot["qv16"], slot["mlp4"], slot["mlp4"], slot["mlp4"]]
+    tables = [[2 * b, 2 * b + 1] for b in range(len(rows))] + [[20, 21]]
+    args = ([11 + b for b in range(7)], [5] * 7, tables[:7], [[3, 4, 5, 6, 7]], [tables[7]], [0])
+    for b in range(7):  # each decode row's context, under its own adapter
+        model.forward([], [], [], [list(range(30, 35))], [tables[b]], loras=[rows[b]])
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            runs.append(model.forward(*args, loras=rows + [slot["all8"]]).numpy())
+        plan, model.fused_step = model.fused_step, None  # the same step through the torch linears' hooks
+        torch_logits = model.forward(*args, loras=rows + [slot["all8"]]).numpy()
+        model.fused_step = plan
+        base = model.forward(*args).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(np.array_equal(runs[0], r) for r in runs[1:])
+    np.testing.assert_allclose(runs[0], torch_logits, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(runs[0][0], base[0])  # the base row: no adapter, no change
+    assert not np.allclose(runs[0][1:], base[1:], atol=1e-2)  # every adapter row moved
+
+
+def test_a_damaged_weights_file_is_refused_by_name(lora_checkpoints, tmp_path):
+    """A truncated or non-safetensors adapter_model.safetensors, an unknown dtype, bf16 weights (read exactly):
+    each refused in one line naming the adapter, or read, without torch."""
+    import numpy as np
+
+    from models.lora import LoraError, read_adapter
+
+    model_dir, adapters = lora_checkpoints("llama")
+    targets = make_engine(model_dir, capacity=1, max_loras=1).loras.targets
+    good = read_adapter("good", adapters["mlp4"], targets, 64)
+
+    def variant(name: str, edit) -> str:
+        out = str(tmp_path / name)
+        shutil.copytree(adapters["mlp4"], out)
+        path = os.path.join(out, "adapter_model.safetensors")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(edit(data))
+        return out
+
+    for name, edit, words in (
+        ("cut", lambda d: d[: len(d) // 2], "truncated"),
+        ("junk", lambda d: b"\xff" * 64, "cannot be read"),
+        ("int", lambda d: d.replace(b'"F32"', b'"I32"', 1), "dtype 'I32'"),
+    ):
+        with pytest.raises(LoraError) as info:
+            read_adapter(name, variant(name, edit), targets, 64)
+        assert f"'{name}'" in str(info.value) and words in str(info.value), info.value
+    from safetensors.numpy import load_file
+
+    bf16_dir = variant("bf16", lambda d: d)
+    path = os.path.join(bf16_dir, "adapter_model.safetensors")
+    header, blobs, at = {}, [], 0  # each fp32 tensor written as bfloat16 by hand (numpy has none): its high half
+    for key, value in load_file(path).items():
+        blob = (value.view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[key] = {"dtype": "BF16", "shape": list(value.shape), "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+    bf16 = read_adapter("bf16", bf16_dir, targets, 64)
+    for key, lin in good.linears.items():
+        want = (lin.a_t.view(np.uint32) & 0xFFFF0000).view(np.float32)
+        np.testing.assert_array_equal(bf16.linears[key].a_t, want)
