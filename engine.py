@@ -29,17 +29,32 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from core.planner import Planner
 from core.pooling import pool_chunk
 from core.sampling import TokenLogprobs
 from core.sequence import Sequence
-from core.speculative import SpecParams, verify_run
+from core.speculative import EngineProposer, SpecParams, verify_run
 from core.step import AdmissionError, BatchPlan, RowFailure, StepOutput, StepResult
 
 __all__ = ["AdmissionError", "ChatTemplateError", "FakeEngine", "InferenceEngine", "RowFailure"]
 
 log = logging.getLogger("minibatch.engine")
+
+
+class Drafter(Protocol):
+    """A proposer the engine runs on its worker thread before each forward (``models.draft_model.DraftModel``)."""
+
+    def propose(self, plan: BatchPlan) -> None:
+        """Fill ``plan.drafts[i]`` (at most ``plan.draft_slots[i]`` tokens) for the rows with reserved slots; free
+        what it holds for sequences that left. Never raises for a row: a row it cannot serve gets no drafts."""
+
+    def reset(self) -> None:
+        """Forget every sequence (after a failure)."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the engine's stats."""
 
 
 class ChatTemplateError(ValueError):
@@ -55,6 +70,7 @@ class InferenceEngine(ABC):
     ``prefix_caching`` shares cached full blocks between prompts. See ``core/planner.py``.
     """
 
+    loras = None  # a ``models.lora.LoraManager`` where LoRA adapters are served (MAX_LORAS > 0), else None
     max_context: int  # prompt + generated tokens one sequence may hold
     vocab_size: int  # token ids are in [0, vocab_size)
     model_name: str
@@ -84,11 +100,22 @@ class InferenceEngine(ABC):
             prefix_caching,
             max_prefill_while_decoding,
         )
+        # A proposer run here, before each forward (a draft model: ``models/draft_model.py``; ``attach_drafter``).
+        self.drafter: Drafter | None = None
+
+    def attach_drafter(self, drafter: Drafter, method: str = "draft_model") -> None:
+        """Requests choosing speculative ``method`` get their drafts from ``drafter``: the planner reserves their
+        lookahead (``core.speculative.EngineProposer``), ``execute`` has the drafter fill them."""
+        self.drafter = drafter
+        self.planner.proposers[method] = EngineProposer()
 
     # --- executing a plan (the worker thread) --------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepOutput:
         """One forward over ``plan`` (``_forward``), then the block copies of its completing forks. Changes no
-        sequence's status or tokens; on an exception nothing but cache contents changed."""
+        sequence's status or tokens; on an exception nothing but cache contents changed. With a drafter, it first
+        fills the drafts of the rows the planner reserved lookahead for (``plan.draft_slots``)."""
+        if self.drafter is not None:
+            self.drafter.propose(plan)
         if plan.is_empty:
             return StepOutput([])
         tokens = self._forward(plan)
@@ -167,7 +194,10 @@ class InferenceEngine(ABC):
         return self.planner.reset_prefix_cache()
 
     def stats(self) -> dict[str, int]:
-        return self.planner.stats()
+        stats = self.planner.stats()
+        if self.drafter is not None:
+            stats.update(self.drafter.stats())
+        return stats
 
     # --- the synchronous driver (tests, benchmarks): plan, execute, apply in one call --------------
     def run_step(self, newcomers: list[Sequence] = (), decode: bool = True) -> StepResult:
@@ -205,6 +235,8 @@ class InferenceEngine(ABC):
         """Drop every admitted sequence and all cached state (after a failure)."""
         self.planner.reset()
         self.reset_state()
+        if self.drafter is not None:
+            self.drafter.reset()
 
 
 class FakeEngine(InferenceEngine):

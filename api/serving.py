@@ -168,9 +168,11 @@ def make_sequence(
     request_id: str,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    model: str | None = None,
 ) -> Sequence:
     """Validate sampling and length against the config and the model; build the Sequence.
-    ``logprobs`` / ``prompt_logprobs``: the top-k wanted for each output / prompt token (None: none)."""
+    ``logprobs`` / ``prompt_logprobs``: the top-k wanted for each output / prompt token (None: none); ``model``: the
+    name the request chose (``check_model``): a LoRA adapter's runs under it."""
     cfg = runtime.config
     for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if k is not None and k > cfg.max_logprobs:
@@ -196,6 +198,7 @@ def make_sequence(
     now = time.perf_counter()
     seq = Sequence(
         speculation=speculation(runtime, fields.speculative),
+        lora_id=lora_id(runtime, model),
         prompt_token_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id,
@@ -214,30 +217,59 @@ def make_sequence(
     return seq
 
 
+def lora_id(runtime: Runtime, model: str | None) -> int:
+    """The LoRA adapter ``model`` names (``Sequence.lora_id``); 0 for the base model (or None)."""
+    loras = runtime.engine.loras
+    return (loras.id_of(model) or 0) if loras is not None and model is not None else 0
+
+
+def check_model(runtime: Runtime, model: str | None) -> str:
+    """The name a request's ``model`` chose: the base model's (also for None) or a LoRA adapter's; 404 otherwise."""
+    name = runtime.config.model_name
+    if model is None or model == name or lora_id(runtime, model):
+        return model or name
+    loras = runtime.engine.loras
+    adapters = f" and the LoRA adapters {', '.join(f'`{a}`' for a in loras.served)}" if loras and loras.served else ""
+    raise APIError(404, f"The model `{model}` does not exist; this server serves `{name}`{adapters}", param="model")
+
+
 def speculation(runtime: Runtime, fields: SpeculativeFields | None) -> SpecParams | None:
     """The request's speculative decoding over the server's default (None: the default as it is); 400 naming
     ``speculative`` for a draft model this server does not serve, or lookup lengths out of order."""
     if fields is None:
         return None
     default = runtime.config.speculative
-    if fields.method == "draft_model" or fields.draft_model is not None:
-        name = fields.draft_model or ""
-        raise APIError(
-            400,
-            f"draft model {name!r} is not served here: this server has no draft model"
-            if name
-            else "`speculative.method` draft_model needs `speculative.draft_model`, a model this server serves",
-            param="speculative.draft_model",
-        )
+    method = fields.method or ("draft_model" if fields.draft_model is not None else default.method)
+    if method == "draft_model" or fields.draft_model is not None:
+        check_draft_model(runtime, fields.draft_model, method)
     try:
         return SpecParams(
-            fields.method or default.method,
+            method,
             fields.num_speculative_tokens or default.num_tokens,
             fields.prompt_lookup_min or min(default.lookup_min, fields.prompt_lookup_max or default.lookup_min),
             fields.prompt_lookup_max or max(default.lookup_max, fields.prompt_lookup_min or default.lookup_max),
         )
     except ValueError as exc:
         raise APIError(400, f"`speculative`: {exc}", param="speculative") from None
+
+
+def check_draft_model(runtime: Runtime, name: str | None, method: str) -> None:
+    """A request naming a draft model (or method draft_model) must name this server's (SPECULATIVE_MODEL), or none
+    when it has one: else a 400 naming it."""
+    served = runtime.config.speculative_model if getattr(runtime.engine, "drafter", None) is not None else ""
+    if method != "draft_model":
+        raise APIError(
+            400, f"`speculative.draft_model` goes with method draft_model, not {method!r}", param="speculative.method"
+        )
+    if name is not None and name != served:
+        where = f"this server's draft model is {served!r}" if served else "this server has no draft model"
+        raise APIError(400, f"draft model {name!r} is not served here: {where}", param="speculative.draft_model")
+    if not served:
+        raise APIError(
+            400,
+            "`speculative.method` draft_model needs a draft model; this server has none (SPECULATIVE_MODEL)",
+            param="speculative.method",
+        )
 
 
 # --- fair scheduling: who sent a request, and how much it may queue ----------------------------------------------
@@ -312,6 +344,9 @@ def start_generations(
     (``group_choices``), so the engine prefills that prompt once and forks it to the other choices."""
     check_sequence_count(runtime, len(seqs))
     check_logprob_entries(runtime, seqs)
+    loras = runtime.engine.loras
+    if any(s.lora_id and not loras.is_served(s.lora_id) for s in seqs):  # unloaded while the request was prepared
+        raise APIError(404, "the LoRA adapter this request chose was unloaded meanwhile", param="model")
     if n > 1:
         for i in range(0, len(seqs), n):
             group_choices(seqs[i : i + n])

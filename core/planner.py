@@ -47,10 +47,10 @@ import logging
 import time
 from collections.abc import Iterable
 
-from core.block_manager import BlockManager, extend_block_hashes
+from core.block_manager import BlockManager, extend_block_hashes, lora_seed
 from core.fair_queue import FairQueue
 from core.sequence import Sequence, SequenceStatus
-from core.speculative import NgramProposer, SpecParams, SpecStats, draft_state
+from core.speculative import NgramProposer, SpecParams, SpecStats, cut_drafts, draft_state
 from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
 log = logging.getLogger("minibatch.engine")
@@ -222,7 +222,7 @@ class Planner:
                 self._admitted.setdefault(seq.seq_id, next(self._serial))
             rows = list(self.rows) if decode else []
             chunks = self._plan_chunks(len(rows))
-            drafts = self._propose(rows, sum(c.end - c.start for c in chunks))
+            drafts, draft_slots = self._propose(rows, sum(c.end - c.start for c in chunks))
         except BaseException:
             self._unplace_all(newcomers)
             raise
@@ -245,62 +245,63 @@ class Planner:
             samples=rows + [x for p in ending for x in (p, *forks.get(p.seq_id, ()))],
             copies=copies,
             drafts=drafts,
+            draft_slots=draft_slots,
             start=start,
         )
 
     # --- speculative decoding ------------------------------------------------------------------
-    def _propose(self, rows: list[Sequence], chunk_tokens: int) -> list[list[int]]:
-        """Draft tokens for each decode row (``[]`` when none has any), within the step's token budget left by the
-        decode rows and the ``chunk_tokens`` of prompt chunks (a prompt loading is never slowed by drafts), with KV
-        slots reserved for them (``BlockManager.append_lookahead``: plain free blocks only, so a draft never
-        evicts a cached block nor preempts anyone); none while ``spec_disable_batch_size`` rows or more decode."""
+    def _propose(self, rows: list[Sequence], chunk_tokens: int) -> tuple[list[list[int]], list[int]]:
+        """Draft tokens for each decode row, and the lookahead slots reserved for an engine-run proposer to fill (a
+        draft model: ``EngineProposer``), each ``[]`` when no row has any; within the step's token budget left by
+        the decode rows and the ``chunk_tokens`` of prompt chunks (a prompt loading is never slowed by drafts),
+        with KV slots reserved for them (``BlockManager.append_lookahead``: plain free blocks only, so a draft
+        never evicts a cached block nor preempts anyone); none while ``spec_disable_batch_size`` rows or more
+        decode."""
         if not rows or (self.spec_disable_batch_size and len(rows) >= self.spec_disable_batch_size):
-            return []
+            return [], []
         budget = self.max_context
         if self.max_num_batched_tokens:
             budget = self.max_num_batched_tokens - len(rows) - chunk_tokens
         if self.spec_row_limit and len(rows) + chunk_tokens < self.spec_row_limit:
             budget = min(budget, self.spec_row_limit - 1 - len(rows) - chunk_tokens)
-        drafts = []
+        drafts, slots = [], []
         for seq in rows:
-            tokens = self._drafts_for(seq, budget, len(rows)) if budget > 0 else []
-            if tokens:
-                tokens = tokens[: self.blocks.append_lookahead(seq.seq_id, len(tokens))]
-            budget -= len(tokens)
-            drafts.append(tokens)
-        return drafts if any(drafts) else []
+            tokens, k = self._drafts_for(seq, budget, len(rows)) if budget > 0 else ([], 0)
+            k = self.blocks.append_lookahead(seq.seq_id, len(tokens) or k) if tokens or k else 0
+            budget -= k
+            drafts.append(tokens[:k])
+            slots.append(0 if tokens else k)
+        return drafts if any(drafts) or any(slots) else [], slots if any(slots) else []
 
-    def _drafts_for(self, seq: Sequence, budget: int, rows: int) -> list[int]:
-        """The proposer's drafts for ``seq`` in a step of ``rows`` decode rows: as many as its measured acceptance
-        makes worth verifying there (``spec_adaptive``; else ``num_tokens``), never past its ``max_tokens`` (the
-        run's last token is sampled, not a draft), the context or ``budget``; cut after a stop token (the sequence
-        ends there) and where its grammar would reject them."""
+    def _drafts_for(self, seq: Sequence, budget: int, rows: int) -> tuple[list[int], int]:
+        """The proposer's drafts for ``seq`` in a step of ``rows`` decode rows, or for an engine-run proposer how
+        many it may propose ((tokens, 0) or ([], k)): as many as its measured acceptance makes worth verifying there
+        (``spec_adaptive``; else ``num_tokens``), never past its ``max_tokens`` (the run's last token is sampled,
+        not a draft), the context or ``budget``; cut after a stop token (the sequence ends there) and where its
+        grammar would reject them (``cut_drafts``)."""
         params = seq.speculation or self.speculative
-        if not params.enabled:
-            return []
+        proposer = self.proposers.get(params.method) if params.enabled else None
+        if proposer is None:  # off, or a method this engine has no proposer for
+            return [], 0
         k = params.num_tokens
         if self.spec_adaptive:
             k = draft_state(seq).length.length(k, rows)
         k = min(k, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
         k = min(k, self.max_context - seq.num_tokens)
         if k <= 0:
-            return []
-        drafts = self.proposers[params.method].propose(seq, params, k)[:k]
-        for i, token in enumerate(drafts):
-            if token in seq.stop_token_ids:
-                drafts = drafts[: i + 1]
-                break
-        if seq.grammar is not None and drafts:
-            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
-        return drafts
+            return [], 0
+        if getattr(proposer, "in_engine", False):
+            return [], k
+        return cut_drafts(seq, proposer.propose(seq, params, k)[:k]), 0
 
-    def _roll_back_lookahead(self, rows: list[Sequence], drafts: list[list[int]], runs: list | None = None) -> None:
+    def _roll_back_lookahead(self, rows: list[Sequence], lookahead: list[int], runs: list | None = None) -> None:
         """Give back the slots of the drafts no row keeps, last row first (the reverse of ``_propose``'s taking, so
         the free list is restored exactly): a row that took tokens keeps slots for all but its newest (as after a
-        step without drafts), one that took none (failed, or ``runs`` None: the step did not run) its last token's."""
-        for i in reversed(range(len(drafts))):
+        step without drafts), one that took none (failed, or ``runs`` None: the step did not run) its last token's.
+        ``lookahead[i]``: the slots row ``i`` reserved past its last token (``BatchPlan.lookahead``)."""
+        for i in reversed(range(len(lookahead))):
             seq = rows[i]
-            if not drafts[i] or seq.seq_id not in self.blocks:
+            if not lookahead[i] or seq.seq_id not in self.blocks:
                 continue
             took = runs is not None and not isinstance(runs[i], RowFailure)
             self.blocks.rollback(seq.seq_id, seq.num_tokens - 1 if took else seq.num_tokens)
@@ -326,7 +327,7 @@ class Planner:
     def abandon(self, plan: BatchPlan) -> None:
         """The engine failed on ``plan``: its decode rows give back their drafts' slots and its newcomers hold nothing
         again (its preemptions, and the rows' slots for their next token, stand)."""
-        self._roll_back_lookahead(plan.decode, plan.drafts)
+        self._roll_back_lookahead(plan.decode, plan.lookahead)
         self._unplace_all(plan.newcomers)
 
     # --- applying a step's output ----------------------------------------------------------------
@@ -342,7 +343,7 @@ class Planner:
             if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
                 seq.admit_time = plan.start
         if plan.decode:
-            self._commit_step(plan.decode, tokens[:n], now, plan.drafts)
+            self._commit_step(plan.decode, tokens[:n], now, plan.drafts, plan.lookahead)
         done = []
         for seq, begin, end in plan.chunks:
             self._computed[seq.seq_id] = end
@@ -373,12 +374,14 @@ class Planner:
             self._admitted.pop(seq.seq_id, None)
             self.blocks.free(seq.seq_id)
 
-    def _commit_step(self, rows: list[Sequence], tokens: list, now: float, drafts: list[list[int]]) -> None:
+    def _commit_step(
+        self, rows: list[Sequence], tokens: list, now: float, drafts: list[list[int]], lookahead: list[int]
+    ) -> None:
         """Decode rows take their tokens (a verified row its run, cut where the sequence finishes), the rejected
         drafts' slots go back, and the blocks their verified tokens filled enter the cache."""
         taken = [_take(seq, token, now) for seq, token in zip(rows, tokens)]
         if drafts:
-            self._roll_back_lookahead(rows, drafts, tokens)
+            self._roll_back_lookahead(rows, lookahead, tokens)
             for seq, draft, run, n in zip(rows, drafts, tokens, taken):
                 if draft:
                     accepted = len(run) - 1 if isinstance(run, list) else 0
@@ -482,6 +485,7 @@ class Planner:
                 other is not seq
                 and other.seq_id in computing
                 and not other.output_token_ids
+                and other.lora_id == seq.lora_id
                 and seq.prompt_logprobs_k in (None, other.prompt_logprobs_k)
                 and other.prompt_token_ids == seq.prompt_token_ids
             ):
@@ -569,7 +573,7 @@ class Planner:
         n, bs = num_tokens // self.blocks.block_size, self.blocks.block_size
         if len(seq.block_hashes) < n:
             tokens = (seq.prompt_token_ids + seq.output_token_ids)[: n * bs]
-            extend_block_hashes(seq.block_hashes, tokens, bs)
+            extend_block_hashes(seq.block_hashes, tokens, bs, lora_seed(seq.lora_id))  # an adapter's K/V are its own
         return seq.block_hashes[:n]
 
     def _lookup(self, seq: Sequence) -> list[bytes]:

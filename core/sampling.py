@@ -310,7 +310,7 @@ def _take(a: np.ndarray, index: np.ndarray) -> np.ndarray:
 def _draw(weights: np.ndarray, u: float) -> int:
     """Inverse CDF over one row of ``weights`` [W] (>= 0): the first index whose float64 cumulative mass (a serial
     cumsum) exceeds u * total."""
-    cdf = np.cumsum(weights.astype(np.float64))
+    cdf = np.cumsum(weights, dtype=np.float64)  # each weight widened as it is added: the same serial sums
     # side="right" never lands on a zero-mass entry (its cdf equals its predecessor's); the min
     # only guards a target == total rounding case.
     return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), cdf.size - 1)
@@ -439,7 +439,9 @@ def _sample_full_rows(
     n, vocab = x.shape
     d = x - amax
     d /= temp  # scaled logits minus their max: <= 0, max exactly 0
-    e = np.exp(d)
+    # Probabilities (unnormalized) over the whole vocabulary only where a row needs them: a draw over all of it, or
+    # top-p's total mass. Rows with min-p alone know their threshold without them and exponentiate their survivors.
+    e = None if all(p.min_p > 0.0 and p.top_p >= 1.0 for p in ps) else np.exp(d)
     # Both filters keep the tokens at or above a per-row threshold on d (-inf: no filter on that row).
     threshold = None
     p_rows = [i for i, p in enumerate(ps) if p.top_p < 1.0]
@@ -460,7 +462,7 @@ def _sample_full_rows(
             out[i] = _draw(e[i], u[i, 0])
         else:  # the survivors alone, in vocabulary order: the same sums as with zeros in between
             ids = np.flatnonzero(d[i] >= threshold[i, 0])  # never empty: d's max is 0, every threshold <= 0
-            out[i] = ids[_draw(e[i, ids], u[i, 0])]
+            out[i] = ids[_draw(np.exp(d[i, ids]) if e is None else e[i, ids], u[i, 0])]
     return out
 
 
@@ -510,6 +512,10 @@ def sample(
     if vocab == 0:
         raise ValueError("logits have no vocabulary (shape [N, 0])")
     params = [p or _GREEDY for p in params]
+    penalized = any(p.has_penalties for p in params)
+    biased = any(p.logit_bias for p in params)
+    if not penalized and not biased and all(p.is_greedy for p in params):
+        return _argmax(logits)
     # A row is usable when its max is finite: no NaN (max propagates it), no +inf, not all -inf
     # (-inf alone is a masked token: allowed).
     with np.errstate(invalid="ignore"):
@@ -517,10 +523,6 @@ def sample(
     usable = np.isfinite(row_max)
     if not usable.all():
         raise NonFiniteLogits(np.flatnonzero(~usable).tolist())
-    penalized = any(p.has_penalties for p in params)
-    biased = any(p.logit_bias for p in params)
-    if not penalized and not biased and all(p.is_greedy for p in params):
-        return logits.argmax(axis=1).tolist()
 
     if penalized or biased:
         x = apply_penalties(logits, params, prompt_ids, output_ids)
@@ -557,6 +559,18 @@ def sample(
         for i, tok in zip(rows, toks.tolist()):
             out[i] = tok
     return out
+
+
+def _argmax(logits: np.ndarray) -> list[int]:
+    """Greedy rows without penalties: each row's argmax, in one pass over the vocabulary (nothing normalized). The
+    value at the argmax is the row's max, unless the row holds a NaN (argmax stops at the first NaN): a row is
+    refused (``NonFiniteLogits``) when that value is not finite (NaN, +inf, or every logit -inf)."""
+    ids = logits.argmax(axis=1)
+    best = logits[np.arange(logits.shape[0]), ids]
+    usable = np.isfinite(best)
+    if not usable.all():
+        raise NonFiniteLogits(np.flatnonzero(~usable).tolist())
+    return ids.tolist()
 
 
 def grammar_bitmask(grammars: Sequence, vocab: int) -> np.ndarray:

@@ -16,22 +16,26 @@ proposer without probabilities (n-gram) accepting draft ``d`` exactly when the t
 sampling with acceptance ``p(d)``. What a draft never changes: ``max_tokens`` (the run stops at it), stop tokens,
 the prefix cache (only verified tokens' blocks enter it), logprobs (of the emitted tokens only).
 
-Proposers: ``NgramProposer`` (prompt lookup, vLLM's ``ngram`` method / llama.cpp's ``ngram-simple``). Each request
-may choose its own (``SpecParams``), with the server's default otherwise (config ``SPECULATIVE_*``).
+Proposers: ``NgramProposer`` (prompt lookup, vLLM's ``ngram`` method / llama.cpp's ``ngram-simple``), planned with
+the step; and a draft model (``models/draft_model.py``, vLLM's ``draft_model``), which the engine runs on its worker
+thread before the target's forward: the planner only reserves the row's lookahead (``EngineProposer``,
+``BatchPlan.draft_slots``) and the engine fills ``BatchPlan.drafts``. Each request may choose its own
+(``SpecParams``), with the server's default otherwise (config ``SPECULATIVE_*``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("off", "ngram")
+SPEC_METHODS = ("off", "ngram", "draft_model")
 MAX_SPEC_TOKENS = 16  # most draft tokens per row and step
 
 
 @dataclass(frozen=True)
 class SpecParams:
-    """One request's speculation: ``method`` ("off" or "ngram"), up to ``num_tokens`` drafts per step, looked up as
-    the continuation of the sequence's last ``lookup_max`` .. ``lookup_min`` tokens found earlier in it."""
+    """One request's speculation: ``method`` ("off", "ngram" or "draft_model"), up to ``num_tokens`` drafts per step;
+    prompt lookup (ngram) looks them up as the continuation of the sequence's last ``lookup_max`` .. ``lookup_min``
+    tokens found earlier in it."""
 
     method: str = "off"
     num_tokens: int = 4
@@ -148,6 +152,26 @@ class NgramProposer:
         if index is None or (index.min_n, index.max_n) != (params.lookup_min, params.lookup_max):
             index = state.index = NgramIndex(params.lookup_min, params.lookup_max)
         return index.propose(seq.prompt_token_ids + seq.output_token_ids, k)
+
+
+class EngineProposer:
+    """A proposer the engine runs on its worker thread (a draft model: ``models/draft_model.py``). The planner only
+    decides how many drafts a row may carry and reserves their KV slots (``BatchPlan.draft_slots``); the engine
+    fills ``BatchPlan.drafts`` (at most that many each, cut by ``cut_drafts``) before the target's forward."""
+
+    in_engine = True
+
+
+def cut_drafts(seq, drafts: list[int]) -> list[int]:
+    """``drafts`` cut after a stop token of ``seq`` (the sequence would end there) and where its grammar rejects
+    them (``GrammarState.valid_prefix``)."""
+    for i, token in enumerate(drafts):
+        if token in seq.stop_token_ids:
+            drafts = drafts[: i + 1]
+            break
+    if seq.grammar is not None and drafts:
+        drafts = drafts[: seq.grammar.valid_prefix(drafts)]
+    return drafts
 
 
 def verify_run(sampled: list[int], drafts: list[int]) -> list[int]:

@@ -56,7 +56,9 @@ class BatchPlan:
     Speculative decoding (``core/speculative.py``): ``drafts[i]`` (empty, or one list per decode row) are the draft
     tokens decode row ``i`` feeds after its last token, at positions ``num_tokens .. num_tokens + k - 1``, its block
     table covering them; the forward computes logits at every one of its positions and returns the row's emitted
-    run (a list of tokens) instead of one token.
+    run (a list of tokens) instead of one token. ``draft_slots[i]`` (empty, or one count per decode row): the
+    lookahead slots reserved for an engine-run proposer (a draft model), whose drafts the engine writes into
+    ``drafts[i]`` (at most that many) before its forward: the one part of a plan the engine fills in.
     """
 
     decode: list[Sequence] = field(default_factory=list)
@@ -68,7 +70,13 @@ class BatchPlan:
     samples: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # per decode row (empty: no row carries drafts)
+    draft_slots: list[int] = field(default_factory=list)  # per decode row, for the engine's proposer (empty: none)
     start: float = 0.0  # when the plan was made (a newcomer's admit_time)
+
+    @property
+    def loras(self) -> list[int]:
+        """Each row's LoRA adapter id (``Sequence.lora_id``, 0: the base model): the decode rows', then the chunks'."""
+        return [s.lora_id for s in self.decode] + [c.seq.lora_id for c in self.chunks]
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +86,13 @@ class BatchPlan:
     def drafts_of(self, row: int) -> list[int]:
         """The draft tokens decode row ``row`` verifies ([] for none)."""
         return self.drafts[row] if self.drafts else []
+
+    @property
+    def lookahead(self) -> list[int]:
+        """The KV slots each decode row holds past its last token for drafts (reserved by the planner, rolled back
+        when the output is applied): its drafts', or those reserved for the engine's proposer."""
+        slots = self.draft_slots or [0] * len(self.decode)
+        return [max(len(self.drafts_of(i)), slots[i]) for i in range(len(self.decode))] if self.drafts else []
 
     @property
     def num_draft_tokens(self) -> int:

@@ -73,10 +73,27 @@ class ModelEngine(InferenceEngine):
         self._heap = HeapTrimmer()
         return num_blocks
 
-    def _logits(self, *forward_args):
-        """``self.model.forward(*forward_args)`` as a float32 numpy array [rows, V] (sampling runs on numpy), and
-        the hidden states [rows, C] beside it when a chunk asked for them (``ModelRunner.forward``'s ``hidden``)."""
-        return self.model.forward(*forward_args)
+    def _logits(self, *forward_args, **lora):
+        """``self.model.forward(*forward_args, **lora)`` as a float32 numpy array [rows, V] (sampling runs on
+        numpy), and the hidden states [rows, C] beside it when a chunk asked for them (``ModelRunner.forward``'s
+        ``hidden``)."""
+        return self.model.forward(*forward_args, **lora)
+
+    def _init_loras(self, config: Config, targets: list) -> None:
+        """MAX_LORAS adapter slots on the model, and LORA_MODULES in them (``ModelLoadError``, one line naming the
+        adapter and why, for one this model cannot serve)."""
+        if not config.max_loras:
+            return
+        from models.lora import LoraError, LoraManager
+
+        self.model.enable_lora(config.max_loras)
+        self.loras = LoraManager(self.model, targets, config.max_loras, config.max_lora_rank)
+        for name, path in config.lora_module_list:
+            try:
+                loaded = self.loras.load_now(name, path)
+            except LoraError as exc:
+                raise ModelLoadError(f"LORA_MODULES: {exc}") from None
+            log.info("LoRA adapter %s (%s): rank %d", name, path, loaded.rank)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -153,6 +170,7 @@ class ModelEngine(InferenceEngine):
             [decode[i].num_tokens - 1 for i in verify] + [start for _, start, _ in chunks],
             full if any(full) else (),
             [False] * len(verify) + pooled if any(pooled) else (),
+            **self._lora_rows(plan, plain, verify),
         )  # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
         logits, hidden = out if any(pooled) else (out, None)  # hidden: [embedded chunks' tokens, C]
         if chunks or verify:  # chunks bring new shapes, whose scratch the heap would otherwise keep
@@ -181,6 +199,13 @@ class ModelEngine(InferenceEngine):
         tokens = self._next_tokens(logits, plan.samples)
         self._add_logprobs(logits, plan.samples, tokens)
         return tokens
+
+    def _lora_rows(self, plan: BatchPlan, plain: list[int], verify: list[int]) -> dict:
+        """The forward's ``loras`` argument (each row's adapter slot, in the order ``_forward`` feeds the rows), or
+        nothing when every row is the base model's."""
+        ids, n = plan.loras, len(plan.decode)
+        slots = self.loras.rows([ids[i] for i in plain + verify] + ids[n:]) if self.loras is not None else None
+        return {} if slots is None else {"loras": slots}
 
     def _verify(self, logits, samples: list[Sequence], first: list[int], drafts: list[list[int]]) -> list:
         """Speculative decoding: ``samples[i]`` samples from logits row ``first[i]``, and a decode row with ``k``
@@ -349,6 +374,7 @@ class HFEngine(ModelEngine):
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
+        self._init_loras(config, self.model.lora_targets())
         if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
             log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
         del hf_model
@@ -379,8 +405,8 @@ class HFEngine(ModelEngine):
             memory.get("VmHWM", 0),
         )
 
-    def _logits(self, *forward_args):
-        out = self.model.forward(*forward_args)  # logits [rows, V], or (logits, hidden [rows, C])
+    def _logits(self, *forward_args, **lora):
+        out = self.model.forward(*forward_args, **lora)  # logits [rows, V], or (logits, hidden [rows, C])
         if isinstance(out, tuple):
             return tuple(t.float().cpu().numpy() for t in out)
         return out.float().cpu().numpy()  # sampling runs on numpy
@@ -429,6 +455,7 @@ class NativeEngine(ModelEngine):
         except (ImageError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
         self.vocab_size = meta["vocab_size"]
+        self._init_loras(config, self.model.lora_targets())
         self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
         self.hidden_size = self.model.n_embd  # an embedding's width (/v1/embeddings)
         resident = self.model.resident_weights()
@@ -591,6 +618,8 @@ def build_engine(config: Config) -> InferenceEngine:
     Raises ``ModelLoadError`` (a one-line message saying why and what to do) when MODEL_ID cannot be served.
     """
     if config.is_fake:
+        if config.speculative_model:
+            raise ModelLoadError("SPECULATIVE_MODEL needs a real MODEL_ID: MODEL_ID=fake has no model to draft for")
         engine = FakeEngine(
             capacity=config.max_batch_size,
             stop_token_ids=(FakeEngine.EOS, *config.stop_token_ids),
@@ -602,7 +631,58 @@ def build_engine(config: Config) -> InferenceEngine:
         )
         configure_speculation(engine.planner, config)
         return engine
-    return NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+    engine = NativeEngine(config) if uses_native_runtime(config) else HFEngine(config)
+    if config.speculative_model:
+        attach_draft_model(engine, config)
+    return engine
+
+
+def attach_draft_model(engine: ModelEngine, config: Config) -> None:
+    """SPECULATIVE_MODEL: the draft model, loaded as a target is (``models/loading``) on ``engine``'s runtime kind
+    with its own KV pool, checked to share ``engine``'s tokenizer, proposes the drafts of the requests choosing
+    ``draft_model`` (``models/draft_model.py``). ModelLoadError, naming both models, when it cannot."""
+    import dataclasses
+
+    from models.draft_model import DraftModel
+
+    name, native = config.speculative_model, isinstance(engine, NativeEngine)
+    draft_config = dataclasses.replace(
+        config,
+        model_id=name,
+        runtime="native" if native else "torch",
+        max_model_len=engine.max_context,
+        speculative_method="off",
+        speculative_model="",
+        served_model_name="",
+        chat_template="",
+        lora_modules="",  # a draft model proposes from its base weights: the target verifies under the adapter
+        max_loras=0,
+    )
+    try:
+        draft = NativeEngine(draft_config) if native else HFEngine(draft_config)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"SPECULATIVE_MODEL {name}: {exc}") from None
+    problem = tokenizer_mismatch(engine, draft)
+    if problem:
+        raise ModelLoadError(
+            f"SPECULATIVE_MODEL {name} cannot draft for MODEL_ID {config.model_id}: {problem}; a draft model must "
+            "share the target's tokenizer"
+        )
+    engine.attach_drafter(DraftModel(draft, name, config.max_num_batched_tokens))
+    log.info("draft model %s proposes the drafts of requests choosing draft_model", name)
+
+
+TOKENIZER_PROBE = "Hello, world! The quick brown fox jumps over 13 lazy dogs: naïve café, 東京, def f(x): return x**2\n"
+
+
+def tokenizer_mismatch(target: InferenceEngine, draft: InferenceEngine) -> str | None:
+    """Why ``draft`` does not share ``target``'s tokenizer (its vocabulary size, or how it tokenizes a probe text),
+    or None."""
+    if draft.vocab_size != target.vocab_size:
+        return f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}"
+    if draft.encode(TOKENIZER_PROBE) != target.encode(TOKENIZER_PROBE):
+        return "it tokenizes text differently"
+    return None
 
 
 def exact_row_limit(activations: str, resident: dict[str, int]) -> int:

@@ -7,6 +7,8 @@
     python scripts/latency_probe.py bare --per-layer            # lean steps as per-layer calls (before the fused step)
     python scripts/latency_probe.py alternate --batch 1 8      # one process, steps alternating: whole-step call
                                                                 # and per-layer calls (same load on both: a shared box)
+    python scripts/latency_probe.py overhead --steps 200       # one user, in process: where a token's time goes
+                                                                # outside the forward (issue 28 item 6)
 
 The model and its settings come from the environment like the server's (MODEL_ID, WEIGHTS, NUM_THREADS...);
 ``--root`` runs another checkout (e.g. a worktree of an older commit) for a before/after in one run. Prints
@@ -177,6 +179,162 @@ def alternate(batch_sizes: list[int], steps: int) -> None:
         print(json.dumps(row), flush=True)
 
 
+def overhead(steps: int, baseline: str = "") -> None:
+    """One user, in process, through the server's own pieces: the Scheduler on the engine's thread, a Generation
+    (detokenizing, stop strings) and the chat stream's frames (``ChatFrames`` + ``sse``), greedy, ``steps`` tokens.
+    Per token, the median microseconds of: the kernel (the compiled step, native runtime), the forward around it
+    (building the step's rows: ``forward`` minus ``kernel``), sampling and the rest of ``execute``, planning,
+    applying the output, detokenizing, the SSE frame, and the loop (the gap between two tokens minus all those).
+    Then the sampling of each kind of request alone, on the model's own logits (``sample_costs``; ``baseline``: a
+    git revision whose ``core/sampling.py`` is timed beside this one, interleaved)."""
+    import asyncio
+
+    from api.openai.frames import ChatFrames
+    from api.streaming import sse
+    from config import Config
+    from core.generation import Generation
+    from core.sequence import Sequence
+    from models.runtime import build_engine
+    from scheduler import Scheduler, engine_thread
+
+    config = Config.from_env()
+    thread = engine_thread()
+    engine = thread.submit(build_engine, config).result()
+    times: dict[str, list[float]] = {k: [] for k in ("kernel", "forward", "execute", "plan", "apply", "detok", "sse")}
+
+    class Timed:
+        """``fn`` called through, its wall time appended to ``times[key]``; its other attributes passed through."""
+
+        def __init__(self, fn, key: str) -> None:
+            self.fn, self.key = fn, key
+
+        def __call__(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                times[self.key].append(time.perf_counter() - t0)
+
+        def __getattr__(self, name):
+            return getattr(self.fn, name)
+
+    def timed(obj, name: str, key: str) -> None:
+        setattr(obj, name, Timed(getattr(obj, name), key))
+
+    model = engine.model
+    if hasattr(model, "step"):  # the native runtime's compiled whole-step call
+        timed(model, "step", "kernel")
+    timed(model, "forward", "forward")
+    timed(engine, "execute", "execute")
+    timed(engine.planner, "schedule", "plan")
+    timed(engine.planner, "update_from_output", "apply")
+    logits: list = []
+    forward = model.forward
+
+    def keep_logits(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if len(logits) < 64:
+            logits.append(np.array(out[-1:], dtype=np.float32))
+        return out
+
+    model.forward = keep_logits
+    prompt = engine.encode("Write a long story about a fox who learns to read the books of an old library.")
+
+    async def one_user() -> list[float]:
+        sched = Scheduler(engine, max_queue_depth=4, executor=thread)
+        sched.start()
+        gen = Generation(Sequence(prompt, steps, ignore_eos=True), engine.decode, sched)
+        timed(gen.decoder, "push", "detok")
+        frames = ChatFrames(None, "chatcmpl-probe", "probe", False, False)
+        stamps = []
+        gen.start()
+        async for chunk in gen.stream():
+            t0 = time.perf_counter()
+            event = frames.text(0, chunk)
+            if event is not None:
+                sse(event)
+            stamps.append(t0)
+            times["sse"].append(time.perf_counter() - t0)
+        await sched.stop()
+        return [b - a for a, b in zip(stamps, stamps[1:])]
+
+    import numpy as np
+
+    gaps = asyncio.run(one_user())[4:]
+    skip = 4  # the prompt's step and the first decode steps (new shapes)
+    per = {k: v[skip:] for k, v in times.items()}
+    us = {k: round(statistics.median(v) * 1e6, 1) for k, v in per.items() if v}
+    if "kernel" in us:
+        us["rows"] = round(statistics.median(f - k for f, k in zip(per["forward"], per["kernel"])) * 1e6, 1)
+    us["sample+"] = round(statistics.median(e - f for e, f in zip(per["execute"], per["forward"])) * 1e6, 1)
+    us["gap"] = round(statistics.median(gaps) * 1e6, 1)
+    inside = ("execute", "plan", "apply", "detok", "sse")
+    us["loop"] = round(us["gap"] - sum(us[k] for k in inside), 1)
+    print(json.dumps({"mode": "overhead", "us_per_token": us, "load": os.getloadavg()[0]}), flush=True)
+    sample_costs(np.concatenate(logits[skip:]), baseline)
+
+
+def sample_costs(logits, baseline: str = "", repeat: int = 7) -> None:
+    """``core.sampling.sample`` alone on real logits [n, V], one row at a time, for each kind of request:
+    microseconds per token (the best of ``repeat`` passes over the rows, the kinds interleaved pass by pass), and
+    beside it, interleaved the same way, ``baseline``'s ``core/sampling.py`` (a git revision), with the tokens
+    both chose compared."""
+    from core.sampling import SamplingParams, sample
+
+    samplers = {"now": sample}
+    if baseline:
+        samplers[baseline] = _module_at(baseline, "core/sampling.py").sample
+
+    kinds = {
+        "greedy": SamplingParams(),
+        "temperature": SamplingParams(temperature=0.8, seed=1),
+        "top_k+top_p": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1),
+        "top_p": SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        "min_p": SamplingParams(temperature=0.8, min_p=0.05, seed=1),
+        "penalties": SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.3, seed=1),
+    }
+    prompt, output = [list(range(100, 400))], [list(range(500, 700))]
+    best = {(who, k): float("inf") for who in samplers for k in kinds}
+    chosen: dict = {}
+    for _ in range(repeat):
+        for name, params in kinds.items():
+            for who, fn in samplers.items():
+                t0 = time.perf_counter()
+                chosen[who, name] = [fn(row[None], [params], prompt, output)[0] for row in logits]
+                best[who, name] = min(best[who, name], (time.perf_counter() - t0) / len(logits))
+    for who in samplers:
+        row = {k: round(best[who, k] * 1e6, 1) for k in kinds}
+        same = all(chosen[who, k] == chosen["now", k] for k in kinds)
+        print(
+            json.dumps(
+                {
+                    "mode": "sample",
+                    "tree": who,
+                    "us_per_token": row,
+                    "rows": len(logits),
+                    "same_tokens": same,
+                    "load": os.getloadavg()[0],
+                }
+            )
+        )
+
+
+def _module_at(revision: str, path: str):
+    """``path`` (a module of this checkout) as it is at git ``revision``, imported under another name."""
+    import importlib.util
+    import tempfile
+
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"at_{abs(hash(revision))}", f.name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    os.unlink(f.name)
+    return module
+
+
 def _wait_ready(port: int, proc: subprocess.Popen, path: str) -> None:
     import urllib.request
 
@@ -199,13 +357,14 @@ def _ms(times: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["bare", "served", "alternate"])
+    ap.add_argument("mode", choices=["bare", "served", "alternate", "overhead"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps (bare) / new tokens (served)")
     ap.add_argument("--dispatches", action="store_true", help="count ATen ops of one decode step (bare)")
     ap.add_argument("--torch-path", action="store_true", help="bare: lean decode steps off (attribution)")
     ap.add_argument("--per-layer", action="store_true", help="bare: lean steps as per-layer calls, not one call")
     ap.add_argument("--llamacpp", default="", help="served: this llama-server binary instead of ours")
+    ap.add_argument("--baseline", default="", help="overhead: a git revision whose sampling is timed beside")
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
@@ -216,6 +375,8 @@ def main() -> None:
     os.chdir(root)
     if args.mode == "alternate":
         alternate(args.batch, args.steps)
+    elif args.mode == "overhead":
+        overhead(args.steps, args.baseline)
     elif args.mode == "bare":
         bare(args.batch, args.steps, args.dispatches, args.torch_path, args.per_layer)
     else:

@@ -13,12 +13,43 @@ import random
 import pytest
 
 from core.sequence import Sequence, SequenceStatus, group_choices
-from core.speculative import NgramIndex, SpecParams, verify_run
+from core.speculative import NgramIndex, SpecParams, cut_drafts, verify_run
 from engine import FakeEngine, RowFailure
 
 from conftest import schedule_all
 
 NGRAM = SpecParams("ngram", num_tokens=4, lookup_min=2, lookup_max=3)
+DRAFT = SpecParams("draft_model", num_tokens=4)
+
+
+class CopyDrafter:
+    """A stand-in for a draft model on the fake engine (the engine's ``Drafter`` seam): it fills the rows the planner
+    reserved lookahead for with the prompt's cyclic repetition (what ``copy_token`` mostly says), or ``wrong``
+    tokens; some rows get fewer drafts than reserved, some none."""
+
+    def __init__(self, wrong: bool = False) -> None:
+        self.wrong, self.reserved, self.filled = wrong, 0, 0
+
+    def propose(self, plan) -> None:
+        for i, k in enumerate(plan.draft_slots):
+            seq = plan.decode[i]
+            n, prompt = len(seq.output_token_ids), seq.prompt_token_ids
+            take = k - (seq.seq_id + n) % 3 if k else 0  # k, k - 1 or k - 2 of them
+            drafts = [300 if self.wrong else prompt[(n + j) % len(prompt)] for j in range(max(take, 0))]
+            plan.drafts[i] = cut_drafts(seq, drafts)
+            self.reserved += k
+            self.filled += len(plan.drafts[i])
+
+    def reset(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"reserved": self.reserved}
+
+
+def with_drafter(eng: FakeEngine, drafter: CopyDrafter) -> FakeEngine:
+    eng.attach_drafter(drafter)
+    return eng
 
 
 # --- the proposer ------------------------------------------------------------------------------------------
@@ -182,9 +213,34 @@ def test_drafts_change_no_token(kw):
         assert on.planner.num_preemptions and off.planner.num_preemptions
 
 
-def test_rejected_drafts_leave_the_books_as_without_them():
-    """A proposer whose every draft is wrong: each step's books (tables, reserved slots, the free list in its order,
-    the prefix cache) are exactly those of the same step without drafts."""
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 24}, {"num_blocks": 14, "block_size": 8, "max_num_batched_tokens": 32}],
+    ids=["whole", "chunked", "pressure"],
+)
+def test_drafts_the_engine_fills_change_no_token(kw):
+    """A proposer run by the engine (a draft model's seam): the planner reserves the lookahead, the engine fills
+    fewer drafts than reserved for some rows and none for others; the same tokens, statuses and logprobs as
+    without drafts, the shadow KV pool checking every read, and the books back to full."""
+    seqs = workload(random.Random(4), 40, logprobs=True)
+    off, drafter = checked_engine(**kw), CopyDrafter()
+    on = with_drafter(checked_engine(speculative=DRAFT, **kw), drafter)
+    copies = fresh_copies(seqs)
+    schedule_all(off, seqs)
+    schedule_all(on, copies)
+    assert_same_output(seqs, copies)
+    stats = on.planner.spec
+    assert 50 < stats.num_accepted_tokens < stats.num_draft_tokens == drafter.filled < drafter.reserved, stats
+    assert on.stats()["reserved"] == drafter.reserved  # the drafter's stats join the engine's
+    assert on.planner.stats()["generated_tokens"] == off.planner.stats()["generated_tokens"]
+    assert on.blocks.is_all_free() and not on.num_active()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_rejected_drafts_leave_the_books_as_without_them(method):
+    """A proposer whose every draft is wrong (prompt lookup's, or one the engine runs, filling fewer drafts than the
+    planner reserved for some rows): each step's books (tables, reserved slots, the free list in its order, the
+    prefix cache) are exactly those of the same step without drafts."""
 
     class Wrong:
         def propose(self, seq, params, k):
@@ -215,13 +271,16 @@ def test_rejected_drafts_leave_the_books_as_without_them():
 
     seqs = workload(random.Random(2), 24)
     kw = {"num_blocks": 40, "block_size": 4}
-    on = checked_engine(speculative=NGRAM, **kw)
-    on.planner.proposers["ngram"] = Wrong()
+    if method == "ngram":
+        on = checked_engine(speculative=NGRAM, **kw)
+        on.planner.proposers["ngram"] = Wrong()
+    else:
+        on = with_drafter(checked_engine(speculative=DRAFT, **kw), CopyDrafter(wrong=True))
     copies = fresh_copies(seqs)
     off_shots = snapshots(checked_engine(**kw), seqs)
     on_shots = snapshots(on, copies)
     assert_same_output(seqs, copies)
-    assert on.planner.spec.num_draft_tokens > 100 and on.planner.spec.num_accepted_tokens == 0
+    assert on.planner.spec.num_draft_tokens > 50 and on.planner.spec.num_accepted_tokens == 0
     assert len(on_shots) == len(off_shots)
     for i, (a, b) in enumerate(zip(off_shots, on_shots)):
         assert a == b, f"step {i}"

@@ -134,18 +134,28 @@ def test_greedy_output_with_drafts_is_the_output_without(pressure_model, runtime
     assert stopped[1].finish_reason == "stop" and len(stopped[1].output_token_ids) < seqs[1].max_new_tokens
 
 
+SEEDED = [
+    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(temperature=1.2, top_k=20, seed=8, repetition_penalty=1.3),
+    SamplingParams(temperature=0.5, top_p=0.9, seed=9, frequency_penalty=0.5),
+    SamplingParams(temperature=0.3, min_p=0.1, seed=10),
+]
+
+
+def seeded_requests(engine) -> list[Sequence]:
+    """Four seeded sampled requests (penalties, top-k, top-p, min-p), 24 tokens each, with logprobs."""
+    return [
+        Sequence(prompt_token_ids=engine.encode(p * 2), max_new_tokens=24, ignore_eos=True, sampling=sp, logprobs=1)
+        for p, sp in zip(PROMPTS[:4], SEEDED)
+    ]
+
+
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_seeded_sampling_with_drafts_keeps_its_tokens(tiny_model_dir, runtime):
     """A seeded sampled row gets the very tokens it gets without drafts (each position draws its own seeded
     uniform, as if the drafts before it were accepted), penalties and top-k included; the oracle's drafts are
     the greedy answer, so sampled tokens reject some and accept others."""
     engine = engine_for(tiny_model_dir, runtime, blocks=64)
-    params = [
-        SamplingParams(temperature=0.8, seed=7),
-        SamplingParams(temperature=1.2, top_k=20, seed=8, repetition_penalty=1.3),
-        SamplingParams(temperature=0.5, top_p=0.9, seed=9, frequency_penalty=0.5),
-        SamplingParams(temperature=0.3, min_p=0.1, seed=10),
-    ]
     prompts = [engine.encode(p * 2) for p in PROMPTS[:4]]
     greedy = [Sequence(prompt_token_ids=p, max_new_tokens=24, ignore_eos=True) for p in prompts]
     schedule_all(engine, greedy)
@@ -156,10 +166,7 @@ def test_seeded_sampling_with_drafts_keeps_its_tokens(tiny_model_dir, runtime):
         if spec:
             engine.planner.speculative, engine.planner.spec_disable_batch_size = spec, 0
             engine.planner.proposers["ngram"] = Oracle(answers, engine.vocab_size)
-        seqs = [
-            Sequence(prompt_token_ids=p, max_new_tokens=24, ignore_eos=True, sampling=sp, logprobs=1)
-            for p, sp in zip(prompts, params)
-        ]
+        seqs = seeded_requests(engine)
         schedule_all(engine, seqs)
         runs.append(seqs)
         if spec:

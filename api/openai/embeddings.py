@@ -53,7 +53,7 @@ async def embeddings(req: EmbeddingRequest, request: Request, runtime: Runtime =
     rid = f"embd-{uuid.uuid4().hex}"
     seqs = []
     for i, ids in enumerate(prompts):
-        seq = make_sequence(runtime, ids, 0, NO_SAMPLING, rid if len(prompts) == 1 else f"{rid}-{i}")
+        seq = make_sequence(runtime, ids, 0, NO_SAMPLING, rid if len(prompts) == 1 else f"{rid}-{i}", model=name)
         seq.pooling = runtime.config.embedding_pooling
         seqs.append(seq)
     gens = start_generations(runtime, seqs, None, request=request)
