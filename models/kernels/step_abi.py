@@ -383,6 +383,7 @@ class StepKernel:
         logits: int,
         ws: int,
         threads: int,
+        *,
         hidden_rows: int | None = None,
         n_hidden: int = 0,
         hidden: int | None = None,
