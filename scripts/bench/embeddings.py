@@ -72,8 +72,9 @@ def start_ours(gguf: str, capacity: int, threads: int, context: int, count: int)
 
 
 def start_llamacpp(gguf: str, capacity: int, threads: int, context: int):
-    """``llama-server --embeddings --pooling mean`` on ``gguf``, ``capacity`` slots of ``context`` tokens; its batch
-    (and micro-batch) at least one whole input, which an embedding needs: -> (url, peak_rss_mb(), stop())."""
+    """``llama-server --embeddings --pooling mean`` on ``gguf``, ``capacity`` slots of ``context`` tokens; its batch and
+    micro-batch its defaults (2048, 512), or one whole input if longer (an embedding needs its input in one
+    micro-batch): -> (url, peak_rss_mb(), stop())."""
     from scripts.build_llamacpp import binary_path
 
     binary = binary_path()
@@ -82,7 +83,7 @@ def start_llamacpp(gguf: str, capacity: int, threads: int, context: int):
     port = _free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--embeddings", "--pooling", "mean"]
     cmd += ["-np", str(capacity), "-c", str(capacity * context), "-t", str(threads), "--no-webui"]
-    cmd += ["-b", str(context), "-ub", str(context)]
+    cmd += ["-b", str(max(2048, context)), "-ub", str(max(512, context))]  # its defaults, an input within a ubatch
     log_path = _log_path(f"llamacpp-embeddings-{port}.log")
     proc, log_file, _ = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, "auto")
     return f"http://127.0.0.1:{port}", *_process_handles(proc, log_file, 10)
