@@ -20,6 +20,7 @@ from models.kv_dtype import KV_DTYPES  # torch-free
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")  # models/quant.py serves each
+POOLINGS = ("mean", "last")  # EMBEDDING_POOLING
 RUNTIMES = ("auto", "torch", "native")  # models.runtime.build_engine picks the engine by it
 # A CORS origin: "*", or scheme://host[:port] with no path (what browsers send in Origin).
 _ORIGIN = re.compile(r"\*|https?://[A-Za-z0-9.\-\[\]:]+")
@@ -115,6 +116,12 @@ class Config:
     served_model_name: str = ""
     # Chat template (Jinja) for models without one, as text or a path to a file. "" = the tokenizer's own.
     chat_template: str = ""
+    # Tools for a model whose chat template does not render them: described in a system preamble, calls answered as
+    # a JSON object (guided/tools.py GENERIC, docs/api.md "Tool calling"); false: such requests get a 400.
+    generic_tools: bool = True
+    # POST /v1/embeddings: how a prompt's final hidden states (after the final norm) become one vector, L2-normalized:
+    # "mean" over its positions or its "last" position's.
+    embedding_pooling: str = "mean"
     # Seconds a request may wait in the queue / live in total before it ends with a 504. 0 = no limit. 600 s total:
     # the openai SDK's own default timeout, past which its caller has given up (and retried); 300 s waiting for a
     # first slot: an overload no client waits out (docs/operations.md "Fair scheduling").
@@ -282,6 +289,11 @@ class Config:
             self.weights in WEIGHT_FORMATS,
             "WEIGHTS",
             f"must be one of {', '.join(WEIGHT_FORMATS)} (got {self.weights!r})",
+        )
+        _check(
+            self.embedding_pooling in POOLINGS,
+            "EMBEDDING_POOLING",
+            f"must be one of {', '.join(POOLINGS)} (got {self.embedding_pooling!r})",
         )
         _check(self.runtime in RUNTIMES, "RUNTIME", f"must be one of {', '.join(RUNTIMES)} (got {self.runtime!r})")
         _check(

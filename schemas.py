@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -167,10 +167,29 @@ _KNOWN_V1 = {
 }
 
 
-class OpenAIFields(SamplingFields):
-    """Fields common to /v1/completions and /v1/chat/completions (see REFUSED_FIELDS above)."""
+class V1Fields(SamplingFields):
+    """A /v1 request: our sampling extensions, OpenAI's fields in three groups (``refused_fields``,
+    ``known_fields``, the typed ones), and fields OpenAI does not define, kept aside (``model_extra``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    refused_fields: ClassVar[dict] = REFUSED_FIELDS
+    known_fields: ClassVar[set] = _KNOWN_V1
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field this request uses that the server does not implement: (name, message)."""
+        extra = self.model_extra or {}
+        for name, (unused, message) in self.refused_fields.items():
+            if name in extra and not unused(extra[name]):
+                return name, message
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        """Fields OpenAI's API does not define either: ignored (and logged by the caller)."""
+        return sorted(set(self.model_extra or {}) - self.known_fields)
+
+
+class OpenAIFields(V1Fields):
+    """Fields common to /v1/completions and /v1/chat/completions (see REFUSED_FIELDS above)."""
 
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)  # OpenAI's default
@@ -181,18 +200,6 @@ class OpenAIFields(SamplingFields):
     user: str | None = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by guided/grammars.py
     response_format: dict | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """The first field this request uses that the server does not implement: (name, message)."""
-        extra = self.model_extra or {}
-        for name, (unused, message) in REFUSED_FIELDS.items():
-            if name in extra and not unused(extra[name]):
-                return name, message
-        return None
-
-    def unknown_fields(self) -> list[str]:
-        """Fields OpenAI's API does not define either: ignored (and logged by the caller)."""
-        return sorted(set(self.model_extra or {}) - _KNOWN_V1 - set(IGNORED_FIELDS))
 
 
 class CompletionRequest(OpenAIFields):
@@ -346,6 +353,72 @@ class ChatCompletionRequest(OpenAIFields):
         return super().unsupported()
 
 
+# /v1/responses: its own fields beside the sampling ones; it is stateless (api/openai/responses.py).
+STATELESS = "this server is stateless: it stores no responses or conversations; send the whole conversation in `input`"
+RESPONSES_REFUSED = {
+    "previous_response_id": (_unused, f"`previous_response_id`: {STATELESS}"),
+    "conversation": (_unused, f"`conversation`: {STATELESS}"),
+    "background": (lambda v: _unused(v) or v is False, "`background` responses are not supported (nothing is stored)"),
+    "prompt": (_unused, "`prompt` (stored prompt templates) is not supported"),
+    "include": (_unused, "`include` is not supported (the answer carries no extra data)"),
+    "reasoning": (lambda v: _unused(v) or v == {"effort": None}, "`reasoning` is not supported (no reasoning model)"),
+    "truncation": (lambda v: _unused(v) or v == "disabled", '`truncation` other than "disabled" is not supported'),
+    "max_tool_calls": (_unused, "`max_tool_calls` is not supported"),
+    "top_logprobs": (lambda v: _unused(v) or v == 0, "`top_logprobs` is not supported on /v1/responses"),
+    "context_management": (_unused, "`context_management` is not supported"),
+}
+_KNOWN_RESPONSES = {*IGNORED_FIELDS, *RESPONSES_REFUSED, "stream_options"}
+
+
+class ResponsesRequest(V1Fields):
+    """``POST /v1/responses``. ``input``, ``text``, ``tools`` and ``tool_choice`` are checked item by item where
+    they are translated (api/openai/responses.py), so an error names the exact place (``input.3.call_id``)."""
+
+    refused_fields: ClassVar[dict] = RESPONSES_REFUSED
+    known_fields: ClassVar[set] = _KNOWN_RESPONSES
+
+    model: str | None = None
+    input: str | list[dict] = Field(description="a text (one user message), or input items")
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, allow_inf_nan=False)  # OpenAI's default
+    text: dict | None = None
+    tools: list[dict] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict | None = None
+    stream: bool = False
+    store: bool | None = None  # accepted (OpenAI's default is true); nothing is stored
+
+    @field_validator("input", "instructions")
+    @classmethod
+    def _unicode(cls, value):
+        if value == "" or value == []:
+            raise ValueError("must not be empty")
+        return _valid_unicode(value)
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: one vector per input (api/openai/embeddings.py)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text, a list of texts, a list of token ids, or a list of token-id lists"
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1, description="only the model's own width")
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, value):
+        if value == "" or value == []:
+            raise ValueError("must not be empty")
+        if isinstance(value, list) and any(item == "" or item == [] for item in value):
+            raise ValueError("every input in the list must be non-empty")
+        return _valid_unicode(value)
+
+
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered through the chat template."""
 
@@ -431,7 +504,7 @@ class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    code: str | None = None  # OpenAI's: a string naming the error, or null (api.errors.error_code)
 
 
 class ErrorResponse(BaseModel):

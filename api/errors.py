@@ -58,9 +58,41 @@ def default_reason(status: int) -> str | None:
     return None
 
 
+# ``error.code`` as OpenAI sends it: a string naming the error, or null; ours names the HTTP status's meaning
+# (the status itself is the answer's), and the two OpenAI codes clients test for by name.
+ERROR_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    411: "length_required",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_value",
+    429: "rate_limit_exceeded",
+    431: "headers_too_large",
+    499: "cancelled",
+    500: "server_error",
+    501: "not_implemented",
+    502: "bad_gateway",
+    503: "unavailable",
+    504: "timeout",
+}
+
+
+def error_code(status: int, param: str | None = None) -> str | None:
+    """The ``code`` of an error answer with HTTP ``status`` (``model_not_found`` for an unknown ``model``)."""
+    if status == 404 and param == "model":
+        return "model_not_found"
+    return ERROR_CODES.get(status)
+
+
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> dict:
-    """OpenAI's error shape, used by every endpoint."""
-    return ErrorResponse(error={"message": message, "type": kind, "param": param, "code": status}).model_dump()
+    """OpenAI's error shape, used by every endpoint: ``code`` a string or null (``error_code``)."""
+    detail = {"message": message, "type": kind, "param": param, "code": error_code(status, param)}
+    return ErrorResponse(error=detail).model_dump()
 
 
 def describe_validation(exc: RequestValidationError) -> str:

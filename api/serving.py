@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ class Runtime:
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
         self.control_tokens = engine.control_tokens()  # kept as text where a chat message types them
+        self.fingerprint = system_fingerprint(config, engine)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (``engine.decode([id])``; U+FFFD for part of a character), decoded once per server:
@@ -54,6 +56,13 @@ class Runtime:
 
     def close(self) -> None:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def system_fingerprint(config: Config, engine: InferenceEngine) -> str:
+    """OpenAI's ``system_fingerprint``: names what serves the answers (the checkpoint, its weights format, the
+    runtime, the KV dtype), so a client sees when the backend configuration changed (greedy output may then differ)."""
+    parts = (config.model_id, config.weights, type(engine).__name__, getattr(engine, "kv_cache_dtype", ""))
+    return "fp_" + hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=5).hexdigest()
 
 
 def current_runtime(request: Request) -> Runtime:

@@ -75,12 +75,22 @@ class Frames:
     """One API's event payloads. Subclasses override what differs; ``None`` skips an event. ``i`` is the
     index of the generation (the prompt, on /v1/completions) an event belongs to; 0 when there is one."""
 
+    done_marker: str | None = "[DONE]"  # the stream's last event (None: none, as /v1/responses streams end)
+
+    def encode(self, event: dict | str) -> str:
+        """One event as server-sent-event text."""
+        return sse(event)
+
+    def failure(self, error: APIError) -> list[dict]:
+        """The events that end a stream whose answer failed: the error body."""
+        return [error.body()]
+
     def opening(self) -> list[dict]:
         """Events before any text."""
         return []
 
-    def text(self, i: int, chunk: Chunk) -> dict | None:
-        """The event for newly generated text (and the tokens and logprobs behind it)."""
+    def text(self, i: int, chunk: Chunk) -> dict | list[dict] | None:
+        """The event (or events) for newly generated text (and the tokens and logprobs behind it)."""
         raise NotImplementedError
 
     def closing(self, i: int, seq: Sequence, rest: str) -> list[dict]:
@@ -127,27 +137,27 @@ async def merged_chunks(
 async def event_stream(gens: list[Generation], request: Request, frames: Frames) -> AsyncIterator[str]:
     disconnected = disconnect_future(request)
     chunks = merged_chunks(gens, disconnected)
+    done = [frames.done_marker] if frames.done_marker else []
     try:
         for event in frames.opening():
-            yield sse(event)
+            yield frames.encode(event)
         async for i, chunk in chunks:
             if chunk is not None:
-                event = frames.text(i, chunk)
-                if event is not None:
-                    yield sse(event)
+                events = frames.text(i, chunk)
+                for event in events if isinstance(events, list) else [events] if events is not None else []:
+                    yield frames.encode(event)
                 continue
             if disconnected.done():
                 return  # nobody is listening
             error = sequence_error(gens[i].seq)
             if error is not None:  # the whole answer fails (the others are cancelled on the way out)
-                yield sse(error.body())
-                yield sse("[DONE]")
+                for event in [*frames.failure(error), *done]:
+                    yield frames.encode(event)
                 return
             for event in frames.closing(i, gens[i].seq, gens[i].final_text()):
-                yield sse(event)
-        for event in frames.finale([gen.seq for gen in gens]):
-            yield sse(event)
-        yield sse("[DONE]")
+                yield frames.encode(event)
+        for event in [*frames.finale([gen.seq for gen in gens]), *done]:
+            yield frames.encode(event)
     finally:
         await chunks.aclose()
         disconnected.cancel()

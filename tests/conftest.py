@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 
+from api.errors import error_code
 from engine import FakeEngine  # torch-free
 from models.kernels.build import has_avx512  # torch-free
 
@@ -178,7 +179,7 @@ def assert_error_body(body: dict | bytes | str, status: int, *words: str, kind: 
         body = json.loads(body)
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     err = body["error"]
-    assert err["code"] == status and err["type"] and err["message"].strip(), err
+    assert err["code"] == error_code(status, err["param"]) and err["type"] and err["message"].strip(), err
     if kind is not None:
         assert err["type"] == kind, err
     for word in words:

@@ -28,6 +28,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from api.errors import error_code
 from config import Config
 from engine import FakeEngine
 from server import create_app
@@ -135,7 +136,7 @@ def assert_4xx(r: httpx.Response, status: int | None = None, contains: str | Non
     if status is not None:
         assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == r.status_code
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == error_code(r.status_code, err["param"])
     assert isinstance(err["message"], str) and err["message"].strip(), err
     if contains is not None:
         assert contains in err["message"], err

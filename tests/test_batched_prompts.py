@@ -201,7 +201,7 @@ def test_a_stream_whose_prompt_fails_ends_with_the_error_and_frees_the_others():
             assert r.status_code == 200
             events = sse_events(r.text)
             assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}, events[-3:]
-            assert events[-2]["error"]["code"] == 500
+            assert events[-2]["error"]["code"] == "server_error"
             assert not any("usage" in e for e in events[:-1] if isinstance(e, dict))
             sched = c.app.state.server.scheduler
             await wait_until(lambda: not sched.waiting and not sched.running, what="the other prompts cancelled")

@@ -136,7 +136,7 @@ def test_sigterm_aborts_what_outlives_the_drain_timeout_with_a_clear_error():
         assert r_short.status_code == 200 and r_short.json()["text"] == fake_text("short", 5)
         assert r_long.status_code == 503, r_long.text
         err = r_long.json()["error"]
-        assert err["message"] == "request aborted: server is shutting down" and err["code"] == 503
+        assert err["message"] == "request aborted: server is shutting down" and err["code"] == "unavailable"
         assert evs[-1] == "[DONE]" and evs[-2]["error"]["message"] == "request aborted: server is shutting down", evs[
             -2:
         ]

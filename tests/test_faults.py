@@ -22,12 +22,15 @@ import time
 
 import httpx
 
+from api.errors import ERROR_CODES
 from config import Config
 from engine import FakeEngine
 from server import create_app
 
 from conftest import TIMEOUT, assert_pool_full, run
 from live import ThreadServer, fake_text, metric, scrape_url
+
+STATUS_OF = {code: status for status, code in ERROR_CODES.items()}  # error.code -> HTTP status
 
 
 def start(engine: FakeEngine, **config) -> ThreadServer:
@@ -119,7 +122,7 @@ async def post(c: httpx.AsyncClient, url: str, payload: dict, stream: bool) -> t
             if line.startswith("data: ") and line != "data: [DONE]"
         ]
     if events and "error" in events[-1]:
-        return events[-1]["error"]["code"], events[-1]
+        return STATUS_OF[events[-1]["error"]["code"]], events[-1]
     return r.status_code, {"text": "".join(e["text"] for e in events), "finish_reason": events[-1].get("finish_reason")}
 
 

@@ -90,7 +90,7 @@ def test_cl_te_gets_one_400_and_its_tail_is_never_served(server):
     responses, closed = exchange(server.port, attack)
     assert [status for status, _ in responses] == [400], responses
     error = json.loads(responses[0][1])["error"]
-    assert "Content-Length and Transfer-Encoding" in error["message"] and error["code"] == 400
+    assert "Content-Length and Transfer-Encoding" in error["message"] and error["code"] == "invalid_request"
     assert closed, "the connection stayed open after the refusal"
     after = scrape_url(server.url)
     for name in ("minibatch:prompt_tokens_total", "minibatch:generation_tokens_total"):

@@ -296,7 +296,7 @@ def test_engine_error_ends_every_stream_the_openai_way_with_a_stable_message(pat
             data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert data[-1] == "[DONE]", data
         err = json.loads(data[-2])["error"]
-        assert err["code"] == 500 and err["type"] == "server_error", err
+        assert err["code"] == "server_error" and err["type"] == "server_error", err
         assert "engine step failed" in err["message"] and "injected" not in err["message"], err
         r = httpx.post(f"{srv.url}{path}", json=payload, timeout=10)
         err = r.json()["error"]

@@ -96,7 +96,7 @@ def test_when_every_try_dies_the_answer_is_a_503_in_the_api_error_shape():
     r = run(ask(handle))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     error = r.json()["error"]
-    assert error["code"] == 503 and error["type"] == "unavailable"
+    assert error["code"] == "unavailable" and error["type"] == "unavailable"
     assert "replica serving this request died" in error["message"] and "tried on 3 replicas" in error["message"]
     assert len(handle.calls) == 3
 
@@ -109,7 +109,7 @@ def test_a_stream_under_way_ends_with_an_error_event_and_done_and_is_not_resent(
     events = sse_events(r.text)
     assert events[0] == {"text": "a"} and events[-1] == "[DONE]" and len(events) == 3
     error = events[1]["error"]
-    assert error["code"] == 503 and "the request was not completed" in error["message"]
+    assert error["code"] == "unavailable" and "the request was not completed" in error["message"]
     assert len(handle.calls) == 1
 
 

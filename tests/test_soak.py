@@ -19,8 +19,12 @@ import time
 import httpx
 import pytest
 
+from api.errors import ERROR_CODES
+
 from conftest import assert_pool_full, fake_text, run
 from live import ProcessServer, metric
+
+STATUS_OF = {code: status for status, code in ERROR_CODES.items()}  # error.code -> HTTP status
 
 pytestmark = pytest.mark.soak
 
@@ -97,7 +101,7 @@ async def one_request(c: httpx.AsyncClient, url: str, kind: str, rng: random.Ran
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    error = event["error"]["code"]
+                    error = STATUS_OF[event["error"]["code"]]
                 else:
                     text.append(event["choices"][0]["text"])
         if kind == "hangup":

@@ -352,7 +352,7 @@ def test_a_matcher_that_fails_mid_answer_ends_it_as_an_error_never_stop(live, mo
         events = sse_events(
             httpx.post(f"{live.url}/v1/chat/completions", json={**grammar_requests(schema)[1][1], "stream": True}).text
         )
-        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 422, events[-3:]
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "invalid_value", events[-3:]
         assert not any(c.get("finish_reason") == "stop" for e in events[:-2] for c in e.get("choices", [])), events
     after = metric(scrape_url(live.url), "minibatch:request_success_total", 'finished_reason="error"')
     assert after - before >= 2 * (1 + 1 + 2 + 1)  # every sequence of the 8 requests above ended as an error
@@ -500,15 +500,16 @@ def test_auto_answers_parse_as_calls_or_content(client):
         assert whole.message.tool_calls is None and whole.message.content == text
 
 
-def test_tools_need_a_template_that_renders_them(tiny_llama_dir):
-    """The checkpoint's own template (no ``tools``): tools and tool history are 400, plain chat works."""
-    config = Config(
-        model_id=tiny_llama_dir, max_batch_size=2, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
-    )
+def test_tools_need_a_template_that_renders_them_with_generic_tools_off(tiny_llama_dir):
+    """GENERIC_TOOLS=false and a template without ``tools``: tools and tool history are 400, plain chat works (with
+    it on, the default, such a model takes tools in the generic format: tests/test_tools_generic.py)."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    config = Config(model_id=tiny_llama_dir, max_batch_size=2, chat_template=template, generic_tools=False)
     with ThreadServer(create_app(config)) as server:
         url = f"{server.url}/v1/chat/completions"
         r = httpx.post(url, json={"messages": ASK, "tools": [WEATHER], "max_tokens": 2}, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        assert "GENERIC_TOOLS=false" in r.json()["error"]["message"]
         history = [*ASK, {"role": "tool", "tool_call_id": "c", "content": "21"}]
         r = httpx.post(url, json={"messages": history, "max_tokens": 2}, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.role", r.text

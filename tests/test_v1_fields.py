@@ -15,8 +15,8 @@ CHAT = [{"role": "user", "content": "Hello there"}]
 COMPLETION = ("/v1/completions", {"prompt": "fields", "max_tokens": 4})
 CHAT_COMPLETION = ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})
 
-# field -> a value that asks for something not implemented (tools and response_format are, on /v1/chat and
-# with a model: the FakeEngine has neither a tools chat template nor a tokenizer to compile grammars against)
+# field -> a value that asks for something not implemented (tools are, on /v1/chat, and response_format with a model:
+# the FakeEngine has no tokenizer to compile grammars against)
 REFUSED = {
     "suffix": "the end",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
@@ -63,7 +63,7 @@ IGNORED = {
 
 
 def endpoints_for(field: str):
-    return [COMPLETION] if field == "best_of" else [COMPLETION, CHAT_COMPLETION]
+    return [COMPLETION] if field in ("best_of", "tools") else [COMPLETION, CHAT_COMPLETION]
 
 
 @pytest.mark.parametrize("field", list(REFUSED))
@@ -115,17 +115,7 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog):
 @pytest.mark.parametrize(
     "message, param, words",
     [
-        ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages.1.role", "tool"),
         ({"role": "function", "name": "f", "content": "42"}, "messages.1.role", "function"),
-        (
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-            },
-            "messages.1.tool_calls",
-            "tool_calls",
-        ),
         ({"role": "assistant", "content": "", "refusal": "no"}, "messages.1.refusal", "refusal"),
         ({"role": "assistant", "audio": {"id": "a1"}}, "messages.1.audio", "audio"),
         (
@@ -167,5 +157,32 @@ def test_text_parts_and_message_names_reach_the_template():
             named = await c.post("/v1/chat/completions", json={**base, "messages": [{**CHAT[0], "name": "ann"}]})
             assert named.status_code == 200, named.text
             assert engine.seen == [{"role": "user", "content": "Hello there", "name": "ann"}]
+
+    bounded(body)
+
+
+def test_tool_history_and_tools_reach_any_template_in_the_generic_format():
+    """A template that does not render tools (the fake's) still gets the tools, as a system preamble, and the
+    history's calls and results, as JSON in the assistant's turn and a user turn (guided/tools.py GENERIC)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "content": "42", "tool_call_id": "c1"})
+    tool = {"type": "function", "function": {"name": "f", "description": "F.", "parameters": {"type": "object"}}}
+
+    async def body():
+        engine = RecordingEngine(capacity=4)
+        async with serving(engine) as c:
+            r = await c.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert engine.seen == [
+                CHAT[0],
+                {"role": "assistant", "content": '{"name": "f", "arguments": {"x": 1}}'},
+                {"role": "user", "content": "Result of the tool call c1 (f):\n42"},
+            ]
+            r = await c.post("/v1/chat/completions", json={"messages": CHAT, "tools": [tool], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            preamble = engine.seen[0]
+            assert preamble["role"] == "system" and engine.seen[1:] == CHAT
+            assert '{"name": "f", "description": "F.", "parameters": {"type": "object"}}' in preamble["content"]
 
     bounded(body)

@@ -1,14 +1,15 @@
 """The OpenAI-compatible API, one file per endpoint: ``models.py`` (``GET /v1/models``), ``completions.py``
-(``POST /v1/completions``), ``chat.py`` (``POST /v1/chat/completions``); what they share: ``fields.py`` (request
-checks, choices, usage), ``logprobs.py`` (OpenAI's two logprob formats), ``frames.py`` (the stream events).
-``router`` is all of them. Errors use OpenAI's body shape (``api/errors.py``). No torch."""
+(``POST /v1/completions``), ``chat.py`` (``POST /v1/chat/completions``), ``responses.py`` (``POST /v1/responses``);
+what they share: ``fields.py`` (request checks, choices, usage), ``logprobs.py`` (OpenAI's two logprob formats),
+``frames.py`` (the stream events). ``router`` is all of them. Errors use OpenAI's body shape (``api/errors.py``).
+No torch."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.openai import chat, completions, models
+from api.openai import chat, completions, models, responses
 
 router = APIRouter()
-for _endpoint in (models, completions, chat):
+for _endpoint in (models, completions, chat, responses):
     router.include_router(_endpoint.router)

@@ -101,6 +101,7 @@ def completion_answer(
             "object": "text_completion",
             "created": int(time.time()),
             "model": name,
+            "system_fingerprint": runtime.fingerprint,
             "choices": choices,
             "usage": openai_usage(done, n, count_output=not score_only),
         }

@@ -13,7 +13,7 @@ from api.serving import Runtime
 from api.streaming import Frames
 from core.generation import Chunk
 from core.sequence import Sequence
-from guided.tools import may_be_tool_call, parse_tool_calls
+from guided.tools import ToolCalling
 
 
 class OpenAIFrames(Frames):
@@ -31,7 +31,13 @@ class OpenAIFrames(Frames):
         self.wants_logprobs = wants_logprobs
         self.with_usage = with_usage
         self.n = n  # choices per prompt
-        self.base = {"id": request_id, "object": self.object, "created": int(time.time()), "model": model}
+        self.base = {
+            "id": request_id,
+            "object": self.object,
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": runtime.fingerprint,
+        }
 
     def choice(self, i: int, text: str, chunk: Chunk | None, finish: str | None) -> dict:
         raise NotImplementedError
@@ -115,24 +121,24 @@ class CompletionFrames(OpenAIFrames):
 
 
 class ChatFrames(OpenAIFrames):
-    """With tools (``tool_names``), text that may be a tool call is held back: once it cannot be one it goes out
-    as content; if the answer is one, its calls go out at the end as ``delta.tool_calls`` (per call, the id
-    and name, then the arguments), with finish_reason "tool_calls". Logprobs of held-back tokens go out
-    with empty deltas as they come."""
+    """With tools (``ToolCalling``), text that may be a tool call is held back: once it cannot be one it goes out as
+    content; if the answer is one, its calls go out at the end as ``delta.tool_calls`` (per call OpenAI's two deltas:
+    index, id, type, the name and ``"arguments": ""``, then the arguments), with finish_reason "tool_calls" ("length"
+    for a forced call cut by the budget). Logprobs of held-back tokens go out with empty deltas as they come."""
 
     object = "chat.completion.chunk"
 
-    def __init__(self, *args, tool_names: list[str] | None = None, **kwargs) -> None:
+    def __init__(self, *args, tools: ToolCalling | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.tool_names = tool_names or []
+        self.tools = tools
         # Per choice, the text held back while it may still be a tool call; a choice not in it streams content.
-        self.held: dict[int, str] = {i: "" for i in range(self.n)} if self.tool_names else {}
+        self.held: dict[int, str] = {i: "" for i in range(self.n)} if tools else {}
 
     def text(self, i: int, chunk: Chunk) -> dict | None:
         if i not in self.held:
             return super().text(i, chunk)
         self.held[i] += chunk.text
-        if may_be_tool_call(self.held[i]):
+        if self.tools.may_be_call(self.held[i]):
             lp = chat_logprobs(self.runtime, chunk.logprobs) if self.wants_logprobs and chunk.logprobs else None
             if lp is None:
                 return None
@@ -143,17 +149,18 @@ class ChatFrames(OpenAIFrames):
         if i not in self.held:
             return super().closing(i, seq, rest)
         text = self.held.pop(i) + rest
-        calls = parse_tool_calls(text, self.tool_names)
+        calls, finish = self.tools.answer(text, seq.finish_reason)
         if calls is None:
             return super().closing(i, seq, text)
         events = []
         for j, call in enumerate(calls):
-            head = {"index": j, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
-            args = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
+            fn = call["function"]
+            head = {"index": j, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
+            args = {"index": j, "function": {"arguments": fn["arguments"]}}
             for delta in (head, args):
                 choice = {"index": i, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None}
                 events.append({**self.base, "choices": [choice]})
-        end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+        end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}
         return [*events, {**self.base, "choices": [end]}]
 
     def opening(self) -> list[dict]:
