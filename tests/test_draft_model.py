@@ -136,6 +136,8 @@ def test_requests_choose_the_draft_model(tiny_model_dir, other_gpt2):
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == plain
             assert metric(await scrape(c), "minibatch:spec_decode_num_draft_tokens_total") > 0
+            health = await c.get("/health")  # the draft model's counters ride in the engine's stats
+            assert health.status_code == 200 and health.json()["engine"]["spec_draft_model_forwards"] > 0
             r = await c.post("/v1/completions", json={**body, "speculative": {"draft_model": "tiny-draft"}})
             assert_error(r, 400, contains="tiny-draft")
             assert other_gpt2 in r.text
@@ -145,14 +147,15 @@ def test_requests_choose_the_draft_model(tiny_model_dir, other_gpt2):
     run(go())
 
 
-def test_a_truncated_gguf_drafts_for_its_original_on_the_native_runtime(tmp_path_factory):
+def test_a_truncated_gguf_drafts_for_its_original_on_the_native_runtime(tmp_path_factory, monkeypatch):
     """The realistic CPU case: a GGUF target on the native runtime, its draft the same file's first block
     (``scripts/truncate_gguf.py``: the tokenizer and every other field copied, ``block_count`` 1, the later blocks'
     tensors gone), loaded through SPECULATIVE_MODEL on the target's runtime kind: greedy answers as without
-    drafts."""
+    drafts. (The model images are written in this process, as ``engine_for`` does, not in a child each.)"""
     import gguf
     from gguf_files import write_gguf
 
+    from models import image
     from models.runtime import NativeEngine, build_engine
     from scripts.make_test_model import build_checkpoint
     from scripts.truncate_gguf import truncate
@@ -160,6 +163,9 @@ def test_a_truncated_gguf_drafts_for_its_original_on_the_native_runtime(tmp_path
     from conftest import need_native
 
     need_native()
+    monkeypatch.setattr(
+        image, "_build_in_child", lambda source, weights, out, failure: image.write_image(source, weights, out)
+    )
     root = tmp_path_factory.mktemp("truncated")
     hf = build_checkpoint(str(root / "hf"), arch="llama", seed=4)
     target = write_gguf(hf, str(root / "target.gguf"), lambda name, shape: "Q8_0")
