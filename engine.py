@@ -69,6 +69,7 @@ class InferenceEngine(ABC):
     ``prefix_caching`` shares cached full blocks between prompts. See ``core/planner.py``.
     """
 
+    loras = None  # a ``models.lora.LoraManager`` where LoRA adapters are served (MAX_LORAS > 0), else None
     max_context: int  # prompt + generated tokens one sequence may hold
     vocab_size: int  # token ids are in [0, vocab_size)
     model_name: str

@@ -17,8 +17,10 @@ modules when a model loads.
     kv_cache.py    the preallocated KV block pool (the block manager, ``core/block_manager.py``, says who holds what)
     kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
                    decode_ops.c; quant_gemm.c over GGUF blocks, one header per type in quants/) and the loader
-    gguf/          torch-free: the GGUF reader, every type's block layout and reference dequantization, names
-    quant.py       fp32 -> Q8_0/Q4_1, GGUF tensors -> our weights under HF names (GGUFModel), fused weights
+    gguf/          torch-free: the GGUF reader, every type's block layout and reference dequantization, names,
+                   the metadata -> HF config conversion per llama.cpp architecture
+    quant.py       fp32 -> Q8_0/Q4_1, a GGUF file's tensors at a WEIGHTS format (GGUFWeights), fused weights
+    gguf_model.py  a GGUF file standing in for an HF module (GGUFModel): its tensors under a family's HF names
     quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     image.py       the model image: a built model's packed weights in one file (written in a torch child process),
                    cached; ``ensure_image`` is torch-free

@@ -153,13 +153,16 @@ class GGUFNames:
 
     ``layer``: blk.<i>.<gguf> -> <layers>.<i>.<hf>; ``top``: <gguf> -> <hf>; ``permuted_qk``: llama.cpp's converter
     interleaved Q and K's rotary halves (its Llama-family models), which the reader undoes; ``experts``: 3-D
-    tensors [E, out, in] of one expert matrix each -> the HF experts' (gate, up -> gate_up_proj; down)."""
+    tensors [E, out, in] of one expert matrix each -> the HF experts' (gate, up -> gate_up_proj; down);
+    ``norm_shift``: the converter stored every norm weight as shift + w (Gemma's 1 + w), which the reader undoes.
+    ``gguf_model.gguf_state_dict`` reads a file with it; ``gguf/config.py`` converts the architecture's metadata."""
 
     arch: str
     layer: dict[str, str]
     top: dict[str, str] = field(default_factory=lambda: dict(LLAMA_TOP))
     permuted_qk: bool = False
     experts: dict[str, str] = field(default_factory=dict)
+    norm_shift: float = 0.0
 
 
 # llama.cpp's Llama-like tensor names (checked against files its converter wrote): gguf/names.py's Llama table plus the
@@ -278,8 +281,11 @@ class Block:
     down) or an ``MoE``."""
 
     def __init__(self, sd: dict, prefix: str, names: Names, spec: DecoderSpec, moe: bool, make_linear) -> None:
+        self.modules: dict[str, list[tuple[str, int]]] = {}  # our linear -> its HF modules (path, outputs): LoRA
+
         def fused(parts: tuple[str, ...]) -> Linear:
             weights = [sd[f"{prefix}{n}.weight"] for n in parts]  # each [out_i, C], fp32 or a QuantWeight
+            self.modules[parts[0]] = [(f"{prefix}{n}", w.shape[0]) for n, w in zip(parts, weights)]
             biases = [sd.get(f"{prefix}{n}.bias") for n in parts]
             bias = torch.cat(biases) if biases[0] is not None else None
             weight, note = cat_rows(weights)  # one [sum out_i, C] weight in one format
@@ -294,6 +300,7 @@ class Block:
         self.attn_out_norm, self.ff_out_norm = norm(names.attn_out_norm), norm(names.ff_out_norm)
         qk = spec.qk_norm is not None
         self.q_norm, self.k_norm = (norm(names.q_norm), norm(names.k_norm)) if qk else (None, None)  # [D] or [H D]
+        self._first = {"qkv": names.qkv[0], "o": names.o, "up": names.gate_up[0], "down": names.down}
         self.qkv = fused(names.qkv)  # [C] -> [(H + 2 KVH) D]
         self.o = fused((names.o,))  # [H D] -> [C]
         self.mlp = self._moe(sd, prefix, names, spec, make_linear) if moe else None
@@ -316,6 +323,14 @@ class Block:
             [make_linear(down[e], None) for e in range(spec.moe.experts)],
             spec.moe,
         )
+
+    def lora_linears(self) -> dict[str, tuple[Linear, list[tuple[str, int]]]]:
+        """The linears adapters may target by kind (``lora.KINDS``), each with its HF modules; a mixture of experts'
+        are not."""
+        linears = {"qkv": self.qkv, "o": self.o}
+        if self.mlp is None:
+            linears.update(up=self.gate_up, down=self.down)
+        return {kind: (lin, self.modules[self._first[kind]]) for kind, lin in linears.items()}
 
     def dense_linears(self) -> list[Linear]:
         return [self.qkv, self.o] + ([] if self.mlp is not None else [self.gate_up, self.down])
@@ -388,9 +403,14 @@ class Decoder(MixedForward):
         make_linear, self.onednn, self.small_gemm = linear_factory(device, capacity, use_small_gemm, weights)
         self.embed = embedding_table(sd[f"{names.embed}.weight"], weights)  # [V, C]
         layer_of = {f"{names.layers}.{i}.": i for i in range(self.n_layer)}
-        self.blocks = packed_blocks(
-            sd, list(layer_of), lambda p: Block(sd, p, names, spec, spec.is_moe(layer_of[p]), make_linear)
-        )
+        try:
+            self.blocks = packed_blocks(
+                sd, list(layer_of), lambda p: Block(sd, p, names, spec, spec.is_moe(layer_of[p]), make_linear)
+            )
+        except KeyError as exc:  # a checkpoint (a GGUF file) without a weight the spec needs: one line naming it
+            raise ValueError(
+                f"the checkpoint has no weight {exc.args[0]} (a {self.model_type} model needs it)"
+            ) from exc
         self.norm = norm_weight(sd[f"{names.final_norm}.weight"], spec)  # [C]
         tied = spec.tied or f"{names.lm_head}.weight" not in sd
         lm_head = self.embed if tied else sd[f"{names.lm_head}.weight"]

@@ -5,7 +5,7 @@ sliding-window layers alternating with global ones (``layer_types``).
 Gemma 2 soft-caps the attention scores and the final logits (tanh). Gemma 3 drops the soft-caps (unless its config
 sets them), adds q/k RMSNorm per head, takes its 5:1 local/global pattern from the config, and gives the local layers
 their own RoPE base (``rope_parameters`` per layer type). llama.cpp's converter stores every Gemma norm as (1 + w)
-already (``gguf``: the reader takes that into account).
+(``norm_shift``: the reader takes the 1 off again).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def gemma_spec(cfg, **overrides) -> DecoderSpec:
 class Gemma2(Decoder):
     model_type = "gemma2"
     names = GEMMA_NAMES
-    gguf = GGUFNames("gemma2", GEMMA_GGUF_LAYER)
+    gguf = GGUFNames("gemma2", GEMMA_GGUF_LAYER, norm_shift=1.0)
 
     @classmethod
     def spec(cls, cfg) -> DecoderSpec:
@@ -56,7 +56,7 @@ class Gemma2(Decoder):
 class Gemma3(Decoder):
     model_type = "gemma3_text"
     names = GEMMA_NAMES
-    gguf = GGUFNames("gemma3", GEMMA_GGUF_LAYER)
+    gguf = GGUFNames("gemma3", GEMMA_GGUF_LAYER, norm_shift=1.0)
 
     @classmethod
     def spec(cls, cfg) -> DecoderSpec:

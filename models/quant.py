@@ -16,10 +16,10 @@ A tensor of a type no kernel serves (IQ2_XXS, TQ1_0, ...) fails when the file is
 type: never a silent requantization. Every conversion is counted per tensor type in ``GGUFWeights.conversions`` so
 the startup log can say what loading did.
 
-On top: ``gguf_state_dict`` renames a Llama or GPT-2 GGUF's tensors to Hugging Face names (Llama's Q/K rows back in
-HF order), ``GGUFModel`` hands that to a model family in place of an HF module, ``cat_rows`` fuses weights (QKV,
-gate+up: one type concatenated, several types side by side as a ``QuantParts``), and ``dequantize_hf_model_`` gives
-an HF model the exact weights a quantized engine runs (the parity reference).
+On top: ``cat_rows`` fuses weights (QKV, gate+up: one type concatenated, several types side by side as a
+``QuantParts``), ``share_storage`` lets it fuse without a copy, and ``dequantize_hf_model_`` gives an HF model the
+exact weights a quantized engine runs (the parity reference). ``gguf_model.py`` renames a GGUF's tensors to a
+family's Hugging Face names on top of ``GGUFWeights``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import numpy as np
 import torch
 
 from .gguf.blocks import TYPES
-from .gguf.names import GPT2_CONV1D, hf_name, llama_qk_rows
 from .gguf.reader import GGUFTensor, check_servable, map_gguf
 from .kernels.quant_gemm import WEIGHTS_TYPES, QuantParts, QuantWeight, dequantize, from_blocks, parts_of
-from .native_memory import HeapTrimmer
 
 WEIGHT_FORMATS = ("auto", "fp32", "int8", "int4")
 GROUP = 32  # weights per Q8_0 / Q4_1 block
@@ -136,13 +134,41 @@ class GGUFWeights:
     def get(self, name: str, rows: np.ndarray | torch.Tensor | None = None) -> torch.Tensor | QuantWeight:
         """Tensor ``name`` as served under this WEIGHTS setting (table in the module docstring).
 
-        ``rows``: a permutation of a matrix's output rows (Llama's Q/K, see ``gguf_state_dict``).
+        ``rows``: a permutation of a matrix's output rows (Llama's Q/K, see ``gguf_model.gguf_state_dict``).
         """
         t = self.tensors[name]
-        kind, shape = t.type_name, self.shape(name)
         index = None if rows is None else torch.as_tensor(np.asarray(rows), dtype=torch.long)
+        out = self._serve(t, self.shape(name), t.raw_rows, lambda: self.fp32(name), index)
+        self._release(t)
+        return out
+
+    def get_experts(self, name: str) -> list[torch.Tensor | QuantWeight]:
+        """A 3-D tensor [E, N, K] (llama.cpp's ``ffn_*_exps``: one matrix per expert) as E matrices [N, K], each
+        served as ``get`` serves a matrix (its own blocks at WEIGHTS=auto: a view of expert e's rows)."""
+        t = self.tensors[name]
+        if len(self.shape(name)) != 3:
+            raise ValueError(f"tensor {name} has shape {list(self.shape(name))}, not [experts, rows, inputs]")
+        n_exp, n, k = self.shape(name)
+        dense: list[torch.Tensor] = []  # the whole tensor in fp32, dequantized once if any expert needs it
+
+        def expert_fp32(e: int) -> torch.Tensor:
+            if not dense:
+                dense.append(self.fp32(name))
+            return dense[0][e]
+
+        out = [
+            self._serve(t, (n, k), lambda e=e: t.raw_rows()[e * n : (e + 1) * n], lambda e=e: expert_fp32(e), None)
+            for e in range(n_exp)
+        ]
+        self._release(t)
+        return out
+
+    def _serve(self, t: GGUFTensor, shape, raw, dense, index) -> torch.Tensor | QuantWeight:
+        """One tensor of ``shape`` (its blocks ``raw()``: uint8 [rows, row bytes]; its values ``dense()``: fp32) as
+        this WEIGHTS setting serves it; ``index`` a permutation of its rows."""
+        kind = t.type_name
         if len(shape) != 2 or self.weights == "fp32" or (self.weights == "auto" and kind == "F32"):
-            out = self.fp32(name)
+            out = dense()
             out, served, how = (out if index is None else out[index]), "fp32", "exact"
             if kind not in ("F32", "F16", "BF16"):
                 how = "dequantized"
@@ -151,15 +177,14 @@ class GGUFWeights:
         else:
             want = self.weights if self.weights == "auto" else WEIGHTS_TYPES[self.weights]
             if want in ("auto", kind):  # its own blocks: exact, the file's bytes
-                out = from_blocks(kind, t.raw_rows(), shape[1])
+                out = from_blocks(kind, raw(), shape[1])
                 out, served, how = (out if index is None else out.rows(index)), kind, "exact"
             else:
-                dense = self.fp32(name)
-                out = quantize(dense if index is None else dense[index], want)
+                full = dense()
+                out = quantize(full if index is None else full[index], want)
                 served, how = want, "quantized" if kind in ("F32", "F16", "BF16") else "requantized"
         self.conversions[f"{kind} -> {served} ({how})"] += 1
         self.resident[served] += out.nbytes if isinstance(out, QuantWeight) else out.numel() * out.element_size()
-        self._release(t)
         return out
 
     def _release(self, t: GGUFTensor) -> None:
@@ -245,12 +270,6 @@ def _joined(datas: list[torch.Tensor]) -> torch.Tensor | None:
     return base if at == base.data_ptr() + base.nbytes else None
 
 
-# The weights a family fuses into one linear (its ``cat_rows`` calls), by HF name inside a block.
-FUSED = {
-    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
-}
-
-
 def share_storage(sd: dict[str, torch.Tensor | QuantWeight], names: list[str]) -> None:
     """Move the quantized weights ``names`` of ``sd`` (one fused group, in the family's order) into one buffer per
     run of one type, each becoming a slice of it, so that ``cat_rows`` fuses them without a copy: a load then never
@@ -268,76 +287,6 @@ def share_storage(sd: dict[str, torch.Tensor | QuantWeight], names: list[str]) -
                     sd[name] = QuantWeight(p.fmt, base[at : at + p.out_features], p.out_features, p.in_features)
                     at += p.out_features
             start = end
-
-
-# ---------------------------------------------------------------- GGUF names -> Hugging Face names
-
-
-def gguf_state_dict(src: GGUFWeights, config) -> dict[str, torch.Tensor | QuantWeight]:
-    """The GGUF's tensors under Hugging Face names, one tensor converted at a time.
-
-    fp32 tensors come in HF's layout (GPT-2's Conv1D weights [in, out]); a ``QuantWeight`` is
-    always [out, in]. Llama's Q and K rows are put back in HF's order (exact: whole rows move).
-    """
-    model_type = config.model_type
-    if model_type not in ("llama", "gpt2"):
-        raise ValueError(f"serving a GGUF of model type {model_type!r} at its own precision is not supported")
-    n_head = config.num_attention_heads if model_type == "llama" else config.n_head
-    n_kv_head = getattr(config, "num_key_value_heads", None) or n_head
-    out: dict[str, torch.Tensor | QuantWeight] = {}
-    for name in src.names():
-        target = hf_name(name, model_type)
-        if target is None:
-            continue
-        rows = None
-        if model_type == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
-            rows = llama_qk_rows(src.shape(name)[0], n_head if "q_proj" in target else n_kv_head)
-        value = src.get(name, rows)
-        if isinstance(value, torch.Tensor) and model_type == "gpt2" and value.dim() == 2:
-            if target.rsplit(".", 1)[0].endswith(GPT2_CONV1D):
-                value = value.t().contiguous()
-        out[target] = value
-        _share_when_complete(out, target, FUSED.get(model_type, ()))
-    return out
-
-
-def _share_when_complete(sd: dict, target: str, groups: tuple) -> None:
-    """``share_storage`` the fused group of ``target`` (``model.layers.<i>.<name>.weight``) once all of it is in
-    ``sd``: group by group, the unfused parts' memory is free again for the next tensors of the load."""
-    prefix, _, rest = target.partition(".layers.")
-    layer, _, local = rest.partition(".")
-    for group in groups:
-        if local.removesuffix(".weight") in group:
-            names = [f"{prefix}.layers.{layer}.{n}.weight" for n in group]
-            if all(n in sd for n in names):
-                share_storage(sd, names)
-
-
-class GGUFModel:
-    """A GGUF checkpoint standing in for the HF module a family is built from: ``config``,
-    ``generation_config`` and ``state_dict()`` (``gguf_state_dict``: quantized weights stay in their blocks,
-    nothing is dequantized unless ``weights`` asks for fp32). The configs are the GGUF's, as
-    ``checkpoints.py`` converted and cached them.
-    """
-
-    def __init__(self, path: str, config, generation_config, weights: str) -> None:
-        self.path = path
-        self.config, self.generation_config = config, generation_config
-        self.source = GGUFWeights(path, weights)
-
-    def eval(self) -> GGUFModel:
-        return self
-
-    def state_dict(self) -> dict[str, torch.Tensor | QuantWeight]:
-        """Every tensor, converted one at a time (call once: the memory map is dropped afterwards)."""
-        sd = gguf_state_dict(self.source, self.config)
-        self.source.close()
-        HeapTrimmer().trim()  # the conversion's scratch goes back to the OS before the family allocates its KV pool
-        return sd
-
-    def describe(self) -> str:
-        """What loading did, for the startup log: each conversion with its tensor count."""
-        return ", ".join(f"{n} x {how}" for how, n in sorted(self.source.conversions.items()))
 
 
 def served_types() -> tuple[str, ...]:

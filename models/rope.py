@@ -69,6 +69,8 @@ def rope_tables(
     if params["rope_type"] == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [R/2]
+        if params.get("freq_factors"):  # a GGUF's rope_freqs.weight (Llama 3.1): each frequency divided, as llama.cpp
+            inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float)
         scaling = 1.0
     else:  # the scaled types: HF's own init function, so the frequencies are HF's exactly
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -106,6 +106,32 @@ def ensure_converter(version: str = VERSION) -> str:
     return os.path.join(out_dir, "converter")
 
 
+SENTENCEPIECE = "sentencepiece==0.2.3"  # what the converter reads a SentencePiece tokenizer.model with
+
+
+def ensure_sentencepiece(version: str = VERSION) -> str:
+    """A directory holding the ``sentencepiece`` package (``pip install --target``, once), for the converter's
+    process only: put on ``sys.path`` where a checkpoint has a SentencePiece ``tokenizer.model`` (Gemma, Phi-3).
+    Not installed in the environment, because its wheel carries a libgomp of its own, which ``import gguf`` would
+    then map beside torch's in every serving and test process."""
+    out = os.path.join(build_dir(version), SENTENCEPIECE.replace("==", "-"))
+    if os.path.isdir(os.path.join(out, "sentencepiece")):
+        return out
+    os.makedirs(build_dir(version), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="sentencepiece-", dir=build_dir(version))
+    try:
+        _run([sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--quiet",
+              "--target", tmp, SENTENCEPIECE])  # fmt: skip
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process put it there meanwhile
+            if not os.path.isdir(os.path.join(out, "sentencepiece")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def keep_converter(source: str, out_dir: str) -> None:
     """Copy ``CONVERTER_FILES`` from the llama.cpp source tree into ``out_dir/converter`` (replaced whole)."""
     converter = os.path.join(out_dir, "converter")

@@ -10,6 +10,10 @@ Why the change: the converter recognizes a tokenizer by hashing its tokens of a 
 transformers version) hits. The pre-tokenizer name only tells llama.cpp how to split text before BPE; the
 benchmark sends token ids, so it changes no figure.
 
+A checkpoint with a SentencePiece ``tokenizer.model`` (Gemma, Phi-3) is read with the ``sentencepiece`` package that
+``build_llamacpp.ensure_sentencepiece`` installs beside the converter (on ``sys.path`` here only: its wheel carries
+its own libgomp, which must never load beside torch's in a serving process).
+
 The converter and its ``gguf-py`` come from ``scripts/build_llamacpp.py``'s ``converter/`` directory (``--converter``
 extracts just them from the sdist, without building llama.cpp). The vendored ``gguf-py`` is imported, not the
 installed ``gguf`` package: this script runs in a process of its own.
@@ -62,10 +66,13 @@ def main() -> None:
     ap.add_argument("--pre", default="gpt-2", help="tokenizer.ggml.pre for a tokenizer the converter does not know")
     ap.add_argument("--converter", default="", help="directory of convert_hf_to_gguf.py (default: the built one)")
     ours, rest = ap.parse_known_args()
-    from scripts.build_llamacpp import ensure_converter
+    from scripts.build_llamacpp import ensure_converter, ensure_sentencepiece
 
     directory = ours.converter or ensure_converter()
     sys.path[:0] = [directory, os.path.join(directory, "gguf-py")]
+    model_dir = next((a for a in rest if not a.startswith("-") and os.path.isdir(a)), None)
+    if model_dir and os.path.isfile(os.path.join(model_dir, "tokenizer.model")):
+        sys.path.insert(0, ensure_sentencepiece())
     os.environ["NO_LOCAL_GGUF"] = "1"  # already first on sys.path
     patch_pre_tokenizer(ours.pre)
     sys.argv = [os.path.join(directory, "convert_hf_to_gguf.py"), *rest]

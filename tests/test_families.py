@@ -74,23 +74,33 @@ def family_ref(family) -> Reference:
     return family[1]
 
 
-def engine_for(model_dir: str, runtime: str = "torch", blocks: int = POOL_BLOCKS, **config):
+def engine_for(
+    model_dir: str,
+    runtime: str = "torch",
+    blocks: int = POOL_BLOCKS,
+    config_dir: str | None = None,
+    image_root: str | None = None,
+    **config,
+):
     """An engine on ``runtime`` with a pool of ``blocks`` blocks of ``BLOCK`` tokens (of its KV_CACHE_DTYPE). The
     native runtime's model image is written in this process (``image.write_image``, what the server's child process
-    runs) into a directory of its own, sparing each family a fresh interpreter that imports torch again."""
+    runs) into a directory of its own (under ``image_root``), sparing each family a fresh interpreter that imports
+    torch again. ``model_dir`` may be a GGUF file; ``config_dir`` then holds an HF config of the same model (the
+    pool's size is counted from it)."""
     from models.runtime import NativeEngine
 
     from conftest import pool_mb
 
     knobs = runtime_knobs(runtime) if runtime == "native" else {"runtime": "torch"}  # then WEIGHTS from config
     config = {"max_batch_size": 4, "num_threads": 1, "kv_block_size": BLOCK, **knobs, **config}
-    pool = pool_mb(model_dir, blocks, BLOCK, config.get("kv_cache_dtype", "fp32"))  # blocks of the pool's dtype
+    kv = config.get("kv_cache_dtype", "fp32")
+    pool = pool_mb(config_dir or model_dir, blocks, BLOCK, kv)  # blocks of the pool's dtype
     config = Config(model_id=model_dir, kv_cache_mb=pool, **config)
     if runtime != "native":
         return build_engine(config)
     from models.image import write_image
 
-    image = os.path.join(model_dir + "-images", config.weights)
+    image = os.path.join(image_root or model_dir + "-images", config.weights)
     if not os.path.isdir(image):
         write_image(model_dir, config.weights, image)
     return NativeEngine(config, image_dir=image)
@@ -114,14 +124,21 @@ def long_prompt(ref: Reference, n: int) -> list[int]:
 def test_greedy_parity_through_the_scheduler(arch, family_dir, family_ref, runtime):
     """Joins, EOS mid-batch, chunked prefill, preemption, prefix-cache hits and windows crossed, in one run, on the
     torch runtime and on the torch-free one (the model image stepped by decode_step.c), fp32 weights."""
-    ref = family_ref
-    window = max(spec_of(family_dir).windows)
+    scheduler_gate(family_dir, family_ref, runtime, family_dir, weights="fp32")
+
+
+def scheduler_gate(model_id: str, ref: Reference, runtime: str, config_dir: str, **engine) -> None:
+    """The family gate on ``model_id`` (a checkpoint directory or a GGUF file) against ``ref`` (HF on the same
+    weights, its EOS re-pointed at a token its greedy outputs emit): joins, EOS mid-batch, chunked prefill,
+    preemption, prefix-cache hits and windows crossed, in one run through the planner. ``config_dir``: an HF config
+    of the model; ``engine``: further ``engine_for`` settings (WEIGHTS, an image root)."""
+    spec = spec_of(config_dir)
+    window = max(spec.windows)
     # Every layer windowed: the sequences keep at most 7 blocks each (blocks that left the window go back), so a
     # smaller pool makes the pressure; the first sequence (16 blocks at most) must fit it alone.
-    slides = all(spec_of(family_dir).windows)
-    engine = engine_for(
-        family_dir, runtime, blocks=16 if slides else POOL_BLOCKS, max_num_batched_tokens=8, weights="fp32"
-    )
+    slides = all(spec.windows)
+    blocks = 16 if slides else POOL_BLOCKS
+    engine = engine_for(model_id, runtime, blocks=blocks, config_dir=config_dir, max_num_batched_tokens=8, **engine)
     assert_runtime(engine, runtime) and engine.planner.kv_window == (window if slides else 0)
     stem = ref.encode(" ".join(PROMPTS))[:12]  # 3 full blocks two prompts share
     # The long and the prefix-sharing sequences ignore EOS: the pressure they make must not hinge on where this
@@ -183,19 +200,38 @@ def test_moe_routing_matches_hf_with_ties_and_experts_no_token_picks(moe_arch, t
     and gives HF's output."""
     from models import families
 
-    model_dir = build_checkpoint(str(tmp_path), arch=moe_arch, seed=5)
+    model_dir, h, unpicked = tied_router_checkpoint(moe_arch, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf_moe = hf.model.layers[0].mlp
-    router = hf_moe.gate.weight  # [E, C]
-    gen = torch.Generator().manual_seed(0)
-    h = torch.randn(24, router.shape[1], generator=gen)
-    u = torch.nn.functional.normalize(torch.randn(router.shape[1], generator=gen), dim=0)
-    h += (1 - h @ u).clamp(min=0)[:, None] * u  # h . u >= 1 for every token
+    ours = families()[hf.config.model_type](hf, 1, 64, torch.device("cpu")).blocks[0].mlp
+    assert_routes_as_hf(hf.model.layers[0].mlp, ours, h, unpicked)
+
+
+def tied_router_checkpoint(moe_arch: str, out: str, seed: int = 5, **overrides) -> tuple[str, torch.Tensor, int]:
+    """The family's checkpoint (``overrides`` on its config) with layer 0's router rows 1 and 2 equal (every token
+    ties them) and its last expert scored -50 or below by every one of the tokens ``router_probe`` gives:
+    (directory, those tokens h [24, C], that expert)."""
+    model_dir = build_checkpoint(out, arch=moe_arch, seed=seed, overrides=overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    router = hf.model.layers[0].mlp.gate.weight  # [E, C]
+    h, u = router_probe(router.shape[1])
     with torch.no_grad():
         router[2] = router[1]  # experts 1 and 2 always tie
-        unpicked = router.shape[0] - 1
-        router[unpicked] = -50 * u  # every one of these tokens scores it at -50 or below, far under the others
-    ours = families()[hf.config.model_type](hf, 1, 64, torch.device("cpu")).blocks[0].mlp
+        router[-1] = -50 * u  # every one of these tokens scores it at -50 or below, far under the others
+    hf.save_pretrained(model_dir)
+    return model_dir, h, router.shape[0] - 1
+
+
+def router_probe(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """24 tokens h [24, C] and a unit vector u [C] with h . u >= 1 for every token (seeded: the same every call)."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(24, width, generator=gen)
+    u = torch.nn.functional.normalize(torch.randn(width, generator=gen), dim=0)
+    return h + (1 - h @ u).clamp(min=0)[:, None] * u, u
+
+
+def assert_routes_as_hf(hf_moe, ours, h: torch.Tensor, unpicked: int) -> None:
+    """Our MoE layer ``ours`` on tokens h picks ``hf_moe``'s experts with its weights (the ties broken as HF breaks
+    them, ``unpicked`` never chosen), runs each chosen expert once and only those, and gives HF's output."""
     runs = []  # the experts whose gate+up linear ran, once per call
 
     def counted(e: int, linear):

@@ -70,7 +70,8 @@ def types_for(variant: int):
 def reference_dir(path: str, out: str) -> str:
     """An HF checkpoint of the GGUF at ``path``: transformers' config and tokenizer of the file, and its weights as
     gguf-py dequantizes them (our reader at WEIGHTS=fp32, under HF names and layouts)."""
-    from models.quant import GGUFWeights, gguf_state_dict
+    from models.gguf_model import gguf_state_dict
+    from models.quant import GGUFWeights
 
     directory, name = os.path.split(path)
     cfg = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)

@@ -71,7 +71,7 @@ def write_tiny_gguf(path) -> str:
     import gguf
     import numpy as np
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "gpt2")  # gpt2: no config keys checked before the (stubbed) conversion
     writer.add_tensor("w", np.ones((4, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -253,7 +253,7 @@ STATE_TYPES = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_0, T.Q5_1, T.F16, T.BF16, T.F32]  # 
 def test_gguf_state_dict_puts_every_weight_back_under_its_hf_name(tmp_path, model_type):
     """Written the way llama.cpp's converter writes (Llama Q/K rows permuted, GPT-2 Conv1D transposed), read back."""
     from models.gguf.names import GPT2_CONV1D, llama_qk_rows
-    from models.quant import gguf_state_dict
+    from models.gguf_model import gguf_state_dict
 
     model = tiny_hf_model(model_type)
     n_head, n_kv = model.config.num_attention_heads, getattr(model.config, "num_key_value_heads", None)
@@ -333,7 +333,7 @@ def test_a_fused_group_shares_one_buffer_and_cat_rows_does_not_copy_it():
 
 
 def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path):
-    from models.quant import FUSED, gguf_state_dict
+    from models.gguf_model import fused_groups, gguf_state_dict
 
     model = tiny_hf_model("llama")
     tensors = {}
@@ -342,7 +342,7 @@ def test_gguf_state_dict_gives_a_llama_block_fused_groups_in_one_buffer(tmp_path
         tensors[gguf_name_of(name, "llama")] = (quants.quantize(w, T.Q4_0), T.Q4_0) if w.ndim == 2 else (w, T.F32)
     sd = gguf_state_dict(GGUFWeights(write_gguf(tmp_path / "l.gguf", tensors), "auto"), model.config)
     for layer in range(model.config.num_hidden_layers):
-        for group in FUSED["llama"]:
+        for group in fused_groups("llama"):
             bases = {sd[f"model.layers.{layer}.{n}.weight"].data._base.data_ptr() for n in group}
             assert len(bases) == 1, (layer, group)
     assert sd["model.layers.0.self_attn.o_proj.weight"].data._base is None  # not fused: its own storage

@@ -49,6 +49,7 @@ class GGUFTensor:
 
 # GGUF metadata value types -> their size in bytes (8: string, 9: array are variable-sized)
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 class _Cursor:
@@ -69,6 +70,22 @@ class _Cursor:
         out = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
         self.pos += n
         return out
+
+    def value(self, vtype: int, max_items: int):
+        """Read one metadata value: a scalar, a string, or an array (a list; an array of more than ``max_items``
+        entries is stepped over and read as its length: a vocabulary is never built)."""
+        if vtype in _SCALAR_FORMATS:
+            return self.take(_SCALAR_FORMATS[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            start, etype, count = self.pos, self.take("I"), self.take("Q")
+            if count > max_items:
+                self.pos = start
+                self.skip_value(9)
+                return count
+            return [self.value(etype, max_items) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {vtype}")
 
     def skip_value(self, vtype: int) -> None:
         """Step over one metadata value (a 49,152-string vocabulary array too) without building it."""
@@ -96,21 +113,33 @@ def _type_of(name: str, type_id: int) -> tuple[str, int, int]:
     return GGML_TYPES[type_id]
 
 
-def _read_tensor_infos(buf) -> list[GGUFTensor]:
-    """Parse a GGUF (v2/v3) header: skip the metadata (keeping only ``general.alignment``), read the tensor infos."""
+def _read_metadata(cur: _Cursor, n_kv: int, max_items: int | None) -> dict:
+    """The metadata key/value pairs (None: only ``general.alignment``, everything else stepped over)."""
+    found = {}
+    for _ in range(n_kv):
+        key, vtype = cur.string(), cur.take("I")
+        if key == "general.alignment" and vtype == 4:
+            found[key] = cur.take("I")
+        elif max_items is not None:
+            found[key] = cur.value(vtype, max_items)
+        else:
+            cur.skip_value(vtype)
+    return found
+
+
+def _read_tensor_infos(buf, metadata: dict | None = None, max_items: int = 0) -> list[GGUFTensor]:
+    """Parse a GGUF (v2/v3) header: the metadata (into ``metadata`` when given, arrays of more than ``max_items``
+    entries as their length; else only ``general.alignment`` is kept), then the tensor infos."""
     cur = _Cursor(buf)
     cur.pos = 4  # the magic, checked by map_gguf
     version = cur.take("I")
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
     n_tensors, n_kv = cur.take("Q"), cur.take("Q")
-    alignment = 32
-    for _ in range(n_kv):
-        key, vtype = cur.string(), cur.take("I")
-        if key == "general.alignment" and vtype == 4:
-            alignment = cur.take("I")
-        else:
-            cur.skip_value(vtype)
+    found = _read_metadata(cur, n_kv, None if metadata is None else max_items)
+    if metadata is not None:
+        metadata.update(found)
+    alignment = found.get("general.alignment", 32)
     if alignment < 1:
         raise ValueError(f"general.alignment is {alignment}")
     infos = []
@@ -144,9 +173,10 @@ def _read_tensor_infos(buf) -> list[GGUFTensor]:
     return tensors
 
 
-def map_gguf(path: str) -> tuple[mmap.mmap, list[GGUFTensor]]:
+def map_gguf(path: str, metadata: dict | None = None, max_items: int = 64) -> tuple[mmap.mmap, list[GGUFTensor]]:
     """The GGUF file ``path`` memory-mapped read-only, and its tensors (views of that map); or ValueError
-    saying why the file is unreadable."""
+    saying why the file is unreadable. ``metadata``: a dict to fill with the file's key/value pairs (an array of
+    more than ``max_items`` entries, a vocabulary, as its length)."""
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
@@ -154,7 +184,7 @@ def map_gguf(path: str) -> tuple[mmap.mmap, list[GGUFTensor]]:
             raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # the map outlives the file object
     try:
-        return buf, _read_tensor_infos(buf)
+        return buf, _read_tensor_infos(buf, metadata, max_items)
     except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
         raise ValueError(f"{path} is a corrupt or truncated GGUF file: {exc}") from exc
 
@@ -162,6 +192,14 @@ def map_gguf(path: str) -> tuple[mmap.mmap, list[GGUFTensor]]:
 def open_gguf(path: str) -> list[GGUFTensor]:
     """The tensors of the GGUF file ``path`` (memory-mapped), or ValueError saying why the file is unreadable."""
     return map_gguf(path)[1]
+
+
+def read_metadata(path: str, max_items: int = 64) -> tuple[dict, list[GGUFTensor]]:
+    """(the metadata of the GGUF file ``path``, its tensors): every key's value, an array of more than
+    ``max_items`` entries (the vocabulary, its merges) as its length; ValueError when the file is unreadable."""
+    metadata: dict = {}
+    tensors = map_gguf(path, metadata, max_items)[1]
+    return metadata, tensors
 
 
 SERVED = tuple(TYPES)  # every type the kernels multiply by (models/gguf/blocks.py)

@@ -14,18 +14,17 @@ from .model_id import OFFLINE_HINT, alias_path, gguf_path, is_gguf, resolve_mode
 def load_checkpoint(model_id: str, weights: str = "fp32"):
     """(tokenizer, HF causal-LM in fp32, eval mode) for a hub id, a local directory or a ``.gguf`` file.
 
-    A ``.gguf`` file under ``weights`` other than "fp32" comes back as a ``models.quant.GGUFModel``:
-    config and tokenizer from its metadata directory (``convert.gguf_metadata_dir``), weights read from the
-    file itself at the precision ``weights`` asks for (its own quantization under "auto"), no fp32
-    model in memory.
+    A ``.gguf`` file comes back as a ``models.gguf_model.GGUFModel``: config and tokenizer from its metadata
+    directory (``convert.gguf_metadata_dir``), weights read from the file itself at the precision ``weights`` asks
+    for (its own quantization under "auto", gguf-py's dequantized values under "fp32"), no HF model in memory.
     """
     model_id = alias_path(model_id)  # an alias is its fetched .gguf file from here on
-    if is_gguf(model_id) and weights != "fp32":
+    if is_gguf(model_id):
         return load_gguf(model_id, weights)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_id(model_id)  # a .gguf file -> its converted checkpoint directory
+    path = resolve_model_id(model_id)
     with load_errors(path):  # a hub id that cannot load -> an error naming the offline way
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -35,7 +34,7 @@ def load_checkpoint(model_id: str, weights: str = "fp32"):
 def load_gguf(model_id: str, weights: str):
     """(tokenizer, ``GGUFModel``) for a ``.gguf`` file served at ``weights``: its metadata directory's
     tokenizer and config, its weights straight from the file."""
-    from models.quant import GGUFModel
+    from models.gguf_model import GGUFModel
 
     path = gguf_path(model_id)
     meta = convert.gguf_metadata_dir(path)

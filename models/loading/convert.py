@@ -46,10 +46,10 @@ def gguf_metadata_dir(path: str) -> str:
     if os.path.isfile(os.path.join(out_dir, MARKER)):
         log.info("GGUF %s: tokenizer and config from %s", path, out_dir)
         return out_dir
-    from models.gguf.reader import open_gguf
+    from models.gguf.config import file_config
 
-    try:  # a corrupt or truncated file fails here, in one line, before any conversion
-        open_gguf(path)
+    try:  # a corrupt, truncated or unservable file fails here, in one line, before any conversion
+        file_config(path)
     except ValueError as exc:
         raise ModelLoadError(f"MODEL_ID {path} could not be loaded as a GGUF checkpoint: {one_line(exc)}") from exc
     log.info("GGUF %s: converting its tokenizer and config once into %s", path, out_dir)
@@ -66,14 +66,27 @@ def _metadata_in_child(path: str, out: str) -> None:
 
 
 def write_gguf_metadata(path: str, out: str) -> None:
-    """Save the GGUF file ``path``'s tokenizer, config and generation config, as transformers converts them, into
-    ``out``, plus ``_SAVED_CONFIG``: the config's every attribute (``save_pretrained`` leaves out the class
-    defaults), its attribute aliases and the generation config, for ``saved_config``."""
+    """Save the GGUF file ``path``'s tokenizer, config and generation config into ``out``, plus ``_SAVED_CONFIG``:
+    the config's every attribute (``save_pretrained`` leaves out the class defaults), its attribute aliases and the
+    generation config, for ``saved_config``.
+
+    The config is ours (``models/gguf/config.py``: llama.cpp's keys per architecture), GPT-2's transformers'. The
+    tokenizer is transformers' conversion of the file's vocabulary (by its ``tokenizer.ggml.model``), through the
+    tokenizer class transformers picks for ``llama`` and ``gpt2`` files and its generic one otherwise (transformers
+    picks a class from its own config conversion, which knows none of OLMo 2, Granite, OLMoE)."""
+    import transformers
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from models.gguf.config import file_config
+
     directory, name = os.path.split(path)
-    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    values = file_config(path)
+    if values is None:  # gpt2
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    else:
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    tokenizers = AutoTokenizer if config.model_type in ("gpt2", "llama") else transformers.PreTrainedTokenizerFast
+    tokenizers.from_pretrained(directory, gguf_file=name).save_pretrained(out)
     save_config(out, config, GenerationConfig.from_model_config(config))  # the generation config a model gets
 
 
