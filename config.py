@@ -110,6 +110,14 @@ class Config:
     # step size measured to gain (models/kernels/int_dot.py AUTO_ROWS). Other GGUF types always multiply fp32
     # activations. docs/integer-dot.md.
     activations: str = "auto"
+    # --- LoRA adapters (models/lora.py, docs/api.md "LoRA adapters") ---
+    # Adapters served from startup, as name=path pairs (comma-separated), each path a PEFT adapter directory
+    # (adapter_config.json + adapter_model.safetensors). A request chooses one by its name in `model`.
+    lora_modules: str = ""
+    # Most adapters resident at once (LORA_MODULES and POST /v1/load_lora_adapter together). 0 = LoRA off.
+    max_loras: int = 4
+    # Highest rank an adapter may have (an adapter above it is refused by name).
+    max_lora_rank: int = 64
     # Extra token ids that end a sequence besides the tokenizer's EOS (comma-separated).
     stop_token_ids: tuple[int, ...] = ()
     # Name the OpenAI endpoints answer to (GET /v1/models, the "model" field). "" = MODEL_ID.
@@ -318,6 +326,9 @@ class Config:
             f'must be "*" or comma-separated origins like https://app.example.com:8443 (got {bad_origin!r})',
         )
         _check(len(self.cors_origins) <= 1 or "*" not in self.cors_origins, "CORS_ALLOW_ORIGINS", '"*" stands alone')
+        _check(0 <= self.max_loras <= 64, "MAX_LORAS", "must be in [0, 64] (0 = LoRA off)")
+        _check(1 <= self.max_lora_rank <= 512, "MAX_LORA_RANK", "must be in [1, 512]")
+        self.lora_module_list  # noqa: B018 (parsed: raises ConfigError naming LORA_MODULES)
         dev = self.device
         _check(
             dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
@@ -329,6 +340,28 @@ class Config:
     def cors_origins(self) -> list[str]:
         """CORS_ALLOW_ORIGINS as a list (empty: CORS off)."""
         return [o.strip() for o in self.cors_allow_origins.split(",") if o.strip()]
+
+    @property
+    def lora_module_list(self) -> list[tuple[str, str]]:
+        """LORA_MODULES as (name, path) pairs, in order; ConfigError for a malformed or repeated one, a name that is
+        the base model's, or more than MAX_LORAS."""
+        pairs = []
+        for item in (x.strip() for x in self.lora_modules.split(",")):
+            if not item:
+                continue
+            name, eq, path = (x.strip() for x in item.partition("="))
+            _check(
+                bool(eq and name and path), "LORA_MODULES", f"must be name=path pairs, comma-separated (got {item!r})"
+            )
+            _check(name not in (n for n, _ in pairs), "LORA_MODULES", f"names adapter {name!r} twice")
+            _check(name != self.model_name, "LORA_MODULES", f"adapter {name!r} has the base model's name")
+            pairs.append((name, path))
+        _check(
+            len(pairs) <= self.max_loras,
+            "LORA_MODULES",
+            f"names {len(pairs)} adapters; MAX_LORAS is {self.max_loras} (0 = LoRA off)",
+        )
+        return pairs
 
     @property
     def speculative(self) -> SpecParams:

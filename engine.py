@@ -52,8 +52,8 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget every sequence (after a failure)."""
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the engine's stats."""
+    def stats(self) -> dict[str, int]:
+        """Counters for the engine's stats (integers: /health carries them)."""
 
 
 class ChatTemplateError(ValueError):
@@ -69,6 +69,7 @@ class InferenceEngine(ABC):
     ``prefix_caching`` shares cached full blocks between prompts. See ``core/planner.py``.
     """
 
+    loras = None  # a ``models.lora.LoraManager`` where LoRA adapters are served (MAX_LORAS > 0), else None
     max_context: int  # prompt + generated tokens one sequence may hold
     vocab_size: int  # token ids are in [0, vocab_size)
     model_name: str

@@ -130,6 +130,10 @@ class Scheduler:
         """Submitted sequences not yet resolved (waiting, being admitted, or running)."""
         return len(self._pending)
 
+    def unfinished(self) -> list[Sequence]:
+        """The submitted sequences not yet resolved (waiting, being admitted, or running)."""
+        return [seq for seq, _ in self._pending.values()]
+
     def submit(self, seq: Sequence, listener: Callable[[Sequence], None] | None = None) -> asyncio.Future[Sequence]:
         """Queue a sequence; the future resolves with it once finished. Raises QueueFullError.
 

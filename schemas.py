@@ -90,6 +90,9 @@ class SamplingFields(BaseModel):
 
 class GenerateRequest(SamplingFields):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    model: str | None = Field(
+        default=None, min_length=1, max_length=256, description="a LoRA adapter's name, or the base model's"
+    )
     prompt: str | list[int] = Field(min_length=1, description="text, or token ids (fed as they are)")
     # The upper bound is MAX_NEW_TOKENS_LIMIT, checked by the server (it is configuration).
     max_new_tokens: int = Field(default=16, ge=1)
@@ -112,6 +115,24 @@ class GenerateRequest(SamplingFields):
     @classmethod
     def _unicode(cls, value):
         return _valid_unicode(value)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): serve the PEFT adapter in directory ``lora_path`` as
+    ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = Field(default=False, description="replace a loaded adapter of this name (not supported)")
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = Field(default=None, description="vLLM's id of the adapter: ignored, the name decides")
 
 
 class StreamOptions(BaseModel):

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from core.sequence import Sequence, SequenceStatus
 from guided.errors import GuidedError
+from models.lora import LoraError
 from schemas import ErrorResponse
 
 log = logging.getLogger("minibatch.api")
@@ -130,6 +131,16 @@ def field_errors() -> Iterator[None]:
         yield
     except GuidedError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+
+
+@contextmanager
+def lora_errors() -> Iterator[None]:
+    """Around loading a LoRA adapter: a ``models.lora.LoraError`` (one that cannot be served, or a name taken) is
+    answered 400 with its one line."""
+    try:
+        yield
+    except LoraError as exc:
+        raise APIError(400, str(exc), param="lora_path") from None
 
 
 def sequence_error(seq: Sequence) -> APIError | None:

@@ -13,6 +13,7 @@ from api.serving import (
     Runtime,
     attach_grammar,
     check_max_tokens,
+    check_model,
     check_token_ids,
     current_runtime,
     make_sequence,
@@ -32,16 +33,19 @@ router = APIRouter()
     "/generate",
     response_model=GenerateResponse,
     response_model_exclude_none=True,  # prompt_logprobs only when asked for
-    responses={code: {"model": ErrorResponse} for code in (400, 422, 500, 503, 504)},
+    responses={code: {"model": ErrorResponse} for code in (400, 404, 422, 500, 503, 504)},
 )
 async def generate(req: GenerateRequest, request: Request, runtime: Runtime = Depends(current_runtime)):
+    model = check_model(runtime, req.model)  # a LoRA adapter's name, or the base model's (None: the base)
     max_new_tokens = check_max_tokens(runtime, req.max_new_tokens, "max_new_tokens")
     if isinstance(req.prompt, list):
         prompt_ids = check_token_ids(runtime, req.prompt)
     else:
         prompt_ids = await tokenize(runtime, req.prompt)
     request_id = req.request_id or f"req-{uuid.uuid4().hex}"
-    seq = make_sequence(runtime, prompt_ids, max_new_tokens, req, request_id, prompt_logprobs=req.prompt_logprobs)
+    seq = make_sequence(
+        runtime, prompt_ids, max_new_tokens, req, request_id, prompt_logprobs=req.prompt_logprobs, model=model
+    )
     with field_errors():
         grammar, param = generate_grammar(req.json_schema, req.regex, req.choice)
     await attach_grammar(runtime, [seq], grammar, param)

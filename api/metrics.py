@@ -267,12 +267,27 @@ class _LiveCollector:
             value=float(values.get("prefix_cache_hits", 0)),
         )
         yield from _spec_metrics(values.get("spec"))
+        yield from _lora_metrics(values.get("lora"))
         yield CounterMetricFamily(
             "minibatch:prefill_tokens_computed",
             "Tokens the engine's prefill really computed: prompts (and recomputed preempted sequences), without "
             "prefix-cache hits or the prompt's copies for the forked choices of an n > 1 request.",
             value=float(values.get("prefill_tokens_computed", 0)),
         )
+
+
+def _lora_metrics(lora: dict | None):
+    """LoRA adapters (``api.ops.lora_state``): how many are loaded, and vLLM's ``lora_requests_info``."""
+    if lora is None:
+        return
+    yield GaugeMetricFamily("minibatch:lora_adapters_loaded", "LoRA adapters resident (of MAX_LORAS).", lora["loaded"])
+    info = GaugeMetricFamily(
+        "minibatch:lora_requests_info",
+        "The adapters the running and the waiting sequences chose (comma-separated names), MAX_LORAS; always 1.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    info.add_metric([str(lora["max_lora"]), ",".join(lora["running"]), ",".join(lora["waiting"])], 1.0)
+    yield info
 
 
 def _spec_metrics(spec):

@@ -42,6 +42,26 @@ log = logging.getLogger("minibatch.ops")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
+def lora_state(runtime: Runtime) -> dict | None:
+    """The LoRA adapters' state for /metrics (vLLM's ``lora_requests_info``): MAX_LORAS, the adapters loaded, and
+    those the running and the waiting sequences chose, by name; None when LoRA is off."""
+    loras = runtime.engine.loras
+    if loras is None:
+        return None
+    names = {a.lora_id: a.name for a in loras.served.values()}
+
+    def chosen(seqs) -> list[str]:
+        return sorted({names[s.lora_id] for s in seqs if s.lora_id in names})
+
+    running = chosen(runtime.scheduler.running.values())
+    return {
+        "max_lora": loras.max_loras,
+        "loaded": len(names),
+        "running": running,
+        "waiting": chosen(runtime.scheduler.waiting),
+    }
+
+
 class Operations:
     """Per-app operational state: config (once known), metrics, requests in flight, drain."""
 
@@ -96,6 +116,7 @@ class Operations:
                 prefix_cache_hits=stats.get("prefix_cache_hits", 0),
                 prefill_tokens_computed=stats.get("prefill_tokens_computed", 0),
                 spec=runtime.engine.planner.spec,
+                lora=lora_state(runtime),
             )
         return values
 

@@ -167,9 +167,11 @@ def make_sequence(
     request_id: str,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    model: str | None = None,
 ) -> Sequence:
     """Validate sampling and length against the config and the model; build the Sequence.
-    ``logprobs`` / ``prompt_logprobs``: the top-k wanted for each output / prompt token (None: none)."""
+    ``logprobs`` / ``prompt_logprobs``: the top-k wanted for each output / prompt token (None: none); ``model``: the
+    name the request chose (``check_model``): a LoRA adapter's runs under it."""
     cfg = runtime.config
     for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if k is not None and k > cfg.max_logprobs:
@@ -195,6 +197,7 @@ def make_sequence(
     now = time.perf_counter()
     seq = Sequence(
         speculation=speculation(runtime, fields.speculative),
+        lora_id=lora_id(runtime, model),
         prompt_token_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         request_id=request_id,
@@ -211,6 +214,22 @@ def make_sequence(
     if reason:
         raise APIError(422, reason, param="prompt")
     return seq
+
+
+def lora_id(runtime: Runtime, model: str | None) -> int:
+    """The LoRA adapter ``model`` names (``Sequence.lora_id``); 0 for the base model (or None)."""
+    loras = runtime.engine.loras
+    return (loras.id_of(model) or 0) if loras is not None and model is not None else 0
+
+
+def check_model(runtime: Runtime, model: str | None) -> str:
+    """The name a request's ``model`` chose: the base model's (also for None) or a LoRA adapter's; 404 otherwise."""
+    name = runtime.config.model_name
+    if model is None or model == name or lora_id(runtime, model):
+        return model or name
+    loras = runtime.engine.loras
+    adapters = f" and the LoRA adapters {', '.join(f'`{a}`' for a in loras.served)}" if loras and loras.served else ""
+    raise APIError(404, f"The model `{model}` does not exist; this server serves `{name}`{adapters}", param="model")
 
 
 def speculation(runtime: Runtime, fields: SpeculativeFields | None) -> SpecParams | None:
@@ -324,6 +343,9 @@ def start_generations(
     (``group_choices``), so the engine prefills that prompt once and forks it to the other choices."""
     check_sequence_count(runtime, len(seqs))
     check_logprob_entries(runtime, seqs)
+    loras = runtime.engine.loras
+    if any(s.lora_id and not loras.is_served(s.lora_id) for s in seqs):  # unloaded while the request was prepared
+        raise APIError(404, "the LoRA adapter this request chose was unloaded meanwhile", param="model")
     if n > 1:
         for i in range(0, len(seqs), n):
             group_choices(seqs[i : i + n])

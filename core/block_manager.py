@@ -25,17 +25,16 @@ Every block carries a reference count so blocks can be shared: a prefix-cache hi
 block (count + 1), and ``fork`` gives a second sequence the first one's full blocks. A block
 returns to the free pool only when its count drops to zero.
 
-**Prefix caching** (vLLM's automatic prefix caching). A full block is identified by its *chain
-hash*: ``hash(block i) = BLAKE2b-128(hash(block i - 1) || token ids of block i as little-endian
-int64)``, with the empty string for block -1 (``chain_hash``, ``extend_block_hashes``). So a hash
-names the block's tokens *and* everything before them, which is all its K/V depend on today; any
-future input that changes a block's K/V beyond its tokens and position (a LoRA adapter, multimodal
-inputs, another model) must be mixed into the hash as an extra key. A collision-resistant hash,
-because a collision would hand one request's K/V to another. Only full, computed blocks are
-cached (``cache_blocks``); a sequence's partial last block is always its own and never shared, so
-a shared block is never written. ``allocate`` shares the longest cached prefix, in whole blocks,
-of the hashes it is given (the caller leaves out the block holding the last token, which must be
-computed to get its logits).
+**Prefix caching** (vLLM's automatic prefix caching). A full block is identified by its *chain hash*: ``hash(block
+i) = BLAKE2b-128(hash(block i - 1) || token ids of block i as little-endian int64)``, with the empty string for
+block -1 (``chain_hash``, ``extend_block_hashes``), or a LoRA adapter's seed (``lora_seed``): so a hash names the
+block's tokens, everything before them and the adapter, which is all its K/V depend on (a prompt under two adapters
+shares no block; under one adapter it shares as under the base). Any other input that would change a block's K/V
+(multimodal inputs, another model) must be mixed into the hash the same way. A collision-resistant hash, because a
+collision would hand one request's K/V to another. Only full, computed blocks are cached (``cache_blocks``); a
+sequence's partial last block is always its own and never shared, so a shared block is never written. ``allocate``
+shares the longest cached prefix, in whole blocks, of the hashes it is given (the caller leaves out the block
+holding the last token, which must be computed to get its logits).
 
 The free pool has two parts: blocks that hold nothing reusable (FIFO: a freed block goes to the
 back, allocation takes from the front) and free blocks that are still cached (*evictable*, in LRU
@@ -60,13 +59,22 @@ def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, seed: bytes = b""
+) -> list[bytes]:
     """Append to ``hashes`` (the chain hashes of the first ``len(hashes)`` blocks of ``token_ids``) those of
     every further full block of ``token_ids``; returns ``hashes``. Tokens only ever append, so a
-    sequence keeps its list and extends it as blocks fill."""
+    sequence keeps its list and extends it as blocks fill. ``seed`` stands before the first block: what besides
+    the tokens makes the K/V (``lora_seed``)."""
     for i in range(len(hashes), len(token_ids) // block_size):
-        hashes.append(chain_hash(hashes[-1] if hashes else b"", token_ids[i * block_size : (i + 1) * block_size]))
+        hashes.append(chain_hash(hashes[-1] if hashes else seed, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
+
+
+def lora_seed(lora_id: int) -> bytes:
+    """The chain's seed for a sequence of LoRA adapter ``lora_id`` (0, the base model: none): 16 bytes, like a parent
+    hash, so a base chain's block could hash the same only if some parent hash equalled it (a BLAKE2b preimage)."""
+    return b"lora\0\0\0\0" + lora_id.to_bytes(8, "little") if lora_id else b""
 
 
 RELEASED = -1  # a table entry whose block went back to the pool: no position in it is read again (release_before)

@@ -47,7 +47,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from core.block_manager import BlockManager, extend_block_hashes
+from core.block_manager import BlockManager, extend_block_hashes, lora_seed
 from core.fair_queue import FairQueue
 from core.sequence import Sequence, SequenceStatus
 from core.speculative import NgramProposer, SpecParams, SpecStats, cut_drafts, draft_state
@@ -471,6 +471,7 @@ class Planner:
                 other is not seq
                 and other.seq_id in computing
                 and not other.output_token_ids
+                and other.lora_id == seq.lora_id
                 and seq.prompt_logprobs_k in (None, other.prompt_logprobs_k)
                 and other.prompt_token_ids == seq.prompt_token_ids
             ):
@@ -558,7 +559,7 @@ class Planner:
         n, bs = num_tokens // self.blocks.block_size, self.blocks.block_size
         if len(seq.block_hashes) < n:
             tokens = (seq.prompt_token_ids + seq.output_token_ids)[: n * bs]
-            extend_block_hashes(seq.block_hashes, tokens, bs)
+            extend_block_hashes(seq.block_hashes, tokens, bs, lora_seed(seq.lora_id))  # an adapter's K/V are its own
         return seq.block_hashes[:n]
 
     def _lookup(self, seq: Sequence) -> list[bytes]:

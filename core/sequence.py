@@ -81,6 +81,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
     error_status: int = 500  # the HTTP status of a FINISHED_ERROR answer (422: the request's own fault)
+    # LoRA adapter (models/lora.py): the id the server gave the adapter this request chose at its load, 0 for the
+    # base model. Its K/V differ from the base's: it seeds the prefix cache's chain hashes (core/block_manager.py).
+    lora_id: int = 0
     # Prefix cache: chain hashes of the sequence's full blocks so far (the engine extends them as blocks fill;
     # block_manager.extend_block_hashes), and how many prompt tokens its first admission found cached.
     block_hashes: list[bytes] = field(default_factory=list)

@@ -74,6 +74,11 @@ class BatchPlan:
     start: float = 0.0  # when the plan was made (a newcomer's admit_time)
 
     @property
+    def loras(self) -> list[int]:
+        """Each row's LoRA adapter id (``Sequence.lora_id``, 0: the base model): the decode rows', then the chunks'."""
+        return [s.lora_id for s in self.decode] + [c.seq.lora_id for c in self.chunks]
+
+    @property
     def is_empty(self) -> bool:
         """Nothing to run: no decode row, no chunk."""
         return not self.decode and not self.chunks

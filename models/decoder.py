@@ -281,8 +281,11 @@ class Block:
     down) or an ``MoE``."""
 
     def __init__(self, sd: dict, prefix: str, names: Names, spec: DecoderSpec, moe: bool, make_linear) -> None:
+        self.modules: dict[str, list[tuple[str, int]]] = {}  # our linear -> its HF modules (path, outputs): LoRA
+
         def fused(parts: tuple[str, ...]) -> Linear:
             weights = [sd[f"{prefix}{n}.weight"] for n in parts]  # each [out_i, C], fp32 or a QuantWeight
+            self.modules[parts[0]] = [(f"{prefix}{n}", w.shape[0]) for n, w in zip(parts, weights)]
             biases = [sd.get(f"{prefix}{n}.bias") for n in parts]
             bias = torch.cat(biases) if biases[0] is not None else None
             weight, note = cat_rows(weights)  # one [sum out_i, C] weight in one format
@@ -297,6 +300,7 @@ class Block:
         self.attn_out_norm, self.ff_out_norm = norm(names.attn_out_norm), norm(names.ff_out_norm)
         qk = spec.qk_norm is not None
         self.q_norm, self.k_norm = (norm(names.q_norm), norm(names.k_norm)) if qk else (None, None)  # [D] or [H D]
+        self._first = {"qkv": names.qkv[0], "o": names.o, "up": names.gate_up[0], "down": names.down}
         self.qkv = fused(names.qkv)  # [C] -> [(H + 2 KVH) D]
         self.o = fused((names.o,))  # [H D] -> [C]
         self.mlp = self._moe(sd, prefix, names, spec, make_linear) if moe else None
@@ -319,6 +323,14 @@ class Block:
             [make_linear(down[e], None) for e in range(spec.moe.experts)],
             spec.moe,
         )
+
+    def lora_linears(self) -> dict[str, tuple[Linear, list[tuple[str, int]]]]:
+        """The linears adapters may target by kind (``lora.KINDS``), each with its HF modules; a mixture of experts'
+        are not."""
+        linears = {"qkv": self.qkv, "o": self.o}
+        if self.mlp is None:
+            linears.update(up=self.gate_up, down=self.down)
+        return {kind: (lin, self.modules[self._first[kind]]) for kind, lin in linears.items()}
 
     def dense_linears(self) -> list[Linear]:
         return [self.qkv, self.o] + ([] if self.mlp is not None else [self.gate_up, self.down])

@@ -41,8 +41,11 @@ class Block:
     """One transformer block's weights (Conv1D weights transposed to [out, in]; a QuantWeight is [out, in] already)."""
 
     def __init__(self, sd: dict[str, torch.Tensor], prefix: str, make_linear: Callable[..., Linear]) -> None:
+        self.modules: dict[str, tuple[str, int]] = {}  # HF module -> (path, outputs): LoRA
+
         def lin(name: str) -> Linear:
             w = sd[f"{prefix}{name}.weight"]
+            self.modules[name] = (f"{prefix}{name}", w.shape[0] if isinstance(w, QuantWeight) else w.shape[1])
             return make_linear(w if isinstance(w, QuantWeight) else w.t().contiguous(), sd[f"{prefix}{name}.bias"])
 
         self.ln_1 = (sd[f"{prefix}ln_1.weight"], sd[f"{prefix}ln_1.bias"])
@@ -54,6 +57,11 @@ class Block:
 
     def linears(self) -> list[Linear]:
         return [self.c_attn, self.attn_proj, self.c_fc, self.mlp_proj]
+
+    def lora_linears(self) -> dict[str, tuple[Linear, list[tuple[str, int]]]]:
+        """The linears adapters may target by kind (``lora.KINDS``), each with its HF module (c_attn: q, k, v)."""
+        names = {"qkv": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
+        return {kind: (lin, [self.modules[names[kind]]]) for kind, lin in zip(names, self.linears())}
 
 
 class GPT2(MixedForward):

@@ -171,6 +171,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     one compiled call here."""
     from models.kernels import paged_attention, step_abi
     from models.loading import eos_ids
+    from models.lora import targets_to_json
     from text.tokenizer import write_tokenizer_dir
 
     tokenizer, hf_model, family, model = build_model(model_id, weights)
@@ -208,6 +209,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
             "token": model.flops_per_token(0),
             "per_position": model.flops_per_token(1) - model.flops_per_token(0),
         },
+        "lora_targets": targets_to_json(model.lora_targets()),  # the linears LoRA adapters may target
         "weights_bin_bytes": size,
         "buffers": entries,
         "plan": step_abi.spec_to_json(spec),

@@ -128,7 +128,12 @@ class Linear:
             raise ValueError("a oneDNN-reordered weight has no rows to look up (make the Linear with table=True)")
         return self.copy
 
+    lora = None  # a ``lora_torch.LinearLora`` where adapters may target this linear: adds their deltas to the output
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._base(x) if self.lora is None else self.lora(x, self._base(x))
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_gemm.matmul(x, self.quant, self.bias)
         if self.small is not None:
@@ -138,7 +143,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
-        if self.onednn:
+        if self.onednn and not (self.lora is not None and self.lora.active):  # an adapter's delta goes before GELU
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], approximate)
         if self.small is not None and approximate == "tanh" and decode_ops.load() is not None:
             # The compiled tanh GELU (the decode steps'): 3x F.gelu's speed at prefill sizes, where oneDNN fused it.
@@ -146,6 +151,10 @@ class Linear:
         return F.gelu(self(x), approximate=approximate)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ b), and any adapter's delta after it."""
+        return self._add(x, residual) if self.lora is None else self.lora(x, self._add(x, residual))
+
+    def _add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return quant_gemm.matmul(x, self.quant, self.bias, residual)
         if self.small is not None:
@@ -527,6 +536,7 @@ class MixedForward:
     head_dim: int
     lean_decode: bool = False  # small decode-only steps through the compiled per-layer calls (set by families)
     fused_step: decode_step.StepPlan | None = None  # ... or through one whole-step call, where it runs
+    lora = None  # a ``lora_torch.TorchLora`` once adapters are enabled (``enable_lora``)
 
     @torch.inference_mode()
     def forward(
@@ -538,14 +548,25 @@ class MixedForward:
         prompt_tables: list[list[int]] = (),
         prompt_starts: list[int] | None = None,
         every_position: list[bool] = (),
+        loras: list[int] | None = None,
     ) -> torch.Tensor:
         """Decode B tokens (token_ids[b] at positions[b] of the sequence with block table tables[b]) and
         prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block table
-        prompt_tables[i]); every table must already cover its tokens' positions.
+        prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each decode row's, then
+        each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
 
         Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position; a chunk
         with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs).
         """
+        args = (token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position)
+        if loras is None:
+            return self._forward(*args)
+        if self.lora is None:
+            raise ValueError("rows of LoRA adapters for a model without adapters (enable_lora)")
+        with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
+            return self._forward(*args)
+
+    def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position):
         starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
         whole_step = self._takes_fused_step(len(token_ids), prompts)
         batch = MixedBatch.build(
@@ -560,8 +581,10 @@ class MixedForward:
             every_position,
             for_step=whole_step,
         )
-        if whole_step:
-            return self.fused_step(batch)  # the embedding, every layer, the final norm and the lm_head in one call
+        if whole_step:  # the embedding, every layer, the final norm and the lm_head in one call
+            if self.lora is not None and self.lora.row_slots is not None:  # and each adapter's deltas, in the kernel
+                return self.fused_step(batch, (self.lora.kernel, self.lora.row_slots))
+            return self.fused_step(batch)
         batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
@@ -585,6 +608,24 @@ class MixedForward:
     def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
         return self.forward(token_ids, positions, tables)
+
+    # --- LoRA adapters (models/lora.py) ---
+
+    def lora_targets(self) -> list:
+        """The linears adapters may target (``lora.Target``s): each block's ``lora_linears()``."""
+        from .lora_torch import targets
+
+        return targets(self.blocks)
+
+    def enable_lora(self, max_loras: int) -> None:
+        """Room for ``max_loras`` adapters (``set_lora``): every targetable linear gets its hook."""
+        from .lora_torch import TorchLora
+
+        self.lora = TorchLora(self.blocks, max_loras, self.device)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Slot ``slot`` holds ``adapter`` (a ``lora.Adapter``) from the next forward on; None empties it."""
+        self.lora.set(slot, adapter)
 
     def linears(self) -> list[Linear]:
         """Every linear of the model in forward order: each block's, then the lm_head."""

@@ -19,6 +19,7 @@ heads, D head_dim.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 
@@ -27,6 +28,8 @@ import numpy as np
 from models import kv_dtype
 from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.kernels import step_abi
+from models.kernels.lora_step import KernelLora
+from models.lora import targets_from_json
 
 
 def unavailable_reason() -> str | None:
@@ -93,6 +96,21 @@ class NativeModel:
         self.step = step_abi.StepKernel(lib, self.structs, spec.C)
         self._ws = np.empty(0, np.float32)
 
+    # --- LoRA adapters (models/lora.py): the kernel's hook after each targeted linear ---
+
+    lora: KernelLora | None = None
+
+    def lora_targets(self) -> list:
+        """The linears adapters may target (``lora.Target``s), as the image recorded them."""
+        return targets_from_json(self.meta.get("lora_targets", []))
+
+    def enable_lora(self, max_loras: int) -> None:
+        self.lora = KernelLora(self.meta["kv"]["n_layer"], max_loras)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Slot ``slot`` holds ``adapter`` (a ``lora.Adapter``) from the next step on; None empties it."""
+        self.lora.set(slot, adapter)
+
     # --- what the server and the benchmark ask ---
 
     def _layer_pools(self, layer: int) -> tuple[int, int, int | None, int | None]:
@@ -140,10 +158,12 @@ class NativeModel:
         prompt_tables: list[list[int]] = (),
         prompt_starts: list[int] | None = None,
         every_position: list[bool] = (),
+        loras: list[int] | None = None,
     ) -> np.ndarray:
         """``MixedForward.forward``'s contract: decode B tokens (token_ids[b] at positions[b], block table
         tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block
-        table prompt_tables[i]; every table covers its tokens' positions).
+        table prompt_tables[i]; every table covers its tokens' positions); ``loras``: each decode row's, then each
+        chunk's adapter slot (-1: the base; None: every row the base's).
 
         Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
         with ``every_position[i]`` set has all its positions there instead, in order. Every row's K/V is written.
@@ -153,8 +173,13 @@ class NativeModel:
             self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position
         )
         logits = np.empty((rows.n_sample, self.n_vocab), np.float32)
+        slots = None
+        if loras is not None:  # one per token row
+            if self.lora is None or len(loras) != len(token_ids) + len(prompts):
+                raise ValueError("loras: one adapter slot per decode row and chunk, on a model with adapters")
+            slots = np.repeat(np.asarray(loras, np.int64), [1] * len(token_ids) + [len(p) for p in prompts])
         for r0 in range(0, rows.n, self.max_rows):
-            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits)
+            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits, slots)
         return logits
 
     def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
@@ -172,8 +197,9 @@ class NativeModel:
             self._ws = np.empty(need, np.float32)
         return self._ws.ctypes.data + (-self._ws.ctypes.data % step_abi.WS_ALIGN)
 
-    def _call(self, rows: _StepRows, r0: int, r1: int, logits: np.ndarray) -> None:
-        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``."""
+    def _call(self, rows: _StepRows, r0: int, r1: int, logits: np.ndarray, slots: np.ndarray | None) -> None:
+        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``; ``slots``: each
+        token row's adapter slot (-1: the base), or None."""
         seq = rows.row_table[r0:r1]
         write_first = bool(np.any(seq[1:] == seq[:-1]))  # a sequence with several rows here attends its own slots
         if rows.sample is None:  # every row sampled: output rows are the rows
@@ -183,11 +209,13 @@ class NativeModel:
             local = rows.sample[s0:s1] - r0
             sample, n_sample = local.ctypes.data, int(s1 - s0)
         at = 8 * r0  # bytes into the int64 row arrays
+        lora = self.lora.step(slots, r0, r1, self.threads) if slots is not None else None
         self.step(
             *(r1 - r0, rows.ids.ctypes.data + at, rows.pos.ctypes.data + at, rows.slot_blocks.ctypes.data + at),
             *(rows.slot_offsets.ctypes.data + at, rows.tables.ctypes.data, rows.tables.shape[1]),
             *(seq.ctypes.data, write_first, sample, n_sample),
             *(logits.ctypes.data + 4 * int(s0) * self.n_vocab, self._workspace(r1 - r0), self.threads),
+            ctypes.addressof(lora[0]) if lora is not None else None,
         )
 
 

@@ -72,9 +72,26 @@ class ModelEngine(InferenceEngine):
         self._heap = HeapTrimmer()
         return num_blocks
 
-    def _logits(self, *forward_args):
-        """``self.model.forward(*forward_args)`` as a float32 numpy array [rows, V] (sampling runs on numpy)."""
-        return self.model.forward(*forward_args)
+    def _logits(self, *forward_args, **lora):
+        """``self.model.forward(*forward_args, **lora)`` as a float32 numpy array [rows, V] (sampling runs on
+        numpy)."""
+        return self.model.forward(*forward_args, **lora)
+
+    def _init_loras(self, config: Config, targets: list) -> None:
+        """MAX_LORAS adapter slots on the model, and LORA_MODULES in them (``ModelLoadError``, one line naming the
+        adapter and why, for one this model cannot serve)."""
+        if not config.max_loras:
+            return
+        from models.lora import LoraError, LoraManager
+
+        self.model.enable_lora(config.max_loras)
+        self.loras = LoraManager(self.model, targets, config.max_loras, config.max_lora_rank)
+        for name, path in config.lora_module_list:
+            try:
+                loaded = self.loras.load_now(name, path)
+            except LoraError as exc:
+                raise ModelLoadError(f"LORA_MODULES: {exc}") from None
+            log.info("LoRA adapter %s (%s): rank %d", name, path, loaded.rank)
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -149,6 +166,7 @@ class ModelEngine(InferenceEngine):
             [plan.tables[i] for i in verify] + plan.tables[n:],
             [decode[i].num_tokens - 1 for i in verify] + [start for _, start, _ in chunks],
             full if any(full) else (),
+            **self._lora_rows(plan, plain, verify),
         )  # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
         if chunks or verify:  # chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
@@ -171,6 +189,13 @@ class ModelEngine(InferenceEngine):
         tokens = self._next_tokens(logits, plan.samples)
         self._add_logprobs(logits, plan.samples, tokens)
         return tokens
+
+    def _lora_rows(self, plan: BatchPlan, plain: list[int], verify: list[int]) -> dict:
+        """The forward's ``loras`` argument (each row's adapter slot, in the order ``_forward`` feeds the rows), or
+        nothing when every row is the base model's."""
+        ids, n = plan.loras, len(plan.decode)
+        slots = self.loras.rows([ids[i] for i in plain + verify] + ids[n:]) if self.loras is not None else None
+        return {} if slots is None else {"loras": slots}
 
     def _verify(self, logits, samples: list[Sequence], first: list[int], drafts: list[list[int]]) -> list:
         """Speculative decoding: ``samples[i]`` samples from logits row ``first[i]``, and a decode row with ``k``
@@ -339,6 +364,7 @@ class HFEngine(ModelEngine):
             )
         except ValueError as exc:  # a config option our forward does not implement (RoPE type, activation...)
             raise ModelLoadError(f"MODEL_ID {config.model_id}: {exc}") from exc
+        self._init_loras(config, self.model.lora_targets())
         if hasattr(hf_model, "describe"):  # a GGUF read at its own precision: say what each tensor became
             log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
         del hf_model
@@ -368,8 +394,8 @@ class HFEngine(ModelEngine):
             memory.get("VmHWM", 0),
         )
 
-    def _logits(self, *forward_args):
-        return self.model.forward(*forward_args).float().cpu().numpy()  # [rows, V]: sampling runs on numpy
+    def _logits(self, *forward_args, **lora):
+        return self.model.forward(*forward_args, **lora).float().cpu().numpy()  # [rows, V]: sampling runs on numpy
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.model.kv.copy_block(src, dst)
@@ -415,6 +441,7 @@ class NativeEngine(ModelEngine):
         except (ImageError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"MODEL_ID {config.model_id}: its model image cannot be served: {exc}") from exc
         self.vocab_size = meta["vocab_size"]
+        self._init_loras(config, self.model.lora_targets())
         self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
         resident = self.model.resident_weights()
         self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
@@ -613,6 +640,8 @@ def attach_draft_model(engine: ModelEngine, config: Config) -> None:
         speculative_model="",
         served_model_name="",
         chat_template="",
+        lora_modules="",  # a draft model proposes from its base weights: the target verifies under the adapter
+        max_loras=0,
     )
     try:
         draft = NativeEngine(draft_config) if native else HFEngine(draft_config)

@@ -497,3 +497,62 @@ def pool_mb(model_dir: str, blocks: int, block_size: int, kv_dtype: str = "fp32"
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     return families()[cfg.model_type].kv_bytes_per_token(cfg, kv_dtype) * block_size * blocks / 2**20
+
+
+# --- LoRA adapters (test_lora.py, test_lora_http.py) -----------------------------------------------------
+
+# Three random adapters per base, written by PEFT: every linear at rank 8; attention only, rank 16, rsLoRA; the MLP
+# only, rank 4 (GPT-2's c_proj is both its attention output and its MLP's down linear).
+LORA_ADAPTERS = {
+    "llama": {
+        "all8": {"rank": 8, "seed": 1},
+        "qv16": {"rank": 16, "alpha": 8, "seed": 2, "modules": ["q_proj", "v_proj"], "use_rslora": True},
+        "mlp4": {"rank": 4, "seed": 3, "modules": ["gate_proj", "up_proj", "down_proj"]},
+    },
+    "gpt2": {
+        "all8": {"rank": 8, "seed": 1},
+        "qv16": {"rank": 16, "alpha": 8, "seed": 2, "modules": ["c_attn"], "use_rslora": True},
+        "mlp4": {"rank": 4, "seed": 3, "modules": ["c_fc", "c_proj"]},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def lora_checkpoints(tmp_path_factory):
+    """arch ("llama" or "gpt2") -> (a tiny random checkpoint, {adapter name: its PEFT directory}), built once."""
+    built: dict[str, tuple[str, dict[str, str]]] = {}
+
+    def get(arch: str) -> tuple[str, dict[str, str]]:
+        if arch not in built:
+            from scripts.make_test_adapter import build_adapter
+            from scripts.make_test_model import build_checkpoint
+
+            root = tmp_path_factory.mktemp(f"lora_{arch}")
+            model_dir = build_checkpoint(str(root / "base"), arch=arch, seed=2, tied=False)
+            adapters = {
+                name: build_adapter(model_dir, str(root / name), **kw) for name, kw in LORA_ADAPTERS[arch].items()
+            }
+            built[arch] = model_dir, adapters
+        return built[arch]
+
+    return get
+
+
+def peft_reference(model_dir: str, adapter_dir: str | None = None, weights: str = "fp32") -> Reference:
+    """``Reference`` of HF + PEFT's ``generate`` with the adapter in ``adapter_dir`` (None: the base alone), over the
+    base's weights as the engine multiplies by them under ``WEIGHTS=weights`` (int8 / int4: dequantized)."""
+    ref = Reference(model_dir)
+    if weights != "fp32":
+        from models.quant import dequantize_hf_model_
+
+        dequantize_hf_model_(ref.model, weights)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        ref.model = PeftModel.from_pretrained(ref.model, adapter_dir).eval()
+    return ref
+
+
+def lora_modules(adapters: dict[str, str]) -> str:
+    """LORA_MODULES serving every adapter of ``adapters`` ({name: path})."""
+    return ",".join(f"{name}={path}" for name, path in adapters.items())

@@ -19,6 +19,9 @@ ALL_VARS = (
     "NUM_THREADS",
     "SMALL_GEMM",
     "STOP_TOKEN_IDS",
+    "LORA_MODULES",
+    "MAX_LORAS",
+    "MAX_LORA_RANK",
     "HOST",
     "PORT",
     "SERVED_MODEL_NAME",
@@ -477,3 +480,25 @@ def test_bad_activations_name_the_variable_and_the_choices(value):
 def test_bad_kernel_isa_names_the_variable_and_the_choices(value):
     with pytest.raises(ConfigError, match=r"^KERNEL_ISA must be one of auto, avx2 \(got"):
         Config.from_env({"KERNEL_ISA": value})
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"LORA_MODULES": "a"}, "LORA_MODULES must be name=path pairs"),
+        ({"LORA_MODULES": "a=/x,a=/y"}, "names adapter 'a' twice"),
+        ({"LORA_MODULES": "distilgpt2=/x"}, "has the base model's name"),
+        ({"LORA_MODULES": "a=/x,b=/y", "MAX_LORAS": "1"}, "MAX_LORAS is 1"),
+        ({"MAX_LORAS": "65"}, "MAX_LORAS must be in [0, 64]"),
+        ({"MAX_LORA_RANK": "0"}, "MAX_LORA_RANK must be in [1, 512]"),
+    ],
+)
+def test_lora_settings_are_checked(env, words):
+    with pytest.raises(ConfigError) as info:
+        Config.from_env(env)
+    assert words in str(info.value), info.value
+
+
+def test_lora_modules_parse():
+    cfg = Config.from_env({"LORA_MODULES": " sql = /a/b , chat=/c ", "MAX_LORAS": "2"})
+    assert cfg.lora_module_list == [("sql", "/a/b"), ("chat", "/c")]

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible API, one file per endpoint: ``models.py`` (``GET /v1/models``), ``completions.py``
-(``POST /v1/completions``), ``chat.py`` (``POST /v1/chat/completions``), ``responses.py`` (``POST /v1/responses``);
-what they share: ``fields.py`` (request checks, choices, usage), ``logprobs.py`` (OpenAI's two logprob formats),
-``frames.py`` (the stream events). ``router`` is all of them. Errors use OpenAI's body shape (``api/errors.py``).
-No torch."""
+"""The OpenAI-compatible API, one file per endpoint: ``models.py`` (``GET /v1/models``, LoRA adapters' load and
+unload), ``completions.py`` (``POST /v1/completions``), ``chat.py`` (``POST /v1/chat/completions``), ``responses.py``
+(``POST /v1/responses``); what they share: ``fields.py`` (request checks, choices, usage), ``logprobs.py`` (OpenAI's
+two logprob formats), ``frames.py`` (the stream events). ``router`` is all of them. Errors use OpenAI's body shape
+(``api/errors.py``). No torch."""
 
 from __future__ import annotations
 

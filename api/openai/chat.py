@@ -54,7 +54,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, runtime
     k = (req.top_logprobs or 0) if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     seqs = [
-        make_sequence(runtime, setup.prompt_ids, max_tokens, choice_fields(req, j), rid if n == 1 else f"{rid}-{j}", k)
+        make_sequence(
+            runtime, setup.prompt_ids, max_tokens, choice_fields(req, j), rid if n == 1 else f"{rid}-{j}", k, None, name
+        )
         for j in range(n)
     ]
     await attach_grammar(runtime, seqs, setup.grammar, setup.grammar_param)

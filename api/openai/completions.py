@@ -55,7 +55,7 @@ async def completions(req: CompletionRequest, request: Request, runtime: Runtime
             for j in range(n):  # choice index i * n + j, as OpenAI and vLLM number them
                 seq_id = rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}"  # a label for the logs
                 fields = choice_fields(req, j)
-                seqs.append(make_sequence(runtime, ids, max_tokens, fields, seq_id, req.logprobs, prompt_k))
+                seqs.append(make_sequence(runtime, ids, max_tokens, fields, seq_id, req.logprobs, prompt_k, name))
     if not score_only:
         with field_errors():
             grammar = response_format_grammar(req.response_format)

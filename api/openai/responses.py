@@ -53,7 +53,7 @@ async def responses(req: ResponsesRequest, request: Request, runtime: Runtime = 
     room = max(1, runtime.engine.max_context - len(setup.prompt_ids))
     max_tokens = req.max_output_tokens or min(room, runtime.config.max_new_tokens_limit)
     rid = f"resp_{uuid.uuid4().hex}"
-    seq = make_sequence(runtime, setup.prompt_ids, max_tokens, req, rid)
+    seq = make_sequence(runtime, setup.prompt_ids, max_tokens, req, rid, model=name)
     await attach_grammar(runtime, [seq], setup.grammar, setup.grammar_param)
     gens = start_generations(runtime, [seq], req.stop, 1, request)
     shape = ResponseShape(rid, name, req, runtime.fingerprint)

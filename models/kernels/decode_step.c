@@ -84,6 +84,8 @@ typedef struct {
     const Moe *moe;         /* NULL: the dense MLP */
 } Layer;
 
+#include "lora_step.c"
+
 #define ACT_SILU_GATED 0 /* SiLU(gate) * up (Llama) */
 #define ACT_GELU 1       /* GELU tanh (GPT-2) */
 #define ACT_GELU_GATED 2 /* GELU tanh(gate) * up (Gemma) */
@@ -115,6 +117,7 @@ typedef struct {
     int write_first; /* some sequence has several rows: every row's K/V is written before any row attends */
     int max_parts, part_tokens;
     float *ws_acc, *ws_m, *ws_l; /* partition partials [B, max_parts, H, (D)] when max_parts > 1 */
+    const Lora *lora;            /* the LoRA adapters of this step's rows (lora_step.c), or NULL */
 } Step;
 
 static int context_of(const Step *s, int b) { return (int)s->pos[b] + 1; }
@@ -457,10 +460,12 @@ static void moe_mlp(const Model *m, const Layer *L, const Buffers *buf, const fl
 #pragma omp barrier
 }
 
-static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *buf, float *x, int t, int nt) {
+static void layer(const Model *m, int l, const Step *s, const Buffers *buf, float *x, int t, int nt) {
+    const Layer *L = &m->layers[l];
     const int B = s->B, C = m->C, HD = m->H * m->D, nqkv = L->qkv.N;
     const float *xn = norm(m, buf, L->norm1_w, L->norm1_b, x, NULL, B, t, nt);
     linear_part(buf, &L->qkv, xn, C, NULL, 0, buf->qkv, nqkv, B, t, nt);
+    lora_linear(s->lora, l, 0, &L->qkv, xn, C, buf->qkv, nqkv, t, nt);
 #pragma omp barrier
     if (L->q_norm || m->clip_qkv > 0.0f) {
 #pragma omp for schedule(static)
@@ -469,9 +474,11 @@ static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *
     attention(m, L, s, buf, t);
     if (plain_residual(m, L->post1_w)) { /* x += O att: an output's residual read, then written */
         linear_part(buf, &L->o, buf->att, HD, x, C, x, C, B, t, nt);
+        lora_linear(s->lora, l, 1, &L->o, buf->att, HD, x, C, t, nt);
 #pragma omp barrier
     } else {
         linear_part(buf, &L->o, buf->att, HD, NULL, 0, buf->y, C, B, t, nt);
+        lora_linear(s->lora, l, 1, &L->o, buf->att, HD, buf->y, C, t, nt);
 #pragma omp barrier
         post_residual(m, L->post1_w, buf->y, x, B, t, nt);
     }
@@ -483,13 +490,16 @@ static void layer(const Model *m, const Layer *L, const Step *s, const Buffers *
     }
     const int nup = L->up.N, I = L->down.K;
     linear_part(buf, &L->up, xn, C, NULL, 0, buf->up, nup, B, t, nt);
+    lora_linear(s->lora, l, 2, &L->up, xn, C, buf->up, nup, t, nt);
 #pragma omp barrier
     const float *act = activation(m, buf, nup, I, B, t, nt);
     if (plain_residual(m, L->post2_w)) {
         linear_part(buf, &L->down, act, I, x, C, x, C, B, t, nt);
+        lora_linear(s->lora, l, 3, &L->down, act, I, x, C, t, nt);
 #pragma omp barrier
     } else {
         linear_part(buf, &L->down, act, I, NULL, 0, buf->y, C, B, t, nt);
+        lora_linear(s->lora, l, 3, &L->down, act, I, buf->y, C, t, nt);
 #pragma omp barrier
         post_residual(m, L->post2_w, buf->y, x, B, t, nt);
     }
@@ -520,13 +530,16 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
 /* ids [B] token ids -> logits [n_sample, V] of the rows listed in sample_rows (NULL: every row, n_sample = B);
  * x [B, C] the residual stream (the embeddings, then each layer's output). block_tables [tables, table_stride]
  * and row_table [B] (NULL: row b reads table b): see Step. write_first: set when a sequence has several rows.
- * ws: decode_step_workspace(m, B, nthreads) floats. Returns 0, or -1 when the partition workspace of a long
- * context or a linear's tile buffer (quant_gemm.c) cannot be allocated. */
+ * ws: decode_step_workspace(m, B, nthreads) floats. lora: the rows' LoRA adapters (lora_step.c), or NULL. Returns
+ * 0, or -1 when the partition workspace of a long context or a linear's tile buffer (quant_gemm.c) cannot be
+ * allocated. */
 int decode_step(const Model *m, const long *ids, float *x, int B, const long *pos, const long *slot_blocks,
                 const long *slot_offsets, const int *block_tables, int table_stride, const int *row_table,
-                int write_first, const long *sample_rows, int n_sample, float *logits, float *ws, int nthreads) {
+                int write_first, const long *sample_rows, int n_sample, float *logits, float *ws, int nthreads,
+                const Lora *lora) {
     if (nthreads < 1) nthreads = 1;
-    Step s = {B, pos, slot_blocks, slot_offsets, block_tables, row_table, table_stride, write_first, 1, 0, 0, 0, 0};
+    Step s = {B, pos, slot_blocks, slot_offsets, block_tables, row_table, table_stride, write_first, 1, 0, 0, 0, 0,
+              lora};
     s.part_tokens = part_tokens_for(m->block_size, 0);
     for (int b = 0; b < B; b++) {
         const int parts = (context_of(&s, b) + s.part_tokens - 1) / s.part_tokens;
@@ -551,7 +564,7 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         t = omp_get_thread_num();
         nt = omp_get_num_threads();
 #endif
-        for (int l = 0; l < m->n_layer; l++) layer(m, &m->layers[l], &s, &buf, x, t, nt);
+        for (int l = 0; l < m->n_layer; l++) layer(m, l, &s, &buf, x, t, nt);
         const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
         linear_part(&buf, &m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
         if (m->logits_divisor != 1.0f || m->final_softcap > 0.0f) {

@@ -31,6 +31,8 @@ buffers a plan's spec names, and ``models/native.py`` runs them without torch.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from . import paged_attention, quant_gemm, small_gemm, step_abi
@@ -126,10 +128,12 @@ class StepPlan:
         """Whether every linear has a copy the kernel reads, and the kernel loads here."""
         return all(lin(x) is not None for x in linears) and load() is not None
 
-    def __call__(self, batch) -> torch.Tensor:
+    def __call__(self, batch, lora=None) -> torch.Tensor:
         """A ``layers.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
-        sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written."""
+        sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written. ``lora``: (a
+        ``lora_step.KernelLora``, each row's adapter slot [N], -1 the base) or None."""
         N, threads = batch.ids.shape[0], torch.get_num_threads()
+        adapters = lora[0].step(lora[1], 0, N, threads) if lora is not None else None
         need = self.step.workspace_floats(N, threads)  # torch aligns ws to a cache line (step_abi.WS_ALIGN)
         if self.ws.numel() < need:
             self.ws = torch.empty(need)
@@ -141,5 +145,6 @@ class StepPlan:
             *(N, batch.ids.data_ptr(), batch.pos.data_ptr(), batch.slot_blocks.data_ptr()),
             *(batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0), _ptr(batch.row_tables)),
             *(write_first, _ptr(sample), logits.shape[0], logits.data_ptr(), self.ws.data_ptr(), threads),
+            ctypes.addressof(adapters[0]) if adapters is not None else None,
         )
         return logits

@@ -85,6 +85,7 @@ def _load() -> ctypes.CDLL:
         *(_P, _P, _P, _I, _P, _P, _P),  # model, ids, x, B, pos, slot_blocks, slot_offsets
         *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
         *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
+        _P,  # lora: the rows' LoRA adapters (lora_step.Lora), or NULL
     ]
     lib.topk_rows.restype = None
     lib.topk_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]  # values, rows, n, k, indices, picked, scratch
@@ -380,12 +381,15 @@ class StepKernel:
         logits: int,
         ws: int,
         threads: int,
+        lora=None,
     ) -> None:
         """One step of ``rows`` rows; every pointer an address (int64 ids, pos, slots, sample rows; int32 tables
-        [*, table_stride] and row_table; fp32 logits [n_sample, V]). See ``decode_step.c``'s ``decode_step``."""
+        [*, table_stride] and row_table; fp32 logits [n_sample, V]); ``lora`` the rows' adapters
+        (``lora_step.KernelLora.step``) or None. See ``decode_step.c``'s ``decode_step``."""
         rc = self.lib.decode_step(
             *(self.structs.ref, ids, ws, rows, pos, slot_blocks, slot_offsets, tables, table_stride),
             *(row_table, int(write_first), sample_rows, n_sample, logits, ws + 4 * self._x_floats(rows), threads),
+            lora,
         )
         if rc != 0:
             raise MemoryError("decode step: cannot allocate its attention partitions or a linear's tile buffer")
