@@ -19,8 +19,9 @@ from test_prefix_cache import submit_all
 
 from core.sequence import Sequence
 from core.speculative import SpecParams
+from scripts.make_test_model import FAMILIES as TINY_FAMILIES
 
-from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference
+from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference, small_model_threads
 
 pytestmark = pytest.mark.model
 
@@ -337,3 +338,39 @@ def test_a_damaged_weights_file_is_refused_by_name(lora_checkpoints, tmp_path):
     for key, lin in good.linears.items():
         want = (lin.a_t.view(np.uint32) & 0xFFFF0000).view(np.float32)
         np.testing.assert_array_equal(bf16.linears[key].a_t, want)
+
+
+# Each family's HF module names for LoRA on every linear of its layers (a mixture of experts: attention only).
+FAMILY_MODULES = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+ATTENTION_ONLY = {"qwen3_moe", "mixtral", "olmoe"}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_FAMILIES))
+def test_every_family_matches_peft(arch, tmp_path):
+    """Every family (its norms, q/k norms, soft-caps, multipliers; Phi-3's fused qkv_proj and gate_up_proj; a mixture
+    of experts' attention): the logits of a prefill and of a decode step (the whole-step kernel's hook) under an
+    adapter on all its linears are PEFT's within fp32 rounding."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from models import families
+    from models.lora import read_adapter
+    from scripts.make_test_adapter import DEFAULT_MODULES, build_adapter
+    from scripts.make_test_model import build_checkpoint
+
+    model_dir = build_checkpoint(str(tmp_path / "base"), arch=arch, seed=3)
+    modules = FAMILY_MODULES.get(arch) or DEFAULT_MODULES["llama"][: 4 if arch in ATTENTION_ONLY else None]
+    adapter = build_adapter(model_dir, str(tmp_path / "lora"), rank=8, seed=1, modules=modules)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = families()[hf.config.model_type](hf, 2, 64, torch.device("cpu"), num_blocks=8, block_size=4)
+    model.enable_lora(1)
+    model.set_lora(0, read_adapter("a", adapter, model.lora_targets(), 64))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter)
+    ids = list(range(5, 14))
+    with torch.no_grad(), small_model_threads(peft):
+        want = peft.eval()(torch.tensor([ids + [14]])).logits[0, -2:].numpy()
+    prefill = model.forward([], [], [], [ids], [[0, 1, 2, 3]], loras=[0]).numpy()
+    decode = model.forward([14], [9], [[0, 1, 2, 3]], loras=[0]).numpy()
+    np.testing.assert_allclose(np.concatenate([prefill, decode]), want, rtol=1e-4, atol=2e-5)
