@@ -345,11 +345,14 @@ FAMILY_MODULES = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 ATTENTION_ONLY = {"qwen3_moe", "mixtral", "olmoe"}
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_FAMILIES))
-def test_every_family_matches_peft(arch, tmp_path):
+@pytest.mark.parametrize(
+    "arch, small_gemm", [(a, True) for a in sorted(TINY_FAMILIES)] + [("gpt2", False), ("llama", False)]
+)
+def test_every_family_matches_peft(arch, small_gemm, tmp_path):
     """Every family (its norms, q/k norms, soft-caps, multipliers; Phi-3's fused qkv_proj and gate_up_proj; a mixture
     of experts' attention): the logits of a prefill and of a decode step (the whole-step kernel's hook) under an
-    adapter on all its linears are PEFT's within fp32 rounding."""
+    adapter on all its linears are PEFT's within fp32 rounding; and GPT-2 and Llama on oneDNN's linears
+    (SMALL_GEMM=false: no whole-step kernel, GPT-2's GELU fused into its linear unless an adapter is present)."""
     import numpy as np
     import torch
     from peft import PeftModel
@@ -361,10 +364,13 @@ def test_every_family_matches_peft(arch, tmp_path):
     from scripts.make_test_model import build_checkpoint
 
     model_dir = build_checkpoint(str(tmp_path / "base"), arch=arch, seed=3)
-    modules = FAMILY_MODULES.get(arch) or DEFAULT_MODULES["llama"][: 4 if arch in ATTENTION_ONLY else None]
+    modules = FAMILY_MODULES.get(arch) or DEFAULT_MODULES["gpt2" if arch == "gpt2" else "llama"]
+    modules = modules[:4] if arch in ATTENTION_ONLY else modules
     adapter = build_adapter(model_dir, str(tmp_path / "lora"), rank=8, seed=1, modules=modules)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model = families()[hf.config.model_type](hf, 2, 64, torch.device("cpu"), num_blocks=8, block_size=4)
+    family = families()[hf.config.model_type]
+    model = family(hf, 2, 64, torch.device("cpu"), use_small_gemm=small_gemm, num_blocks=8, block_size=4)
+    assert (model.fused_step is not None) == small_gemm
     model.enable_lora(1)
     model.set_lora(0, read_adapter("a", adapter, model.lora_targets(), 64))
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter)
