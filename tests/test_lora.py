@@ -267,7 +267,7 @@ def test_kernel_hook_matches_the_torch_hooks_at_any_thread_count(lora_checkpoint
     need_kernel(decode_step, "decode step")
     model_dir, adapters = lora_checkpoints("llama")
     engine = make_engine(model_dir, capacity=8, weights=weights, lora_modules=lora_modules(adapters), kv_block_size=4)
-    model, slot = engine.model, {n: engine.loras.slots._slot_of[engine.loras.id_of(n)] for n in adapters}
+    model, slot = engine.model, {n: engine.loras.slots.slot_of(engine.loras.id_of(n)) for n in adapters}
     assert model.fused_step is not None
     rows = [-1, slot["all8"], slot["qv16"], slot["qv16"], slot["mlp4"], slot["mlp4"], slot["mlp4"]]
     tables = [[2 * b, 2 * b + 1] for b in range(len(rows))] + [[20, 21]]
