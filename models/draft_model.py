@@ -99,11 +99,11 @@ class DraftModel:
         self.blocks = BlockManager(bm.num_blocks, bm.block_size, 0, enable_caching=False)
         self._fed.clear()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, int]:
         return {
             "spec_draft_model_forwards": self.forwards,
             "spec_draft_model_tokens": self.tokens_fed,
-            "spec_draft_model_seconds": round(self.seconds, 6),
+            "spec_draft_model_ms": round(self.seconds * 1000),
             "spec_draft_model_kv_free_blocks": self.blocks.num_free_blocks,
             "spec_draft_model_kv_blocks": self.blocks.num_blocks,
         }

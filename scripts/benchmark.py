@@ -13,6 +13,8 @@
                                               # a Llama-3.2-1B-shaped file made once by llama.cpp's own tools
     python scripts/benchmark.py --model smollm2 --workload copy,single \
         --systems ours,ours:spec=off,llamacpp,llamacpp:spec=ngram-simple:n=3:m=16   # speculative decoding (issue 28)
+    python scripts/benchmark.py --model smollm2 --workload copy --systems ours:spec=off,ours:draft=8
+                                              # a draft model: the GGUF's first 8 blocks (or draft=PATH, any MODEL_ID)
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one

@@ -188,6 +188,7 @@ def overhead(steps: int, baseline: str = "") -> None:
     Then the sampling of each kind of request alone, on the model's own logits (``sample_costs``; ``baseline``: a
     git revision whose ``core/sampling.py`` is timed beside this one, interleaved)."""
     import asyncio
+    from types import SimpleNamespace
 
     from api.openai.frames import ChatFrames
     from api.streaming import sse
@@ -245,7 +246,7 @@ def overhead(steps: int, baseline: str = "") -> None:
         sched.start()
         gen = Generation(Sequence(prompt, steps, ignore_eos=True), engine.decode, sched)
         timed(gen.decoder, "push", "detok")
-        frames = ChatFrames(None, "chatcmpl-probe", "probe", False, False)
+        frames = ChatFrames(SimpleNamespace(fingerprint="probe"), "chatcmpl-probe", "probe", False, False)
         stamps = []
         gen.start()
         async for chunk in gen.stream():
@@ -274,17 +275,18 @@ def overhead(steps: int, baseline: str = "") -> None:
     sample_costs(np.concatenate(logits[skip:]), baseline)
 
 
-def sample_costs(logits, baseline: str = "", repeat: int = 7) -> None:
+def sample_costs(logits, baseline: str = "", repeat: int = 15) -> None:
     """``core.sampling.sample`` alone on real logits [n, V], one row at a time, for each kind of request:
-    microseconds per token (the best of ``repeat`` passes over the rows, the kinds interleaved pass by pass), and
-    beside it, interleaved the same way, ``baseline``'s ``core/sampling.py`` (a git revision), with the tokens
-    both chose compared."""
+    microseconds per token (10th percentile and median over ``repeat`` passes of the rows), and beside it,
+    interleaved call by call in alternating order, ``baseline``'s ``core/sampling.py`` (a git revision), with the
+    tokens both chose compared."""
+    import numpy as np
+
     from core.sampling import SamplingParams, sample
 
     samplers = {"now": sample}
     if baseline:
         samplers[baseline] = _module_at(baseline, "core/sampling.py").sample
-
     kinds = {
         "greedy": SamplingParams(),
         "temperature": SamplingParams(temperature=0.8, seed=1),
@@ -294,29 +296,22 @@ def sample_costs(logits, baseline: str = "", repeat: int = 7) -> None:
         "penalties": SamplingParams(temperature=0.7, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.3, seed=1),
     }
     prompt, output = [list(range(100, 400))], [list(range(500, 700))]
-    best = {(who, k): float("inf") for who in samplers for k in kinds}
+    spent = {(who, k): [] for who in samplers for k in kinds}
     chosen: dict = {}
-    for _ in range(repeat):
+    for rep in range(repeat):
         for name, params in kinds.items():
-            for who, fn in samplers.items():
-                t0 = time.perf_counter()
-                chosen[who, name] = [fn(row[None], [params], prompt, output)[0] for row in logits]
-                best[who, name] = min(best[who, name], (time.perf_counter() - t0) / len(logits))
+            for who, fn in list(samplers.items()) if rep % 2 else list(samplers.items())[::-1]:
+                tokens = []
+                for row in logits:
+                    t0 = time.perf_counter_ns()
+                    tokens.append(fn(row[None], [params], prompt, output)[0])
+                    spent[who, name].append(time.perf_counter_ns() - t0)
+                chosen[who, name] = tokens
     for who in samplers:
-        row = {k: round(best[who, k] * 1e6, 1) for k in kinds}
+        row = {k: [round(float(np.percentile(spent[who, k], q)) / 1e3, 1) for q in (10, 50)] for k in kinds}
         same = all(chosen[who, k] == chosen["now", k] for k in kinds)
-        print(
-            json.dumps(
-                {
-                    "mode": "sample",
-                    "tree": who,
-                    "us_per_token": row,
-                    "rows": len(logits),
-                    "same_tokens": same,
-                    "load": os.getloadavg()[0],
-                }
-            )
-        )
+        line = {"mode": "sample", "tree": who, "us_p10_p50": row, "rows": len(logits), "same_tokens": same}
+        print(json.dumps({**line, "load": os.getloadavg()[0]}))
 
 
 def _module_at(revision: str, path: str):

@@ -173,6 +173,13 @@ def test_ours_env_sets_knobs_through_config_from_env():
     assert env["MAX_NUM_BATCHED_TOKENS"] == "128" and env["PREFIX_CACHING"] == "false"
     cfg = Config.from_env({**env, "MODEL_ID": "fake"})
     assert cfg.max_num_batched_tokens == 128 and cfg.max_batch_size == 12 and cfg.max_model_len == 264
+    # a draft model (ours:draft=PATH) drafts unless the system says otherwise; draft=N truncates the served GGUF
+    copy = build_workload("copy", tok, 0, True)
+    env = ours_env(copy, "", "auto", {"draft": "/models/draft.gguf"})
+    assert env["SPECULATIVE_METHOD"] == "draft_model" and env["SPECULATIVE_MODEL"] == "/models/draft.gguf"
+    assert ours_env(copy, "", "auto", {"draft": "/d.gguf", "spec": "off"})["SPECULATIVE_METHOD"] == "off"
+    with pytest.raises(SystemExit, match="GGUF"):
+        ours_env(copy, "", "auto", {"draft": "8"})
 
 
 def small_gemm_builds() -> bool:
