@@ -53,8 +53,8 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget every sequence (after a failure)."""
 
-    def stats(self) -> dict[str, float]:
-        """Counters for the engine's stats."""
+    def stats(self) -> dict[str, int]:
+        """Counters for the engine's stats (integers: /health carries them)."""
 
 
 class ChatTemplateError(ValueError):

@@ -71,6 +71,7 @@ class DraftModel:
         self.max_context = engine.max_context
         self._fed: dict[int, _Fed] = {}
         self.forwards = 0  # draft forward calls
+        self.unserved = 0  # rows given no drafts because the draft's pool had no room for them
         self.tokens_fed = 0  # tokens through the draft model (catch-up and drafts)
         self.seconds = 0.0  # wall time of ``propose`` (the draft's share of a step)
 
@@ -99,11 +100,12 @@ class DraftModel:
         self.blocks = BlockManager(bm.num_blocks, bm.block_size, 0, enable_caching=False)
         self._fed.clear()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, int]:
         return {
             "spec_draft_model_forwards": self.forwards,
             "spec_draft_model_tokens": self.tokens_fed,
-            "spec_draft_model_seconds": round(self.seconds, 6),
+            "spec_draft_model_unserved_rows": self.unserved,
+            "spec_draft_model_ms": round(self.seconds * 1000),
             "spec_draft_model_kv_free_blocks": self.blocks.num_free_blocks,
             "spec_draft_model_kv_blocks": self.blocks.num_blocks,
         }
@@ -127,6 +129,7 @@ class DraftModel:
                 k = 0
             if not self._reserve(seq.seq_id, end + max(k - 1, 0)):
                 self._free(seq.seq_id)
+                self.unserved += 1
                 continue
             budget -= end - begin
             fed.verified, fed.tail = end, []
@@ -138,10 +141,10 @@ class DraftModel:
         logits = self._catch_up([seqs[i] for i in rows], chunks)
         drafts = [[t] if k else [] for t, k in zip(logits.argmax(axis=1).tolist(), ks)]
         for j in range(1, max(ks)):  # the j-th further draft: each going row feeds its previous one
+            # (a row whose last draft is a stop token stops there: the sequence would end, nothing after is verified)
             going = [
                 r for r, (d, k) in enumerate(zip(drafts, ks)) if k > j and d[-1] not in seqs[rows[r]].stop_token_ids
             ]
-            # (a stop token ends the sequence: nothing after it is verified)
             if not going:
                 break
             seqs_j = [seqs[rows[r]] for r in going]

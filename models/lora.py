@@ -16,8 +16,9 @@ into the q columns of the fused output only. GPT-2's c_attn is one HF module alr
 ``read_adapter`` reads and checks an adapter against the model's targets and refuses, naming the reason, what this
 code does not compute: DoRA, LoRA biases, modules_to_save, trainable tokens, per-module alphas, embedding or lm_head
 adapters, a module the model does not have or shapes that do not fit the base, a rank above MAX_LORA_RANK.
-``LoraSlots`` (the engine's, on its worker thread) holds the resident adapters in MAX_LORAS slots and maps the rows
-of a step to slots. The runtimes apply them: ``models/lora_torch.py`` (the torch forward) and the whole-step
+``LoraManager`` is an engine's adapters: their names on the event loop (what requests may choose), and ``LoraSlots``
+on the engine's worker thread, the resident adapters in MAX_LORAS slots of the runner and a step's rows mapped to
+slots. The runtimes apply them: ``models/lora_torch.py`` (the torch forward) and the whole-step
 kernel's hook (``kernels/lora_step.py``, for ``decode_step.c`` on both runtimes).
 """
 
@@ -388,6 +389,9 @@ class LoraSlots:
         self._slot_of[lora_id] = slot
         return slot
 
+    def slot_of(self, lora_id: int) -> int:
+        return self._slot_of[lora_id]
+
     def remove(self, lora_id: int) -> None:
         slot = self._slot_of.pop(lora_id, None)
         if slot is not None:
@@ -397,7 +401,7 @@ class LoraSlots:
         """Each row's slot (-1: the base) for rows of these adapter ids, or None when every row is the base's."""
         if not any(lora_ids):
             return None
-        return [self._slot_of[i] if i else _NO_SLOT for i in lora_ids]
+        return [self.slot_of(i) if i else _NO_SLOT for i in lora_ids]
 
 
 def row_groups(slots: list[int], counts: list[int] | None = None) -> list[tuple[int, np.ndarray]]:

@@ -13,6 +13,8 @@
                                               # a Llama-3.2-1B-shaped file made once by llama.cpp's own tools
     python scripts/benchmark.py --model smollm2 --workload copy,single \
         --systems ours,ours:spec=off,llamacpp,llamacpp:spec=ngram-simple:n=3:m=16   # speculative decoding (issue 28)
+    python scripts/benchmark.py --model smollm2 --workload copy --systems ours:spec=off,ours:draft=8
+                                              # a draft model: the GGUF's first 8 blocks (or draft=PATH, any MODEL_ID)
     python -m scripts.benchmark --model smollm2 --workload embeddings --systems ours,llamacpp   # /v1/embeddings
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single

@@ -16,6 +16,7 @@ from conftest import PROMPTS, RUNTIMES, assert_runtime, schedule_all
 pytest.importorskip("torch")
 
 from config import Config  # noqa: E402
+from core.sequence import Sequence  # noqa: E402
 from core.speculative import SpecParams  # noqa: E402
 from core.step import BatchPlan  # noqa: E402
 from models.draft_model import DraftModel  # noqa: E402
@@ -135,6 +136,8 @@ def test_requests_choose_the_draft_model(tiny_model_dir, other_gpt2):
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == plain
             assert metric(await scrape(c), "minibatch:spec_decode_num_draft_tokens_total") > 0
+            health = await c.get("/health")  # the draft model's counters ride in the engine's stats
+            assert health.status_code == 200 and health.json()["engine"]["spec_draft_model_forwards"] > 0
             r = await c.post("/v1/completions", json={**body, "speculative": {"draft_model": "tiny-draft"}})
             assert_error(r, 400, contains="tiny-draft")
             assert other_gpt2 in r.text
@@ -142,3 +145,53 @@ def test_requests_choose_the_draft_model(tiny_model_dir, other_gpt2):
             assert_error(r, 400, contains="draft_model")
 
     run(go())
+
+
+def test_a_truncated_gguf_drafts_for_its_original_on_the_native_runtime(tmp_path_factory, monkeypatch):
+    """The realistic CPU case: a GGUF target on the native runtime, its draft the same file's first block
+    (``scripts/truncate_gguf.py``: the tokenizer and every other field copied, ``block_count`` 1, the later blocks'
+    tensors gone), loaded through SPECULATIVE_MODEL on the target's runtime kind: greedy answers as without
+    drafts. (The model images are written in this process, as ``engine_for`` does, not in a child each.)"""
+    import gguf
+    from gguf_files import write_gguf
+
+    from models import image
+    from models.runtime import NativeEngine, build_engine
+    from scripts.make_test_model import build_checkpoint
+    from scripts.truncate_gguf import truncate
+
+    from conftest import need_native
+
+    need_native()
+    monkeypatch.setattr(
+        image, "_build_in_child", lambda source, weights, out, failure: image.write_image(source, weights, out)
+    )
+    root = tmp_path_factory.mktemp("truncated")
+    hf = build_checkpoint(str(root / "hf"), arch="llama", seed=4)
+    target = write_gguf(hf, str(root / "target.gguf"), lambda name, shape: "Q8_0")
+    draft = truncate(target, str(root / "draft.gguf"), 1)
+    before, after = gguf.GGUFReader(target), gguf.GGUFReader(draft)
+    assert after.get_field("llama.block_count").contents() == 1 < before.get_field("llama.block_count").contents()
+    assert {t.name for t in after.tensors} == {t.name for t in before.tensors if not t.name.startswith("blk.1.")}
+    assert after.get_field("tokenizer.ggml.tokens").contents() == before.get_field("tokenizer.ggml.tokens").contents()
+    config = Config(
+        model_id=target,
+        speculative_model=draft,
+        speculative_method="draft_model",
+        speculative_disable_by_batch_size=0,
+        max_batch_size=2,
+        num_threads=1,
+        kv_cache_dtype="fp32",
+    )
+    engine = build_engine(config)
+    assert isinstance(engine, NativeEngine) and isinstance(engine.drafter.engine, NativeEngine)
+    runs = []
+    for spec in (SpecParams("off"), None):  # None: the server's default, draft_model
+        seqs = [
+            Sequence(prompt_token_ids=engine.encode(p * 2), max_new_tokens=20, ignore_eos=True, speculation=spec)
+            for p in PROMPTS[:3]
+        ]
+        schedule_all(engine, seqs)
+        runs.append([s.output_token_ids for s in seqs])
+    assert runs[0] == runs[1]
+    assert engine.planner.spec.num_draft_tokens > 0

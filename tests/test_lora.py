@@ -19,8 +19,9 @@ from test_prefix_cache import submit_all
 
 from core.sequence import Sequence
 from core.speculative import SpecParams
+from scripts.make_test_model import FAMILIES as TINY_FAMILIES
 
-from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference
+from conftest import PROMPTS, Reference, lora_modules, make_engine, need_native, peft_reference, small_model_threads
 
 pytestmark = pytest.mark.model
 
@@ -266,7 +267,7 @@ def test_kernel_hook_matches_the_torch_hooks_at_any_thread_count(lora_checkpoint
     need_kernel(decode_step, "decode step")
     model_dir, adapters = lora_checkpoints("llama")
     engine = make_engine(model_dir, capacity=8, weights=weights, lora_modules=lora_modules(adapters), kv_block_size=4)
-    model, slot = engine.model, {n: engine.loras.slots._slot_of[engine.loras.id_of(n)] for n in adapters}
+    model, slot = engine.model, {n: engine.loras.slots.slot_of(engine.loras.id_of(n)) for n in adapters}
     assert model.fused_step is not None
     rows = [-1, slot["all8"], slot["qv16"], slot["qv16"], slot["mlp4"], slot["mlp4"], slot["mlp4"]]
     tables = [[2 * b, 2 * b + 1] for b in range(len(rows))] + [[20, 21]]
@@ -337,3 +338,45 @@ def test_a_damaged_weights_file_is_refused_by_name(lora_checkpoints, tmp_path):
     for key, lin in good.linears.items():
         want = (lin.a_t.view(np.uint32) & 0xFFFF0000).view(np.float32)
         np.testing.assert_array_equal(bf16.linears[key].a_t, want)
+
+
+# Each family's HF module names for LoRA on every linear of its layers (a mixture of experts: attention only).
+FAMILY_MODULES = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+ATTENTION_ONLY = {"qwen3_moe", "mixtral", "olmoe"}
+
+
+@pytest.mark.parametrize(
+    "arch, small_gemm", [(a, True) for a in sorted(TINY_FAMILIES)] + [("gpt2", False), ("llama", False)]
+)
+def test_every_family_matches_peft(arch, small_gemm, tmp_path):
+    """Every family (its norms, q/k norms, soft-caps, multipliers; Phi-3's fused qkv_proj and gate_up_proj; a mixture
+    of experts' attention): the logits of a prefill and of a decode step (the whole-step kernel's hook) under an
+    adapter on all its linears are PEFT's within fp32 rounding; and GPT-2 and Llama on oneDNN's linears
+    (SMALL_GEMM=false: no whole-step kernel, GPT-2's GELU fused into its linear unless an adapter is present)."""
+    import numpy as np
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from models import families
+    from models.lora import read_adapter
+    from scripts.make_test_adapter import DEFAULT_MODULES, build_adapter
+    from scripts.make_test_model import build_checkpoint
+
+    model_dir = build_checkpoint(str(tmp_path / "base"), arch=arch, seed=3)
+    modules = FAMILY_MODULES.get(arch) or DEFAULT_MODULES["gpt2" if arch == "gpt2" else "llama"]
+    modules = modules[:4] if arch in ATTENTION_ONLY else modules
+    adapter = build_adapter(model_dir, str(tmp_path / "lora"), rank=8, seed=1, modules=modules)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    family = families()[hf.config.model_type]
+    model = family(hf, 2, 64, torch.device("cpu"), use_small_gemm=small_gemm, num_blocks=8, block_size=4)
+    assert (model.fused_step is not None) == small_gemm
+    model.enable_lora(1)
+    model.set_lora(0, read_adapter("a", adapter, model.lora_targets(), 64))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter)
+    ids = list(range(5, 14))
+    with torch.no_grad(), small_model_threads(peft):
+        want = peft.eval()(torch.tensor([ids + [14]])).logits[0, -2:].numpy()
+    prefill = model.forward([], [], [], [ids], [[0, 1, 2, 3]], loras=[0]).numpy()
+    decode = model.forward([14], [9], [[0, 1, 2, 3]], loras=[0]).numpy()
+    np.testing.assert_allclose(np.concatenate([prefill, decode]), want, rtol=1e-4, atol=2e-5)

@@ -159,6 +159,13 @@ def print_spec(results: dict) -> None:
             each = s["spec_num_emitted_tokens"] / s["spec_num_drafts"]
             line += f"; {s['spec_num_drafts']} drafting steps emitted {each:.2f} tokens each"
             line += f"; accepted by position {per_pos}"
+        if s.get("spec_draft_model_forwards"):  # what the draft model cost: its share of the run's wall time
+            seconds = s["spec_draft_model_ms"] / 1000
+            share = seconds / s["run_seconds"] if s.get("run_seconds") else 0.0
+            line += (
+                f"; draft model: {s['spec_draft_model_forwards']} forwards, {s['spec_draft_model_tokens']} tokens, "
+                f"{seconds:.2f} s ({share:.0%} of the run)"
+            )
         print(line)
 
 

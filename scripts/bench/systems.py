@@ -251,6 +251,7 @@ OURS_OPTIONS = {
     "act": "ACTIVATIONS",
     "spec": "SPECULATIVE_METHOD",
     "k": "NUM_SPECULATIVE_TOKENS",
+    "draft": "SPECULATIVE_MODEL",
     "device": "DEVICE",
 }
 
@@ -264,10 +265,33 @@ def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict
     if gguf:
         env["MAX_MODEL_LEN"] = str(slot_context(workload.requests))
     env.update(workload.ours_env)
+    if "draft" in options:  # a draft model: draft_model drafts unless the system says otherwise
+        env["SPECULATIVE_METHOD"] = "draft_model"
+        env["SPECULATIVE_MODEL"] = draft_model_path(options["draft"], gguf)
     for key, value in options.items():
+        if key == "draft":
+            continue
         flag = {"on": "true", "off": "false"} if key not in ("spec",) else {}  # SPECULATIVE_METHOD=off is a method
         env[OURS_OPTIONS[key]] = flag.get(value, value)
     return env
+
+
+def draft_model_path(draft: str, gguf: str) -> str:
+    """``ours:draft=N`` (an integer): the served GGUF truncated to its first N blocks (``scripts/truncate_gguf.py``,
+    written once into the cache: a draft of the same tokenizer); anything else is a MODEL_ID (a .gguf path...)."""
+    if not draft.isdigit():
+        return draft
+    if not gguf:
+        raise SystemExit(f"ours:draft={draft} truncates the served GGUF: it needs a GGUF model (--model X.gguf)")
+    from models.cache_dir import cache_subdir
+    from scripts.truncate_gguf import truncate
+
+    out = os.path.join(cache_subdir("drafts"), f"{os.path.basename(gguf).removesuffix('.gguf')}-{draft}-layers.gguf")
+    if not os.path.isfile(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        truncate(gguf, out + ".tmp", int(draft))
+        os.replace(out + ".tmp", out)
+    return out
 
 
 def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", fork: str = "on", **options):
@@ -296,7 +320,7 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
     def once() -> list[dict]:
         engine.reset_prefix_cache()  # every run starts cold: the warm-up must not serve the timed runs' prompts
         before = engine.planner.prefill_tokens_computed
-        spec_before = dict(engine.planner.spec.as_dict()) if hasattr(engine.planner, "spec") else None
+        spec_before = spec_counters(engine)
         peak_used = 0
 
         async def main():
@@ -339,11 +363,12 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         after = engine.planner.prefill_tokens_computed
         stats["prefill_tokens_computed"] = after - before
         if spec_before is not None:  # this run's speculative decoding: drafts proposed, accepted, per position
-            now = engine.planner.spec.as_dict()
+            now = spec_counters(engine)
             stats["spec"] = {
                 k: [a - b for a, b in zip(v, spec_before[k])] if isinstance(v, list) else v - spec_before[k]
                 for k, v in now.items()
             }
+            stats["spec"]["run_seconds"] = max(t["end"] for t in out) if out else 0.0
         return out
 
     once.engine = engine
@@ -368,6 +393,18 @@ def system_ours(model_dir: str, workload: Workload, weights: str = "auto", gguf:
         "per_slot_reservation_mib": round(workload.capacity * engine.max_context * kv_bytes_per_token / 2**20, 1),
         "resident_weight_mb": {fmt: round(n / 2**20, 1) for fmt, n in resident.items()},
     }
+
+
+def spec_counters(engine) -> dict | None:
+    """Speculative decoding's counters so far (the planner's, and a draft model's forwards and seconds), or None
+    for a checkout without them."""
+    if not hasattr(engine.planner, "spec"):
+        return None
+    counters = dict(engine.planner.spec.as_dict())
+    drafter = getattr(engine, "drafter", None)
+    if drafter is not None:
+        counters.update({k: v for k, v in drafter.stats().items() if "kv" not in k})
+    return counters
 
 
 def system_llamacpp(
@@ -648,8 +685,9 @@ def parse_system(name: str) -> tuple[str, dict]:
         raise SystemExit(
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
-            "ours:runtime=torch|native (RUNTIME), ours:device=cuda (DEVICE), ours:spec=off|ngram "
-            "(SPECULATIVE_METHOD), ours:k=N (NUM_SPECULATIVE_TOKENS), ours_server: as ours but fork; "
+            "ours:runtime=torch|native (RUNTIME), ours:device=cuda (DEVICE), ours:spec=off|ngram|draft_model "
+            "(SPECULATIVE_METHOD), ours:k=N (NUM_SPECULATIVE_TOKENS), ours:draft=N|PATH (SPECULATIVE_MODEL: the "
+            "served GGUF's first N blocks, or a MODEL_ID), ours_server: as ours but fork; "
             "llamacpp:cache=on, llamacpp:spec=ngram-simple|ngram-map-k|ngram-mod...[:n=N][:m=M]; "
             "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours:device=cuda "
             "(DEVICE), ours_server: as ours but fork; llamacpp:cache=on, llamacpp:kvd=f16|q8_0 (-ctk / -ctv); "
