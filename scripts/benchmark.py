@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
     kv_quality = kv_quality_workload(workloads, args.gguf or model_dir, ROOT, args.quick)  # bench/kv_quality.py
     workloads = [w for w in workloads if w not in NOT_SERVING]
-    for s in systems:
+    for s in systems if set(workloads) - {DECODE_STEP, EMBEDDINGS} else ():  # the embeddings workload names its own
         parse_system(worker_tree(s)[0])
     jobs = []
     for w in workloads:
