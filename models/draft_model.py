@@ -8,7 +8,9 @@ worker thread before each target forward (``InferenceEngine.execute`` -> ``Draft
 1. for the plan's decode rows that the planner gave lookahead slots (``BatchPlan.draft_slots``), it catches its KV
    up on the tokens the target accepted since it last saw the sequence: one batched forward over those rows (a
    chunk each, or a decode row where only the last token is new), whose logits give each row's first draft;
-2. then it proposes greedily, one batched one-row forward per further draft, feeding each row its previous draft;
+2. then it proposes greedily, one batched one-row forward per further draft, feeding each row its previous draft
+   (their mean wall time, ``forward_seconds``, is what one more draft costs: the engine hands it to the planner's
+   draft length, ``core.speculative.EngineProposer.cost``);
 3. the drafts, cut after a stop token and where the row's grammar rejects them (``cut_drafts``), go into
    ``plan.drafts``; the target verifies them as it verifies any drafts (``ModelEngine._verify``).
 
