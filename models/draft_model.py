@@ -71,6 +71,7 @@ class DraftModel:
         self.max_context = engine.max_context
         self._fed: dict[int, _Fed] = {}
         self.forwards = 0  # draft forward calls
+        self.unserved = 0  # rows given no drafts because the draft's pool had no room for them
         self.tokens_fed = 0  # tokens through the draft model (catch-up and drafts)
         self.seconds = 0.0  # wall time of ``propose`` (the draft's share of a step)
 
@@ -103,6 +104,7 @@ class DraftModel:
         return {
             "spec_draft_model_forwards": self.forwards,
             "spec_draft_model_tokens": self.tokens_fed,
+            "spec_draft_model_unserved_rows": self.unserved,
             "spec_draft_model_ms": round(self.seconds * 1000),
             "spec_draft_model_kv_free_blocks": self.blocks.num_free_blocks,
             "spec_draft_model_kv_blocks": self.blocks.num_blocks,
@@ -127,6 +129,7 @@ class DraftModel:
                 k = 0
             if not self._reserve(seq.seq_id, end + max(k - 1, 0)):
                 self._free(seq.seq_id)
+                self.unserved += 1
                 continue
             budget -= end - begin
             fed.verified, fed.tail = end, []

@@ -393,3 +393,16 @@ def test_scale_models_are_named_shape_and_type(tmp_path, monkeypatch):
     assert scale_model.model_dir("llama-1b") != first
     shape = scale_model.SHAPES["llama-1b"]
     assert (shape["hidden_size"], shape["intermediate_size"], shape["num_key_value_heads"]) == (2048, 8192, 8)
+    # the released models of the other families (issue 27): their tensor shapes; Gemma with a SentencePiece vocabulary
+    released = {"qwen2.5-0.5b": (896, 4864, 2, 151936), "qwen3-0.6b": (1024, 3072, 8, 151936)}
+    released["gemma-3-1b"] = (1152, 6912, 1, 262144)
+    for name, dims in released.items():
+        shape = scale_model.SHAPES[name]
+        assert (
+            shape["hidden_size"],
+            shape["intermediate_size"],
+            shape["num_key_value_heads"],
+            shape["vocab_size"],
+        ) == dims
+        assert scale_model.parse(f"{name}:q8_0") == (name, "Q8_0")
+    assert scale_model.TOKENIZERS == {"gemma-3-1b": "spm-gemma"}

@@ -325,3 +325,55 @@ def test_q4_k_m_files_from_llama_quantize(arch, runtime, quantizer, converter, t
     path, ref_dir = converted(arch, recipe)
     assert {"Q4_K", "Q6_K"} <= {t.type_name for t in open_gguf(path)}
     scheduler_gate(path, Reference(ref_dir), runtime, ref_dir, weights="auto", image_root=str(tmp_path))
+
+
+# --- the metadata -> config rules where llama.cpp fixes what the file does not say --------------------------------
+
+
+def metadata(arch: str, layers: int = 6, **keys) -> dict:
+    """A file's metadata: a small model of ``arch`` with ``keys`` (without the ``<arch>.`` prefix) on top."""
+    base = {"block_count": layers, "context_length": 128, "embedding_length": 64, "feed_forward_length": 128}
+    base |= {"attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-6}
+    return {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in {**base, **keys}.items()}}
+
+
+TENSORS = {"token_embd.weight": (96, 64), "blk.0.attn_q.weight": (64, 64)}
+
+
+def test_the_config_follows_llama_cpps_rules_per_architecture():
+    """What llama.cpp fixes per architecture rather than reading it: Gemma's local/global pattern and attention scale
+    (the 27B models' hidden / heads), Gemma 2's soft-cap defaults; a pattern or a window the file does state."""
+    from models.gguf.config import hf_config
+
+    gemma2 = hf_config(metadata("gemma2", 4, **{"attention.key_length": 32}), TENSORS)
+    assert gemma2["layer_types"] == ["sliding_attention", "full_attention"] * 2 and gemma2["sliding_window"] == 4096
+    assert gemma2["query_pre_attn_scalar"] == 32 and gemma2["attn_logit_softcapping"] == 50.0
+    assert gemma2["final_logit_softcapping"] == 30.0 and gemma2["tie_word_embeddings"]
+    assert hf_config(metadata("gemma2", 46), TENSORS)["query_pre_attn_scalar"] == 64 // 4  # 27B
+    gemma3 = hf_config(metadata("gemma3", 7, **{"attention.sliding_window": 512}), TENSORS)
+    assert gemma3["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    stated = metadata("gemma3", 3, **{"attention.sliding_window": 512, "attention.sliding_window_pattern": [1, 0, 0]})
+    assert hf_config(stated, TENSORS)["layer_types"] == ["sliding_attention", "full_attention", "full_attention"]
+    assert set(hf_config(metadata("gemma3", 3), TENSORS)["layer_types"]) == {"full_attention"}  # no window: global
+    assert hf_config(metadata("llama"), TENSORS)["model_type"] == "llama"
+    mistral = hf_config(metadata("llama", **{"attention.sliding_window": 4096}), TENSORS)
+    assert mistral["model_type"] == "mistral" and mistral["sliding_window"] == 4096
+
+
+@pytest.mark.parametrize(
+    "arch, keys, tensors, named",
+    [
+        ("llama", {"attention.head_count_kv": [2, 2, 1, 2, 2, 2]}, {}, "llama.attention.head_count_kv differs"),
+        ("qwen3", {"block_count": None}, {}, "qwen3.block_count is missing"),
+        ("qwen3", {"attention.value_length": 8, "attention.key_length": 16}, {}, "value_length is 8"),
+        ("olmoe", {"expert_count": 4, "expert_used_count": 2}, {"blk.0.ffn_up_exps.weight": (3, 128, 64)}, "holds 3"),
+        ("qwen2", {"attention.sliding_window": 64}, {}, "qwen2.attention.sliding_window"),
+        ("gpt_oss", {}, {}, "GGUF architecture 'gpt_oss' is not supported"),
+    ],
+)
+def test_what_a_file_states_that_we_do_not_serve_is_named(arch, keys, tensors, named):
+    from models.gguf.config import hf_config
+
+    meta = {k: v for k, v in metadata(arch, **keys).items() if v is not None}
+    with pytest.raises(ValueError, match=named.replace(".", r"\.").replace("(", r"\(")):
+        hf_config(meta, {**TENSORS, **tensors})

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from core.sequence import Sequence, SequenceStatus, group_choices
 from core.speculative import NgramIndex, SpecParams, cut_drafts, verify_run
+from core.step import BatchPlan
 from engine import FakeEngine, RowFailure
 
 from conftest import schedule_all
@@ -374,6 +376,109 @@ def test_the_draft_length_follows_the_acceptance():
         schedule_all(eng, copies)
         wasted[adaptive] = eng.planner.spec.num_draft_tokens
     assert wasted[True] < wasted[False] / 3, wasted
+
+
+class ShadowDraftEngine:
+    """A stand-in for the draft model's engine (what ``DraftModel`` uses of a ``ModelEngine``: ``_logits``, the
+    planner's pool geometry, ``max_context``), numpy only: its greedy choice after token t is ``succ(t)`` but at
+    every 5th token (a wrong draft there), and it keeps a shadow KV pool (each slot: the token fed there), so a test
+    can check what the draft's K/V hold. ``fail`` makes the next forward raise."""
+
+    VOCAB = 257
+
+    def __init__(self, num_blocks: int, block_size: int = 4, max_context: int = 1024) -> None:
+        self.planner = FakeEngine(num_blocks=num_blocks, block_size=block_size).planner
+        self.max_context, self.block_size = max_context, block_size
+        self.slots: dict[int, list] = {}
+        self.fail = False
+
+    def _logits(self, token_ids, positions, tables, prompts=(), prompt_tables=(), starts=()):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("draft forward failed")
+        last = []
+        rows = [([t], p, tb) for t, p, tb in zip(token_ids, positions, tables)]
+        rows += [(list(chunk), start, tb) for chunk, start, tb in zip(prompts, starts, prompt_tables)]
+        for tokens, start, table in rows:
+            for j, token in enumerate(tokens):
+                pos = start + j
+                block = table[pos // self.block_size]
+                self.slots.setdefault(block, [None] * self.block_size)[pos % self.block_size] = token
+            last.append(tokens[-1])
+        logits = np.zeros((len(last), self.VOCAB), np.float32)
+        for i, t in enumerate(last):
+            logits[i, succ_token(t) if t % 5 else 3] = 1.0
+        return logits
+
+    def holds(self, table: list[int], n: int) -> list:
+        """The tokens at positions [0, n) of ``table``."""
+        bs = self.block_size
+        return [self.slots.get(table[p // bs], [None] * bs)[p % bs] for p in range(n)]
+
+
+def succ_token(t: int) -> int:
+    return t % 250 + 1
+
+
+def test_a_draft_model_keeps_its_own_books(caplog):
+    """``DraftModel`` on a numpy stand-in, beside a fake target that says succ(t) after t: the same tokens as
+    without drafts, drafts accepted and rejected; after every step each sequence's draft K/V hold its own tokens up to
+    where the draft model thinks they are valid, and its draft blocks cover no more than that step needed; a row the
+    draft pool cannot hold, or whose draft forward fails, decodes without drafts; sequences that finished, were
+    aborted or preempted hold no draft block once the next step starts. Every third step has no room for drafts, so
+    a row's next drafting step finds the tokens accepted, rejected and decoded since its last one."""
+    from models.draft_model import DraftModel
+
+    def target(seq):
+        return succ_token(seq.last_token_id)
+
+    seqs = [Sequence(prompt_token_ids=[7 + i, 9, 11 + i] * (2 + i % 3), max_new_tokens=10 + 3 * i) for i in range(10)]
+    off = checked_engine(token_fn=target, num_blocks=16, block_size=4, max_num_batched_tokens=10)
+    schedule_all(off, seqs)
+    shadow = ShadowDraftEngine(num_blocks=12)  # 48 slots for 4 rows: some rows find no room now and then
+    drafter = DraftModel(shadow, "shadow", catch_up_tokens=12)
+    on = with_drafter(
+        checked_engine(token_fn=target, num_blocks=16, block_size=4, max_num_batched_tokens=10, speculative=DRAFT),
+        drafter,
+    )
+    on.planner.spec_disable_batch_size, on.planner.spec_adaptive = 0, False
+    propose = drafter.propose
+    served = []
+
+    def checked(plan):
+        propose(plan)
+        for seq_id, fed in drafter._fed.items():
+            table = drafter.blocks.block_table(seq_id)
+            valid = min(fed.valid(), fed.seq.num_tokens)
+            assert shadow.holds(table, valid) == (fed.seq.prompt_token_ids + fed.seq.output_token_ids)[:valid]
+        for seq, k in zip(plan.decode, plan.draft_slots):  # a row served now holds what this step feeds, no more
+            if k and seq.seq_id in drafter.blocks:
+                assert drafter.blocks.num_tokens(seq.seq_id) <= seq.num_tokens - 1 + k
+        served.append(sum(1 for d in plan.drafts if d))
+        if len(served) == 6:
+            shadow.fail = True  # the next step's draft forward fails: its rows decode without drafts
+
+    drafter.propose = checked
+    copies = fresh_copies(seqs)
+    aborted = copies[-1]
+    waiting, steps = list(copies), 0
+    while not all(s.is_finished for s in copies):
+        on.planner.max_num_batched_tokens = 10 if steps % 3 else 5  # every third step, no room for drafts
+        plan = on.planner.schedule(waiting)
+        waiting = plan.preempted + [s for s in waiting if s not in plan.newcomers]
+        on.planner.update_from_output(plan, on.execute(plan))
+        steps += 1
+        if steps == 8 and not aborted.is_finished:
+            on.abort(aborted.seq_id)
+    assert_same_output(seqs[:-1], copies[:-1])
+    stats = on.planner.spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert on.planner.num_preemptions and drafter.stats()["spec_draft_model_forwards"]
+    assert served[6] == 0 and "the draft model shadow failed" in caplog.text  # that step drafted nothing
+    assert drafter.stats()["spec_draft_model_unserved_rows"] > 0
+    on.execute(BatchPlan())  # the next step frees what the sequences that left held
+    assert drafter.num_sequences == 0 and drafter.blocks.is_all_free()
+    drafter.blocks.check()
 
 
 def test_a_request_chooses_its_own_speculation():

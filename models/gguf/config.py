@@ -9,7 +9,8 @@ its users get it from llama.cpp.
 
     general.architecture   model_type          notes
     llama                  llama / mixtral     mixtral when the file has experts (expert_count); Mistral is llama
-                                               (the converter writes no window for it, llama.cpp runs none)
+                                               (the converter writes no window for it, llama.cpp runs none; a
+                                               window a file does state is honoured: mistral)
     qwen2                  qwen2               no sliding window (the converter writes none)
     qwen3                  qwen3
     qwen3moe               qwen3_moe           every layer a mixture of experts, top-k renormalized
@@ -155,11 +156,15 @@ def _experts(keys: _Keys, tensors: dict) -> tuple[int, int]:
 
 
 def _llama(keys: _Keys, tensors: dict) -> dict:
-    _no_window(keys)
+    """Llama, or Mixtral when the file has experts; Mistral where the file states a window (our converter's files
+    do not: llama.cpp runs none), which is then honoured as HF's Mistral and Mixtral do."""
+    window = keys.get("attention.sliding_window") or None
     if keys.get("expert_count", 0):
         cfg = _common(keys, tensors, "mixtral")
         experts, used = _experts(keys, tensors)
-        return cfg | {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": None}
+        return cfg | {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": window}
+    if window:
+        return _common(keys, tensors, "mistral") | {"sliding_window": window}
     cfg = _common(keys, tensors, "llama")
     return cfg | {"attention_bias": _bias(tensors, "attn_q"), "mlp_bias": _bias(tensors, "ffn_up")}
 
