@@ -141,10 +141,10 @@ class DraftModel:
         logits = self._catch_up([seqs[i] for i in rows], chunks)
         drafts = [[t] if k else [] for t, k in zip(logits.argmax(axis=1).tolist(), ks)]
         for j in range(1, max(ks)):  # the j-th further draft: each going row feeds its previous one
+            # (a row whose last draft is a stop token stops there: the sequence would end, nothing after is verified)
             going = [
                 r for r, (d, k) in enumerate(zip(drafts, ks)) if k > j and d[-1] not in seqs[rows[r]].stop_token_ids
             ]
-            # (a stop token ends the sequence: nothing after it is verified)
             if not going:
                 break
             seqs_j = [seqs[rows[r]] for r in going]

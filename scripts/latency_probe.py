@@ -179,16 +179,20 @@ def alternate(batch_sizes: list[int], steps: int) -> None:
         print(json.dumps(row), flush=True)
 
 
-def overhead(steps: int, baseline: str = "") -> None:
+def overhead(steps: int, baseline: str = "", stub_kernel: bool = False) -> None:
     """One user, in process, through the server's own pieces: the Scheduler on the engine's thread, a Generation
     (detokenizing, stop strings) and the chat stream's frames (``ChatFrames`` + ``sse``), greedy, ``steps`` tokens.
     Per token, the median microseconds of: the kernel (the compiled step, native runtime), the forward around it
     (building the step's rows: ``forward`` minus ``kernel``), sampling and the rest of ``execute``, planning,
     applying the output, detokenizing, the SSE frame, and the loop (the gap between two tokens minus all those).
     Then the sampling of each kind of request alone, on the model's own logits (``sample_costs``; ``baseline``: a
-    git revision whose ``core/sampling.py`` is timed beside this one, interleaved)."""
+    git revision whose ``core/sampling.py`` is timed beside this one, interleaved). ``stub_kernel``: the compiled
+    step does nothing and each forward returns logits the model gave before (every part outside the kernel runs as
+    it does, on real logits): the gap between tokens is then all a token costs outside the forward."""
     import asyncio
     from types import SimpleNamespace
+
+    import numpy as np
 
     from api.openai.frames import ChatFrames
     from api.streaming import sse
@@ -207,12 +211,12 @@ def overhead(steps: int, baseline: str = "") -> None:
         """``fn`` called through, its wall time appended to ``times[key]``; its other attributes passed through."""
 
         def __init__(self, fn, key: str) -> None:
-            self.fn, self.key = fn, key
+            self.fn, self.key, self.stubbed = fn, key, False
 
         def __call__(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return self.fn(*args, **kwargs)
+                return None if self.stubbed else self.fn(*args, **kwargs)
             finally:
                 times[self.key].append(time.perf_counter() - t0)
 
@@ -229,17 +233,31 @@ def overhead(steps: int, baseline: str = "") -> None:
     timed(engine, "execute", "execute")
     timed(engine.planner, "schedule", "plan")
     timed(engine.planner, "update_from_output", "apply")
-    logits: list = []
+    logits: list = []  # the model's own logits (the sampling costs run on them)
+    replay: list = []  # with stub_kernel: what each forward returns instead of what the stubbed kernel left
     forward = model.forward
 
     def keep_logits(*args, **kwargs):
         out = forward(*args, **kwargs)
+        if replay:
+            out[:] = replay[len(times["forward"]) % len(replay)]
         if len(logits) < 64:
             logits.append(np.array(out[-1:], dtype=np.float32))
         return out
 
     model.forward = keep_logits
     prompt = engine.encode("Write a long story about a fox who learns to read the books of an old library.")
+    if stub_kernel:
+        if not hasattr(model, "step"):
+            raise SystemExit("--stub-kernel needs the native runtime (its compiled step is what is stubbed)")
+        warm = Sequence(prompt, 48, ignore_eos=True)
+        thread.submit(engine.run_step, [warm], False).result()
+        while not warm.is_finished:
+            thread.submit(engine.run_step).result()
+        replay[:] = logits
+        model.step.stubbed = True
+        for spent in times.values():
+            spent.clear()
 
     async def one_user() -> list[float]:
         sched = Scheduler(engine, max_queue_depth=4, executor=thread)
@@ -259,8 +277,6 @@ def overhead(steps: int, baseline: str = "") -> None:
         await sched.stop()
         return [b - a for a, b in zip(stamps, stamps[1:])]
 
-    import numpy as np
-
     gaps = asyncio.run(one_user())[4:]
     skip = 4  # the prompt's step and the first decode steps (new shapes)
     per = {k: v[skip:] for k, v in times.items()}
@@ -269,9 +285,11 @@ def overhead(steps: int, baseline: str = "") -> None:
         us["rows"] = round(statistics.median(f - k for f, k in zip(per["forward"], per["kernel"])) * 1e6, 1)
     us["sample+"] = round(statistics.median(e - f for e, f in zip(per["execute"], per["forward"])) * 1e6, 1)
     us["gap"] = round(statistics.median(gaps) * 1e6, 1)
+    us["gap_p10"] = round(float(np.percentile(gaps, 10)) * 1e6, 1)
     inside = ("execute", "plan", "apply", "detok", "sse")
     us["loop"] = round(us["gap"] - sum(us[k] for k in inside), 1)
-    print(json.dumps({"mode": "overhead", "us_per_token": us, "load": os.getloadavg()[0]}), flush=True)
+    line = {"mode": "overhead", "kernel": "stubbed" if stub_kernel else "real", "us_per_token": us}
+    print(json.dumps({**line, "load": os.getloadavg()[0]}), flush=True)
     sample_costs(np.concatenate(logits[skip:]), baseline)
 
 
@@ -360,6 +378,7 @@ def main() -> None:
     ap.add_argument("--per-layer", action="store_true", help="bare: lean steps as per-layer calls, not one call")
     ap.add_argument("--llamacpp", default="", help="served: this llama-server binary instead of ours")
     ap.add_argument("--baseline", default="", help="overhead: a git revision whose sampling is timed beside")
+    ap.add_argument("--stub-kernel", action="store_true", help="overhead: the compiled step does nothing")
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
@@ -371,7 +390,7 @@ def main() -> None:
     if args.mode == "alternate":
         alternate(args.batch, args.steps)
     elif args.mode == "overhead":
-        overhead(args.steps, args.baseline)
+        overhead(args.steps, args.baseline, args.stub_kernel)
     elif args.mode == "bare":
         bare(args.batch, args.steps, args.dispatches, args.torch_path, args.per_layer)
     else:
