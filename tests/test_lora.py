@@ -382,11 +382,13 @@ def test_every_family_matches_peft(arch, small_gemm, tmp_path):
     np.testing.assert_allclose(np.concatenate([prefill, decode]), want, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("runtime, weights", RUNS, ids=[f"{r}-{w}" for r, w in RUNS])
+@pytest.mark.parametrize(
+    "runtime, weights", [*RUNS, ("torch", "int4")], ids=["torch-fp32", "native-int8", "torch-int4"]
+)
 def test_slots_reused_after_unload(lora_checkpoints, runtime, weights):
-    """What the load and unload endpoints do on the engine's thread, on each runtime: with one slot, load an adapter,
-    serve it, remove it, load another into the same slot: it serves PEFT's tokens, and the first adapter's id is
-    gone (its prefix-cache chain with it)."""
+    """What the load and unload endpoints do on the engine's thread, on each runtime (and an int4 base): with one slot,
+    load an adapter, serve it, remove it, load another into the same slot: it serves PEFT's tokens (over the
+    dequantized base), and the first adapter's id is gone (its prefix-cache chain with it)."""
     model_dir, adapters = lora_checkpoints("llama")
     engine = lora_engine(model_dir, {}, runtime, weights, max_loras=1)
     loras = engine.loras
