@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from core.planner import Planner
+from core.pooling import pool_chunk
 from core.sampling import TokenLogprobs
 from core.sequence import Sequence
 from core.speculative import EngineProposer, SpecParams, verify_run
@@ -75,6 +76,7 @@ class InferenceEngine(ABC):
     max_context: int  # prompt + generated tokens one sequence may hold
     vocab_size: int  # token ids are in [0, vocab_size)
     model_name: str
+    hidden_size: int | None = None  # an embedding's width (core/pooling.py); None: this engine embeds nothing
 
     def __init__(
         self,
@@ -292,6 +294,7 @@ class FakeEngine(InferenceEngine):
             self.planner.speculative = speculative
         self.model_name = "fake"
         self.vocab_size = 257
+        self.hidden_size = 8
         self.token_fn = token_fn or self.letter_token
         self.admit_fault = admit_fault
         self.step_fault = step_fault
@@ -322,6 +325,9 @@ class FakeEngine(InferenceEngine):
                 self._feed(seq, seq.num_tokens - 1, seq.num_tokens + len(drafts), drafts)
             for seq, start, end in plan.chunks:
                 self._feed(seq, start, end)
+        for seq, start, end in plan.chunks:
+            if seq.pooling is not None:
+                pool_chunk(seq, self.hidden_states(seq, start, end), start, end)
         step = (
             (self._decode(plan.decode, plan.drafts) if plan.drafts else self._decode(plan.decode))
             if plan.decode
@@ -344,6 +350,15 @@ class FakeEngine(InferenceEngine):
             others = set(bm.holders(block)) - {seq.seq_id}
             assert others <= waiting, f"seq {seq.seq_id} writes block {block}, which {others} hold too"
             slots[offset] = tokens[pos]
+
+    def hidden_states(self, seq: Sequence, start: int, end: int):
+        """Fake final hidden states of ``seq`` at positions [start, end): [end - start, 8], each row a function of its
+        token and position, so the pooled vector tells inputs apart and depends on every token."""
+        import numpy as np
+
+        tokens = np.asarray((seq.prompt_token_ids + seq.output_token_ids)[start:end], np.float64)
+        where = np.arange(start, end, dtype=np.float64)[:, None]
+        return np.cos(tokens[:, None] * np.arange(1, 9) / 7 + where / 31)
 
     def _copy_block(self, src: int, dst: int) -> None:
         if self.kv_slots is not None:

@@ -1,7 +1,8 @@
 """The model runner seam: what the engine asks of a model, whichever runtime built it. No torch.
 
 A ``ModelRunner`` holds a model's weights and its KV block pool and runs one step: decode rows and prompt chunks
-in, logits rows out, every row's K/V written into the blocks its table names. The planner decides which rows and
+in, logits rows out (and, for prompts being embedded, their final hidden states), every row's K/V written into the
+blocks its table names. The planner decides which rows and
 which blocks (``core/planner.py``); the engine (``models.runtime.ModelEngine``) feeds the runner a plan's rows and
 samples its logits. Two runtimes implement it:
 
@@ -32,14 +33,18 @@ class ModelRunner(Protocol):
         prompt_tables: Sequence[Sequence[int]] = (),
         prompt_starts: Sequence[int] | None = None,
         every_position: Sequence[bool] = (),
-    ) -> np.ndarray:
+        hidden: Sequence[bool] = (),
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Decode B tokens (``token_ids[b]`` at ``positions[b]``, block table ``tables[b]``) and prefill prompt
         chunks (``prompts[i]`` at positions ``[prompt_starts[i], + len)``, default 0, block table
         ``prompt_tables[i]``); every table covers its tokens' positions.
 
         Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
-        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). Every
-        row's K/V is written. ValueError for arguments that do not fit the pool, the tables or the context."""
+        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). A chunk
+        with ``hidden[i]`` set (a prompt embedded, ``/v1/embeddings``) has no logits rows: its final hidden states
+        (after the final norm, before the lm_head: HF's last ``hidden_states``) at every position, in order, come in
+        a second array [those chunks' tokens, C], and the result is (logits, hidden) when any chunk is so flagged.
+        Every row's K/V is written. ValueError for arguments that do not fit the pool, the tables or the context."""
         ...
 
     def copy_block(self, src: int, dst: int) -> None:

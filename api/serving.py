@@ -87,10 +87,11 @@ def check_prompt_chars(runtime: Runtime, text: str) -> str:
     return text
 
 
-def check_token_ids(runtime: Runtime, ids: list[int]) -> list[int]:
-    """A prompt given as token ids: no longer than the context window, every id in the vocabulary."""
+def check_token_ids(runtime: Runtime, ids: list[int], room: int = 1) -> list[int]:
+    """A prompt given as token ids: within the context window with ``room`` positions to spare (one token must be
+    generated; an embedding needs none), every id in the vocabulary."""
     window = runtime.engine.max_context
-    if len(ids) >= window:  # at least one token must be generated
+    if len(ids) > window - room:
         raise APIError(
             422,
             f"prompt is {len(ids)} tokens; the model's context window is {window} tokens",

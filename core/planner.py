@@ -227,7 +227,7 @@ class Planner:
             self._unplace_all(newcomers)
             raise
         table, bs = self.blocks.block_table, self.blocks.block_size
-        ending = [c.seq for c in chunks if c.ends_prompt]
+        ending = [c.seq for c in chunks if c.ends_prompt and c.seq.pooling is None]  # an embedding samples nothing
         forks = {p.seq_id: list(self._forks[p.seq_id]) for p in ending if p.seq_id in self._forks}
         copies = [
             (table(p.seq_id)[p.prompt_len // bs], table(c.seq_id)[p.prompt_len // bs])
@@ -357,10 +357,24 @@ class Planner:
         for seq in done:
             self._prefilling.remove(seq)
             del self._computed[seq.seq_id]
-        self._commit_newcomers(self._complete_forks(done), tokens[n:], now)
+        embedded = [s for s in done if s.pooling is not None]
+        self._finish_embedded(embedded, now)
+        self._commit_newcomers(self._complete_forks([s for s in done if s.pooling is None]), tokens[n:], now)
         finished = [s for s in self.rows if s.is_finished]
         self._evict(finished)
-        return StepResult(finished=finished, preempted=list(plan.preempted))
+        return StepResult(finished=embedded + finished, preempted=list(plan.preempted))
+
+    def _finish_embedded(self, seqs: list[Sequence], now: float) -> None:
+        """Embeddings whose prompt a forward completed (``core/pooling.py``): their full blocks enter the cache, they
+        finish (stopped, or failed when the vector is not finite) and give their blocks back; they never take a row."""
+        for seq in seqs:
+            if isinstance(seq.embedding, RowFailure):
+                seq.finish(SequenceStatus.FINISHED_ERROR, now, error=seq.embedding.reason)
+            else:
+                self._cache_computed(seq, seq.num_tokens)
+                seq.finish(SequenceStatus.FINISHED_STOPPED, now)
+            self._admitted.pop(seq.seq_id, None)
+            self.blocks.free(seq.seq_id)
 
     def _commit_step(
         self, rows: list[Sequence], tokens: list, now: float, drafts: list[list[int]], lookahead: list[int]
@@ -566,8 +580,9 @@ class Planner:
 
     def _lookup(self, seq: Sequence) -> list[bytes]:
         """What a newcomer may find in the cache: its full blocks before the one holding its last token (that
-        one is computed, for its logits); nothing when caching is off or it still needs prompt logprobs."""
-        if not self.blocks.enable_caching or needs_prompt_logprobs(seq):
+        one is computed, for its logits); nothing when caching is off, it still needs prompt logprobs, or it is an
+        embedding pooled over every position (a cached block has no hidden states)."""
+        if not self.blocks.enable_caching or needs_prompt_logprobs(seq) or seq.pooling == "mean":
             return []
         return self._block_hashes(seq, seq.num_tokens - 1)
 

@@ -73,6 +73,10 @@ class Sequence:
     # preemptions (tokens only append).
     speculation: Any = None
     draft_state: Any = field(default=None, repr=False)
+    # Embeddings (core/pooling.py): "mean" or "last" makes this a prompt to embed, finished after its prompt with no
+    # token generated; ``embedding`` holds the pooling state, then the vector (or a RowFailure).
+    pooling: str | None = None
+    embedding: Any = field(default=None, repr=False)
     # perf_counter() deadlines; None = no limit. Past them the scheduler ends it as FINISHED_TIMEOUT.
     queue_deadline: float | None = None
     deadline: float | None = None

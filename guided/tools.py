@@ -36,7 +36,7 @@ from guided.grammars import COMPACT_JSON, GrammarError, grammar_from
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # The start of one call as the grammar writes it (compact JSON, name first), possibly cut anywhere after the name.
-_PARTIAL_CALL = re.compile(r'\s*\{"name":"((?:[^"\\]|\\.)*)(")?(?:,"arguments":(.*))?', re.DOTALL)
+_PARTIAL_CALL = re.compile(r'((?:[^"\\]|\\.)*)(")?(?:,"arguments":(.*))?', re.DOTALL)
 _FENCE = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 
 
@@ -99,7 +99,7 @@ class ToolFormat:
     """How tools reach the model and how its calls come back (``HERMES``, ``GENERIC``)."""
 
     name = ""
-    opening = ""  # what a forced call's text starts with before its JSON
+    opening = ""  # what a forced call's text (the grammar's) has before its JSON
 
     def render(self, messages: list[dict], tools: list[dict]) -> tuple[list[dict], list[dict] | None]:
         """The messages and the ``tools=`` the chat template is rendered with."""
@@ -128,20 +128,23 @@ class ToolFormat:
         raise NotImplementedError
 
     def partial(self, text: str, names: list[str]) -> list[dict] | None:
-        """A forced call cut short: its function (a name the text has whole, or the one name it begins) and the
-        arguments' JSON text so far; None when the text has not reached a name yet."""
-        if not text.lstrip().startswith(self.opening):
+        """A forced call cut short (its text is the grammar's, exactly): its function (the name the text has whole,
+        or the one name that what it has begins) and the arguments' JSON text so far; None when several names remain
+        possible."""
+        lead = self.opening + '{"name":"'
+        if lead.startswith(text):  # cut before the name: it is known only when there is one
+            named, closed, arguments = "", None, ""
+        elif text.startswith(lead):
+            match = _PARTIAL_CALL.match(text[len(lead) :])
+            named, closed, arguments = match.group(1), match.group(2), match.group(3) or ""
+        else:
             return None
-        match = _PARTIAL_CALL.match(text.lstrip()[len(self.opening) :].lstrip())
-        if match is None:
-            return None
-        named, closed, arguments = match.group(1), match.group(2), match.group(3) or ""
         candidates = [n for n in names if (n == named if closed else n.startswith(named))]
         return [_call(candidates[0], arguments)] if len(candidates) == 1 else None
 
 
 class HermesFormat(ToolFormat):
-    name, opening = "hermes", TOOL_OPEN
+    name, opening = "hermes", TOOL_OPEN + "\n"
 
     def render(self, messages: list[dict], tools: list[dict]) -> tuple[list[dict], list[dict] | None]:
         return messages, tools

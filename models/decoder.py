@@ -555,10 +555,13 @@ class Decoder(MixedForward):
         y = self._norm(linear(h) if linear is not None else h, out_norm, lean)
         return x + y * scale if scale != 1.0 else x + y
 
+    def _final_norm(self, x: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        return self._norm(x, self.norm, lean)
+
     def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """x_last: [n, C] final hidden states -> [n, V] logits (divided, soft-capped where the family does)."""
         spec = self.cfg_spec
-        logits = self.lm_head(self._norm(x_last, self.norm, lean))
+        logits = self.lm_head(self._final_norm(x_last, lean))
         if lean and (spec.logits_divisor != 1.0 or spec.final_softcap):  # the whole-step kernel's bits
             return decode_ops.cap_logits(logits.contiguous(), spec.logits_divisor, spec.final_softcap)
         if spec.logits_divisor != 1.0:

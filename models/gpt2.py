@@ -178,6 +178,9 @@ class GPT2(MixedForward):
         h = decode_ops.gelu_tanh(block.c_fc(h)) if self.gelu_approx == "tanh" else block.c_fc.gelu(h, "none")
         return block.mlp_proj.add(h, x)
 
+    def _final_norm(self, x: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        return self._ln(x, self.ln_f, lean)
+
     def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """x_last: [n, C] final hidden states -> [n, V] logits."""
-        return self.lm_head(self._ln(x_last, self.ln_f, lean))
+        return self.lm_head(self._final_norm(x_last, lean))

@@ -230,6 +230,7 @@ class MixedBatch:
     sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
     lean: bool = False  # decode rows only, few enough for the lean path (MixedForward.forward sets it)
     row_tables: torch.Tensor | None = None  # built ``for_step`` with prompts: [B + T] int32, each row's table
+    hidden_rows: torch.Tensor | None = None  # rows whose final hidden states are wanted (chunks flagged ``hidden``)
 
     @classmethod
     def build(
@@ -244,9 +245,11 @@ class MixedBatch:
         device: torch.device,
         every_position: list[bool] = (),
         for_step: bool = False,
+        hidden: list[bool] = (),
     ) -> MixedBatch:
         """``every_position[i]``: chunk i's logits are wanted at all its positions, not only the last
-        (prompt logprobs). ``for_step``: the batch goes to the whole-step kernel (``fused_step``), which
+        (prompt logprobs); ``hidden[i]``: none of its logits, its final hidden states at every position instead
+        (``hidden_rows``). ``for_step``: the batch goes to the whole-step kernel (``fused_step``), which
         reads every row's table through ``block_tables`` and ``row_tables``."""
         B = len(token_ids)
         lengths = [len(p) for p in prompts]
@@ -267,8 +270,12 @@ class MixedBatch:
             counts = torch.tensor([1] * B + lengths)
             row_tables = torch.repeat_interleave(torch.arange(B + len(prompts), dtype=torch.int32), counts)
         full = list(every_position) or [False] * len(prompts)
-        spans = [range(s, s + n) if f else [s + n - 1] for s, n, f in zip(starts, lengths, full)]
+        pooled = list(hidden) or [False] * len(prompts)
+        spans = [
+            [] if h else range(s, s + n) if f else [s + n - 1] for s, n, f, h in zip(starts, lengths, full, pooled)
+        ]
         sample = [*range(B), *(r for span in spans for r in span)] if prompts else None
+        states = [r for s, n, h in zip(starts, lengths, pooled) if h for r in range(s, s + n)]
         pos_t = torch.tensor(pos, dtype=torch.long)
         return cls(
             ids.to(device),
@@ -282,8 +289,9 @@ class MixedBatch:
                 (r, n, s, torch.tensor(t, dtype=torch.long, device=device))
                 for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)
             ],
-            torch.tensor(sample, device=device) if sample is not None else None,
+            torch.tensor(sample, device=device, dtype=torch.long) if sample is not None else None,
             row_tables=row_tables,
+            hidden_rows=torch.tensor(states, device=device, dtype=torch.long) if states else None,
         )
 
 
@@ -548,17 +556,20 @@ class MixedForward:
         prompt_tables: list[list[int]] = (),
         prompt_starts: list[int] | None = None,
         every_position: list[bool] = (),
+        hidden: list[bool] = (),
         loras: list[int] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode B tokens (token_ids[b] at positions[b] of the sequence with block table tables[b]) and
         prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block table
         prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each decode row's, then
         each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
 
         Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position; a chunk
-        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs).
+        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). A chunk
+        with ``hidden[i]`` set has no logits rows; its final hidden states (after the final norm) at every position
+        come in a second tensor [their tokens, C], returned as (logits, hidden) when any chunk is so flagged.
         """
-        args = (token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position)
+        args = (token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden)
         if loras is None:
             return self._forward(*args)
         if self.lora is None:
@@ -566,9 +577,10 @@ class MixedForward:
         with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
             return self._forward(*args)
 
-    def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position):
+    def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden):
         starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
-        whole_step = self._takes_fused_step(len(token_ids), prompts)
+        pooled = any(hidden)  # embeddings: the torch loop (the whole-step kernel returns logits only here)
+        whole_step = not pooled and self._takes_fused_step(len(token_ids), prompts)
         batch = MixedBatch.build(
             token_ids,
             positions,
@@ -580,6 +592,7 @@ class MixedForward:
             self.device,
             every_position,
             for_step=whole_step,
+            hidden=hidden,
         )
         if whole_step:  # the embedding, every layer, the final norm and the lm_head in one call
             if self.lora is not None and self.lora.row_slots is not None:  # and each adapter's deltas, in the kernel
@@ -590,7 +603,11 @@ class MixedForward:
         for layer, block in enumerate(self.blocks):
             x = self._block(layer, block, x, batch, pos_state)
         # Logits only where a token is sampled: the decode rows and each chunk's last position.
-        return self._logits(x if batch.sample_rows is None else x[batch.sample_rows], batch.lean)
+        if batch.sample_rows is not None and not len(batch.sample_rows):  # only embedded chunks
+            logits = torch.empty(0, self.lm_head.out_features, device=x.device)
+        else:
+            logits = self._logits(x if batch.sample_rows is None else x[batch.sample_rows], batch.lean)
+        return (logits, self._final_norm(x[batch.hidden_rows])) if pooled else logits
 
     def _takes_fused_step(self, n_decode: int, prompts: list[list[int]]) -> bool:
         """Whether a step of ``n_decode`` decode rows and these prompt chunks runs as one whole-step call: the
@@ -707,6 +724,10 @@ class MixedForward:
         raise NotImplementedError
 
     def _block(self, layer: int, block, x: torch.Tensor, batch: MixedBatch, pos_state) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _final_norm(self, x: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        """The final norm: [n, C] -> [n, C] (HF's last ``hidden_states``)."""
         raise NotImplementedError
 
     def _logits(self, x_last: torch.Tensor, lean: bool = False) -> torch.Tensor:

@@ -97,6 +97,7 @@ class NativeModel:
         )
         self.structs = step_abi.Structs(addresses, [self._layer_pools(i) for i in range(n_layer)], geometry)
         self.step = step_abi.StepKernel(lib, self.structs, spec.C)
+        self.n_embd = spec.C  # the model's width: a final hidden state's size
         self._ws = np.empty(0, np.float32)
 
     # --- LoRA adapters (models/lora.py): the kernel's hook after each targeted linear ---
@@ -161,29 +162,33 @@ class NativeModel:
         prompt_tables: list[list[int]] = (),
         prompt_starts: list[int] | None = None,
         every_position: list[bool] = (),
+        hidden: list[bool] = (),
         loras: list[int] | None = None,
-    ) -> np.ndarray:
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """``MixedForward.forward``'s contract: decode B tokens (token_ids[b] at positions[b], block table
         tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block
         table prompt_tables[i]; every table covers its tokens' positions); ``loras``: each decode row's, then each
         chunk's adapter slot (-1: the base; None: every row the base's).
 
         Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
-        with ``every_position[i]`` set has all its positions there instead, in order. Every row's K/V is written.
-        Raises ValueError for arguments that do not fit the pools, tables or context window.
+        with ``every_position[i]`` set has all its positions there instead, in order. A chunk with ``hidden[i]``
+        set has no logits rows; its final hidden states (after the final norm) at every position come in a second
+        array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. Every row's K/V is
+        written. Raises ValueError for arguments that do not fit the pools, tables or context window.
         """
         rows = _StepRows.build(
-            self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position
+            self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden
         )
         logits = np.empty((rows.n_sample, self.n_vocab), np.float32)
+        states = None if rows.hidden is None else np.empty((len(rows.hidden), self.n_embd), np.float32)
         slots = None
         if loras is not None:  # one per token row
             if self.lora is None or len(loras) != len(token_ids) + len(prompts):
                 raise ValueError("loras: one adapter slot per decode row and chunk, on a model with adapters")
             slots = np.repeat(np.asarray(loras, np.int64), [1] * len(token_ids) + [len(p) for p in prompts])
         for r0 in range(0, rows.n, self.max_rows):
-            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits, slots)
-        return logits
+            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits, slots, states)
+        return logits if states is None else (logits, states)
 
     def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
         """Whole prompts into their blocks -> each prompt's last-position logits [len(prompts), V]."""
@@ -200,9 +205,18 @@ class NativeModel:
             self._ws = np.empty(need, np.float32)
         return self._ws.ctypes.data + (-self._ws.ctypes.data % step_abi.WS_ALIGN)
 
-    def _call(self, rows: _StepRows, r0: int, r1: int, logits: np.ndarray, slots: np.ndarray | None) -> None:
-        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``; ``slots``: each
-        token row's adapter slot (-1: the base), or None."""
+    def _call(
+        self,
+        rows: _StepRows,
+        r0: int,
+        r1: int,
+        logits: np.ndarray,
+        slots: np.ndarray | None,
+        states: np.ndarray | None = None,
+    ) -> None:
+        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``, their hidden
+        rows' final hidden states into theirs of ``states``; ``slots``: each token row's adapter slot (-1: the
+        base), or None."""
         seq = rows.row_table[r0:r1]
         write_first = bool(np.any(seq[1:] == seq[:-1]))  # a sequence with several rows here attends its own slots
         if rows.sample is None:  # every row sampled: output rows are the rows
@@ -211,6 +225,11 @@ class NativeModel:
             s0, s1 = np.searchsorted(rows.sample, [r0, r1])
             local = rows.sample[s0:s1] - r0
             sample, n_sample = local.ctypes.data, int(s1 - s0)
+        hidden = {}
+        if states is not None:
+            h0, h1 = np.searchsorted(rows.hidden, [r0, r1])
+            mine = rows.hidden[h0:h1] - r0
+            hidden = {"hidden_rows": mine.ctypes.data, "n_hidden": int(h1 - h0), "hidden": states[h0:].ctypes.data}
         at = 8 * r0  # bytes into the int64 row arrays
         lora = self.lora.step(slots, r0, r1, self.threads) if slots is not None else None
         self.step(
@@ -218,7 +237,8 @@ class NativeModel:
             *(rows.slot_offsets.ctypes.data + at, rows.tables.ctypes.data, rows.tables.shape[1]),
             *(seq.ctypes.data, write_first, sample, n_sample),
             *(logits.ctypes.data + 4 * int(s0) * self.n_vocab, self._workspace(r1 - r0), self.threads),
-            ctypes.addressof(lora[0]) if lora is not None else None,
+            **hidden,
+            lora=ctypes.addressof(lora[0]) if lora is not None else None,
         )
 
 
@@ -227,19 +247,33 @@ class _StepRows:
 
     ids, pos, slot_blocks, slot_offsets: [N] int64; tables [B + P, width] int32 (decode rows' tables, then the
     chunks'; padded with 0); row_table [N] int32 (row -> its table); sample: int64 rows whose logits are wanted, in
-    order, or None (no prompts: every row).
+    order, or None (no prompts: every row); hidden: int64 rows whose final hidden states are wanted (the chunks
+    flagged ``hidden``: every row of theirs, none of them sampled), or None (no chunk flagged).
     """
 
-    __slots__ = ("n", "ids", "pos", "slot_blocks", "slot_offsets", "tables", "row_table", "sample", "n_sample")
+    __slots__ = (
+        "n",
+        "ids",
+        "pos",
+        "slot_blocks",
+        "slot_offsets",
+        "tables",
+        "row_table",
+        "sample",
+        "n_sample",
+        "hidden",
+    )
 
     @classmethod
-    def build(cls, model: NativeModel, token_ids, positions, tables, prompts, prompt_tables, starts, every):
+    def build(cls, model: NativeModel, token_ids, positions, tables, prompts, prompt_tables, starts, every, hidden=()):
         B, P = len(token_ids), len(prompts)
         starts = [0] * P if starts is None else list(starts)
         if len(positions) != B or len(tables) != B or len(prompt_tables) != P or len(starts) != P:
             raise ValueError("token_ids, positions and tables, and prompts, prompt_tables and prompt_starts differ")
         if every and len(every) != P:
             raise ValueError(f"every_position has {len(every)} entries for {P} prompts")
+        if hidden and len(hidden) != P:
+            raise ValueError(f"hidden has {len(hidden)} entries for {P} prompts")
         lengths = np.fromiter(map(len, prompts), np.int64, P)
         if P and lengths.min() < 1:
             raise ValueError("an empty prompt chunk")
@@ -257,6 +291,7 @@ class _StepRows:
         block = self.pos // model.block_size
         self.slot_blocks = self.tables[self.row_table, block].astype(np.int64)
         self.slot_offsets = self.pos % model.block_size
+        self.hidden = None
         if not P:
             self.sample, self.n_sample = None, n
             return self
@@ -265,6 +300,10 @@ class _StepRows:
         wanted[first + lengths - 1] = True
         if every:
             wanted[B:] |= np.repeat(np.asarray(every, bool), lengths)
+        if any(hidden):  # a flagged chunk's rows: hidden states, no logits
+            pooled = np.concatenate([np.zeros(B, bool), np.repeat(np.asarray(hidden, bool), lengths)])
+            wanted &= ~pooled
+            self.hidden = np.flatnonzero(pooled).astype(np.int64)
         self.sample = np.flatnonzero(wanted).astype(np.int64)
         self.n_sample = len(self.sample)
         return self

@@ -14,6 +14,7 @@ import logging
 import os
 
 from config import Config
+from core.pooling import pool_chunk
 from core.sampling import NonFiniteLogits, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from core.sequence import Sequence
 from core.speculative import verify_run
@@ -74,7 +75,8 @@ class ModelEngine(InferenceEngine):
 
     def _logits(self, *forward_args, **lora):
         """``self.model.forward(*forward_args, **lora)`` as a float32 numpy array [rows, V] (sampling runs on
-        numpy)."""
+        numpy), and the hidden states [rows, C] beside it when a chunk asked for them (``ModelRunner.forward``'s
+        ``hidden``)."""
         return self.model.forward(*forward_args, **lora)
 
     def _init_loras(self, config: Config, targets: list) -> None:
@@ -157,7 +159,8 @@ class ModelEngine(InferenceEngine):
         verify = [i for i in range(n) if drafts[i]]
         every = [_scores_prompt(seq, start) for seq, start, _ in chunks]
         full = [True] * len(verify) + every
-        logits = self._logits(
+        pooled = [seq.pooling is not None for seq, _, _ in chunks]  # embeddings: final hidden states, no logits
+        out = self._logits(
             [decode[i].last_token_id for i in plain],
             [decode[i].num_tokens - 1 for i in plain],
             [plan.tables[i] for i in plain],
@@ -166,8 +169,10 @@ class ModelEngine(InferenceEngine):
             [plan.tables[i] for i in verify] + plan.tables[n:],
             [decode[i].num_tokens - 1 for i in verify] + [start for _, start, _ in chunks],
             full if any(full) else (),
+            [False] * len(verify) + pooled if any(pooled) else (),
             **self._lora_rows(plan, plain, verify),
         )  # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
+        logits, hidden = out if any(pooled) else (out, None)  # hidden: [embedded chunks' tokens, C]
         if chunks or verify:  # chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
         first = dict(zip(plain, range(len(plain))))  # decode row -> its first logits row
@@ -175,7 +180,12 @@ class ModelEngine(InferenceEngine):
         for i in verify:
             first[i], row = row, row + len(drafts[i]) + 1
         keep = [first[i] for i in range(n)]
-        for (seq, start, end), scored in zip(chunks, every):
+        at = 0  # the next embedded chunk's first row of ``hidden``
+        for (seq, start, end), scored, pool in zip(chunks, every, pooled):
+            if pool:
+                pool_chunk(seq, hidden[at : at + end - start], start, end)
+                at += end - start
+                continue
             k = end - start if scored else 1
             if scored:
                 _score_prompt(seq, logits[row : row + k], start, end)
@@ -369,6 +379,7 @@ class HFEngine(ModelEngine):
             log.info("GGUF %s (WEIGHTS=%s): %s", config.model_id, config.weights, hf_model.describe())
         del hf_model
         self._heap.trim()  # the load's transient copies (state dict, unfused parts) back to the OS
+        self.hidden_size = self.model.n_embd  # an embedding's width (/v1/embeddings)
         resident = self.model.resident_weights()
         self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
         memory = memory_mib()
@@ -395,7 +406,10 @@ class HFEngine(ModelEngine):
         )
 
     def _logits(self, *forward_args, **lora):
-        return self.model.forward(*forward_args, **lora).float().cpu().numpy()  # [rows, V]: sampling runs on numpy
+        out = self.model.forward(*forward_args, **lora)  # logits [rows, V], or (logits, hidden [rows, C])
+        if isinstance(out, tuple):
+            return tuple(t.float().cpu().numpy() for t in out)
+        return out.float().cpu().numpy()  # sampling runs on numpy
 
     def _copy_block(self, src: int, dst: int) -> None:
         self.model.kv.copy_block(src, dst)
@@ -443,6 +457,7 @@ class NativeEngine(ModelEngine):
         self.vocab_size = meta["vocab_size"]
         self._init_loras(config, self.model.lora_targets())
         self.chat_template = config.chat_template_text() or self.tokenizer.chat_template
+        self.hidden_size = self.model.n_embd  # an embedding's width (/v1/embeddings)
         resident = self.model.resident_weights()
         self.planner.spec_row_limit = exact_row_limit(config.activations, resident)
         memory = memory_mib()

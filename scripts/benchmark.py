@@ -15,6 +15,7 @@
         --systems ours,ours:spec=off,llamacpp,llamacpp:spec=ngram-simple:n=3:m=16   # speculative decoding (issue 28)
     python scripts/benchmark.py --model smollm2 --workload copy --systems ours:spec=off,ours:draft=8
                                               # a draft model: the GGUF's first 8 blocks (or draft=PATH, any MODEL_ID)
+    python -m scripts.benchmark --model smollm2 --workload embeddings --systems ours,llamacpp   # /v1/embeddings
 
 Workloads: seed, scale, sweep (throughput); long-prompt, memory, decode-step (the KV pool, issue 12); single
 (one user, requests in turn); shared-prefix, multi-turn (prefix reuse); n-choices (n = 4 forked from one
@@ -22,7 +23,8 @@ prefill, against ours:fork=off); copy (one user pasting text to repeat or fix: s
 n-gram drafts, against ours:spec=off and llama.cpp with and without its --spec-type); long (8 x 1500-token prompts
 + 128 new), ctx4k and ctx8k (one user at that context: TTFT of the long prompt, inter-token latency there),
 scale-8k (the scale requests at 32 x 8192 tokens under KV_CACHE_MB=512) for the KV dtypes (issue 29,
-``ours:kvd=int8`` ...; docs/kv-cache.md).
+``ours:kvd=int8`` ...; docs/kv-cache.md); embeddings (POST /v1/embeddings against llama-server --embeddings on a
+GGUF, ``--systems ours,llamacpp``; scripts/bench/embeddings.py).
 See scripts/bench/workloads.py.
 
 Systems: ``static_hf`` (HF ``generate`` on FCFS batches, models/hf_baseline.py), ``hf_cb``
@@ -66,6 +68,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from scripts.bench import scale_model
+from scripts.bench.embeddings import EMBEDDINGS, embeddings_bench, report_embeddings
 from scripts.bench.kv_quality import kv_quality_workload
 from scripts.bench.quality import quality_workload
 from scripts.bench.report import plot, report, summarize, write_json
@@ -91,20 +94,13 @@ NOT_SERVING = ("quality", "kv-quality")  # workloads that score the model (bench
 def worker(args) -> None:
     """Run one system on one workload (one capacity); print one JSON line."""
     import torch
-    from transformers import AutoTokenizer
 
     from models.runtime import physical_cores
 
     torch.set_num_threads(args.threads or physical_cores())
     base, kwargs = parse_system(args.system)
-    if base in ("ours", "ours_server", "llamacpp") and args.gguf:
-        # The tokenizer the server itself loads for a GGUF (its metadata, not the fp32 conversion through
-        # transformers' config classes): the worker's peak RSS stands for the server's, beside llama.cpp's.
-        from models.loading.convert import gguf_metadata_dir, saved_tokenizer
-
-        tok = saved_tokenizer(gguf_metadata_dir(args.gguf))
-    else:
-        tok = AutoTokenizer.from_pretrained(args.model_dir)
+    served = base in ("ours", "ours_server", "llamacpp")
+    tok = bench_tokenizer(args.gguf if served else "", args.model_dir)
     workload = build_workload(args.workload, tok, args.seed, args.quick, args.capacity)
     reason = unsupported(base, workload)
     try:
@@ -117,6 +113,18 @@ def worker(args) -> None:
     except Unsupported as exc:
         result = {"failed": True, "skipped": True, "error": str(exc)}
     print("RESULT " + json.dumps(result))
+
+
+def bench_tokenizer(gguf: str, model_dir: str):
+    """The requests' tokenizer: for a GGUF the one the server itself loads (its metadata, not the fp32 conversion
+    through transformers' config classes: the worker's peak RSS stands for the server's, beside llama.cpp's)."""
+    if gguf:
+        from models.loading.convert import gguf_metadata_dir, saved_tokenizer
+
+        return saved_tokenizer(gguf_metadata_dir(gguf))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def measure(args, base: str, kwargs: dict, workload) -> dict:
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workload",
         default="seed",
-        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, *NOT_SERVING]),
+        help="comma-separated: " + ", ".join([*WORKLOADS, *CAPACITY_WORKLOADS, DECODE_STEP, EMBEDDINGS, *NOT_SERVING]),
     )
     p.add_argument(
         "--systems",
@@ -426,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     print(note)
     print("machine:", machine)
     for w in workloads:
-        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, *NOT_SERVING):
+        if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, EMBEDDINGS, *NOT_SERVING):
             raise SystemExit(f"unknown workload {w!r}")
     quality = quality_workload(workloads, args.gguf or model_dir, bool(args.gguf), args.quick)  # bench/quality.py
     kv_quality = kv_quality_workload(workloads, args.gguf or model_dir, ROOT, args.quick)  # bench/kv_quality.py
@@ -435,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_system(worker_tree(s)[0])
     jobs = []
     for w in workloads:
-        if w == DECODE_STEP:
+        if w in (DECODE_STEP, EMBEDDINGS):
             continue
         caps = args.capacities if w == "sweep" and args.capacities else CAPACITY_WORKLOADS.get(w, (0,))
         caps = caps[: QUICK_CAPACITIES.get(w, 1)] if args.quick else caps
@@ -460,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             results[w][system] = r
     if DECODE_STEP in workloads:
         results[DECODE_STEP] = decode_step(args, model_dir)
+    embedded = results.pop(EMBEDDINGS, None) is not None
     report(results)
+    if embedded:  # its own table: inputs/s, not tokens generated
+        results[EMBEDDINGS] = embeddings_bench(args, bench_tokenizer(args.gguf, model_dir), args.gguf, systems)
+        report_embeddings(results[EMBEDDINGS])
     if args.json:
         header = {"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats, "quick": args.quick}
         header.update({"quality": quality} if quality else {})
@@ -473,10 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = [
         (w, s)
         for w in results
-        if w != DECODE_STEP
+        if w not in (DECODE_STEP, EMBEDDINGS)
         for s, r in results[w].items()
         if r.get("failed") and not r.get("skipped")
     ]
+    failed += [(EMBEDDINGS, s) for s, r in results.get(EMBEDDINGS, {}).get("systems", {}).items() if r.get("failed")]
     failed += [(DECODE_STEP, r["tree"]) for r in results.get(DECODE_STEP, {}).get("rows", []) if r.get("failed")]
     return 1 if {s for _, s in failed} & {"ours", *(s for s in systems if s.startswith("ours"))} else 0
 

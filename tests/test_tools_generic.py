@@ -137,6 +137,9 @@ def test_cut_calls_keep_their_arguments_so_far():
     calls, _ = calling.answer('{"name":"get_w', "length")  # the one name it begins
     assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
     assert calling.answer('{"name":"get_', "length") == (None, "length")  # two names begin so
+    assert calling.answer('{"na', "length") == (None, "length")  # cut before the name: either function
+    calls, _ = ToolCalling(GENERIC, ("get_time",), forced=True).answer('{"na', "length")  # ... or the only one
+    assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
     hermes = ToolCalling(HERMES, ("f",), forced=True)
     calls, finish = hermes.answer('<tool_call>\n{"name":"f","arguments":{"x":[1,', "length")
     assert finish == "length" and calls[0]["function"]["arguments"] == '{"x":[1,'

@@ -28,11 +28,16 @@ def check_fields(runtime: Runtime, req: OpenAIFields) -> str:
     if found is not None:
         param, message = found
         raise APIError(400, message, param=param)
-    new = [f for f in req.unknown_fields() if f not in _logged_unknown]
+    log_unknown(req.unknown_fields())
+    return name
+
+
+def log_unknown(fields: list[str]) -> None:
+    """Log (once per name) request fields OpenAI does not define, which are ignored."""
+    new = [f for f in fields if f not in _logged_unknown]
     if new and len(_logged_unknown) < 1000:  # bounded: clients choose these names
         _logged_unknown.update(new)
         log.warning("ignoring request fields OpenAI's API does not define: %s", ", ".join(f[:64] for f in new[:20]))
-    return name
 
 
 def check_n(runtime: Runtime, req: OpenAIFields) -> int:

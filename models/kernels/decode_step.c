@@ -24,7 +24,8 @@
  * Granite's multipliers, GeGLU, and mixtures of experts (Qwen3-MoE, Mixtral, OLMoE).
  *
  * and after the last layer the final norm and the lm_head run over the sample rows only (the rows whose logits
- * the caller needs: decode rows, a chunk's last token or all of its tokens).
+ * the caller needs: decode rows, a chunk's last token or all of its tokens); the final norm alone over the hidden
+ * rows (a prompt embedded: its final hidden states are the output).
  *
  * Each phase reuses its kernel's inner loops, included from their sources (one copy of each kernel's
  * math): the linears split their outputs over threads in eights, as quant_gemm.c (rows of GGUF blocks, any
@@ -533,13 +534,15 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
 /* ids [B] token ids -> logits [n_sample, V] of the rows listed in sample_rows (NULL: every row, n_sample = B);
  * x [B, C] the residual stream (the embeddings, then each layer's output). block_tables [tables, table_stride]
  * and row_table [B] (NULL: row b reads table b): see Step. write_first: set when a sequence has several rows.
+ * hidden [n_hidden, C]: the final hidden states (after the final norm, before the lm_head) of the rows listed in
+ * hidden_rows (embeddings; n_hidden 0: none); a row may be in both lists, or in neither (n_sample may be 0).
  * ws: decode_step_workspace(m, B, nthreads) floats. lora: the rows' LoRA adapters (lora_step.c), or NULL. Returns
  * 0, or -1 when the partition workspace of a long context or a linear's tile buffer (quant_gemm.c) cannot be
  * allocated. */
 int decode_step(const Model *m, const long *ids, float *x, int B, const long *pos, const long *slot_blocks,
                 const long *slot_offsets, const int *block_tables, int table_stride, const int *row_table,
-                int write_first, const long *sample_rows, int n_sample, float *logits, float *ws, int nthreads,
-                const Lora *lora) {
+                int write_first, const long *sample_rows, int n_sample, float *logits, const long *hidden_rows,
+                int n_hidden, float *hidden, float *ws, int nthreads, const Lora *lora) {
     if (nthreads < 1) nthreads = 1;
     Step s = {B, pos, slot_blocks, slot_offsets, block_tables, row_table, table_stride, write_first, 1, 0, 0, 0, 0,
               lora};
@@ -568,14 +571,19 @@ int decode_step(const Model *m, const long *ids, float *x, int B, const long *po
         nt = omp_get_num_threads();
 #endif
         for (int l = 0; l < m->n_layer; l++) layer(m, l, &s, &buf, x, t, nt);
-        const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
-        linear_part(&buf, &m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
-        if (m->logits_divisor != 1.0f || m->final_softcap > 0.0f) {
+        if (n_hidden > 0) /* x is complete (each layer ends on a barrier); the rows split over threads */
+            norm_rows(m, m->normf_w, m->normf_b, x, hidden_rows, hidden, (int)((long)n_hidden * t / nt),
+                      (int)((long)n_hidden * (t + 1) / nt));
+        if (n_sample > 0) {
+            const float *xn = norm(m, &buf, m->normf_w, m->normf_b, x, sample_rows, n_sample, t, nt);
+            linear_part(&buf, &m->lm_head, xn, m->C, NULL, 0, logits, m->lm_head.N, n_sample, t, nt);
+            if (m->logits_divisor != 1.0f || m->final_softcap > 0.0f) {
 #pragma omp barrier
-            const long V = m->lm_head.N;
+                const long V = m->lm_head.N;
 #pragma omp for schedule(static)
-            for (int r = 0; r < n_sample; r++)
-                cap_logits(logits + r * V, V, m->logits_divisor, m->final_softcap);
+                for (int r = 0; r < n_sample; r++)
+                    cap_logits(logits + r * V, V, m->logits_divisor, m->final_softcap);
+            }
         }
     }
     free(partials);

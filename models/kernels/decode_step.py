@@ -145,6 +145,6 @@ class StepPlan:
             *(N, batch.ids.data_ptr(), batch.pos.data_ptr(), batch.slot_blocks.data_ptr()),
             *(batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0), _ptr(batch.row_tables)),
             *(write_first, _ptr(sample), logits.shape[0], logits.data_ptr(), self.ws.data_ptr(), threads),
-            ctypes.addressof(adapters[0]) if adapters is not None else None,
+            lora=ctypes.addressof(adapters[0]) if adapters is not None else None,
         )
         return logits

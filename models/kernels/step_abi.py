@@ -84,7 +84,9 @@ def _load() -> ctypes.CDLL:
     lib.decode_step.argtypes = [
         *(_P, _P, _P, _I, _P, _P, _P),  # model, ids, x, B, pos, slot_blocks, slot_offsets
         *(_P, _I, _P, _I),  # block_tables, table_stride, row_table, write_first
-        *(_P, _I, _P, _P, _I),  # sample_rows, n_sample, logits, ws, nthreads
+        *(_P, _I, _P),  # sample_rows, n_sample, logits
+        *(_P, _I, _P),  # hidden_rows, n_hidden, hidden
+        *(_P, _I),  # ws, nthreads
         _P,  # lora: the rows' LoRA adapters (lora_step.Lora), or NULL
     ]
     lib.topk_rows.restype = None
@@ -381,15 +383,20 @@ class StepKernel:
         logits: int,
         ws: int,
         threads: int,
+        *,
+        hidden_rows: int | None = None,
+        n_hidden: int = 0,
+        hidden: int | None = None,
         lora=None,
     ) -> None:
-        """One step of ``rows`` rows; every pointer an address (int64 ids, pos, slots, sample rows; int32 tables
-        [*, table_stride] and row_table; fp32 logits [n_sample, V]); ``lora`` the rows' adapters
+        """One step of ``rows`` rows; every pointer an address (int64 ids, pos, slots, sample rows, hidden rows;
+        int32 tables [*, table_stride] and row_table; fp32 logits [n_sample, V], hidden [n_hidden, C]: the final
+        hidden states, after the final norm, of the hidden rows); ``lora`` the rows' adapters
         (``lora_step.KernelLora.step``) or None. See ``decode_step.c``'s ``decode_step``."""
         rc = self.lib.decode_step(
             *(self.structs.ref, ids, ws, rows, pos, slot_blocks, slot_offsets, tables, table_stride),
-            *(row_table, int(write_first), sample_rows, n_sample, logits, ws + 4 * self._x_floats(rows), threads),
-            lora,
+            *(row_table, int(write_first), sample_rows, n_sample, logits, hidden_rows, n_hidden, hidden),
+            *(ws + 4 * self._x_floats(rows), threads, lora),
         )
         if rc != 0:
             raise MemoryError("decode step: cannot allocate its attention partitions or a linear's tile buffer")
