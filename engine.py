@@ -46,6 +46,8 @@ log = logging.getLogger("minibatch.engine")
 class Drafter(Protocol):
     """A proposer the engine runs on its worker thread before each forward (``models.draft_model.DraftModel``)."""
 
+    forward_seconds: float | None  # the last ``propose``'s mean draft forward (one draft for each row), or None
+
     def propose(self, plan: BatchPlan) -> None:
         """Fill ``plan.drafts[i]`` (at most ``plan.draft_slots[i]`` tokens) for the rows with reserved slots; free
         what it holds for sequences that left. Never raises for a row: a row it cannot serve gets no drafts."""
@@ -107,7 +109,7 @@ class InferenceEngine(ABC):
         """Requests choosing speculative ``method`` get their drafts from ``drafter``: the planner reserves their
         lookahead (``core.speculative.EngineProposer``), ``execute`` has the drafter fill them."""
         self.drafter = drafter
-        self.planner.proposers[method] = EngineProposer()
+        self._engine_proposer = self.planner.proposers[method] = EngineProposer()
 
     # --- executing a plan (the worker thread) --------------------------------------------------
     def execute(self, plan: BatchPlan) -> StepOutput:
@@ -118,7 +120,11 @@ class InferenceEngine(ABC):
             self.drafter.propose(plan)
         if plan.is_empty:
             return StepOutput([])
+        start = time.perf_counter()
         tokens = self._forward(plan)
+        drafted = getattr(self.drafter, "forward_seconds", None) if plan.draft_slots else None
+        if drafted is not None:  # what one draft costs against this step: the planner's bar for the next drafts
+            self._engine_proposer.observe(drafted, time.perf_counter() - start)
         for src, dst in plan.copies:
             self._copy_block(src, dst)
         return StepOutput(tokens)

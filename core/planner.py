@@ -265,6 +265,8 @@ class Planner:
         if self.spec_row_limit and len(rows) + chunk_tokens < self.spec_row_limit:
             budget = min(budget, self.spec_row_limit - 1 - len(rows) - chunk_tokens)
         drafts, slots = [], []
+        for proposer in self.proposers.values():  # a draft model's measured cost fades between its measurements
+            getattr(proposer, "decay", lambda: None)()
         for seq in rows:
             tokens, k = self._drafts_for(seq, budget, len(rows)) if budget > 0 else ([], 0)
             k = self.blocks.append_lookahead(seq.seq_id, len(tokens) or k) if tokens or k else 0
@@ -285,7 +287,7 @@ class Planner:
             return [], 0
         k = params.num_tokens
         if self.spec_adaptive:
-            k = draft_state(seq).length.length(k, rows)
+            k = draft_state(seq).length.length(k, rows, getattr(proposer, "cost", 0.0))
         k = min(k, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
         k = min(k, self.max_context - seq.num_tokens)
         if k <= 0:

@@ -109,10 +109,12 @@ class DraftLength:
         """The estimated per-token acceptance."""
         return self.successes / self.trials
 
-    def length(self, k_max: int, rows: int) -> int:
+    def length(self, k_max: int, rows: int, cost: float = 0.0) -> int:
         """Drafts worth verifying next step in a step of ``rows`` decode rows (0: none; the estimate then drifts
-        back towards the prior, so that the sequence is probed again after a while)."""
-        bar, a = min(0.95, self.ROW_COST * max(rows, 1)), self.acceptance
+        back towards the prior, so that the sequence is probed again after a while). ``cost``: what proposing one
+        draft costs, as a share of a step (0 for prompt lookup; a draft model's forward, ``EngineProposer.cost``):
+        it raises the bar, so that a draft that costs about a step is worth it only when nearly always accepted."""
+        bar, a = min(0.95, self.ROW_COST * max(rows, 1)) + cost, self.acceptance
         k = 0
         while k < k_max and a ** (k + 1) >= bar:
             k += 1
@@ -157,9 +159,26 @@ class NgramProposer:
 class EngineProposer:
     """A proposer the engine runs on its worker thread (a draft model: ``models/draft_model.py``). The planner only
     decides how many drafts a row may carry and reserves their KV slots (``BatchPlan.draft_slots``); the engine
-    fills ``BatchPlan.drafts`` (at most that many each, cut by ``cut_drafts``) before the target's forward."""
+    fills ``BatchPlan.drafts`` (at most that many each, cut by ``cut_drafts``) before the target's forward.
+
+    ``cost``: what one more draft costs, as a share of the target's step (one draft forward over the drafting rows,
+    measured by the engine: ``observe``), which ``DraftLength`` adds to its bar. Steps without a measurement let it
+    decay (``DECAY`` a step), so that a draft model found too slow once (a busy moment) is tried again later."""
 
     in_engine = True
+    SMOOTHING = 0.2  # weight of the newest measurement
+    DECAY = 0.98  # at each planned step without one
+
+    def __init__(self) -> None:
+        self.cost = 0.0
+
+    def observe(self, draft_forward_seconds: float, step_seconds: float) -> None:
+        """One step's measurement: a draft forward's wall time against the target's forward."""
+        if step_seconds > 0:
+            self.cost += (draft_forward_seconds / step_seconds - self.cost) * self.SMOOTHING
+
+    def decay(self) -> None:
+        self.cost *= self.DECAY
 
 
 def cut_drafts(seq, drafts: list[int]) -> list[int]:

@@ -8,7 +8,9 @@ worker thread before each target forward (``InferenceEngine.execute`` -> ``Draft
 1. for the plan's decode rows that the planner gave lookahead slots (``BatchPlan.draft_slots``), it catches its KV
    up on the tokens the target accepted since it last saw the sequence: one batched forward over those rows (a
    chunk each, or a decode row where only the last token is new), whose logits give each row's first draft;
-2. then it proposes greedily, one batched one-row forward per further draft, feeding each row its previous draft;
+2. then it proposes greedily, one batched one-row forward per further draft, feeding each row its previous draft
+   (their mean wall time, ``forward_seconds``, is what one more draft costs: the engine hands it to the planner's
+   draft length, ``core.speculative.EngineProposer.cost``);
 3. the drafts, cut after a stop token and where the row's grammar rejects them (``cut_drafts``), go into
    ``plan.drafts``; the target verifies them as it verifies any drafts (``ModelEngine._verify``).
 
@@ -74,11 +76,15 @@ class DraftModel:
         self.unserved = 0  # rows given no drafts because the draft's pool had no room for them
         self.tokens_fed = 0  # tokens through the draft model (catch-up and drafts)
         self.seconds = 0.0  # wall time of ``propose`` (the draft's share of a step)
+        # The last step's mean wall time of a one-row-per-sequence draft forward (what one more draft costs; the
+        # catch-up forward is left out: its length is the text's, not the draft's), None when none ran.
+        self.forward_seconds: float | None = None
 
     # --- the engine's Drafter seam ------------------------------------------------------------------
     def propose(self, plan: BatchPlan) -> None:
         """Fill ``plan.drafts`` for the rows with ``plan.draft_slots`` (see the module docstring)."""
         self._release_gone()
+        self.forward_seconds = None
         rows = [i for i, k in enumerate(plan.draft_slots) if k]
         if not rows:
             return
@@ -140,6 +146,7 @@ class DraftModel:
             return []
         logits = self._catch_up([seqs[i] for i in rows], chunks)
         drafts = [[t] if k else [] for t, k in zip(logits.argmax(axis=1).tolist(), ks)]
+        spent = []  # the wall time of each further draft's forward
         for j in range(1, max(ks)):  # the j-th further draft: each going row feeds its previous one
             # (a row whose last draft is a stop token stops there: the sequence would end, nothing after is verified)
             going = [
@@ -151,10 +158,14 @@ class DraftModel:
             fed_tokens = [drafts[r][-1] for r in going]
             positions = [s.num_tokens - 1 + j for s in seqs_j]
             tables = [self.blocks.block_table(s.seq_id) for s in seqs_j]
+            t0 = time.perf_counter()
             nxt = self._forward(fed_tokens, positions, tables).argmax(axis=1).tolist()
+            spent.append(time.perf_counter() - t0)
             for r, token, fed_token in zip(going, nxt, fed_tokens):
                 self._fed[seqs[rows[r]].seq_id].tail.append(fed_token)
                 drafts[r].append(token)
+        if spent:
+            self.forward_seconds = sum(spent) / len(spent)
         return [(i, d) for i, d in zip(rows, drafts) if d]
 
     def _catch_up(self, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> np.ndarray:

@@ -6,6 +6,9 @@ never read, e.g. RoPE rows past the longest context, never become resident), all
 the mapping (``kernels/step_abi.py``, the same code ``decode_step.StepPlan`` uses) and runs ``forward`` with the
 contract of ``layers.MixedForward.forward``, returning numpy logits.
 
+LoRA adapters (``models/lora.py``) go to the kernel as ``kernels/lora_step.KernelLora`` structs pointing at their
+own numpy arrays; each call groups its rows by adapter. The image records the linears adapters may target.
+
 A step of more rows than the image's ``max_rows`` (many decode rows, a long prompt chunk) runs as consecutive
 calls of at most ``max_rows`` rows in row order. That is exact: attention is causal, so a chunk's later rows need
 only the K/V of its earlier rows, which an earlier call has written (and within a call, ``write_first`` writes

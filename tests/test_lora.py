@@ -380,3 +380,26 @@ def test_every_family_matches_peft(arch, small_gemm, tmp_path):
     prefill = model.forward([], [], [], [ids], [[0, 1, 2, 3]], loras=[0]).numpy()
     decode = model.forward([14], [9], [[0, 1, 2, 3]], loras=[0]).numpy()
     np.testing.assert_allclose(np.concatenate([prefill, decode]), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "runtime, weights", [*RUNS, ("torch", "int4")], ids=["torch-fp32", "native-int8", "torch-int4"]
+)
+def test_slots_reused_after_unload(lora_checkpoints, runtime, weights):
+    """What the load and unload endpoints do on the engine's thread, on each runtime (and an int4 base): with one slot,
+    load an adapter, serve it, remove it, load another into the same slot: it serves PEFT's tokens (over the
+    dequantized base), and the first adapter's id is gone (its prefix-cache chain with it)."""
+    model_dir, adapters = lora_checkpoints("llama")
+    engine = lora_engine(model_dir, {}, runtime, weights, max_loras=1)
+    loras = engine.loras
+    ids = peft_reference(model_dir).encode(PROMPTS[1])
+    for name in ("all8", "mlp4"):
+        loras.begin(name)
+        adapter = loras.read(name, adapters[name])
+        loaded = loras.commit(adapter, loras.install(adapter))
+        seq = Sequence(prompt_token_ids=ids, max_new_tokens=8, ignore_eos=True, lora_id=loaded.lora_id)
+        submit_all(engine, [[seq]])
+        assert seq.output_token_ids == peft_reference(model_dir, adapters[name], weights).generate(ids, 8, set())
+        loras.forget(name)
+        loras.remove(loaded.lora_id)
+    assert loras.served == {} and not loras.is_served(loaded.lora_id) and loaded.lora_id == 2

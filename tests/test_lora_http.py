@@ -86,13 +86,11 @@ def test_model_chooses_the_adapter_on_every_endpoint(server, refs):
         assert r.status_code == 200, r.text
         answers[name] = r.json()["token_ids"]
         assert answers[name] == refs[name].generate(ids, 12, set()), name
-        r = post(
-            server,
-            "/v1/completions",
-            {"model": name, "prompt": ids, "max_tokens": 12, "ignore_eos": True, "temperature": 0},
-        )
+        completion = {"model": name, "prompt": ids, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "n": 2}
+        r = post(server, "/v1/completions", completion)  # two choices: the second forks the first's prefill
         assert r.status_code == 200 and r.json()["model"] == name, r.text
-        assert r.json()["choices"][0]["text"] == ref.tokenizer.decode(answers[name], skip_special_tokens=True)
+        text = ref.tokenizer.decode(answers[name], skip_special_tokens=True)
+        assert [c["text"] for c in r.json()["choices"]] == [text, text]
     base = post(server, "/generate", {"prompt": ids, "max_new_tokens": 12, "ignore_eos": True}).json()["token_ids"]
     assert len({tuple(base), tuple(answers["all8"]), tuple(answers["qv16"])}) == 3
     messages = [{"role": "user", "content": "hello there"}]

@@ -476,9 +476,32 @@ def test_a_draft_model_keeps_its_own_books(caplog):
     assert on.planner.num_preemptions and drafter.stats()["spec_draft_model_forwards"]
     assert served[6] == 0 and "the draft model shadow failed" in caplog.text  # that step drafted nothing
     assert drafter.stats()["spec_draft_model_unserved_rows"] > 0
+    assert on.planner.proposers["draft_model"].cost > 0  # the engine measured what a draft costs
     on.execute(BatchPlan())  # the next step frees what the sequences that left held
     assert drafter.num_sequences == 0 and drafter.blocks.is_all_free()
     drafter.blocks.check()
+
+
+def test_a_draft_that_costs_a_step_must_nearly_always_be_accepted():
+    """A draft model's drafts cost a forward each (``EngineProposer.cost``, a share of the target's step, measured
+    by the engine and fading between measurements): the draft length's bar rises by it. A draft as slow as the
+    target gains nothing even when always right; a cheap one drafts as prompt lookup would."""
+    from core.speculative import DraftLength, EngineProposer
+
+    always = DraftLength()
+    for _ in range(20):
+        always.update(4, 4)
+    assert always.length(8, 1, cost=0.0) == 8 and always.length(8, 1, cost=0.5) == 8
+    assert always.length(8, 1, cost=1.0) == 0  # as slow as the target: never worth it
+    sometimes = DraftLength()  # acceptance 0.6: 0.6, 0.36, 0.22... against 0.08 + cost
+    assert sometimes.length(8, 1, cost=0.0) == 4 and sometimes.length(8, 1, cost=0.27) == 2
+    proposer = EngineProposer()
+    for _ in range(30):
+        proposer.observe(0.009, 0.010)
+    assert 0.85 < proposer.cost < 0.91
+    for _ in range(35):
+        proposer.decay()
+    assert proposer.cost < 0.5  # tried again after a while
 
 
 def test_a_request_chooses_its_own_speculation():

@@ -15,6 +15,9 @@
  *   -> gate_up (Llama) / fc (GPT-2) linear -> SiLU(gate) * up / GELU / GELU(gate) * up -> down linear + residual
  *      [or a mixture of experts: router, top-k, each chosen expert over its tokens; then post-norm, scale]
  *
+ * After each of a layer's four linears the step's LoRA adapters, if any, add their deltas over their own rows
+ * (lora_step.c, on the columns the thread just computed: no barrier added).
+ *
  * The bracketed parts are the families' (models/decoder.py): q/k RMSNorms per head or over the projection
  * (Qwen3, Gemma 3, OLMo 2), OLMoE's clip, sliding windows and per-layer RoPE tables (Mistral, Gemma), partial
  * rotary (Phi-3), attention and final soft-caps (Gemma 2), post-norms (Gemma, OLMo 2; a NULL pre-norm is none),

@@ -5,7 +5,7 @@
  *
  * (PEFT's result + lora_B(lora_A(x)) * scaling), never merged into W: the rows are grouped by adapter (vLLM's punica
  * idea), and per adapter and linear one shrink over its rows (X[rows] a_t, a_t = every part's A^T side by side, [K, R])
- * and one expand per part. A thread computes the shrink of a group in full (R x K x rows FMAs, ~1% of the base
+ * and one expand per part, both in AVX2 FMA register tiles. A thread computes the shrink of a group in full (R x K x rows FMAs, ~1% of the base
  * linear at rank 16: cheaper than a barrier) and expands only into the output columns it computed of the base (the
  * base's split: linear_part's units of PANEL outputs per base part), right after them: no barrier, no other thread's
  * columns. Every output is one thread's, summed in one order: results do not depend on the thread count.
@@ -13,7 +13,6 @@
  * Shapes: n rows of a group, K inputs, R the adapter's shrink width on this linear (its parts' ranks), r a part's. */
 
 #define LORA_KINDS 4     /* qkv, o, up, down: models/lora.KINDS */
-#define LORA_CHUNK 256   /* output columns expanded per pass (a stack accumulator) */
 
 /* One HF module's adapter inside one linear: shrink columns [j0, j0 + r), outputs [n0, n0 + N), B^T [r, N]. */
 typedef struct {
@@ -41,36 +40,66 @@ typedef struct {
     long scratch_floats;
 } Lora;
 
-/* T [n, R] = X[rows] a_t: each element summed over k in order. */
+/* T [n, R] = X[rows] a_t: each element a chain of FMAs over k in order (fmaf in the tail: the same rounding), in
+ * tiles of up to 32 shrink columns held in registers over the whole k loop. */
 static void lora_shrink(const LoraLin *A, const float *X, int ldx, const long *rows, int n, int K, float *T) {
     const int R = A->R;
     for (int i = 0; i < n; i++) {
         const float *x = X + rows[i] * (long)ldx;
         float *t = T + (long)i * R;
-        for (int j = 0; j < R; j++) t[j] = 0.0f;
-        for (int k = 0; k < K; k++) {
-            const float v = x[k], *a = A->a_t + (long)k * R;
-            for (int j = 0; j < R; j++) t[j] = t[j] + v * a[j];
+        int j0 = 0;
+        for (; j0 + 8 <= R; j0 += 32) {
+            const int regs = (R - j0) / 8 < 4 ? (R - j0) / 8 : 4;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int k = 0; k < K; k++) {
+                const __m256 v = _mm256_set1_ps(x[k]);
+                const float *a = A->a_t + (long)k * R + j0;
+                for (int q = 0; q < regs; q++) acc[q] = _mm256_fmadd_ps(v, _mm256_loadu_ps(a + 8 * q), acc[q]);
+            }
+            for (int q = 0; q < regs; q++) _mm256_storeu_ps(t + j0 + 8 * q, acc[q]);
+            if (regs < 4) {
+                j0 += 8 * regs;
+                break;
+            }
+        }
+        for (int j = j0; j < R; j++) { /* R not a multiple of 8: the last columns one at a time */
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) acc = fmaf(x[k], A->a_t[(long)k * R + j], acc);
+            t[j] = acc;
         }
     }
 }
 
-/* Y[rows, c0 .. c1) += part's delta, for the columns of [c0, c1) inside the part (c global output columns). */
+/* Y[rows, c] += scale * sum_j T[rows, j0 + j] B^T[j, c - n0] for the columns c of [c0, c1) inside the part: tiles of
+ * 32 columns whose sums stay in registers over j (B^T's tile, r x 32 floats, stays in L1 over the rows), each sum a
+ * chain of FMAs over j in order (fmaf in the tail), then y + sum * scale. */
 static void lora_expand(const LoraPart *P, const float *T, int R, const long *rows, int n, float *Y, int ldy, int c0,
                         int c1) {
     const int lo = c0 > P->n0 ? c0 : P->n0, hi = c1 < P->n0 + P->N ? c1 : P->n0 + P->N;
-    for (int s = lo; s < hi; s += LORA_CHUNK) {
-        const int w = hi - s < LORA_CHUNK ? hi - s : LORA_CHUNK;
-        float acc[LORA_CHUNK];
+    const __m256 scale = _mm256_set1_ps(P->scale);
+    int c = lo;
+    for (; c + 32 <= hi; c += 32) {
+        const float *b = P->b_t + (c - P->n0);
         for (int i = 0; i < n; i++) {
             const float *t = T + (long)i * R + P->j0;
-            for (int c = 0; c < w; c++) acc[c] = 0.0f;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int j = 0; j < P->r; j++) {
-                const float v = t[j], *b = P->b_t + (long)j * P->N + (s - P->n0);
-                for (int c = 0; c < w; c++) acc[c] = acc[c] + v * b[c];
+                const __m256 v = _mm256_set1_ps(t[j]);
+                const float *bj = b + (long)j * P->N;
+                for (int q = 0; q < 4; q++) acc[q] = _mm256_fmadd_ps(v, _mm256_loadu_ps(bj + 8 * q), acc[q]);
             }
-            float *y = Y + rows[i] * (long)ldy + s;
-            for (int c = 0; c < w; c++) y[c] = y[c] + acc[c] * P->scale;
+            float *y = Y + rows[i] * (long)ldy + c;
+            for (int q = 0; q < 4; q++)
+                _mm256_storeu_ps(y + 8 * q, _mm256_add_ps(_mm256_loadu_ps(y + 8 * q), _mm256_mul_ps(acc[q], scale)));
+        }
+    }
+    for (; c < hi; c++) { /* the range's last columns (fewer than 32) one at a time: the same sums */
+        for (int i = 0; i < n; i++) {
+            const float *t = T + (long)i * R + P->j0;
+            float acc = 0.0f;
+            for (int j = 0; j < P->r; j++) acc = fmaf(t[j], P->b_t[(long)j * P->N + (c - P->n0)], acc);
+            float *y = Y + rows[i] * (long)ldy + c;
+            *y = *y + acc * P->scale;
         }
     }
 }
