@@ -18,8 +18,10 @@ import jsonschema
 import pytest
 
 from config import Config
+from engine import FakeEngine, RowFailure
 from server import create_app
 
+from conftest import bounded, serving
 from live import ThreadServer, openai_client
 
 TIMEOUT = 120.0
@@ -277,3 +279,41 @@ def test_agents_sdk_default_model_runs_a_function_tool(live, model, tiny_llama_d
     assert len(second.raw_responses) == 2 and second.final_output == ""
     call = second.raw_responses[0].output[0]
     assert call.type == "function_call" and call.name == "get_weather"
+
+
+def named_events(body: str) -> list[tuple[str, dict]]:
+    """A Responses stream's (event name, payload) pairs: each block is ``event:`` then ``data:``."""
+    out = []
+    for block in body.split("\n\n"):
+        if block.strip():
+            event, data = block.split("\n")
+            assert event.startswith("event: ") and data.startswith("data: "), block
+            out.append((event[len("event: ") :], json.loads(data[len("data: ") :])))
+    return out
+
+
+def test_stream_with_tools_that_answers_text_and_a_stream_that_fails():
+    """On the fake (no model): with tools offered and a text answer, the text is released as soon as it cannot be a
+    call, in the same event sequence as without tools; a sequence that fails ends the stream with ``error`` and
+    ``response.failed`` (no ``[DONE]``), each event named as its type."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+
+    async def body():
+        async with serving() as c:
+            base = {"input": "hi", "max_output_tokens": 4, "stream": True}
+            plain = named_events((await c.post("/v1/responses", json=base)).text)
+            offered = named_events((await c.post("/v1/responses", json={**base, "tools": tools})).text)
+            assert [n for n, _ in plain] == [n for n, _ in offered] and all(n == e["type"] for n, e in offered)
+            deltas = [e["delta"] for n, e in offered if n == "response.output_text.delta"]
+            assert "".join(deltas) == offered[-1][1]["response"]["output"][0]["content"][0]["text"]
+        failing = FakeEngine(capacity=2, token_fn=lambda seq: RowFailure("boom"))
+        async with serving(failing) as c:
+            r = await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, "stream": True})
+            events = named_events(r.text)
+            assert [n for n, _ in events][-2:] == ["error", "response.failed"], events
+            error, failed = events[-2][1], events[-1][1]["response"]
+            assert error["code"] == "server_error" and "boom" in error["message"]
+            assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+            assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+
+    bounded(body)
