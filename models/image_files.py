@@ -9,9 +9,9 @@ offset into the model file, which ``models/native.py`` maps read-only beside wei
 - ``FileTensors.locate(buffer)``: the file range holding exactly the buffer's bytes, or None. A candidate is looked
   up by its first ``PROBE`` bytes and then compared in full, so a range is only ever served where its bytes are the
   buffer's: exact by construction, whatever path the build took.
-- ``split_parts(spec, files)``: a fused linear whose part is several file tensors' rows concatenated (gate+up, a
-  Q+K+V of one type) becomes one part per tensor (the kernel takes up to ``MAX_PARTS``, each with its own pointer),
-  so those point into the file too.
+- ``split_parts(spec, files)``: a fused linear whose part holds file tensors' rows among others (gate+up, a Q+K+V
+  of one type) becomes one part per tensor and per run of other rows (the kernel takes up to ``MAX_PARTS``, each
+  with its own pointer), so those point into the file too.
 
 Torch-free but for ``flat_bytes`` (a build-side helper that takes torch tensors).
 """
@@ -65,15 +65,22 @@ class FileTensors:
         t = self._find(data, 0)
         return FileRange(t.data_offset, t.n_bytes) if t is not None and t.n_bytes == data.size else None
 
-    def split(self, data: np.ndarray) -> list[GGUFTensor] | None:
-        """File tensors whose bytes, one after another, are exactly ``data`` (flat uint8), or None."""
-        out, at = [], 0
-        while at < data.size:
-            t = self._find(data, at)
-            if t is None:
-                return None
-            out.append(t)
-            at += t.n_bytes
+    def segments(self, data: np.ndarray, row_bytes: int) -> list[tuple[int, int, GGUFTensor | None]]:
+        """``data`` (flat uint8, rows of ``row_bytes``) cut at row boundaries into [start row, end row) segments,
+        each a whole file tensor (its ``GGUFTensor``) or rows that are none (None)."""
+        out: list[tuple[int, int, GGUFTensor | None]] = []
+        rows, r = data.size // row_bytes, 0
+        while r < rows:
+            t = self._find(data, r * row_bytes)
+            if t is not None and t.n_bytes % row_bytes == 0:
+                out.append((r, r + t.n_bytes // row_bytes, t))
+                r += t.n_bytes // row_bytes
+                continue
+            if out and out[-1][2] is None:
+                out[-1] = (out[-1][0], r + 1, None)
+            else:
+                out.append((r, r + 1, None))
+            r += 1
         return out
 
 
@@ -83,21 +90,25 @@ def flat_bytes(t) -> np.ndarray:
 
 
 def split_parts(spec: step_abi.ModelSpec, files: FileTensors) -> step_abi.ModelSpec:
-    """The spec with each quantized part that is several whole file tensors in a row replaced by one part per
-    tensor (handles ``FileRange``s), where the linear then has at most ``MAX_PARTS`` parts; handles are torch
-    tensors."""
+    """The spec (handles: torch tensors) with each quantized part that holds whole file tensors among its rows cut
+    into one part per file tensor (a ``FileRange`` handle) and one per run of other rows (a view of its rows),
+    where the linear then has at most ``MAX_PARTS`` parts: a fused gate+up of one type becomes its two file tensors,
+    a Q+K+V whose Q and K rows were reordered keeps Q+K and serves V from the file."""
+
+    def cut(p: step_abi.PartSpec) -> list[step_abi.PartSpec]:
+        if p.fmt < 0:  # fp32 panels: never the file's bytes
+            return [p]
+        rows = p.w.reshape(p.N, -1)  # [N, row bytes]
+        found = files.segments(flat_bytes(rows), rows.shape[1])
+        if len(found) < 2 or all(t is None for _, _, t in found):
+            return [p]  # one file tensor as it is (``FileTensors.locate`` finds it when written), or none
+        return [
+            step_abi.PartSpec(rows[r0:r1] if t is None else FileRange(t.data_offset, t.n_bytes), p.fmt, r1 - r0)
+            for r0, r1, t in found
+        ]
 
     def lin(x: step_abi.LinSpec) -> step_abi.LinSpec:
-        parts = []
-        for p in x.parts:
-            pieces = files.split(flat_bytes(p.w)) if p.fmt >= 0 else None
-            row_bytes = p.w.numel() * p.w.element_size() // p.N
-            if not pieces or len(pieces) < 2 or any(t.n_bytes % row_bytes for t in pieces):
-                parts.append(p)
-                continue
-            parts += [
-                step_abi.PartSpec(FileRange(t.data_offset, t.n_bytes), p.fmt, t.n_bytes // row_bytes) for t in pieces
-            ]
+        parts = [q for p in x.parts for q in cut(p)]
         return dataclasses.replace(x, parts=parts) if len(parts) <= step_abi.MAX_PARTS else x
 
     return step_abi.map_linears(spec, lin)
