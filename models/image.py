@@ -377,11 +377,12 @@ def check_gguf(path: str) -> None:
     missing, corrupt or truncated, an unknown type id, a tensor of a type no kernel serves (named with its type),
     an architecture or a metadata key we do not serve (``gguf/config.py``)."""
     from models.gguf.config import file_config
-    from models.gguf.reader import check_servable, open_gguf
+    from models.gguf.reader import check_servable, read_metadata
 
     try:
-        check_servable(path, open_gguf(path))
-        file_config(path)
+        read = read_metadata(path)
+        check_servable(path, read[1])
+        file_config(path, read)
     except ValueError as exc:
         raise ModelLoadError(f"MODEL_ID {path}: {one_line(exc)}") from None
 

@@ -291,12 +291,13 @@ def hf_config(metadata: dict, tensors: dict[str, tuple[int, ...]]) -> dict:
     return ARCHITECTURES[arch](_Keys(metadata, arch), tensors)
 
 
-def file_config(path: str) -> dict | None:
+def file_config(path: str, read: tuple | None = None) -> dict | None:
     """``hf_config`` of the GGUF file ``path`` (None for a ``gpt2`` file: transformers converts its config); or
-    ValueError naming what makes the file unreadable or unservable."""
+    ValueError naming what makes the file unreadable or unservable. ``read``: ``reader.read_metadata(path)`` when
+    the caller has it (a 128k vocabulary takes a few tenths of a second to step over)."""
     from .reader import read_metadata
 
-    metadata, tensors = read_metadata(path)
+    metadata, tensors = read or read_metadata(path)
     if metadata.get("general.architecture") == "gpt2":
         return None
     found: dict = {t.name: t.torch_shape for t in tensors}
