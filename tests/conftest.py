@@ -205,6 +205,17 @@ def sse_events(body: str) -> list:
     return out
 
 
+async def read_sse(response) -> list:
+    """The data payloads of a streamed httpx response (``client.stream(...)``), read to its end: each JSON payload
+    parsed, and "[DONE]" (``sse_events`` for a body read whole)."""
+    out = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
 async def scrape(client) -> str:
     """``GET /metrics`` through ``client`` (an httpx client): the Prometheus text, after checking its content type."""
     r = await client.get("/metrics")
