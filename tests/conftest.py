@@ -48,12 +48,12 @@ def _exact_kv_pool():
     docs/kv-cache.md): the parity gates compare with HF token for token, which a narrower pool is not. The narrow
     pools and the served default are tested where they are asked for (tests/test_kv_dtype.py); servers started by
     ``live.ProcessServer`` get KV_CACHE_DTYPE=fp32 unless a test sets it."""
-    from models import runtime  # torch-free
+    from models import runtime_config  # torch-free
 
-    SERVING_AUTO_KV["dtype"] = runtime.AUTO_QUANTIZED_KV
-    runtime.AUTO_QUANTIZED_KV = "fp32"
+    SERVING_AUTO_KV["dtype"] = runtime_config.AUTO_QUANTIZED_KV
+    runtime_config.AUTO_QUANTIZED_KV = "fp32"
     yield
-    runtime.AUTO_QUANTIZED_KV = SERVING_AUTO_KV["dtype"]
+    runtime_config.AUTO_QUANTIZED_KV = SERVING_AUTO_KV["dtype"]
 
 
 def run(coro):

@@ -308,7 +308,7 @@ def test_drafts_stay_within_the_token_budget_and_free_blocks():
 def test_drafts_never_take_a_step_across_the_row_limit():
     """Where the engine's arithmetic changes with the step's rows (int8 activations from 8 rows under
     ACTIVATIONS=auto), drafts never take a step from below the limit to it: a token is rounded as without drafts."""
-    from models.runtime import exact_row_limit
+    from models.runtime_config import exact_row_limit
 
     assert exact_row_limit("auto", {"int4": 1, "fp32": 1}) in (0, 8)  # 0 where the integer path is AVX2's
     assert exact_row_limit("fp32", {"int4": 1}) == exact_row_limit("int8", {"int8": 1}) == 0
