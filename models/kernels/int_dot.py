@@ -60,6 +60,8 @@ def _load() -> ctypes.CDLL:
     lib.int_dot_gemm.argtypes = [_I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
     lib.int_dot_quantize.restype = None
     lib.int_dot_quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    lib.int_dot_row_path.restype = _I
+    lib.int_dot_row_path.argtypes = [_I]
     return register(with_isa(lib))
 
 
