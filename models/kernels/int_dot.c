@@ -616,7 +616,8 @@ int int_dot_row_path(int want) {
 static void id_range(const QRows *x, int f, const uint8_t *W, const float *bias, const float *R, int ldr, float *Y,
                      int ldy, int M, int N, int p0, int p1) {
     const int isa = __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
-    if (M <= __atomic_load_n(&id_row_max, __ATOMIC_RELAXED)) id_rows_range(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    if (M <= __atomic_load_n(&id_row_max, __ATOMIC_RELAXED))
+        id_rows_range(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1); /* 1 to 4 rows: int_rows.c */
     else if (isa == ISA_AVX512VNNI) range512(f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     else range256(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
 }

@@ -2,10 +2,11 @@
  *
  * Why: such a step streams every weight once and does little arithmetic per byte, so its floor is the memory
  * bandwidth. The panel path (int_dot.c) first transposes each 32-weight group of 8 output columns into k-quads
- * (24 shuffles a group), which pays off when 8 or more rows share them but is most of the work at 1 row. Here each
+ * (24 shuffles a group), which pays off when 8 or more rows share them but is much of the work at 1 row. Here each
  * column's group stays as it lies in the file: one register of 32 k-ordered bytes, multiplied with the activation
- * row's 32 bytes (AVX2: vpmaddubsw, VNNI: vpdpbusd), and the 8 columns' products are summed across k by a tree of
- * horizontal adds that leaves the 8 columns' integer sums in the 8 lanes of one register, the panel path's layout.
+ * row's 32 bytes (AVX2: vpmaddubsw, VNNI: vpdpbusd), and the 8 columns' products are summed across k by a tree
+ * (unpack and add: cheaper than vphadd on Zen 3) that leaves the 8 columns' integer sums in the 8 lanes of one
+ * register, the panel path's layout.
  *
  * Math: exactly int_dot.c's (the header there): per row, column and group the same exact integer S (Q6_K: its two
  * sub-block sums S_a, S_b, which the tree gives apart before its last add) and the same fp32 operations in the same
@@ -13,15 +14,16 @@
  * checks this and the float64 reference).
  *
  * Per strip of 8 columns (a panel: the last one's missing columns read its last column again, outputs dropped), per
- * group g: the 8 columns' values (int_dot.c's id_values) and factors, then per row i (R <= ID_ROWS_MAX, a constant
- * after inlining) 8 products of 8 int32 quad sums each, the tree, and the panel path's fp32 update. Overflow bounds
- * (|q| <= 127 for x): vpmaddubsw pairs of u8 w x s8 q are <= 2*255*127 for no type here (Q8_0 takes |w| <= 128 with
- * the sign moved onto x: 32512; the nibble types 3810; Q6_K 16002), so they never saturate; the 4- and 6-bit types
- * also add pairs to quads in int16 (<= 7620, Q6_K 32004 < 32767) before widening, Q8_0 widens first.
+ * group g: the 8 columns' values (int_dot.c's id_values) and factors (id_strip_factors: the same values as
+ * id_factors, read 8 blocks at once or once per K-quant super-block), then per row i (R <= ID_ROWS_MAX, a constant
+ * after inlining) 8 products of 32 bytes, the tree, and the panel path's fp32 update. Overflow bounds (|q| <= 127
+ * for x): vpmaddubsw's pairs of u8 w x s8 q never saturate (Q8_0 takes |w| <= 128 with the sign moved onto x:
+ * <= 32512; the nibble types 3810; Q6_K 16002); the 4- and 6-bit types add two pairs in int16 before widening
+ * (<= 7620, Q6_K 32004 < 32767), Q8_0 widens first.
  *
  * Kernels, one code path instantiated per ISA: AVX2 (vpmaddubsw, Q8_0 by the sign trick), AVX-VNNI and AVX-512 VNNI
  * (256-bit vpdpbusd, VEX and EVEX encodings; Q8_0 offset to u8, S starting at -128 s as in the panel path).
- * Included by int_dot.c after its panel kernels; range256 / range512 call id_rows_range for M <= ID_ROWS_MAX.
+ * Included by int_dot.c after its panel kernels; its id_range calls id_rows_range for M <= int_dot_row_path's rows.
  */
 
 #define ID_ROWS_MAX 4 /* steps of up to this many rows take the row path */
@@ -69,7 +71,9 @@ ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factor
             _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) k4_scale_min(blk + 4, s, &a[s][c], &b[s][c]);
         } else {
             d[c] = f16_at(blk + 208);
-            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) a[s][c] = (int8_t)blk[192 + 2 * s], b[s][c] = (int8_t)blk[193 + 2 * s];
+            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+                a[s][c] = (int8_t)blk[192 + 2 * s], b[s][c] = (int8_t)blk[193 + 2 * s];
+            }
         }
     }
     const __m256 dv = _mm256_loadu_ps(d), dmv = _mm256_loadu_ps(dm), sign = _mm256_set1_ps(-0.0f);
