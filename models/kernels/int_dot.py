@@ -38,6 +38,7 @@ FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # the GGUF 
 ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32
+ROW_PATH_ROWS = 4  # steps of 1 to this many rows take int_rows.c's row path (int_dot_row_path; the rest: panels)
 
 # ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight type and kind of ISA (None:
 # never), chosen by measurement (docs/integer-dot.md, "The default"). AUTO_ROWS is what runs (the tests pin it to
