@@ -39,25 +39,16 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_dtype
+from .attention import lean_attention, mixed_attention
 from .gguf.names import LLAMA_BLOCK, LLAMA_TOP
 from .kernels import decode_ops, step_abi
 from .kernels.decode_step import StepPlan, layer_spec
 from .kernels.quant_gemm import QuantWeight
-from .layers import (
-    Linear,
-    MixedBatch,
-    MixedForward,
-    embed_rows,
-    embedding_table,
-    fp32_state_dict,
-    lean_attention,
-    linear_factory,
-    mixed_attention,
-    packed_blocks,
-    release_file_pages,
-)
+from .layers import Linear, MixedForward, embed_rows, embedding_table, linear_factory
+from .mixed_batch import MixedBatch
 from .quant import cat_rows
 from .rope import apply_rope, per_layer_type, rope_tables, rotary_dims
+from .state_dict import fp32_state_dict, packed_blocks, release_file_pages
 
 log = logging.getLogger("minibatch.decoder")
 

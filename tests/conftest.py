@@ -64,6 +64,13 @@ def run(coro):
 TIMEOUT = 20.0  # seconds any single async test may take
 
 
+def randn(seed: int, *shape: int, scale: float = 1.0):
+    """Standard normal float32 logits [*shape] from a fixed seed (numpy)."""
+    import numpy as np
+
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
 def fake_text(prompt: str, n: int) -> str:
     """FakeEngine's default answer to ``prompt`` after ``n`` tokens, computed independently of its
     letter_token: the n-th letter is chosen by the prompt's byte sum and n."""
