@@ -161,6 +161,7 @@ def _quant_pass(quant_gemm, xs: dict, linears: list) -> None:
 
 MATVEC_SHAPES = ((8192, 2048), (2048, 8192))  # [out, in]: a 1B model's up/gate and down projections
 MATVEC_PATHS = ("fp32", "int8_panel", "int8_rows")  # quant_gemm.c; int_dot.c's panel path; its row path (int_rows.c)
+COLD_BYTES = 256 * 2**20  # weight copies per matrix: at least this many bytes, far past any last-level cache
 
 
 def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
@@ -184,8 +185,8 @@ def matvec_rates(
 ) -> list[dict]:
     """GB/s of weight streamed by one decode matvec (x [rows, in] @ W^T, W random valid GGUF blocks of each type),
     per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
-    row path), on ``threads`` threads. The paths alternate round by round (a noisy minute hits each alike);
-    the best round counts."""
+    row path), on ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round
+    (a noisy minute hits each alike); the best call counts."""
     import numpy as np
     import torch
 
@@ -208,14 +209,17 @@ def matvec_rates(
             for n, k in shapes:
                 t = TYPES[fmt]
                 raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(0), 0.01).reshape(n, -1)
-                w = quant_gemm.from_blocks(fmt, raw, k)
+                # copies past the last-level cache, taken in turn: each call streams its weight from memory, as a
+                # decode step does (one matrix alone, called again, would be read from a 32 MiB L3)
+                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-COLD_BYTES // raw.nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                     best = dict.fromkeys(MATVEC_PATHS, float("inf"))
                     for _ in range(rounds):
                         for path in MATVEC_PATHS:
-                            calls[path](x, w)  # the row-path switch, and a warm cache of x
-                            best[path] = min(best[path], _timed(functools.partial(calls[path], x, w)))
+                            calls[path](x, ws[-1])  # the row-path switch
+                            for w in ws[:-1]:
+                                best[path] = min(best[path], _timed(functools.partial(calls[path], x, w)))
                     row = {"type": fmt, "shape": f"{n}x{k}", "rows": m, "threads": threads}
                     row.update({f"{path}_gb_s": raw.nbytes / best[path] / 1e9 for path in MATVEC_PATHS})
                     out.append(row)
