@@ -12,6 +12,7 @@ modules when a model loads.
     decoder.py     the RoPE decoder every other family is: one block over shared pieces (norm kinds, q/k norms, RoPE
                    kinds, attention with window and soft-cap, gated MLP kinds, mixture of experts), configured per
                    family by a ``DecoderSpec``, its HF weight names and its GGUF names
+    decoder_spec.py the family as data: ``DecoderSpec`` read from the HF config, ``Names``, ``GGUFNames``
     rope.py        RoPE tables (plain, HF's fixed scalings, partial rotary, per layer type) and their application
     llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, gemma.py, phi3.py, olmo2.py, granite.py, mixtral.py,
     olmoe.py       one family each: its spec from the HF config, its weight names (docs/families.md: adding one)

@@ -9,7 +9,8 @@ tokens match HF's ``generate(do_sample=False)`` (the parity tests guard this).
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, base_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, base_spec
 
 
 class Llama(Decoder):

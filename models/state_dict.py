@@ -72,7 +72,11 @@ def release_file_pages(tensors) -> int:
     ]
     if not spans or not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/smaps"):
         return 0
-    clean = _clean_file_mappings()
+    files = _file_mappings("/proc/self/maps", lambda _: True)  # cheap: smaps walks every page of every mapping
+    spans = [(lo, hi) for lo, hi in spans if any(start <= lo and hi <= end for start, end in files)]
+    if not spans:  # copies (a GGUF's tensors are): nothing of a file to release
+        return 0
+    clean = _file_mappings("/proc/self/smaps", lambda fields: fields.get("Anonymous:") == 0)
     released = 0
     for lo, hi in spans:
         if not any(start <= lo and hi <= end for start, end in clean):
@@ -86,21 +90,31 @@ def release_file_pages(tensors) -> int:
 _SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")  # range perms offset dev inode path
 
 
-def _clean_file_mappings() -> list[tuple[int, int]]:
-    """[start, end) of this process's mappings of regular files with no privately modified page (``Anonymous`` 0;
-    not ``Private_Dirty``, which also counts clean file pages mapped as huge pages)."""
-    out, current = [], None
-    with open("/proc/self/smaps") as f:
+def _file_mappings(listing: str, keep) -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of regular files in ``listing`` (/proc/self/maps, or smaps with each
+    mapping's fields) for which ``keep({field: kB})`` holds. Of smaps, the clean ones are those with no privately
+    modified page (``Anonymous`` 0; not ``Private_Dirty``, which also counts clean file pages mapped as huge
+    pages)."""
+    out, current, fields = [], None, {}
+
+    def close() -> None:
+        if current is not None and keep(fields):
+            out.append(current)
+
+    with open(listing) as f:
         for line in f:
             header = _SMAPS_HEADER.match(line)
             if header:
+                close()
                 path = header.group(3).strip()
                 file_backed = path.startswith("/") and not path.endswith("(deleted)")
                 current = (int(header.group(1), 16), int(header.group(2), 16)) if file_backed else None
-            elif current is not None and line.startswith("Anonymous:"):
-                if int(line.split()[1]) == 0:
-                    out.append(current)
-                current = None
+                fields = {}
+            elif current is not None:
+                name, *value = line.split()
+                if name.endswith(":") and value and value[0].isdigit():
+                    fields[name] = int(value[0])
+    close()
     return out
 
 
