@@ -42,7 +42,7 @@ ROW_PATH_ROWS = 4  # steps of 1 to this many rows take int_rows.c's row path (in
 
 # ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight type and kind of ISA (None:
 # never), chosen by measurement (docs/integer-dot.md, "The default"). AUTO_ROWS is what runs (the tests pin it to
-# None: conftest._exact_activations). AVX2: every step (the row path is 1.5-3.5x quant_gemm at 1-4 rows on a Zen 3);
+# None: conftest._exact_activations). AVX2: every step (the row path is 1.3-3.3x quant_gemm at 1-4 rows on a Zen 3);
 # VNNI: from 8 rows, as measured before the row path (its VNNI forms are not measured yet).
 MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
     "vnni": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
