@@ -10,6 +10,8 @@ bias and residual; and the results do not depend on the ISA, the batch or the th
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,14 @@ from models.gguf.blocks import TYPES as GGUF_TYPES
 from models.gguf.blocks import _k4_nibbles, k4_scale_min, random_blocks
 from models.kernels import build, int_dot, quant_gemm
 
-pytestmark = pytest.mark.skipif(int_dot.load() is None, reason=f"int_dot kernel: {int_dot.KERNEL.unavailable_reason}")
+from conftest import need_kernel
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    """Every test needs the kernel: skipped where it cannot build, failed instead under REQUIRE_KERNELS=1."""
+    need_kernel(int_dot, "integer-dot")
+
 
 FLAGS = build.cpu_flags() or set()
 CPU_ISAS = ["avx2"]
@@ -171,6 +180,46 @@ def test_results_do_not_depend_on_isa_batch_or_threads(fmt):
     first = next(iter(outs.values()))
     for key, out in outs.items():
         assert torch.equal(out, first), key
+
+
+ROW_SHAPES = [(32, 1), (64, 7), (96, 9), (160, 17), (224, 33)]  # K (whole 32-blocks), N: ragged against the 8-strips
+SUPER_ROW_SHAPES = [(256, 1), (512, 9), (768, 23)]  # K in 256-blocks
+
+
+@contextlib.contextmanager
+def row_path(rows: int):
+    """Steps of up to ``rows`` rows take int_rows.c's row path (0: none, the panel path takes every step)."""
+    lib = int_dot.load()
+    before = lib.int_dot_row_path(rows)
+    try:
+        yield
+    finally:
+        lib.int_dot_row_path(before)
+
+
+def test_row_path_is_on_for_1_to_4_rows():
+    assert int_dot.load().int_dot_row_path(-1) == int_dot.ROW_PATH_ROWS == 4
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_row_path_matches_the_float64_reference_and_the_panel_path(isa, fmt):
+    """int_rows.c at 1-4 rows, 1-3 threads, ragged N (strips of 8 cut short), bias and residual: within the fp32
+    bound of the float64 reference, and bit for bit the panel path's output at the same rows."""
+    shapes = SUPER_ROW_SHAPES if GGUF_TYPES[fmt].block == 256 else ROW_SHAPES
+    for i, (k, n) in enumerate(shapes):
+        w, q, d, m = random_weight(fmt, n, k, seed=40 + i)
+        for rows in (1, 2, 3, 4):
+            gen = torch.Generator().manual_seed(100 * i + rows)
+            x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+            bias = torch.randn(n, generator=gen) if (i + rows) % 2 else None
+            residual = torch.randn(rows, n, generator=gen) if (i + rows) % 3 == 0 else None
+            y, scale = reference(x, q, d, m, bias, residual)
+            with row_path(0):
+                panel = int_dot.gemm(x, w, bias, residual, threads=2)
+            for threads in (1, 2, 3):
+                out = int_dot.gemm(x, w, bias, residual, threads=threads)
+                check(out, y, scale)
+                assert torch.equal(out, panel), (k, n, rows, threads)
 
 
 def test_close_to_the_exact_fp32_path():

@@ -600,12 +600,25 @@ static void range256(int isa, int f, const QRows *x, const uint8_t *W, const flo
     }
 }
 
+#include "int_rows.c" /* the row path: 1 to ID_ROWS_MAX rows */
+
 /* ---------------- entry points ---------------- */
+
+static int id_row_max = ID_ROWS_MAX; /* steps of up to this many rows take the row path (int_dot_row_path) */
+
+/* want < 0: report; else steps of up to min(want, ID_ROWS_MAX) rows take the row path (0: none; tests and
+ * benchmarks compare it with the panel path this way). Returns the old value. */
+int int_dot_row_path(int want) {
+    if (want < 0) return __atomic_load_n(&id_row_max, __ATOMIC_RELAXED);
+    return __atomic_exchange_n(&id_row_max, want < ID_ROWS_MAX ? want : ID_ROWS_MAX, __ATOMIC_RELAXED);
+}
 
 static void id_range(const QRows *x, int f, const uint8_t *W, const float *bias, const float *R, int ldr, float *Y,
                      int ldy, int M, int N, int p0, int p1) {
     const int isa = __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
-    if (isa == ISA_AVX512VNNI) range512(f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    if (M <= __atomic_load_n(&id_row_max, __ATOMIC_RELAXED))
+        id_rows_range(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1); /* 1 to 4 rows: int_rows.c */
+    else if (isa == ISA_AVX512VNNI) range512(f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     else range256(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
 }
 

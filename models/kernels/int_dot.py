@@ -38,13 +38,15 @@ FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # the GGUF 
 ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32
+ROW_PATH_ROWS = 4  # steps of 1 to this many rows take int_rows.c's row path (int_dot_row_path; the rest: panels)
 
 # ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight type and kind of ISA (None:
 # never), chosen by measurement (docs/integer-dot.md, "The default"). AUTO_ROWS is what runs (the tests pin it to
-# None: conftest._exact_activations).
+# None: conftest._exact_activations). AVX2: every step (the row path is 1.3-3.3x quant_gemm at 1-4 rows on a Zen 3);
+# VNNI: from 8 rows, as measured before the row path (its VNNI forms are not measured yet).
 MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
     "vnni": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
-    "avx2": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
+    "avx2": {"Q8_0": 1, "Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q6_K": 1},
 }
 AUTO_ROWS = {kind: dict(rows) for kind, rows in MEASURED_AUTO_ROWS.items()}
 
@@ -60,6 +62,8 @@ def _load() -> ctypes.CDLL:
     lib.int_dot_gemm.argtypes = [_I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
     lib.int_dot_quantize.restype = None
     lib.int_dot_quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    lib.int_dot_row_path.restype = _I
+    lib.int_dot_row_path.argtypes = [_I]
     return register(with_isa(lib))
 
 
@@ -128,7 +132,7 @@ def describe(choice: str | None = None) -> str:
     parts = []
     for fmt in FORMATS:
         rows = rows_for(choice, fmt, isa())
-        parts.append(f"{fmt}: " + ("fp32 activations" if rows is None else f"int8 activations from {rows} rows"))
+        parts.append(f"{fmt}: " + ("fp32 activations" if rows is None else f"int8 activations from {rows} row(s)"))
     return f"ACTIVATIONS={choice} ({'; '.join(parts)}; {isa()})"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import statistics
 import time
 
@@ -154,3 +155,115 @@ def _quant_pass(quant_gemm, xs: dict, linears: list) -> None:
     """Every linear once on its input width's activation (xs: in_features -> [M, in])."""
     for lin in linears:
         quant_gemm.matmul(xs[lin.in_features], lin.quant)
+
+
+# --- per-type decode matvec rates (``python -m scripts.bench.roofline``) ---------------------------------------
+
+MATVEC_SHAPES = ((8192, 2048), (2048, 8192))  # [out, in]: a 1B model's up/gate and down projections
+MATVEC_PATHS = ("fp32", "int8_panel", "int8_rows")  # quant_gemm.c; int_dot.c's panel path; its row path (int_rows.c)
+COLD_BYTES = 256 * 2**20  # weight copies per matrix: at least this many bytes, far past any last-level cache
+
+
+def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """GB/s this machine reads with ``threads`` threads: a sum over ``mib`` MiB of fp32 (no writes, far past the
+    caches), best of ``repeats``."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(mib * 2**20 // 4)  # torch sums fp32 with vector loads (its int32 sum is scalar, slow)
+        data.sum()
+        best = min(_timed(data.sum) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(saved)
+    return data.numel() * 4 / best / 1e9
+
+
+def matvec_rates(
+    types: tuple[str, ...], rows: tuple[int, ...], threads: int, shapes=MATVEC_SHAPES, rounds: int = 7
+) -> list[dict]:
+    """GB/s of weight streamed by one decode matvec (x [rows, in] @ W^T, W random valid GGUF blocks of each type),
+    per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
+    row path), on ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round
+    (a noisy minute hits each alike); the best call counts."""
+    import numpy as np
+    import torch
+
+    from models.gguf.blocks import TYPES, random_blocks
+    from models.kernels import int_dot, quant_gemm
+
+    lib = int_dot.load()
+    if lib is None or quant_gemm.load() is None:
+        raise RuntimeError("the quantized kernels are unavailable here")
+    saved = torch.get_num_threads(), lib.int_dot_row_path(-1)
+    torch.set_num_threads(threads)
+    calls = {
+        "fp32": lambda x, w: quant_gemm.matmul(x, w),
+        "int8_panel": lambda x, w: (lib.int_dot_row_path(0), int_dot.gemm(x, w, threads=threads)),
+        "int8_rows": lambda x, w: (lib.int_dot_row_path(saved[1]), int_dot.gemm(x, w, threads=threads)),
+    }
+    out = []
+    try:
+        for fmt in types:
+            for n, k in shapes:
+                t = TYPES[fmt]
+                raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(0), 0.01).reshape(n, -1)
+                # copies past the last-level cache, taken in turn: each call streams its weight from memory, as a
+                # decode step does (one matrix alone, called again, would be read from a 32 MiB L3)
+                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-COLD_BYTES // raw.nbytes))]
+                for m in rows:
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    best = dict.fromkeys(MATVEC_PATHS, float("inf"))
+                    for _ in range(rounds):
+                        for path in MATVEC_PATHS:
+                            calls[path](x, ws[-1])  # the row-path switch
+                            for w in ws[:-1]:
+                                best[path] = min(best[path], _timed(functools.partial(calls[path], x, w)))
+                    row = {"type": fmt, "shape": f"{n}x{k}", "rows": m, "threads": threads}
+                    row.update({f"{path}_gb_s": raw.nbytes / best[path] / 1e9 for path in MATVEC_PATHS})
+                    out.append(row)
+    finally:
+        torch.set_num_threads(saved[0])
+        lib.int_dot_row_path(saved[1])
+    return out
+
+
+def _machine() -> str:
+    from models.kernels import build
+
+    name = build.cpuinfo().get("model name", "unknown CPU")
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    return f"{name}, {os.cpu_count()} CPUs, load average {load}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    from models.kernels import int_dot
+
+    p = argparse.ArgumentParser(description="Read bandwidth and per-type decode matvec GB/s (fp32 vs int8 paths).")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,2,4", help="activation rows per call, comma-separated")
+    p.add_argument("--types", default=",".join(int_dot.FORMATS), help="GGUF types, comma-separated")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    read = read_bandwidth(args.threads)
+    rates = matvec_rates(
+        tuple(args.types.split(",")), tuple(int(r) for r in args.rows.split(",")), args.threads, rounds=args.rounds
+    )
+    print(f"# {_machine()}; int_dot ISA {int_dot.isa()}; {args.threads} threads; read bandwidth {read:.1f} GB/s")
+    print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>11}" for p in MATVEC_PATHS) + "  rows/fp32")
+    for r in rates:
+        gbs = " ".join(f"{r[f'{p}_gb_s']:>11.1f}" for p in MATVEC_PATHS)
+        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {r['int8_rows_gb_s'] / r['fp32_gb_s']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": _machine(), "threads": args.threads, "read_gb_s": read, "rates": rates}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

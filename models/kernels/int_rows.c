@@ -1,0 +1,224 @@
+/* The row path of int_dot.c: steps of 1 to ID_ROWS_MAX activation rows (a decode step of a few sequences).
+ *
+ * Why: such a step streams every weight once and does little arithmetic per byte, so its floor is the memory
+ * bandwidth. The panel path (int_dot.c) first transposes each 32-weight group of 8 output columns into k-quads
+ * (24 shuffles a group), which pays off when 8 or more rows share them but is much of the work at 1 row. Here each
+ * column's group stays as it lies in the file: one register of 32 k-ordered bytes, multiplied with the activation
+ * row's 32 bytes (AVX2: vpmaddubsw, VNNI: vpdpbusd), and the 8 columns' products are summed across k by a tree
+ * (unpack and add: cheaper than vphadd on Zen 3) that leaves the 8 columns' integer sums in the 8 lanes of one
+ * register, the panel path's layout.
+ *
+ * Math: exactly int_dot.c's (the header there): per row, column and group the same exact integer S (Q6_K: its two
+ * sub-block sums S_a, S_b, which the tree gives apart before its last add) and the same fp32 operations in the same
+ * order, so the results are bit for bit the panel path's at any row count, thread count and ISA (tests/test_int_dot.py
+ * checks this and the float64 reference).
+ *
+ * Per strip of 8 columns (a panel: the last one's missing columns read its last column again, outputs dropped), per
+ * group g: the 8 columns' values (int_dot.c's id_values) and factors (id_strip_factors: the same values as
+ * id_factors, read 8 blocks at once or once per K-quant super-block), then per row i (R <= ID_ROWS_MAX, a constant
+ * after inlining) 8 products of 32 bytes, the tree, and the panel path's fp32 update. Overflow bounds (|q| <= 127
+ * for x): vpmaddubsw's pairs of u8 w x s8 q never saturate (Q8_0 takes |w| <= 128 with the sign moved onto x:
+ * <= 32512; the nibble types 3810; Q6_K 16002); the 4- and 6-bit types add two pairs in int16 before widening
+ * (<= 7620, Q6_K 32004 < 32767), Q8_0 widens first.
+ *
+ * Kernels, one code path instantiated per ISA: AVX2 (vpmaddubsw, Q8_0 by the sign trick), AVX-VNNI and AVX-512 VNNI
+ * (256-bit vpdpbusd, VEX and EVEX encodings; Q8_0 offset to u8, S starting at -128 s as in the panel path).
+ * Included by int_dot.c after its panel kernels; its id_range calls id_rows_range for M <= int_dot_row_path's rows.
+ */
+
+#define ID_ROWS_MAX 4 /* steps of up to this many rows take the row path */
+#ifndef ID_ROWS_PREFETCH
+#define ID_ROWS_PREFETCH 1024 /* bytes ahead of a column's current group to prefetch; 0: none (docs/integer-dot.md) */
+#endif
+
+/* Byte offset of group g in a row (a super-block's groups spread evenly over it: for prefetching only). */
+static inline size_t id_group_at(int f, int g) {
+    if (id_super(f)) return (size_t)(g >> 3) * id_block_bytes(f) + (size_t)(g & 7) * id_block_bytes(f) / 8;
+    return (size_t)g * id_block_bytes(f);
+}
+
+/* fp32 of the fp16 in the low (hi = 0) or high (hi = 1) half of each 32-bit lane. */
+ID_INLINE __m256 id_half_ps(__m256i words, int hi) {
+    const __m256i h = hi ? _mm256_srli_epi32(words, 16) : _mm256_and_si256(words, _mm256_set1_epi32(0xffff));
+    const __m256i p = _mm256_packus_epi32(h, _mm256_setzero_si256()); /* each lane's 4 halves in its low 8 bytes */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
+}
+
+/* The factors (int_dot.c's Factors8: d, m, Q6_K's sub-block scales) of a strip's 8 columns for group g and, for the
+ * K-quants, every group of g's super-block: k[j] for group g + j, j < id_span(f). The same values as id_factors:
+ * Q8_0 / Q4_0 / Q4_1 read the 8 blocks' first 4 bytes (d, Q4_1's m) at once; a K-quant's super-block header is read
+ * once for its 8 groups. */
+static inline int id_span(int f) { return id_super(f) ? 8 : 1; }
+
+ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factors8 *k) {
+    if (!id_super(f)) {
+        const size_t at = (size_t)g * id_block_bytes(f);
+        const __m256i words = _mm256_setr_epi32(
+            (int)u32_at(cols[0] + at), (int)u32_at(cols[1] + at), (int)u32_at(cols[2] + at), (int)u32_at(cols[3] + at),
+            (int)u32_at(cols[4] + at), (int)u32_at(cols[5] + at), (int)u32_at(cols[6] + at), (int)u32_at(cols[7] + at));
+        k->d = id_half_ps(words, 0);
+        k->m = f == IDF_Q4_1 ? id_half_ps(words, 1) : _mm256_setzero_ps();
+        k->sca = k->scb = _mm256_setzero_si256();
+        return;
+    }
+    const size_t at = (size_t)(g >> 3) * id_block_bytes(f);
+    float d[8], dm[8];
+    int32_t a[8][8], b[8][8]; /* [group of the super-block][column]: Q4_K sc, m; Q6_K its two sub-block scales */
+    for (int c = 0; c < 8; c++) {
+        const uint8_t *blk = cols[c] + at;
+        if (f == IDF_Q4_K) {
+            d[c] = f16_at(blk), dm[c] = f16_at(blk + 2);
+            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) k4_scale_min(blk + 4, s, &a[s][c], &b[s][c]);
+        } else {
+            d[c] = f16_at(blk + 208);
+            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+                a[s][c] = (int8_t)blk[192 + 2 * s], b[s][c] = (int8_t)blk[193 + 2 * s];
+            }
+        }
+    }
+    const __m256 dv = _mm256_loadu_ps(d), dmv = _mm256_loadu_ps(dm), sign = _mm256_set1_ps(-0.0f);
+    for (int s = 0; s < 8; s++) {
+        const __m256i sa = _mm256_loadu_si256((const __m256i *)a[s]), sb = _mm256_loadu_si256((const __m256i *)b[s]);
+        if (f == IDF_Q4_K) { /* d sc and -(dmin m), each one fp32 product as in id_factors */
+            k[s].d = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sa));
+            k[s].m = _mm256_xor_ps(_mm256_mul_ps(dmv, _mm256_cvtepi32_ps(sb)), sign);
+            k[s].sca = k[s].scb = _mm256_setzero_si256();
+        } else {
+            k[s].d = dv, k[s].m = _mm256_setzero_ps(), k[s].sca = sa, k[s].scb = sb;
+        }
+    }
+}
+
+/* One column-group's 8 int32 quad sums: 4 k each, k-ordered. AVX2: vpmaddubsw to pairs then vpmaddwd; VNNI: one
+ * vpdpbusd. */
+ID_INLINE __m256i quads_avx2(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+ID_VNNI ID_INLINE __m256i quads_vnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+}
+ID_512 ID_INLINE __m256i quads_512(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+
+/* A column pair's products -> [a, b, a, b | a, b, a, b]: lane 2 e + 0 / 1 a part of column a's / b's sum, the low
+ * 128 bits over k 0-15, the high over k 16-31. From int32 quad sums (VNNI, AVX2's Q8_0): */
+ID_INLINE __m256i pair32(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+/* ... and from vpmaddubsw's int16 pair sums (the 4- and 6-bit types): pairs to quads in int16 (each 32-bit lane
+ * two of one column's), then widened. */
+ID_INLINE __m256i pair16(__m256i a, __m256i b) {
+    const __m256i q = _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    return _mm256_madd_epi16(q, _mm256_set1_epi16(1));
+}
+
+/* The tree's last levels: four column pairs (t[j]: columns 2 j, 2 j + 1, as pair32 / pair16 leave them) -> lo = the
+ * 8 columns' sums over k 0-15, hi = over k 16-31, column c in lane c. */
+ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
+    const __m256i u0 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+    const __m256i u1 = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2], t[3]), _mm256_unpackhi_epi64(t[2], t[3]));
+    *lo = _mm256_permute2x128_si256(u0, u1, 0x20); /* columns 0-3 | 4-7 */
+    *hi = _mm256_permute2x128_si256(u0, u1, 0x31);
+}
+
+/* A strip's group: R rows x 8 columns (cols[c]: column c's row of blocks), acc[i] += the group's contribution to
+ * row i (int_dot.c's ROWS256 update, the same operations in the same order). DOT: quads_*; VNNI: 1 for vpdpbusd
+ * (Q8_0 offset to u8), 0 for vpmaddubsw (Q8_0 by the sign trick, the other types' pairs added in int16). */
+#define ROWSTRIP(NAME, ATTR, DOT, VNNI)                                                                          \
+    ATTR ID_INLINE void NAME(int f, const QRows *x, int R, const uint8_t *const *cols, int g, const Factors8 *kp,  \
+                             __m256 *acc) {     \
+        __m256i w[8], sgn[8];                                                                                    \
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                    \
+            if (ID_ROWS_PREFETCH)                                                                                \
+                _mm_prefetch((const char *)cols[c] + id_group_at(f, g) + ID_ROWS_PREFETCH, _MM_HINT_T0);         \
+            w[c] = id_values(f, cols[c], g);                                                                     \
+            if (f == IDF_Q8_0 && VNNI) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80));              \
+            if (f == IDF_Q8_0 && !VNNI) sgn[c] = w[c], w[c] = _mm256_abs_epi8(w[c]);                             \
+        }                                                                                                        \
+        const Factors8 k = *kp;                                                                                  \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                    \
+            const size_t at = (size_t)i * x->G + g;                                                              \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(x->q + at * ID_GROUP));                      \
+            __m256i h[4], lo, hi;                                                                                \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                \
+                const __m256i *wj = w + 2 * j;                                                                   \
+                if (VNNI) {                                                                                      \
+                    h[j] = pair32(DOT(wj[0], xv), DOT(wj[1], xv));                                               \
+                } else if (f == IDF_Q8_0) {                                                                      \
+                    h[j] = pair32(DOT(wj[0], _mm256_sign_epi8(xv, sgn[2 * j])),                                  \
+                                  DOT(wj[1], _mm256_sign_epi8(xv, sgn[2 * j + 1])));                             \
+                } else {                                                                                         \
+                    h[j] = pair16(_mm256_maddubs_epi16(wj[0], xv), _mm256_maddubs_epi16(wj[1], xv));              \
+                }                                                                                                \
+            }                                                                                                    \
+            id_tree(h, &lo, &hi);                                                                                \
+            __m256i Si;                                                                                          \
+            if (f == IDF_Q6_K) {                                                                                 \
+                const int32_t sa = x->s16[at], sb = x->s[at] - sa;                                               \
+                Si = _mm256_add_epi32(_mm256_mullo_epi32(k.sca, _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * sa))), \
+                                      _mm256_mullo_epi32(k.scb, _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * sb)))); \
+            } else {                                                                                             \
+                Si = _mm256_add_epi32(_mm256_add_epi32(lo, hi), _mm256_set1_epi32(id_start(f, VNNI, x->s[at])));  \
+            }                                                                                                    \
+            const __m256 S = _mm256_cvtepi32_ps(Si);                                                             \
+            __m256 y = acc[i];                                                                                   \
+            if (id_has_min(f)) y = _mm256_fmadd_ps(k.m, _mm256_set1_ps(x->sd[at]), y);                           \
+            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(k.d, _mm256_set1_ps(x->d[at])), y);                        \
+        }                                                                                                        \
+    }
+
+/* Strips [p0, p1) of Y = X W^T (+ bias) (+ R) for M <= ID_ROWS_MAX rows, per ISA. */
+#define ROWRANGE(NAME, ATTR, STRIP)                                                                              \
+    ATTR ID_INLINE void NAME##_strip(int f, const QRows *x, int R, const uint8_t *const *cols, __m256 *acc) {     \
+        for (int g = 0; g < x->G; g += id_span(f)) {                                                             \
+            Factors8 k[8];                                                                                       \
+            id_strip_factors(f, cols, g, k);                                                                     \
+            for (int j = 0; j < id_span(f); j++) STRIP(f, x, R, cols, g + j, &k[j], acc);                        \
+        }                                                                                                        \
+    }                                                                                                            \
+    ATTR static void NAME(int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,  \
+                          float *Y, int ldy, int M, int N, int p0, int p1) {                                     \
+        const size_t row_bytes = id_row_bytes(f, x->G);                                                          \
+        for (int p = p0; p < p1; p++) {                                                                          \
+            const int n0 = p * ID_PANEL, cols = N - n0 < ID_PANEL ? N - n0 : ID_PANEL;                           \
+            const uint8_t *rows[ID_PANEL];                                                                       \
+            id_panel_rows(W, row_bytes, N, p, rows);                                                             \
+            __m256 acc[ID_ROWS_MAX];                                                                             \
+            for (int i = 0; i < ID_ROWS_MAX; i++) acc[i] = _mm256_setzero_ps();                                  \
+            switch (f * ID_ROWS_MAX + M - 1) { /* the type and the row count, constants in each kernel */       \
+                ROWCASES(NAME, IDF_Q8_0)                                                                         \
+                ROWCASES(NAME, IDF_Q4_0)                                                                         \
+                ROWCASES(NAME, IDF_Q4_1)                                                                         \
+                ROWCASES(NAME, IDF_Q4_K)                                                                         \
+                ROWCASES(NAME, IDF_Q6_K)                                                                         \
+            }                                                                                                    \
+            float tmp[8];                                                                                        \
+            for (int i = 0; i < M; i++) {                                                                        \
+                _mm256_storeu_ps(tmp, acc[i]);                                                                   \
+                const float *b = bias ? bias + n0 : NULL, *r = Rr ? Rr + (size_t)i * ldr + n0 : NULL;            \
+                id_store(tmp, b, r, Y + (size_t)i * ldy + n0, cols);                                             \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+#define ROWCASE(NAME, F, R)                                                                                      \
+    case F * ID_ROWS_MAX + R - 1: NAME##_strip(F, x, R, rows, acc); break;
+#define ROWCASES(NAME, F) ROWCASE(NAME, F, 1) ROWCASE(NAME, F, 2) ROWCASE(NAME, F, 3) ROWCASE(NAME, F, 4)
+
+ROWSTRIP(strip_avx2, , quads_avx2, 0)
+ROWSTRIP(strip_vnni, ID_VNNI, quads_vnni, 1)
+ROWSTRIP(strip_512, ID_512, quads_512, 1)
+ROWRANGE(id_rows_avx2, , strip_avx2)
+ROWRANGE(id_rows_vnni, ID_VNNI, strip_vnni)
+ROWRANGE(id_rows_512, ID_512, strip_512)
+#undef ROWSTRIP
+#undef ROWRANGE
+#undef ROWCASE
+#undef ROWCASES
+
+/* Panels [p0, p1) of M <= ID_ROWS_MAX rows on the ISA in use. */
+static void id_rows_range(int isa, int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr,
+                          int ldr, float *Y, int ldy, int M, int N, int p0, int p1) {
+    if (isa == ISA_AVX512VNNI) id_rows_512(f, x, W, bias, Rr, ldr, Y, ldy, M, N, p0, p1);
+    else if (isa == ISA_AVXVNNI) id_rows_vnni(f, x, W, bias, Rr, ldr, Y, ldy, M, N, p0, p1);
+    else id_rows_avx2(f, x, W, bias, Rr, ldr, Y, ldy, M, N, p0, p1);
+}
