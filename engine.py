@@ -11,8 +11,10 @@ Threading (``scheduler.py`` runs it so):
 - event loop: planning (``planner.schedule`` / ``plan``), applying outputs (``planner.update_from_output``),
   aborts, ``check_admissible``, ``stats``, the prefix-cache reset: everything that reads or writes the books.
 - the engine's one worker thread (``scheduler.engine_thread``): building the engine, ``execute`` (the forward,
-  grammar masks, sampling, block copies) and ``reset_state``. While it executes a plan the loop leaves the books
-  and the plan's sequences alone: aborts wait for the step boundary.
+  grammar masks, sampling, block copies), ``reset_state``, and what ``Scheduler.call_engine`` hands it between two
+  steps (LoRA adapters into and out of their slots). While it executes a plan the loop leaves the plan's sequences
+  and their blocks alone: aborts wait for the step boundary; the prefix-cache reset drops only blocks no sequence
+  holds, and stats only read.
 - the tokenizer pool (``api/serving.py``): ``encode``, ``decode``, ``apply_chat_template``.
 
 ``run_step`` (and ``admit``, ``step``, ``admit_and_step`` on it) plans, executes and applies in one synchronous

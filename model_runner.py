@@ -3,7 +3,7 @@
 A ``ModelRunner`` holds a model's weights and its KV block pool and runs one step: decode rows and prompt chunks
 in, logits rows out (and, for prompts being embedded, their final hidden states), every row's K/V written into the
 blocks its table names. The planner decides which rows and
-which blocks (``core/planner.py``); the engine (``models.runtime.ModelEngine``) feeds the runner a plan's rows and
+which blocks (``core/planner.py``); the engine (``models.model_engine.ModelEngine``) feeds the runner a plan's rows and
 samples its logits. Two runtimes implement it:
 
 - ``models.native.NativeModel``: a memory-mapped model image stepped by the compiled whole-step kernel

@@ -21,23 +21,12 @@ prefill, and the KV blocks each holds (``core.block_manager.BlockManager``). Eac
    prefix cache, forked choices complete, finished sequences leave. This is where sequences change status
    (RUNNING at admission, WAITING when preempted, FINISHED_* through ``Sequence.append_token`` / ``finish``).
 
-Prefix caching: every full block a sequence has computed is registered under its chain hash after the forward
-that wrote it, and stays cached when the sequence ends, until the pool needs the block; a newcomer shares the
-longest cached prefix of its tokens in whole blocks (short of the block holding its last token, whose logits it
-needs). A sequence that still needs its prompt logprobs skips the lookup: cached blocks have no logits.
-
-Parallel sampling (``Sequence.group``): a choice admitted while another choice of its group computes the same
-prompt takes no prompt of its own. It shares every block of that parent (``BlockManager.fork``), waits while the
-parent prefills, and when the parent's last chunk is computed it gets a copy of the parent's partial block (the
-plan's ``copies``), the parent's prompt logprobs, and its first token sampled from the parent's logits row. A
-parent that leaves before its prompt is complete hands its place to its first child (``_hand_over``).
-
-Speculative decoding (``core/speculative.py``): after the newcomers are placed and the chunks planned, each decode
-row may get draft tokens from its proposer (``_propose``), as many as its measured acceptance makes worth it, within
-what the token budget has left and from plain free blocks only (a lookahead never evicts a cached block or preempts
-anyone); the plan's ``drafts`` carry them. When the output is applied, each row takes the run it verified and the
-slots of the drafts it rejected are rolled back (``_roll_back_lookahead``), so between steps no sequence holds a
-lookahead and the books are what they would be without drafts.
+Its parts, each a base class of ``Planner`` over the same books: the prefix cache (``core/planner_prefix.py``:
+chain hashes, lookups, waiting for a block being computed), newcomers' blocks and the forks of ``n`` > 1 choices
+(``core/planner_forks.py``: a choice shares its parent's prefill; a parent that leaves hands its place to its
+first child, ``_hand_over``), and speculative drafts (``core/planner_drafts.py``: ``_propose`` reserves lookahead
+slots from plain free blocks only, ``_roll_back_lookahead`` gives back the rejected ones, so between steps the
+books are what they would be without drafts).
 """
 
 from __future__ import annotations
@@ -47,16 +36,19 @@ import logging
 import time
 from collections.abc import Iterable
 
-from core.block_manager import BlockManager, extend_block_hashes, lora_seed
+from core.block_manager import BlockManager
 from core.fair_queue import FairQueue
+from core.planner_drafts import DraftBooks
+from core.planner_forks import ForkBooks
+from core.planner_prefix import PrefixBooks
 from core.sequence import Sequence, SequenceStatus
-from core.speculative import NgramProposer, SpecParams, SpecStats, cut_drafts, draft_state
+from core.speculative import NgramProposer, SpecParams, SpecStats, draft_state
 from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
 log = logging.getLogger("minibatch.engine")
 
 
-class Planner:
+class Planner(PrefixBooks, ForkBooks, DraftBooks):
     """The books of ``capacity`` rows over a pool of ``num_blocks`` KV blocks of ``block_size`` tokens (0: enough
     for every row at ``max_context``, so nothing is ever preempted), and the plan of each step."""
 
@@ -249,65 +241,6 @@ class Planner:
             start=start,
         )
 
-    # --- speculative decoding ------------------------------------------------------------------
-    def _propose(self, rows: list[Sequence], chunk_tokens: int) -> tuple[list[list[int]], list[int]]:
-        """Draft tokens for each decode row, and the lookahead slots reserved for an engine-run proposer to fill (a
-        draft model: ``EngineProposer``), each ``[]`` when no row has any; within the step's token budget left by
-        the decode rows and the ``chunk_tokens`` of prompt chunks (a prompt loading is never slowed by drafts),
-        with KV slots reserved for them (``BlockManager.append_lookahead``: plain free blocks only, so a draft
-        never evicts a cached block nor preempts anyone); none while ``spec_disable_batch_size`` rows or more
-        decode."""
-        if not rows or (self.spec_disable_batch_size and len(rows) >= self.spec_disable_batch_size):
-            return [], []
-        budget = self.max_context
-        if self.max_num_batched_tokens:
-            budget = self.max_num_batched_tokens - len(rows) - chunk_tokens
-        if self.spec_row_limit and len(rows) + chunk_tokens < self.spec_row_limit:
-            budget = min(budget, self.spec_row_limit - 1 - len(rows) - chunk_tokens)
-        drafts, slots = [], []
-        for proposer in self.proposers.values():  # a draft model's measured cost fades between its measurements
-            getattr(proposer, "decay", lambda: None)()
-        for seq in rows:
-            tokens, k = self._drafts_for(seq, budget, len(rows)) if budget > 0 else ([], 0)
-            k = self.blocks.append_lookahead(seq.seq_id, len(tokens) or k) if tokens or k else 0
-            budget -= k
-            drafts.append(tokens[:k])
-            slots.append(0 if tokens else k)
-        return drafts if any(drafts) or any(slots) else [], slots if any(slots) else []
-
-    def _drafts_for(self, seq: Sequence, budget: int, rows: int) -> tuple[list[int], int]:
-        """The proposer's drafts for ``seq`` in a step of ``rows`` decode rows, or for an engine-run proposer how
-        many it may propose ((tokens, 0) or ([], k)): as many as its measured acceptance makes worth verifying there
-        (``spec_adaptive``; else ``num_tokens``), never past its ``max_tokens`` (the run's last token is sampled,
-        not a draft), the context or ``budget``; cut after a stop token (the sequence ends there) and where its
-        grammar would reject them (``cut_drafts``)."""
-        params = seq.speculation or self.speculative
-        proposer = self.proposers.get(params.method) if params.enabled else None
-        if proposer is None:  # off, or a method this engine has no proposer for
-            return [], 0
-        k = params.num_tokens
-        if self.spec_adaptive:
-            k = draft_state(seq).length.length(k, rows, getattr(proposer, "cost", 0.0))
-        k = min(k, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
-        k = min(k, self.max_context - seq.num_tokens)
-        if k <= 0:
-            return [], 0
-        if getattr(proposer, "in_engine", False):
-            return [], k
-        return cut_drafts(seq, proposer.propose(seq, params, k)[:k]), 0
-
-    def _roll_back_lookahead(self, rows: list[Sequence], lookahead: list[int], runs: list | None = None) -> None:
-        """Give back the slots of the drafts no row keeps, last row first (the reverse of ``_propose``'s taking, so
-        the free list is restored exactly): a row that took tokens keeps slots for all but its newest (as after a
-        step without drafts), one that took none (failed, or ``runs`` None: the step did not run) its last token's.
-        ``lookahead[i]``: the slots row ``i`` reserved past its last token (``BatchPlan.lookahead``)."""
-        for i in reversed(range(len(lookahead))):
-            seq = rows[i]
-            if not lookahead[i] or seq.seq_id not in self.blocks:
-                continue
-            took = runs is not None and not isinstance(runs[i], RowFailure)
-            self.blocks.rollback(seq.seq_id, seq.num_tokens - 1 if took else seq.num_tokens)
-
     def _plan_chunks(self, n_decode: int) -> list[Chunk]:
         """A chunk per prefilling sequence, oldest first, within the budget left after the decode rows (and, when
         rows decode, within ``max_prefill_while_decoding``); every prompt whole when chunking is off."""
@@ -461,170 +394,6 @@ class Planner:
                 f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} are free"
             )
 
-    # --- placing newcomers, forks ----------------------------------------------------------------
-    def _place(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """KV blocks for each newcomer: a choice whose prompt another computes forks it, any other allocates all
-        its tokens, its cached prefix shared. Returns the ones that compute, with how many tokens were cached."""
-        computing, ids = [], {s.seq_id for s in self._prefilling}
-        for seq in seqs:
-            source = self._fork_source(seq, ids)
-            if source is None:
-                computing.append((seq, self._allocate(seq)))
-                ids.add(seq.seq_id)
-            else:
-                self._fork(seq, source)
-        return computing
-
-    @staticmethod
-    def _fork_source(seq: Sequence, computing: set[int]) -> Sequence | None:
-        """A choice of ``seq``'s group that computes the same prompt (its seq_id in ``computing``: prefilling, or
-        admitted before ``seq`` in this step), neither of them with output yet (a recomputed sequence never
-        forks) and with the prompt logprobs ``seq`` wants; None if there is none."""
-        if seq.group is None or seq.output_token_ids:
-            return None
-        for other in seq.group:
-            if (
-                other is not seq
-                and other.seq_id in computing
-                and not other.output_token_ids
-                and other.lora_id == seq.lora_id
-                and seq.prompt_logprobs_k in (None, other.prompt_logprobs_k)
-                and other.prompt_token_ids == seq.prompt_token_ids
-            ):
-                return other
-        return None
-
-    def _fork(self, child: Sequence, parent: Sequence) -> None:
-        """The child shares the parent's blocks (its own fresh partial block) and waits for its prompt."""
-        self.blocks.fork(parent.seq_id, child.seq_id)
-        self._forks.setdefault(parent.seq_id, []).append(child)
-        self._parent_of[child.seq_id] = parent
-        if child.num_cached_tokens is None:  # the prompt's cache hit is the parent's (usage reports it once)
-            child.num_cached_tokens = parent.num_cached_tokens
-
-    def _complete_forks(self, parents: list[Sequence]) -> list[Sequence]:
-        """After a forward computed the prompts of ``parents`` (and the engine copied their partial blocks): each
-        forked child takes the parent's prompt logprobs and stops waiting. Returns each parent followed by its
-        children: the order of their first tokens."""
-        order = [x for p in parents for x in (p, *self._forks.get(p.seq_id, ()))]
-        for parent in parents:
-            for child in self._forks.pop(parent.seq_id, ()):
-                del self._parent_of[child.seq_id]
-                if parent.prompt_len % self.blocks.block_size:
-                    self.num_block_copies += 1
-                if child.prompt_logprobs_k is not None:
-                    child.prompt_logprobs = list(parent.prompt_logprobs)
-                child.block_hashes = list(parent.block_hashes)  # same prompt, same chain (spares the hashing)
-                self.num_forks += 1
-        return order
-
-    def _hand_over(self, parent: Sequence) -> None:
-        """A prefilling parent leaves (aborted, preempted, failed) while choices wait on it: the first of them
-        takes its place in the prefill queue and the others wait on it instead. It goes on from where the parent
-        got, since it shares the prompt's full blocks, but from no further than the start of the partial last
-        block: its own copy of that one holds nothing yet. It keeps the prompt logprobs scored so far."""
-        children = self._forks.pop(parent.seq_id, None)
-        if not children:
-            return
-        heir, rest = children[0], children[1:]
-        del self._parent_of[heir.seq_id]
-        bs = self.blocks.block_size
-        start = self._computed[heir.seq_id] = min(self._computed[parent.seq_id], parent.prompt_len // bs * bs)
-        if heir.prompt_logprobs_k is not None:  # the parent scored positions [0, start) already
-            heir.prompt_logprobs = list(parent.prompt_logprobs[: start + 1]) if start else []
-        self._prefilling.insert(self._prefilling.index(parent), heir)
-        if rest:
-            self._forks[heir.seq_id] = rest
-            for child in rest:
-                self._parent_of[child.seq_id] = heir
-
-    def _drop_fork(self, child: Sequence) -> None:
-        """A forked choice leaves before its parent's prompt is complete: its blocks go back (the shared ones
-        stay with the parent)."""
-        parent = self._parent_of.pop(child.seq_id)
-        siblings = self._forks[parent.seq_id]
-        siblings.remove(child)
-        if not siblings:
-            del self._forks[parent.seq_id]
-        self._admitted.pop(child.seq_id, None)
-        self.blocks.free(child.seq_id)
-
-    def _drop_prefilling(self, seq: Sequence) -> None:
-        self._hand_over(seq)
-        self._prefilling.remove(seq)
-        self._computed.pop(seq.seq_id, None)
-        self._admitted.pop(seq.seq_id, None)
-        if seq.seq_id in self.blocks:
-            self.blocks.free(seq.seq_id)
-
-    def _unplace_all(self, seqs: list[Sequence]) -> None:
-        """Undo the placing of newcomers (a failed plan or step): children before the parents they forked."""
-        for seq in reversed(seqs):
-            if seq.seq_id in self._parent_of:
-                self._drop_fork(seq)
-            elif seq in self._prefilling:
-                self._drop_prefilling(seq)
-            elif seq.seq_id in self.blocks:
-                self.blocks.free(seq.seq_id)
-            self._admitted.pop(seq.seq_id, None)
-
-    # --- prefix cache ------------------------------------------------------------------------------
-    def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
-        """Chain hashes of the full blocks among the sequence's first ``num_tokens`` tokens (kept on the
-        sequence and extended as its blocks fill)."""
-        n, bs = num_tokens // self.blocks.block_size, self.blocks.block_size
-        if len(seq.block_hashes) < n:
-            tokens = (seq.prompt_token_ids + seq.output_token_ids)[: n * bs]
-            extend_block_hashes(seq.block_hashes, tokens, bs, lora_seed(seq.lora_id))  # an adapter's K/V are its own
-        return seq.block_hashes[:n]
-
-    def _lookup(self, seq: Sequence) -> list[bytes]:
-        """What a newcomer may find in the cache: its full blocks before the one holding its last token (that
-        one is computed, for its logits); nothing when caching is off, it still needs prompt logprobs, or it is an
-        embedding pooled over every position (a cached block has no hidden states)."""
-        if not self.blocks.enable_caching or needs_prompt_logprobs(seq) or seq.pooling == "mean":
-            return []
-        return self._block_hashes(seq, seq.num_tokens - 1)
-
-    def _waits_for_prefix(self, seq: Sequence, ahead: list[Sequence]) -> bool:
-        """Whether the first block ``seq`` would have to compute is being computed by an admitted sequence still
-        prefilling, or will be by one of ``ahead`` (admitted before it in the same step): then it waits one
-        or a few steps and shares the block instead of computing it twice."""
-        hashes = self._lookup(seq)
-        hit = len(self.blocks.match(hashes))
-        if hit == len(hashes):
-            return False
-        wanted = hashes[hit]
-        for other in [*self._prefilling, *ahead]:
-            if needs_prompt_logprobs(other) or not self.blocks.enable_caching:
-                continue
-            done = self._computed.get(other.seq_id, 0) // self.blocks.block_size
-            if wanted in self._block_hashes(other, other.num_tokens)[done:]:
-                return True
-        return False
-
-    def _allocate(self, seq: Sequence) -> int:
-        """Blocks for all of a newcomer's tokens, its cached prefix shared; returns how many tokens are cached."""
-        self.blocks.allocate(seq.seq_id, seq.num_tokens, self._lookup(seq))
-        cached = self.blocks.cached_tokens(seq.seq_id)
-        if seq.num_cached_tokens is None:  # the first admission: what the prompt found in the cache
-            seq.num_cached_tokens = min(cached, seq.prompt_len)
-        return cached
-
-    def _cache_computed(self, seq: Sequence, computed: int) -> None:
-        """The sequence's first ``computed`` tokens are in its blocks: its full blocks among them enter the cache;
-        under a sliding window on every layer (``kv_window``), the blocks that left it go back to the pool (its
-        next query, at position ``computed``, reads keys from ``computed - kv_window + 1`` on)."""
-        bm = self.blocks
-        if bm.enable_caching and computed // bm.block_size > bm.num_hashed_blocks(seq.seq_id):
-            bm.cache_blocks(seq.seq_id, self._block_hashes(seq, computed))
-        if self.kv_window and seq.seq_id in bm:
-            bm.release_before(seq.seq_id, computed - self.kv_window + 1)
-
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no sequence holds (``POST /admin/reset_prefix_cache``); returns how many."""
-        return self.blocks.reset_cache()
-
     # --- leaving -----------------------------------------------------------------------------------
     def abort(self, seq_id: int) -> Sequence | None:
         """Free an admitted sequence's slot and blocks; it finishes as aborted unless it already has a finished
@@ -714,8 +483,3 @@ def _take(seq: Sequence, token: int | list[int] | RowFailure, now: float) -> int
     if seq.logprobs is not None:
         del seq.output_logprobs[len(seq.output_token_ids) :]
     return len(seq.output_token_ids) - before
-
-
-def needs_prompt_logprobs(seq: Sequence) -> bool:
-    """The sequence asked for prompt logprobs and does not have them all yet (a recomputed one may)."""
-    return seq.prompt_logprobs_k is not None and len(seq.prompt_logprobs) < seq.prompt_len

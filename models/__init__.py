@@ -4,13 +4,15 @@ Importing this package imports no torch (torch-free modules live here too: ``cac
 ``native_memory.py``, ``image.py``, ``native.py``, ``kernels/step_abi.py``); ``families()`` imports the torch
 modules when a model loads.
 
-    layers.py      what every family shares: Linear (one packed copy per weight), MixedBatch, the one
-                   mixed-batch attention (GQA; GPT-2 is group size 1), MixedForward (the forward loop),
-                   the lean decode path (small decode-only steps as a few compiled calls per layer)
+    layers.py      what every family shares: Linear (one packed copy per weight), MixedForward (the forward loop)
+    mixed_batch.py MixedBatch: where each token of one forward sits (decode rows, then prompt chunks)
+    attention.py   the one mixed-batch attention (GQA; GPT-2 is group size 1), the lean decode path's attention
+    state_dict.py  a checkpoint's weights taken over (fp32 copies), its file pages dropped from RSS
     gpt2.py        GPT-2 block math and weight mapping
     decoder.py     the RoPE decoder every other family is: one block over shared pieces (norm kinds, q/k norms, RoPE
                    kinds, attention with window and soft-cap, gated MLP kinds, mixture of experts), configured per
                    family by a ``DecoderSpec``, its HF weight names and its GGUF names
+    decoder_spec.py the family as data: ``DecoderSpec`` read from the HF config, ``Names``, ``GGUFNames``
     rope.py        RoPE tables (plain, HF's fixed scalings, partial rotary, per layer type) and their application
     llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, gemma.py, phi3.py, olmo2.py, granite.py, mixtral.py,
     olmoe.py       one family each: its spec from the HF config, its weight names (docs/families.md: adding one)

@@ -61,7 +61,7 @@ class _Fed:
 
 
 class DraftModel:
-    """Proposes drafts with ``engine``'s model (a ``models.runtime.ModelEngine`` built for the draft checkpoint: its
+    """Proposes drafts with ``engine``'s model (a ``model_engine.ModelEngine`` built for the draft checkpoint: its
     model and KV pool; its planner is not used). ``catch_up_tokens``: most tokens one step's catch-up feeds over all
     rows (0: no cap), so that a long prompt reaching its first decode step delays that step by a bounded amount: a
     row whose catch-up does not fit proceeds over the next steps, without drafts until it is caught up."""

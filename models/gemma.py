@@ -10,7 +10,8 @@ their own RoPE base (``rope_parameters`` per layer type). llama.cpp's converter 
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, Names, activation, base_spec, sqrt_hidden
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, Names, activation, base_spec, sqrt_hidden
 
 GEMMA_NAMES = Names(
     attn_norm="input_layernorm",

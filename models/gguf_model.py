@@ -1,7 +1,7 @@
 """A GGUF file standing in for the Hugging Face module a family is built from: its tensors renamed to the family's
 HF names (``gguf_state_dict``), served by ``quant.GGUFWeights`` at the precision WEIGHTS asks (``GGUFModel``).
 
-The renaming is the family's own table (``decoder.GGUFNames``: llama.cpp's ``blk.N.<name>`` for each HF weight),
+The renaming is the family's own table (``decoder_spec.GGUFNames``: llama.cpp's ``blk.N.<name>`` for each HF weight),
 plus what llama.cpp's converter changed on the way in, undone exactly:
 
 - Llama-arch Q and K rows (Llama, Mistral, Mixtral, Granite: ``permuted_qk``) put back in HF's order (whole rows

@@ -3,7 +3,7 @@
 The weights come from a loaded Hugging Face ``GPT2LMHeadModel``; the math is the same as HF's
 (pre-LayerNorm blocks, fused QKV, tanh-GELU MLP, tied lm_head), so greedy tokens match
 ``generate(do_sample=False)`` exactly (the parity tests guard this). Attention is the
-group-size-1 case of ``layers.mixed_attention``.
+group-size-1 case of ``attention.mixed_attention``.
 
 Shapes: N = tokens of the mixed batch, C = n_embd, H = n_head, D = C / H, V = vocab.
 """
@@ -16,22 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_dtype
+from .attention import lean_attention, mixed_attention
 from .kernels import decode_ops, step_abi
 from .kernels.decode_step import StepPlan, layer_spec
 from .kernels.quant_gemm import QuantWeight, dequantize
-from .layers import (
-    Linear,
-    MixedBatch,
-    MixedForward,
-    embed_rows,
-    embedding_table,
-    fp32_state_dict,
-    lean_attention,
-    linear_factory,
-    mixed_attention,
-    packed_blocks,
-    release_file_pages,
-)
+from .layers import Linear, MixedForward, embed_rows, embedding_table, linear_factory
+from .mixed_batch import MixedBatch
+from .state_dict import fp32_state_dict, packed_blocks, release_file_pages
 
 # HF activation_function name -> oneDNN post-op algorithm for GELU.
 _ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}

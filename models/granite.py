@@ -4,7 +4,8 @@ attention scale, ``residual_multiplier`` on each block output before its residua
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, base_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, base_spec
 
 
 class Granite(Decoder):

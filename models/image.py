@@ -40,6 +40,7 @@ import sys
 import time
 
 from models.cache_dir import cache_subdir
+from models.image_files import MODEL_FILE
 from models.loading import ALIASES, ModelLoadError, build_dir_once, fetch_gguf, is_built, marker_path, one_line
 
 log = logging.getLogger("minibatch.image")
@@ -66,8 +67,9 @@ class ImageError(ValueError):
 
 def check_image(image_dir: str) -> dict:
     """image.json of a complete image (torch-free): raises ``ImageError`` naming the file when image.json is
-    missing, unreadable or of another format, or weights.bin is missing or not the size image.json says, or a
-    buffer lies outside it."""
+    missing, unreadable or of another format, or weights.bin is missing or not the size image.json says, or the
+    model file its buffers point into is missing or no longer the one it was built from (size, mtime), or a buffer
+    lies outside its file."""
     path = os.path.join(image_dir, META_FILE)
     try:
         with open(path) as f:
@@ -81,9 +83,11 @@ def check_image(image_dir: str) -> dict:
         size, want = os.path.getsize(weights), meta["weights_bin_bytes"]
         if size != want:
             raise ImageError(f"model image file {weights} has {size} bytes, image.json says {want} (truncated?)")
+        sizes = {None: (weights, size), MODEL_FILE: _model_file_size(image_dir, meta.get("model_file"))}
         for name, entry in meta["buffers"].items():
-            if not 0 <= entry["offset"] <= entry["offset"] + entry["nbytes"] <= size:
-                raise ImageError(f"model image {image_dir}: buffer {name} lies outside {weights}")
+            path, limit = sizes[entry.get("file")]
+            if not 0 <= entry["offset"] <= entry["offset"] + entry["nbytes"] <= limit:
+                raise ImageError(f"model image {image_dir}: buffer {name} lies outside {path}")
     except OSError as exc:
         raise ImageError(f"model image file {weights} is missing: {exc}") from exc
     except (KeyError, TypeError, AttributeError) as exc:
@@ -91,21 +95,42 @@ def check_image(image_dir: str) -> dict:
     return meta
 
 
+def _model_file_size(image_dir: str, model_file: dict | None) -> tuple[str | None, int]:
+    """(path, size) of the model file an image's buffers point into, as the image recorded it (None, 0: none);
+    ``ImageError`` when it is missing or has changed since the build."""
+    if model_file is None:
+        return None, 0
+    path = model_file["path"]
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ImageError(f"model image {image_dir}: its model file {path} is missing ({exc})") from exc
+    if (st.st_size, st.st_mtime_ns) != (model_file["size"], model_file["mtime_ns"]):
+        raise ImageError(f"model image {image_dir}: its model file {path} has changed since the image was built")
+    return path, st.st_size
+
+
 # --- the writer (imports torch when called) --------------------------------------------------------------------
 
 
 def build_model(
-    model_id: str, weights: str, num_blocks: int = 1, block_size: int = BUILD_BLOCK_SIZE, kv_cache_dtype: str = "fp32"
+    model_id: str,
+    weights: str,
+    num_blocks: int = 1,
+    block_size: int = BUILD_BLOCK_SIZE,
+    kv_cache_dtype: str = "fp32",
+    in_process: bool = False,
 ):
     """(tokenizer, HF model, family class, our model) for ``model_id`` served at ``weights``, built as ``HFEngine``
     builds it (small_gemm panels on, one sequence, RoPE / positions over the whole context window, ``num_blocks``
-    KV blocks of ``block_size`` of ``kv_cache_dtype``). Imports torch. Raises ``ModelLoadError``."""
+    KV blocks of ``block_size`` of ``kv_cache_dtype``). Imports torch. Raises ``ModelLoadError``. ``in_process``:
+    a GGUF's tokenizer and config are converted here, not in one more child (``load_checkpoint``)."""
     import torch
 
     from models import families
     from models.loading import load_checkpoint
 
-    tokenizer, hf_model = load_checkpoint(model_id, weights)
+    tokenizer, hf_model = load_checkpoint(model_id, weights, in_process)
     cfg = hf_model.config
     family = families().get(cfg.model_type)
     if family is None:
@@ -135,30 +160,49 @@ def _table_rows(model) -> int:
     return model.lm_head.out_features if table.dim() == 3 else table.shape[0]
 
 
-def _write_buffers(spec, path: str) -> tuple:
-    """Write every tensor the spec names into ``path``, each once (shared tensors share one entry), ``ALIGN``ed.
-    -> (the spec with each handle replaced by its buffer's name, {name: {offset, nbytes, dtype, shape}}, bytes)."""
-    named: dict[tuple[int, int], str] = {}
+def _write_buffers(spec, path: str, files=None) -> tuple:
+    """Write every tensor the spec names into ``path``, each once (shared tensors share one entry), ``ALIGN``ed;
+    a buffer whose bytes are a range of the model file (``files``: its ``image_files.FileTensors``, or None) is not
+    written but recorded as that range. -> (the spec with each handle replaced by its buffer's name,
+    {name: {offset, nbytes, dtype, shape[, file]}}, bytes written)."""
+    from models.image_files import FileRange, flat_bytes, split_parts
+    from models.kernels import step_abi
+
+    named: dict[object, str] = {}
     entries: dict[str, dict] = {}
+    if files is not None:
+        spec = split_parts(spec, files)
     with open(path, "wb") as f:
 
         def put(name: str, t) -> str:
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"buffer {name} is not a contiguous CPU tensor")
-            key = (t.data_ptr(), t.numel() * t.element_size())
+            if isinstance(t, FileRange):
+                key, found = t, t
+            else:
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise ValueError(f"buffer {name} is not a contiguous CPU tensor")
+                key, found = (t.data_ptr(), t.numel() * t.element_size()), None
             if key not in named:
-                f.write(b"\0" * (-f.tell() % ALIGN))
-                entries[name] = {
-                    "offset": f.tell(),
-                    "nbytes": key[1],
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape),
-                }
-                f.write(t.detach().numpy().data)
+                if found is None and files is not None:
+                    found = files.locate(flat_bytes(t))
+                if found is not None:  # the model file's own bytes: served from its mapping
+                    entries[name] = {
+                        "offset": found.offset,
+                        "nbytes": found.nbytes,
+                        "dtype": "uint8",
+                        "shape": [found.nbytes],
+                        "file": MODEL_FILE,
+                    }
+                else:
+                    f.write(b"\0" * (-f.tell() % ALIGN))
+                    entries[name] = {
+                        "offset": f.tell(),
+                        "nbytes": key[1],
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape),
+                    }
+                    f.write(t.detach().numpy().data)
                 named[key] = name
             return named[key]
-
-        from models.kernels import step_abi
 
         spec = step_abi.map_buffers(spec, put)
         size = f.tell()
@@ -174,7 +218,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     from models.lora import targets_to_json
     from text.tokenizer import write_tokenizer_dir
 
-    tokenizer, hf_model, family, model = build_model(model_id, weights)
+    tokenizer, hf_model, family, model = build_model(model_id, weights, in_process=True)  # the image's child
     plan = model.fused_step
     if plan is None:
         gap = getattr(model, "kernel_gap", lambda: None)()
@@ -185,7 +229,13 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
         )
         raise ValueError(f"{model_id} at WEIGHTS={weights} cannot run as one compiled step here ({why})")
     os.makedirs(out, exist_ok=True)
-    spec, entries, size = _write_buffers(plan.spec, os.path.join(out, WEIGHTS_FILE))
+    model_file = _gguf_file(model_id)
+    files = None
+    if model_file is not None:
+        from models.image_files import FileTensors
+
+        files = FileTensors(model_file["path"])
+    spec, entries, size = _write_buffers(plan.spec, os.path.join(out, WEIGHTS_FILE), files)
     cfg = hf_model.config
     meta = {
         "format": IMAGE_FORMAT,
@@ -211,6 +261,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
         },
         "lora_targets": targets_to_json(model.lora_targets()),  # the linears LoRA adapters may target
         "weights_bin_bytes": size,
+        "model_file": model_file,  # the GGUF whose bytes the buffers with "file" are (None: none)
         "buffers": entries,
         "plan": step_abi.spec_to_json(spec),
     }
@@ -218,6 +269,18 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     with open(os.path.join(out, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     return meta
+
+
+def _gguf_file(model_id: str) -> dict | None:
+    """{path, size, mtime_ns} of the GGUF file ``model_id`` names (a path or an alias), else None."""
+    from models.loading.model_id import alias_path, gguf_path, is_gguf
+
+    path = alias_path(model_id)
+    if not is_gguf(path):
+        return None
+    path = gguf_path(path)
+    st = os.stat(path)
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 # --- the cache (torch-free) ------------------------------------------------------------------------------------

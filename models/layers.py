@@ -1,23 +1,24 @@
-"""What every model family shares: pre-packed linears, the mixed-batch layout, one attention, the forward loop.
+"""What every model family shares: pre-packed linears and the forward loop (the mixed-batch layout is
+``mixed_batch.py``, the one attention ``attention.py``, taking over a checkpoint's weights ``state_dict.py``).
 
 A forward runs one *mixed batch*: B decode tokens (one per active row ``[0, B)``, each at its own
 position) and whole prompts packed after them, ``[B + T, C]`` with no padding. Every linear
 runs once over all B + T tokens (a step that admits newcomers streams the weights once);
-attention runs per part (``mixed_attention``): decode rows over their KV blocks in place, each
+attention runs per part (``attention.mixed_attention``): decode rows over their KV blocks in place, each
 prompt chunk causally over itself (and its earlier blocks), every token's K/V landing in its slot of
 the block pool. Logits only for the decode rows and each chunk's last token.
 
-One call per step: a step of at most ``StepPlan.max_rows`` rows (decode tokens plus prompt-chunk tokens: 16
-with fp32 linears, small_gemm's limit; 128 quantized) runs as ONE compiled call (``kernels/decode_step``: the
-embedding, every layer, the final norm and the lm_head over the sample rows, in one OpenMP region,
-``fused_step``) where every linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2,
-the GELU is the tanh one; there each prompt token is a row with its own position and block table, attending
-over its sequence's blocks (its chunk's earlier tokens included) like a decode row. Otherwise a decode-only step
-of at most ``LEAN_MAX_ROWS`` rows runs each layer as a few compiled calls (``lean_decode_supported``): the norm,
-the fused QKV linear, one ``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its
-residual add, the norm, the MLP linears and their activation. A decode step is bound by weight bytes and a
-short chunk's step by its linears' FMAs, so the torch path's per-op dispatch (~15 ms a step on SmolLM2) is pure
-overhead there; larger steps keep the torch path (compute-bound, oneDNN / SDPA; ``decode_step.py`` measured).
+One call per step: a step of at most ``StepPlan.max_rows`` rows (decode tokens plus prompt-chunk tokens: 16 with
+fp32 linears, small_gemm's limit; 128 quantized) runs as ONE compiled call (``kernels/decode_step``: the embedding,
+every layer, the final norm and the lm_head over the sample rows, in one OpenMP region, ``fused_step``) where every
+linear has a compiled copy (quantized, or small_gemm's fp32 panels) and, for GPT-2, the GELU is the tanh one; there
+each prompt token is a row with its own position and block table, attending over its sequence's blocks (its chunk's
+earlier tokens included) like a decode row. Otherwise a decode-only step of at most ``LEAN_MAX_ROWS`` rows runs each
+layer as a few compiled calls (``attention.lean_decode_supported``): the norm, the fused QKV linear, one
+``rope_write_attend`` (RoPE + KV write + paged attention), the output linear with its residual add, the norm, the
+MLP linears and their activation. A decode step is bound by weight bytes and a short chunk's step by its linears'
+FMAs, so the torch path's per-op dispatch (~15 ms a step on SmolLM2) is pure overhead there; larger steps keep the
+torch path (compute-bound, oneDNN / SDPA; ``decode_step.py`` measured).
 
 Shapes: N = B + T tokens, C = model width, H = query heads, KVH = K/V heads, G = H / KVH,
 D = head_dim, V = vocab, L = positions attended by a decode step.
@@ -25,23 +26,19 @@ D = head_dim, V = vocab, L = positions attended by a decode step.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import mmap
-import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .attention import LEAN_MAX_ROWS, lean_decode_supported
 from .kernels import decode_ops, decode_step, quant_gemm, small_gemm
-from .kernels import paged_attention as attention_kernel
-from .kernels.paged_attention import attend, paged_attention
 from .kernels.quant_gemm import WEIGHTS_TYPES, QuantParts, QuantWeight, bytes_by_type
 from .kv_cache import PagedKVCache
+from .mixed_batch import MixedBatch
 from .quant import quantize
+from .state_dict import release_file_pages
 
 
 def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -198,325 +195,6 @@ def embed_rows(table: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Te
     if isinstance(table, QuantWeight):
         return quant_gemm.dequantize_rows(table, ids)
     return small_gemm.rows(table, ids) if table.dim() == 3 else table[ids]
-
-
-def check_cpu(sd: dict, device: torch.device) -> None:
-    """Quantized weights (a GGUF served at its own precision) run on the CPU only."""
-    quantized = [x for v in sd.values() for x in (v if isinstance(v, list) else [v])]  # a GGUF's experts: lists
-    if device.type != "cpu" and any(isinstance(v, (QuantWeight, QuantParts)) for v in quantized):
-        raise ValueError(f"quantized weights run on the CPU only (device is {device}); use WEIGHTS=fp32")
-
-
-@dataclass
-class MixedBatch:
-    """Where each token of one mixed forward sits: B decode tokens first, then the prompt chunks back to back.
-
-    Every token also has a KV slot (block id, offset in the block) from its sequence's block table.
-    A prompt chunk covers positions [start, start + n) of its sequence; ``start`` > 0 when a prompt
-    is prefilled over several steps (its earlier positions are already in its blocks).
-    Built once per forward, used by every layer.
-    """
-
-    ids: torch.Tensor  # [B + T] token ids
-    pos: torch.Tensor  # [B + T] positions
-    slot_blocks: torch.Tensor  # [B + T] block id of each token's KV slot
-    slot_offsets: torch.Tensor  # [B + T] offset of each token's KV slot in its block
-    n_decode: int  # B: the decode tokens are rows [0, B) of the activation
-    # [B, max_blocks] int32 of the decode rows (padded with 0), None when B = 0; built ``for_step``: [B + P,
-    # max_blocks], the P chunks' tables after the decode rows'.
-    block_tables: torch.Tensor | None
-    context_lens: torch.Tensor | None  # [B] int32: decode row b attends positions [0, pos[b]]
-    prompts: list[tuple[int, int, int, torch.Tensor]]  # per chunk: (first activation row, length, start, table)
-    sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
-    lean: bool = False  # decode rows only, few enough for the lean path (MixedForward.forward sets it)
-    row_tables: torch.Tensor | None = None  # built ``for_step`` with prompts: [B + T] int32, each row's table
-    hidden_rows: torch.Tensor | None = None  # rows whose final hidden states are wanted (chunks flagged ``hidden``)
-
-    @classmethod
-    def build(
-        cls,
-        token_ids: list[int],
-        positions: list[int],
-        tables: list[list[int]],
-        prompts: list[list[int]],
-        prompt_tables: list[list[int]],
-        prompt_starts: list[int],
-        block_size: int,
-        device: torch.device,
-        every_position: list[bool] = (),
-        for_step: bool = False,
-        hidden: list[bool] = (),
-    ) -> MixedBatch:
-        """``every_position[i]``: chunk i's logits are wanted at all its positions, not only the last
-        (prompt logprobs); ``hidden[i]``: none of its logits, its final hidden states at every position instead
-        (``hidden_rows``). ``for_step``: the batch goes to the whole-step kernel (``fused_step``), which
-        reads every row's table through ``block_tables`` and ``row_tables``."""
-        B = len(token_ids)
-        lengths = [len(p) for p in prompts]
-        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
-        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], dtype=torch.long)
-        pos = list(positions) + [s + i for s, n in zip(prompt_starts, lengths) for i in range(n)]
-        blocks = [table[p // block_size] for table, p in zip(tables, positions)]
-        for table, start, n in zip(prompt_tables, prompt_starts, lengths):
-            blocks += [table[p // block_size] for p in range(start, start + n)]
-        block_tables = context_lens = row_tables = None
-        all_tables = list(tables) + list(prompt_tables) if for_step else tables
-        if all_tables:
-            width = max(len(t) for t in all_tables)
-            block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in all_tables], dtype=torch.int32)
-        if B:
-            context_lens = torch.tensor(positions, dtype=torch.int32) + 1
-        if for_step and prompts:  # row -> table: decode row b reads table b, chunk i's rows table B + i
-            counts = torch.tensor([1] * B + lengths)
-            row_tables = torch.repeat_interleave(torch.arange(B + len(prompts), dtype=torch.int32), counts)
-        full = list(every_position) or [False] * len(prompts)
-        pooled = list(hidden) or [False] * len(prompts)
-        spans = [
-            [] if h else range(s, s + n) if f else [s + n - 1] for s, n, f, h in zip(starts, lengths, full, pooled)
-        ]
-        sample = [*range(B), *(r for span in spans for r in span)] if prompts else None
-        states = [r for s, n, h in zip(starts, lengths, pooled) if h for r in range(s, s + n)]
-        pos_t = torch.tensor(pos, dtype=torch.long)
-        return cls(
-            ids.to(device),
-            pos_t.to(device),
-            torch.tensor(blocks, dtype=torch.long, device=device),
-            (pos_t % block_size).to(device),
-            B,
-            block_tables,
-            context_lens,
-            [
-                (r, n, s, torch.tensor(t, dtype=torch.long, device=device))
-                for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)
-            ],
-            torch.tensor(sample, device=device, dtype=torch.long) if sample is not None else None,
-            row_tables=row_tables,
-            hidden_rows=torch.tensor(states, device=device, dtype=torch.long) if states else None,
-        )
-
-
-def mixed_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv: PagedKVCache,
-    layer: int,
-    batch: MixedBatch,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """Grouped-query attention over a mixed batch; writes this layer's new K/V into their slots first.
-
-    q: [N, H, D], k, v: [N, KVH, D] (H = KVH x G; G = 1 is plain multi-head attention, GPT-2)
-    -> [N, H, D]. Decode rows attend over their blocks in place (``paged_attention``: the compiled
-    kernel on the CPU, no gather; query head ``h = kvh * G + g`` reads K/V head ``kvh``). A prompt
-    chunk attends causally over itself, plus its sequence's earlier positions (gathered once from its
-    blocks) when it does not start at 0. ``window`` > 0 (a sliding-window layer): a token at position p
-    sees keys in (p - window, p] only (HF's mask), and a chunk gathers only the blocks its window reaches;
-    ``softcap`` > 0: scores are soft-capped (``attention_kernel.attend``).
-    With an fp16 / bf16 / int8 pool a chunk attends over what the pool holds, its own tokens as stored included
-    (``_stored_chunk_attention``), so a prompt gives the same K/V to every later token whether it was prefilled at
-    once, in chunks or found in the prefix cache.
-    """
-    N, H, D = q.shape
-    B = batch.n_decode
-    kv.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
-    out = torch.empty(N, H, D, device=q.device, dtype=q.dtype)
-    k_pool, v_pool, scales = kv.pools(layer)
-    if B:
-        tables, lens = batch.block_tables[:B], batch.context_lens
-        out[:B] = paged_attention(q[:B], k_pool, v_pool, tables, lens, scale, window, softcap, scales)
-    for row, n, start, table in batch.prompts:
-        span = slice(row, row + n)
-        if kv.dtype != "fp32":
-            out[span] = _stored_chunk_attention(q[span], kv, layer, table, start, scale, window, softcap)
-            continue
-        qp, kp, vp = q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)  # [H or KVH, n, D]
-        first = max(0, start - window + 1) if window > 0 else 0  # the earliest key any of the chunk's queries sees
-        if start == 0 and (window <= 0 or n <= window):
-            att = attend(qp, kp, vp, None, scale, softcap)  # causal over the chunk: every key within its window
-        else:
-            keys, values = kp, vp
-            if start > first:
-                past_k, past_v = kv.gather(layer, table, start, first)  # [KVH, start - first, D]
-                keys, values = torch.cat([past_k, keys], dim=1), torch.cat([past_v, values], dim=1)
-            # Query i sits at position start + i and sees keys [first, start + i] (within its window).
-            at, pos = torch.arange(first, start + n, device=q.device), start + torch.arange(n, device=q.device)[:, None]
-            mask = at <= pos
-            if window > 0:
-                mask &= at > pos - window
-            att = attend(qp, keys, values, mask, scale, softcap)
-        out[span] = att.transpose(0, 1)  # [n, H, D]
-    return out
-
-
-def _stored_chunk_attention(
-    q: torch.Tensor,
-    kv: PagedKVCache,
-    layer: int,
-    table: torch.Tensor,
-    start: int,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """A prompt chunk's queries q [n, H, D] (positions start .. start + n - 1) over its sequence's stored K/V
-    [0, start + n) (written already; within each query's ``window`` when set) -> [n, H, D]. On the CPU the paged
-    kernel reads the pool in place, each row a query with its own context (what the whole-step kernel does with a
-    chunk's rows); elsewhere the blocks the chunk's windows reach are gathered dequantized and masked."""
-    n, H, D = q.shape
-    k_pool, v_pool, scales = kv.pools(layer)
-    if attention_kernel.kernel_supports(q, k_pool):
-        tables = table.to(torch.int32).expand(n, -1)
-        lens = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
-        return paged_attention(q, k_pool, v_pool, tables, lens, scale, window, softcap, scales)
-    first = max(0, start - window + 1) if window > 0 else 0  # the earliest key any of the chunk's queries sees
-    keys, values = kv.gather(layer, table, start + n, first, q.dtype)  # [KVH, start + n - first, D]
-    at, pos = torch.arange(first, start + n, device=q.device), start + torch.arange(n, device=q.device)[:, None]
-    mask = at <= pos
-    if window > 0:
-        mask &= at > pos - window
-    return attend(q.transpose(0, 1), keys, values, mask, scale, softcap).transpose(0, 1)
-
-
-LEAN_MAX_ROWS = small_gemm.MAX_ROWS  # decode steps up to this batch take the lean path (dispatch-bound there)
-
-
-def lean_decode_supported(
-    device: torch.device, head_dim: int, block_size: int, pool_dtype: torch.dtype = torch.float32
-) -> bool:
-    """Whether this model can run lean decode steps: CPU, and the compiled kernels it needs load here."""
-    if device.type != "cpu" or decode_ops.load() is None:
-        return False
-    probe_q, probe_pool = torch.empty(1, 1, head_dim), torch.empty(1, block_size, 1, head_dim, dtype=pool_dtype)
-    return attention_kernel.kernel_supports(probe_q, probe_pool)
-
-
-def lean_attention(
-    qkv: torch.Tensor,
-    n_head: int,
-    rope: tuple[torch.Tensor, torch.Tensor] | None,
-    pools: tuple,
-    batch: MixedBatch,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """A lean decode step's attention: qkv [B, (H + 2 KVH) D] -> [B, H D]; RoPE (the full cos, sin tables, or
-    None), the K/V write into this layer's ``pools`` (``PagedKVCache.pools``: K, V, int8's scales) and the paged
-    attention (its ``window`` and ``softcap``) in one kernel call."""
-    k_pool, v_pool, scales = pools
-    out = attention_kernel.rope_write_attend(
-        qkv,
-        n_head,
-        rope,
-        batch.pos,
-        k_pool,
-        v_pool,
-        batch.slot_blocks,
-        batch.slot_offsets,
-        batch.block_tables,
-        batch.context_lens,
-        scale,
-        window,
-        softcap,
-        scales,
-    )
-    return out.view(qkv.shape[0], -1)
-
-
-def fp32_state_dict(hf_model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor | QuantWeight]:
-    """The HF module's weights as contiguous fp32 tensors on ``device`` (the HF module can then go).
-
-    A GGUF served at its own precision (``models.gguf_model.GGUFModel``) also hands over ``QuantWeight``s, and a
-    layer's quantized experts as a list of them, as they are.
-    Small tensors (norms, biases, position tables: at most ``OWN_BELOW`` elements) are copied out of the
-    checkpoint: safetensors maps the file, and one tensor the model keeps as it is would pin every page of the
-    file read during the load (the whole checkpoint) in RSS; the large weights are packed into copies of their own.
-    """
-    sd = hf_model.state_dict()
-    check_cpu(sd, device)
-    out = {k: v if isinstance(v, (QuantWeight, list)) else _owned_fp32(v, device) for k, v in sd.items()}
-    copied = [v for k, v in sd.items() if isinstance(v, torch.Tensor) and out[k].data_ptr() != v.data_ptr()]
-    release_file_pages(copied)  # their pages of the checkpoint's mapping were read by the copy and are not needed
-    return out
-
-
-OWN_BELOW = 1 << 20  # elements: fp32_state_dict copies smaller tensors out of the checkpoint's file mapping
-
-
-def packed_blocks(sd: dict, prefixes: list[str], build: Callable[[str], object]) -> list:
-    """``build(prefix)`` for each block's state-dict prefix, in order; each block's checkpoint pages leave RSS as
-    soon as it is packed (``release_file_pages``), so a load never holds the whole checkpoint beside the model."""
-    blocks = []
-    for prefix in prefixes:
-        blocks.append(build(prefix))
-        release_file_pages(v for k, v in sd.items() if k.startswith(prefix))
-    return blocks
-
-
-def release_file_pages(tensors) -> int:
-    """Drop from RSS the pages of checkpoint tensors (an iterable, or one tensor) that are views of a file mapping
-    (safetensors maps the checkpoint), once the model holds packed copies of them; -> bytes released.
-
-    Without this every page read while packing stays resident until the HF model goes, so a load peaks at the
-    whole checkpoint on top of the packed model. Only a mapping with no privately modified page is touched (smaps
-    ``Anonymous`` 0: a page written through a private file mapping becomes an anonymous copy): each of its pages
-    then reads back from the file, so a later read of such a tensor (an embedding used again) sees its values.
-    Anonymous memory, partial pages at a tensor's ends, ``QuantWeight``s and anything off Linux are left alone.
-    """
-    if isinstance(tensors, torch.Tensor):  # one tensor (iterating it would give its rows)
-        tensors = [tensors]
-    spans = [
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() * t.element_size() >= mmap.PAGESIZE
-    ]
-    if not spans or not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/smaps"):
-        return 0
-    clean = _clean_file_mappings()
-    released = 0
-    for lo, hi in spans:
-        if not any(start <= lo and hi <= end for start, end in clean):
-            continue
-        start, stop = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, hi // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages only
-        if stop > start and _libc().madvise(start, stop - start, mmap.MADV_DONTNEED) == 0:
-            released += stop - start
-    return released
-
-
-_SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")  # range perms offset dev inode path
-
-
-def _clean_file_mappings() -> list[tuple[int, int]]:
-    """[start, end) of this process's mappings of regular files with no privately modified page (``Anonymous`` 0;
-    not ``Private_Dirty``, which also counts clean file pages mapped as huge pages)."""
-    out, current = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            header = _SMAPS_HEADER.match(line)
-            if header:
-                path = header.group(3).strip()
-                file_backed = path.startswith("/") and not path.endswith("(deleted)")
-                current = (int(header.group(1), 16), int(header.group(2), 16)) if file_backed else None
-            elif current is not None and line.startswith("Anonymous:"):
-                if int(line.split()[1]) == 0:
-                    out.append(current)
-                current = None
-    return out
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def _owned_fp32(v: torch.Tensor, device: torch.device) -> torch.Tensor:
-    out = v.detach().to(device=device, dtype=torch.float32).contiguous()
-    return out.clone() if out.numel() <= OWN_BELOW and out.data_ptr() == v.data_ptr() else out
 
 
 def _add(total: dict[str, int], more: dict[str, int]) -> None:

@@ -2,14 +2,15 @@
 
 Its block math is ``decoder.Decoder``'s with nothing switched on: Q, K and V come from one fused linear (with the
 biases of ``attention_bias`` / ``mlp_bias`` where the checkpoint has them), gate and up from another; RoPE is plain or
-one of HF's fixed-frequency scalings (``rope.py``). The KV cache stores only the K/V heads; ``layers.mixed_attention``
-reads query head ``h`` against K/V head ``h // G`` without expanding them. Greedy tokens match HF's
-``generate(do_sample=False)`` (the parity tests guard this).
+one of HF's fixed-frequency scalings (``rope.py``). The KV cache stores only the K/V heads;
+``attention.mixed_attention`` reads query head ``h`` against K/V head ``h // G`` without expanding them. Greedy
+tokens match HF's ``generate(do_sample=False)`` (the parity tests guard this).
 """
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, base_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, base_spec
 
 
 class Llama(Decoder):

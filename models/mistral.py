@@ -5,7 +5,8 @@ In a GGUF file it is llama.cpp's ``llama`` architecture (Q/K permuted like Llama
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, base_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, base_spec
 
 
 class Mistral(Decoder):

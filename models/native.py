@@ -30,6 +30,7 @@ import numpy as np
 
 from models import kv_dtype
 from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
+from models.image_files import MODEL_FILE
 from models.kernels import step_abi
 from models.kernels.lora_step import KernelLora
 from models.lora import targets_from_json
@@ -40,9 +41,20 @@ def unavailable_reason() -> str | None:
     return None if step_abi.load() is not None else step_abi.KERNEL.unavailable_reason or "the kernel did not load"
 
 
-def _map_weights(image_dir: str) -> np.ndarray:
-    """weights.bin mapped read-only as uint8 (``check_image`` has checked its size)."""
-    return np.memmap(os.path.join(image_dir, WEIGHTS_FILE), dtype=np.uint8, mode="r")
+def _map(path: str) -> np.ndarray:
+    """A file mapped read-only (shared: its pages are the page cache's) as uint8; an empty file as an empty array."""
+    if os.path.getsize(path) == 0:  # mmap refuses an empty file; no buffer points into it
+        return np.zeros(0, np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _map_files(image_dir: str, meta: dict) -> dict:
+    """{an image.json buffer's "file" (None: weights.bin): that file mapped} (``check_image`` has checked their
+    sizes): weights.bin, and the GGUF file whose own bytes most buffers are (``models/image_files.py``)."""
+    maps = {None: _map(os.path.join(image_dir, WEIGHTS_FILE))}
+    if meta.get("model_file") is not None:
+        maps[MODEL_FILE] = _map(meta["model_file"]["path"])
+    return maps
 
 
 class NativeModel:
@@ -60,10 +72,10 @@ class NativeModel:
         meta = check_image(image_dir)
         try:
             spec = step_abi.spec_from_json(meta["plan"])
-            self.weights = _map_weights(image_dir)
-            offsets = {name: entry["offset"] for name, entry in meta["buffers"].items()}
-            base = self.weights.ctypes.data
-            addresses = step_abi.map_buffers(spec, lambda _, name: base + offsets[name])
+            self.maps = _map_files(image_dir, meta)  # held: the structs point into them
+            base = {file: m.ctypes.data for file, m in self.maps.items()}
+            addresses = {name: base[e.get("file")] + e["offset"] for name, e in meta["buffers"].items()}
+            addresses = step_abi.map_buffers(spec, lambda _, name: addresses[name])
         except (KeyError, TypeError, ValueError) as exc:
             raise ImageError(f"model image {image_dir}: image.json is malformed ({type(exc).__name__}: {exc})") from exc
         kv_dtype.check(kv_cache_dtype)

@@ -3,7 +3,8 @@ whole q and k projections (not per head)."""
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, Names, base_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, Names, base_spec
 
 # no pre-norms; llama.cpp names the output norms post_attention_norm and post_ffw_norm
 OLMO2_GGUF_LAYER = {

@@ -3,7 +3,8 @@ mixture of experts (top ``num_experts_per_tok``, renormalized when ``norm_topk_p
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, MOE_GGUF_EXPERTS, Decoder, DecoderSpec, GGUFNames, base_spec, moe_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, MOE_GGUF_EXPERTS, DecoderSpec, GGUFNames, base_spec, moe_spec
 
 
 class Olmoe(Decoder):

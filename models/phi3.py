@@ -4,7 +4,8 @@ sequence length, which a precomputed table cannot follow: it fails at startup na
 
 from __future__ import annotations
 
-from .decoder import Decoder, DecoderSpec, GGUFNames, Names, base_spec
+from .decoder import Decoder
+from .decoder_spec import DecoderSpec, GGUFNames, Names, base_spec
 
 PHI3_GGUF_LAYER = {
     "attn_norm": "input_layernorm",

@@ -3,7 +3,8 @@ marks (``use_sliding_window``, from ``max_window_layers`` on), off in the releas
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, Decoder, DecoderSpec, GGUFNames, base_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, DecoderSpec, GGUFNames, base_spec
 
 
 class Qwen2(Decoder):

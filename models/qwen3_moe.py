@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from .decoder import LLAMA_GGUF_LAYER, MOE_GGUF_EXPERTS, Decoder, DecoderSpec, GGUFNames, base_spec, moe_spec
+from .decoder import Decoder
+from .decoder_spec import LLAMA_GGUF_LAYER, MOE_GGUF_EXPERTS, DecoderSpec, GGUFNames, base_spec, moe_spec
 
 
 class Qwen3Moe(Decoder):

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args(argv)
-    from models.runtime import thread_environment
+    from models.runtime_config import thread_environment
 
     thread_environment()
     import torch

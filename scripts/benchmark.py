@@ -96,7 +96,7 @@ def worker(args) -> None:
     """Run one system on one workload (one capacity); print one JSON line."""
     import torch
 
-    from models.runtime import physical_cores
+    from models.runtime_config import physical_cores
 
     torch.set_num_threads(args.threads or physical_cores())
     base, kwargs = parse_system(args.system)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from models.runtime import physical_cores
+    from models.runtime_config import physical_cores
 
     args.threads = args.threads or physical_cores()
     if scale_model.parse(args.model):  # llama-1b:Q4_K_M: made once by llama.cpp's converter and llama-quantize

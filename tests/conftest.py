@@ -48,12 +48,12 @@ def _exact_kv_pool():
     docs/kv-cache.md): the parity gates compare with HF token for token, which a narrower pool is not. The narrow
     pools and the served default are tested where they are asked for (tests/test_kv_dtype.py); servers started by
     ``live.ProcessServer`` get KV_CACHE_DTYPE=fp32 unless a test sets it."""
-    from models import runtime  # torch-free
+    from models import runtime_config  # torch-free
 
-    SERVING_AUTO_KV["dtype"] = runtime.AUTO_QUANTIZED_KV
-    runtime.AUTO_QUANTIZED_KV = "fp32"
+    SERVING_AUTO_KV["dtype"] = runtime_config.AUTO_QUANTIZED_KV
+    runtime_config.AUTO_QUANTIZED_KV = "fp32"
     yield
-    runtime.AUTO_QUANTIZED_KV = SERVING_AUTO_KV["dtype"]
+    runtime_config.AUTO_QUANTIZED_KV = SERVING_AUTO_KV["dtype"]
 
 
 def run(coro):
@@ -62,6 +62,13 @@ def run(coro):
 
 
 TIMEOUT = 20.0  # seconds any single async test may take
+
+
+def randn(seed: int, *shape: int, scale: float = 1.0):
+    """Standard normal float32 logits [*shape] from a fixed seed (numpy)."""
+    import numpy as np
+
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
 def fake_text(prompt: str, n: int) -> str:
@@ -194,6 +201,17 @@ def sse_events(body: str) -> list:
         if block.strip():
             assert block.startswith("data: "), block
             data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def read_sse(response) -> list:
+    """The data payloads of a streamed httpx response (``client.stream(...)``), read to its end: each JSON payload
+    parsed, and "[DONE]" (``sse_events`` for a body read whole)."""
+    out = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 

@@ -28,11 +28,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from api.errors import error_code
 from config import Config
 from engine import FakeEngine
 from server import create_app
 
+from conftest import assert_error_body
 from live import ThreadServer
 
 MAX_EXAMPLES = 40  # per operation and mode: (7 positive + 3 negative) x 40 = 400 generated requests at most
@@ -132,15 +132,11 @@ def raw_post(client: httpx.Client, path: str, body: bytes, headers: dict | None 
 
 
 def assert_4xx(r: httpx.Response, status: int | None = None, contains: str | None = None) -> dict:
+    """A 4xx (``status`` when given) in OpenAI's error shape (``assert_error_body``), holding ``contains``."""
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     if status is not None:
         assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == error_code(r.status_code, err["param"])
-    assert isinstance(err["message"], str) and err["message"].strip(), err
-    if contains is not None:
-        assert contains in err["message"], err
-    return err
+    return assert_error_body(r.json(), r.status_code, *([contains] if contains is not None else []))
 
 
 PATHS = ["/generate", "/v1/completions", "/v1/chat/completions"]

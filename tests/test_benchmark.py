@@ -117,8 +117,8 @@ def test_drive_honors_arrival_times_dependencies_and_continued_turns():
     """The one request driver every system shares, on a fake system that answers after a fixed delay."""
     import asyncio
 
-    from scripts.bench.systems import drive, parse_system, unsupported
-    from scripts.bench.workloads import build_workload, slot_context
+    from scripts.bench.systems import parse_system, unsupported
+    from scripts.bench.workloads import build_workload, drive, slot_context
 
     def fake_send(delay: float):
         async def send(r, prompt):
@@ -237,7 +237,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 def test_a_llama_server_dying_while_repacking_is_started_again_without(tmp_path):
     """llamacpp:repack=auto (the default) restarts a server that died by itself while starting, with --no-repack,
     and says so in its config; repack=on reports the failure; a server that never answers is not restarted."""
-    from scripts.bench.systems import _free_port, start_llama_server
+    from scripts.bench.servers import _free_port, start_llama_server
 
     port = _free_port()
     cmd, url = [_fake_llama_server(tmp_path / "segv", "segv"), "--port", str(port)], f"http://127.0.0.1:{port}/health"

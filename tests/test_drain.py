@@ -8,12 +8,11 @@ error; the process exits 0 in time. Each test stops only the process it started.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 
-from conftest import fake_text, run
+from conftest import fake_text, read_sse, run
 from live import ProcessServer
 
 STEP = 0.02  # FAKE_STEP_DELAY_S: a decode step takes 20 ms
@@ -32,14 +31,9 @@ def fake_env(**extra) -> dict[str, str]:
 
 
 async def stream_events(client: httpx.AsyncClient, url: str, payload: dict) -> list:
-    events = []
     async with client.stream("POST", f"{url}/generate", json={**payload, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                data = line[6:]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+        return await read_sse(r)
 
 
 async def wait_unfinished(client: httpx.AsyncClient, url: str, n: int, timeout: float = 10.0) -> None:

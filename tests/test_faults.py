@@ -12,7 +12,6 @@ test stops the server it started.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 import subprocess
@@ -27,7 +26,7 @@ from config import Config
 from engine import FakeEngine
 from server import create_app
 
-from conftest import TIMEOUT, assert_pool_full, run
+from conftest import TIMEOUT, assert_pool_full, read_sse, run
 from live import ThreadServer, fake_text, metric, scrape_url
 
 STATUS_OF = {code: status for status, code in ERROR_CODES.items()}  # error.code -> HTTP status
@@ -116,11 +115,7 @@ async def post(c: httpx.AsyncClient, url: str, payload: dict, stream: bool) -> t
         r = await c.post(f"{url}/generate", json=payload)
         return r.status_code, r.json()
     async with c.stream("POST", f"{url}/generate", json={**payload, "stream": True}) as r:
-        events = [
-            json.loads(line[6:])
-            async for line in r.aiter_lines()
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
+        events = [e for e in await read_sse(r) if e != "[DONE]"]
     if events and "error" in events[-1]:
         return STATUS_OF[events[-1]["error"]["code"]], events[-1]
     return r.status_code, {"text": "".join(e["text"] for e in events), "finish_reason": events[-1].get("finish_reason")}

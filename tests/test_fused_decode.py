@@ -17,7 +17,7 @@ from conftest import PROMPTS, Reference, drive, expected, make_engine, need_kern
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from models import layers  # noqa: E402
+from models import attention  # noqa: E402
 from models.kernels import decode_ops, decode_step  # noqa: E402
 from models.kernels import paged_attention as pa  # noqa: E402
 
@@ -154,7 +154,7 @@ def test_lean_steps_give_the_torch_paths_logits(family_dir, weights, small_gemm)
     model = engine.model
     assert model.lean_decode
     per_seq = 4
-    for B in (1, 2, 5, layers.LEAN_MAX_ROWS, layers.LEAN_MAX_ROWS + 1, 20):
+    for B in (1, 2, 5, attention.LEAN_MAX_ROWS, attention.LEAN_MAX_ROWS + 1, 20):
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
         prompts = [[(5 * b + i) % 50 + 3 for i in range(3 + b % 7)] for b in range(B)]
         tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
@@ -205,12 +205,12 @@ def test_whole_step_call_gives_the_per_layer_calls_bits(family_dir, weights):
     the same slots, bit for bit, at batch 1 to LEAN_MAX_ROWS, at 1, 2 and 3 threads (short contexts: one
     attention partition; the long one in the next test)."""
     need_step_kernel()
-    engine = make_engine(family_dir, layers.LEAN_MAX_ROWS, weights=weights)
+    engine = make_engine(family_dir, attention.LEAN_MAX_ROWS, weights=weights)
     model = engine.model
     plan = model.fused_step
     assert plan is not None
     per_seq = 4
-    for B in (1, 2, 5, layers.LEAN_MAX_ROWS):
+    for B in (1, 2, 5, attention.LEAN_MAX_ROWS):
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
         prompts = [[(3 * b + i) % 50 + 3 for i in range(2 + b % 9)] for b in range(B)]
         tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
@@ -353,7 +353,7 @@ def test_mixed_step_over_partitioned_contexts(family_dir):
 def test_fp32_steps_past_small_gemms_row_limit_keep_the_torch_path(family_dir):
     need_step_kernel()
     model = make_engine(family_dir, 4, weights="fp32").model
-    assert model.fused_step.max_rows == layers.LEAN_MAX_ROWS
+    assert model.fused_step.max_rows == attention.LEAN_MAX_ROWS
     assert model._takes_fused_step(2, [[1] * 14])
     assert not model._takes_fused_step(2, [[1] * 15])
     quant = make_engine(family_dir, 4, weights="int4").model

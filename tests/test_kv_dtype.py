@@ -270,23 +270,23 @@ def test_an_unknown_kv_cache_dtype_names_the_variable_and_the_choices(value):
 )
 def test_auto_is_fp32_beside_fp32_weights_and_int8_beside_quantized_ones(env, dtype, monkeypatch):
     """What a server picks (the tests' own engines run auto as fp32: conftest._exact_kv_pool)."""
-    from models import runtime
+    from models import runtime_config
 
     from conftest import SERVING_AUTO_KV
 
-    monkeypatch.setattr(runtime, "AUTO_QUANTIZED_KV", SERVING_AUTO_KV["dtype"])
+    monkeypatch.setattr(runtime_config, "AUTO_QUANTIZED_KV", SERVING_AUTO_KV["dtype"])
     assert SERVING_AUTO_KV["dtype"] == "int8"
-    assert runtime.kv_cache_dtype(Config.from_env(env)) == dtype
+    assert runtime_config.kv_cache_dtype(Config.from_env(env)) == dtype
 
 
 def test_a_dtype_the_cpu_cannot_run_fails_at_startup_with_one_line(monkeypatch):
     """fp16 on a CPU without F16C: one line that says what to use instead (checked before the model loads)."""
-    from models import kv_dtype, runtime
+    from models import kv_dtype, runtime_config
     from models.loading import ModelLoadError
 
     monkeypatch.setattr(kv_dtype, "cpu_flags", lambda: {"avx2", "fma"})
     with pytest.raises(ModelLoadError, match="F16C") as err:
-        runtime._check_kv_dtype(Config(kv_cache_dtype="fp16"))
+        runtime_config._check_kv_dtype(Config(kv_cache_dtype="fp16"))
     assert "\n" not in str(err.value)
     for ok in ("fp32", "bf16", "int8"):
-        runtime._check_kv_dtype(Config(kv_cache_dtype=ok))
+        runtime_config._check_kv_dtype(Config(kv_cache_dtype=ok))

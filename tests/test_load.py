@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import random
 import time
 
@@ -19,7 +18,7 @@ import pytest
 from config import Config
 from server import create_app
 
-from conftest import RUNTIMES, assert_pool_full, assert_runtime, run, runtime_knobs
+from conftest import RUNTIMES, assert_pool_full, assert_runtime, read_sse, run, runtime_knobs
 from live import ThreadServer, metric
 
 pytestmark = pytest.mark.model
@@ -51,10 +50,7 @@ async def post(c: httpx.AsyncClient, url: str, rid: str, prompt: str, n: int, st
     texts, final = [], None
     async with c.stream("POST", f"{url}/generate", json={**payload, "stream": True}) as r:
         assert r.status_code == 200, (rid, r.status_code)
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in [e for e in await read_sse(r) if e != "[DONE]"]:
             assert "error" not in event, (rid, event)
             assert event["request_id"] == rid
             texts.append(event["text"])

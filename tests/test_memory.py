@@ -225,7 +225,7 @@ def test_release_file_pages_drops_clean_file_pages_and_nothing_else(tmp_path):
     """A clean private file mapping (how safetensors maps a checkpoint): its pages leave RSS and read back with
     the same values. A mapping with a modified page, and anonymous memory, are left as they are."""
     torch = pytest.importorskip("torch")
-    from models.layers import release_file_pages
+    from models.state_dict import release_file_pages
 
     values = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
     path = str(tmp_path / "weights.bin")

@@ -139,7 +139,7 @@ def test_runtime_setting_is_validated():
 )
 def test_auto_runtime_serves_quantized_weights_natively(env, native, monkeypatch):
     import models.native
-    from models.runtime import uses_native_runtime
+    from models.runtime_config import uses_native_runtime
 
     monkeypatch.setattr(models.native, "unavailable_reason", lambda: None)
     assert uses_native_runtime(Config.from_env(env)) is native
@@ -147,7 +147,7 @@ def test_auto_runtime_serves_quantized_weights_natively(env, native, monkeypatch
 
 def test_auto_runtime_falls_back_to_torch_where_the_kernel_cannot_run(monkeypatch, caplog):
     import models.native
-    from models.runtime import uses_native_runtime
+    from models.runtime_config import uses_native_runtime
 
     monkeypatch.setattr(models.native, "unavailable_reason", lambda: "no AVX2 on this CPU")
     assert not uses_native_runtime(Config.from_env({"MODEL_ID": "m.gguf"}))

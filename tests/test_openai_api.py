@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from api.errors import error_code
 from config import Config
 from server import create_app
 
+from conftest import assert_error_body
 from live import ThreadServer, openai_client, poll_until
 
 pytestmark = pytest.mark.model
@@ -357,15 +357,9 @@ def test_stop_string_split_across_tokens(client, live, tokenizer):
 
 
 def assert_openai_error(exc: openai.APIStatusError, status: int, *words: str) -> dict:
+    """The client's exception for an error answer: ``status``, OpenAI's error shape (``assert_error_body``)."""
     assert exc.status_code == status
-    body = exc.response.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == error_code(status, err["param"]) and isinstance(err["type"], str) and err["type"]
-    assert isinstance(err["message"], str) and err["message"].strip()
-    for word in words:
-        assert word in err["message"], err
+    err = assert_error_body(exc.response.json(), status, *words)
     assert exc.body == err  # the client hands the "error" object over as .body
     return err
 

@@ -270,7 +270,7 @@ def test_max_model_len_sizes_the_cache_and_bounds_admission(model_dir, reference
 
 
 def test_num_threads_zero_means_the_physical_cores(model_dir):
-    from models.runtime import physical_cores
+    from models.runtime_config import physical_cores
 
     before = torch.get_num_threads()
     try:

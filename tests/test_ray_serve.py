@@ -7,17 +7,14 @@ the GPT-2 test is selected, ``gpt2`` (2 replicas of the tiny GPT-2, called by Se
 Traffic goes to the Serve proxy on 127.0.0.1 only. Ray runs in its single-machine mode
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): every node address is 127.0.0.1, and a test asserts that no Ray process
 listens outside 127.0.0.0/8. At the end every Ray process is stopped (serve.shutdown, ray.shutdown, cluster).
+What needs no cluster (the options, the build, the health probe) is test_ray_serve_build.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -27,11 +24,12 @@ import httpx
 import pytest
 
 from api.errors import error_code
-from config import Config, ConfigError
+from config import Config
 from engine import FakeEngine
 
-from conftest import ROOT, run
+from conftest import metric, run
 from live import free_port
+from ray_harness import is_loopback, ray_listeners
 
 APP, GPT2_APP = "fake", "gpt2"
 KEY = "test-key"
@@ -60,73 +58,6 @@ def fake_text(prompt: str, n: int) -> str:
         chr(FakeEngine.letter_token(SimpleNamespace(prompt_token_ids=ids, output_token_ids=[0] * i)) - 1)
         for i in range(n)
     )
-
-
-# --- without a cluster ------------------------------------------------------------------------------------
-def test_plain_server_stack_imports_no_ray():
-    """The Ray deployment is an add-on: importing and building the server never imports ray."""
-    script = (
-        "import sys, config, engine, scheduler, server; server.create_app(); "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "MODEL_ID": "fake"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]", proc.stdout
-
-
-def test_deployment_options_follow_the_config():
-    from deploy.ray_serve import config_env, deployment_options, replica_config
-
-    cfg = Config(model_id="fake", max_batch_size=8, max_queue_depth=100, drain_timeout_s=12)
-    opts = deployment_options(cfg, {"num_replicas": 3})
-    assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts
-    assert opts["max_ongoing_requests"] == 16  # one batch running, one waiting at the replica
-    assert opts["max_queued_requests"] == 100
-    assert opts["graceful_shutdown_timeout_s"] == 17.0
-    auto = deployment_options(cfg, {"min_replicas": 1, "max_replicas": 4})["autoscaling_config"]
-    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 8)
-    # MAX_CONCURRENT_REQUESTS below two batches caps what the router sends (else the replica would 429).
-    capped = deployment_options(Config(model_id="fake", max_batch_size=8, max_concurrent_requests=5), {})
-    assert capped["max_ongoing_requests"] == 5
-    # NUM_THREADS: unset -> the CPUs Ray assigned the replica; set -> kept; no whole CPU -> 0 (all cores).
-    assert replica_config({"MODEL_ID": "fake"}, 3.0).num_threads == 3
-    assert replica_config({"MODEL_ID": "fake", "NUM_THREADS": "2"}, 3.0).num_threads == 2
-    assert replica_config({"MODEL_ID": "fake"}, 0.5).num_threads == 0
-    env = config_env({"MODEL_ID": "m", "MAX_BATCH_SIZE": "4", "MINIBATCH_CACHE": "/c", "HOME": "/root", "PATH": "/bin"})
-    assert env == {"MODEL_ID": "m", "MAX_BATCH_SIZE": "4", "MINIBATCH_CACHE": "/c"}
-
-
-def test_bad_config_fails_the_build_naming_the_variable():
-    from deploy.ray_serve import build_app
-
-    with pytest.raises(ConfigError, match="MAX_BATCH_SIZE"):
-        build_app({"env": {"MODEL_ID": "fake", "MAX_BATCH_SIZE": "0"}})
-
-
-def test_health_probe_fails_before_load_and_when_the_engine_loop_dies():
-    """``check_health`` asks /health: Serve replaces a replica whose model never loaded or whose loop died."""
-    from deploy.ray_serve import probe_health
-    from server import create_app
-
-    async def main():
-        app = create_app(Config(model_id="fake"), engine=FakeEngine(capacity=2))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as local:
-            with pytest.raises(RuntimeError, match="503"):
-                await probe_health(local, "r1")  # lifespan not run: the model is not loaded
-            async with app.router.lifespan_context(app):
-                await probe_health(local, "r1")
-                await app.state.server.scheduler.stop()  # the engine loop ends
-                with pytest.raises(RuntimeError, match="dead"):
-                    await probe_health(local, "r1")
-
-    run(asyncio.wait_for(main(), 20))
 
 
 # --- the cluster ------------------------------------------------------------------------------------------
@@ -253,15 +184,6 @@ def test_api_key_and_limits_enforced_by_every_replica(fleet):
     run(asyncio.wait_for(main(), 60))
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def test_streaming_and_disconnects_through_the_proxy(fleet):
     """A stream arrives event by event; a client that leaves (streaming or not) aborts its sequence on the replica."""
 
@@ -313,15 +235,15 @@ def test_streaming_and_disconnects_through_the_proxy(fleet):
 
 async def fleet_aborts(c: httpx.AsyncClient, url: str) -> tuple[float, float]:
     """(aborted sequences, running sequences) summed over both replicas, each read from its own /metrics."""
-    abort = 'minibatch:request_success_total{finished_reason="abort"}'
-    seen: dict[str, dict[str, float]] = {}
+    abort = 'finished_reason="abort"'
+    seen: dict[str, str] = {}
     for _ in range(40):
         r = await c.get(f"{url}/metrics")
-        seen[r.headers["x-minibatch-replica"]] = parse_metrics(r.text)
+        seen[r.headers["x-minibatch-replica"]] = r.text
         if len(seen) == 2:
             return (
-                sum(m[abort] for m in seen.values()),
-                sum(m["minibatch:num_requests_running"] for m in seen.values()),
+                sum(metric(m, "minibatch:request_success_total", abort) for m in seen.values()),
+                sum(metric(m, "minibatch:num_requests_running") for m in seen.values()),
             )
     raise AssertionError(f"only {list(seen)} answered /metrics")
 
@@ -382,7 +304,7 @@ def test_metrics_of_every_replica_reach_rays_metrics_with_a_replica_label(fleet)
         async with client() as c:
             for _ in range(40):
                 r = await c.get(f"{fleet.url}/metrics")
-                own[r.headers["x-minibatch-replica"]] = parse_metrics(r.text)["minibatch:generation_tokens_total"]
+                own[r.headers["x-minibatch-replica"]] = metric(r.text, "minibatch:generation_tokens_total")
                 if len(own) == 2:
                     return own
         raise AssertionError(f"only {list(own)} answered /metrics")
@@ -401,58 +323,6 @@ def test_metrics_of_every_replica_reach_rays_metrics_with_a_replica_label(fleet)
     buckets = ray_exported(fleet.metrics_ports, "minibatch_time_to_first_token_seconds_bucket")
     assert {replica for replica, le in buckets if le == "+Inf"} == set(own)
     assert sum(v for (_, le), v in buckets.items() if le == "+Inf") >= 200
-
-
-def ray_listeners(root_pid: int) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every listening TCP socket owned by root_pid's process tree (Ray's processes)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = {root_pid}, [root_pid]
-    while todo:
-        for kid in children.get(todo.pop(), []):
-            if kid not in tree:
-                tree.add(kid)
-                todo.append(kid)
-    owner: dict[str, int] = {}  # socket inode -> pid
-    for pid in tree:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                owner[link[8:-1]] = pid
-    found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/net/{table}") as f:
-            next(f)
-            for row in f:
-                cols = row.split()
-                local, state, inode = cols[1], cols[3], cols[9]
-                if state != "0A" or inode not in owner:  # 0A: LISTEN
-                    continue
-                hex_ip, hex_port = local.split(":")
-                raw = bytes.fromhex(hex_ip)  # little-endian 32-bit words
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                found.append((socket.inet_ntop(family, raw), int(hex_port, 16), owner[inode]))
-    return found
-
-
-def is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return (mapped or ip).is_loopback
 
 
 def test_no_ray_listener_outside_loopback(fleet):

@@ -1,6 +1,7 @@
-"""core/sampling.py (numpy, no torch): parameter validation, greedy equivalences, seeded reproducibility independent
-of batchmates, the top-k/top-p/min-p supports, exact penalty arithmetic, distribution sanity, read-only inputs,
-the top-``width`` selection against a full sort, and logprobs against a float64 log_softmax.
+"""core/sampling.py (numpy, no torch): call shapes, greedy equivalences, seeded reproducibility independent of
+batchmates, the top-k/top-p/min-p supports, distribution sanity, numeric extremes and read-only inputs (the
+parameters' validation, the penalties' arithmetic, logprobs and the top-``width`` selection have their own files:
+test_sampling_params.py, test_logit_filters.py, test_logprobs.py).
 
 Everything is statistical only with fixed seeds and generous tolerances; nothing is timed.
 """
@@ -22,19 +23,16 @@ from core.sampling import (
     TOP_P_WINDOWS,
     NonFiniteLogits,
     SamplingParams,
-    TokenLogprobs,
     apply_penalties,
+    apply_token_bitmask,
     logprobs,
     sample,
     seeded_uniform,
 )
 
+from conftest import randn
+
 SP = SamplingParams
-
-
-def randn(seed: int, *shape: int, scale: float = 1.0) -> np.ndarray:
-    """Standard normal float32 logits from a fixed seed."""
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
 def log_probs(probs: list[float]) -> np.ndarray:
@@ -49,85 +47,7 @@ def draws(logits_row: np.ndarray, params: SamplingParams, n: int, first_seed: in
     return sample(rows, ps, output_ids=[[]] * n)
 
 
-# --- validation -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("temperature", -0.1),
-        ("temperature", -1),
-        ("temperature", math.nan),
-        ("temperature", math.inf),
-        ("temperature", True),
-        ("temperature", "1"),
-        ("top_p", 0.0),
-        ("top_p", -0.5),
-        ("top_p", 1.0001),
-        ("top_p", math.nan),
-        ("top_k", -1),
-        ("top_k", 1.5),
-        ("top_k", True),
-        ("min_p", -0.01),
-        ("min_p", 1.01),
-        ("min_p", math.nan),
-        ("repetition_penalty", 0.0),
-        ("repetition_penalty", -1.0),
-        ("repetition_penalty", math.nan),
-        ("repetition_penalty", math.inf),
-        ("presence_penalty", 2.01),
-        ("presence_penalty", -2.01),
-        ("presence_penalty", math.nan),
-        ("frequency_penalty", 3),
-        ("frequency_penalty", -2.5),
-        ("frequency_penalty", math.inf),
-        ("seed", -1),
-        ("seed", 2**63),
-        ("seed", 1.0),
-        ("seed", True),
-    ],
-)
-def test_invalid_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        SP(**{field: value})
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},
-        {"temperature": 0},
-        {"temperature": 2.5, "top_p": 1.0, "top_k": 1, "min_p": 1.0},
-        {"top_p": 1e-9, "min_p": 0.0, "top_k": 100000},
-        {"repetition_penalty": 1e-3, "presence_penalty": -2, "frequency_penalty": 2},
-        {"seed": 0},
-        {"seed": 2**63 - 1},
-    ],
-)
-def test_valid_edges_accepted(kwargs):
-    SP(**kwargs).validate()
-
-
-def test_properties_and_frozen():
-    assert SP().is_greedy and not SP().has_penalties
-    assert SP(temperature=0.0, repetition_penalty=1.3).is_greedy
-    assert SP(repetition_penalty=1.3).has_penalties
-    assert SP(presence_penalty=0.1).has_penalties and SP(frequency_penalty=-0.1).has_penalties
-    assert not SP(temperature=0.7).is_greedy
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        SP().temperature = 1.0  # frozen
-
-
-def test_sampling_params_need_no_torch():
-    """The server validates requests without torch: importing sampling must not pull it in."""
-    script = (
-        "import sys; from core import sampling; p = sampling.SamplingParams(temperature=0.7, seed=3); "
-        "print(p.is_greedy, sampling.seeded_uniform(3, 0) < 1, 'torch' in sys.modules)"
-    )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "True", "False"]
+# --- call shapes ----------------------------------------------------------------------------
 
 
 def test_call_shape_errors():
@@ -383,66 +303,6 @@ def test_top_k_keeps_ties_at_the_boundary():
     assert set(draws(logits, SP(temperature=3.0, top_k=2), 400)) == {0, 1, 2, 3}
 
 
-# --- penalties ------------------------------------------------------------------------------
-
-ROW = [2.0, -1.0, 0.5, 3.0, 0.0, -4.0]
-PROMPT = [0, 4, 5, 5]
-OUTPUT = [1, 1, 2, 0]
-
-
-@pytest.mark.parametrize(
-    "kwargs, want",
-    [
-        # repetition over prompt + output (each token once): positive / 2, negative x 2
-        ({"repetition_penalty": 2.0}, [1.0, -2.0, 0.25, 3.0, 0.0, -8.0]),
-        ({"repetition_penalty": 0.5}, [4.0, -0.5, 1.0, 3.0, 0.0, -2.0]),
-        # frequency over output only: token 1 twice, tokens 0 and 2 once
-        ({"frequency_penalty": 0.5}, [1.5, -2.0, 0.0, 3.0, 0.0, -4.0]),
-        ({"frequency_penalty": -1.0}, [3.0, 1.0, 1.5, 3.0, 0.0, -4.0]),
-        # presence over output only: once per distinct token
-        ({"presence_penalty": 0.25}, [1.75, -1.25, 0.25, 3.0, 0.0, -4.0]),
-        # repetition first, then frequency, then presence
-        (
-            {"repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.25},
-            [1.0 - 0.5 - 0.25, -2.0 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, 3.0, 0.0, -8.0],
-        ),
-    ],
-)
-def test_penalties_exact(kwargs, want):
-    logits = np.array([ROW, ROW], dtype=np.float32)
-    logits.flags.writeable = False  # never written
-    got = apply_penalties(logits, [SP(**kwargs), SP()], [PROMPT, PROMPT], [OUTPUT, OUTPUT])
-    assert got.dtype == np.float32 and got.flags.c_contiguous
-    assert got[0].tolist() == want
-    assert got[1].tolist() == ROW  # the batchmate without penalties is untouched
-
-
-def test_penalties_match_a_dense_reference_at_full_vocab():
-    vocab = 50257
-    logits = randn(9, 32, vocab)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 300))] for _ in range(32)]
-    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 60))] for _ in range(32)]
-    params = [
-        SP(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2) if i % 3 else SP() for i in range(32)
-    ]
-    got = apply_penalties(logits, params, prompts, outputs)
-    want = logits.copy()
-    for i, p in enumerate(params):  # the dense reference, row by row, in float32
-        if not p.has_penalties:
-            continue
-        seen = np.zeros(vocab, dtype=bool)
-        seen[prompts[i] + outputs[i]] = True
-        r = want[i]
-        rp, freq, pres = (np.full(vocab, v, np.float32) for v in (1.3, 0.2, 0.4))
-        r = np.where(seen, np.where(r > 0, r / rp, r * rp), r)
-        counts = np.bincount(outputs[i], minlength=vocab).astype(np.float32)
-        r = r - freq * counts
-        r = r - pres * (counts > 0).astype(np.float32)
-        want[i] = r
-    assert np.array_equal(got, want)
-
-
 # --- distributions --------------------------------------------------------------------------
 
 
@@ -523,62 +383,7 @@ def test_masked_tokens_stay_masked_under_a_vanishing_repetition_penalty():
         assert set(sample(logits, params, prompts, [[5, 5]] * 4)) <= {10, 20}
 
 
-# --- logprobs -------------------------------------------------------------------------------
-
-
-def log_softmax64(logits: np.ndarray) -> np.ndarray:
-    """The float64 reference: log_softmax of the float32 logits, computed in float64."""
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def test_logprobs():
-    logits = randn(10, 3, 50, scale=5)
-    logits.flags.writeable = False
-    lp = log_softmax64(logits)
-    chosen = [4, 0, 49]
-    rows = logprobs(logits, chosen, k=3)
-    assert all(isinstance(r, TokenLogprobs) for r in rows)
-    for i, r in enumerate(rows):
-        assert r.token_id == chosen[i] and isinstance(r.token_id, int) and isinstance(r.logprob, float)
-        assert r.logprob == pytest.approx(lp[i, chosen[i]], abs=1e-6)
-        top_ids = np.argsort(-lp[i])[:3].tolist()
-        assert [t for t, _ in r.top] == top_ids
-        assert [v for _, v in r.top] == pytest.approx(lp[i, top_ids].tolist(), abs=1e-6)
-        assert r.top[0][1] >= r.top[1][1] >= r.top[2][1]
-    assert all(r.top == () for r in logprobs(logits, np.array(chosen)))
-    full = logprobs(logits, chosen, k=500)
-    assert all(len(r.top) == 50 for r in full)
-    assert [[t for t, _ in r.top] for r in full] == np.argsort(-lp, axis=-1, kind="stable").tolist()
-    with pytest.raises(ValueError):
-        logprobs(logits, chosen, k=-1)
-    with pytest.raises(ValueError):
-        logprobs(logits, [1, 2])
-    with pytest.raises(ValueError, match="chosen"):
-        logprobs(logits, [1, 2, 50])
-    with pytest.raises(ValueError, match="chosen"):
-        logprobs(logits, [1, -1, 2])
-
-
-def test_logprobs_at_full_vocab_and_masked_tokens():
-    """A 50k vocabulary (the grouped top-k selection), large logits and -inf tokens, against float64."""
-    logits = randn(11, 5, 50257, scale=8)
-    logits[2, :40000] = -np.inf
-    logits[3, [5, 77, 30000]] = logits[3].max() + 2  # tied at the top: listed by id
-    lp = log_softmax64(logits)
-    chosen = [0, 1, 45000, 77, 50256]
-    rows = logprobs(logits, chosen, k=20)
-    for i, r in enumerate(rows):
-        assert r.logprob == pytest.approx(lp[i, chosen[i]], abs=1e-5)
-        want = np.argsort(-lp[i], kind="stable")[:20].tolist()
-        assert [t for t, _ in r.top] == want
-        assert [v for _, v in r.top] == pytest.approx(lp[i, want].tolist(), abs=1e-5)
-    assert [t for t, _ in rows[3].top[:3]] == [5, 77, 30000]
-    assert logprobs(logits[2:3], [0])[0].logprob == -math.inf
-
-
-# --- numpy specifics: read-only inputs, the top-width selection, no torch -------------------------------------
+# --- numpy specifics: read-only inputs, no torch -------------------------------------
 
 
 def test_read_only_logits_are_never_written():
@@ -601,26 +406,8 @@ def test_read_only_logits_are_never_written():
     apply_penalties(logits, params, [[1, 2]] * 6, [[3, 4, 4]] * 6)
     logprobs(logits, toks, k=5)
     mask = np.full((1, (3000 + 31) // 32), -1, dtype=np.int32)
-    sampling.apply_token_bitmask(logits, [2], mask)
+    apply_token_bitmask(logits, [2], mask)
     assert np.array_equal(logits, before)
-
-
-@pytest.mark.parametrize("vocab", [7, 300, 4099, 50257])
-@pytest.mark.parametrize("width", [1, 3, 40, 256, 2048])
-def test_top_selection_equals_a_full_sort(vocab, width):
-    """``_top`` / ``_top_values`` (strided groups, then a partition of the candidates) give exactly the largest
-    values of each row, on ragged vocabularies, with ties and -inf, whatever the width."""
-    x = randn(vocab + width, 5, vocab, scale=2)
-    x[1] = np.round(x[1])  # many ties
-    x[2, ::2] = -np.inf
-    x[3] = 0.0  # all tied
-    x[4, : vocab // 2] = np.sort(x[4, : vocab // 2])  # sorted runs: the top sits in a few neighbouring ids
-    w = min(width, vocab)
-    want = -np.sort(-x, axis=1)[:, :w]
-    vals, idx = sampling._top(x, width)
-    assert np.array_equal(vals, want) and np.array_equal(np.take_along_axis(x, idx, 1), vals)
-    assert all(len(set(row)) == w for row in idx.tolist())  # distinct ids
-    assert np.array_equal(sampling._top_values(x, width), want)
 
 
 def test_huge_temperature_keeps_masked_tokens_masked():

@@ -27,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 from config import Config  # noqa: E402
 from core.sampling import SamplingParams  # noqa: E402
 from core.sequence import Sequence, SequenceStatus  # noqa: E402
-from models.runtime import NON_FINITE_LOGITS, HFEngine  # noqa: E402
+from models.model_engine import NON_FINITE_LOGITS  # noqa: E402
+from models.runtime import HFEngine  # noqa: E402
 
 pytestmark = pytest.mark.model
 

@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = """
 import json, os, sys
 from config import Config
-from models.runtime import HFEngine, physical_cores
+from models.runtime import HFEngine
+from models.runtime_config import physical_cores
 assert "torch" not in sys.modules
 engine = HFEngine(Config(model_id=sys.argv[1], max_batch_size=2, num_threads=int(sys.argv[2])))
 import torch

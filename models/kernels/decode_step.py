@@ -129,7 +129,7 @@ class StepPlan:
         return all(lin(x) is not None for x in linears) and load() is not None
 
     def __call__(self, batch, lora=None) -> torch.Tensor:
-        """A ``layers.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
+        """A ``mixed_batch.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
         sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written. ``lora``: (a
         ``lora_step.KernelLora``, each row's adapter slot [N], -1 the base) or None."""
         N, threads = batch.ids.shape[0], torch.get_num_threads()

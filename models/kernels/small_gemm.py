@@ -90,7 +90,7 @@ def pack(weight: torch.Tensor, release: Callable[[torch.Tensor], object] | None 
 
     ``release(rows)``, if given, is called with each chunk of ``weight``'s rows once copied, then with the whole
     ``weight``, for a weight of at least two ``RELEASE_CHUNK_BYTES`` chunks: a checkpoint table's pages can leave
-    RSS as its panels fill, rather than both being resident at once (``layers.release_file_pages``). The last call
+    RSS as its panels fill, rather than both being resident at once (``state_dict.release_file_pages``). The last call
     catches what reading a chunk mapped back of the one before (the kernel maps a fault's cached neighbours too,
     in windows that need not align with the chunks) and the rows of a partial last panel."""
     n, k = weight.shape

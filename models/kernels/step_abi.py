@@ -251,6 +251,26 @@ def map_buffers(spec: ModelSpec, f: Callable[[str, Any], Any]) -> ModelSpec:
     return dataclasses.replace(spec, **tables, lm_head=lin("lm_head", spec.lm_head), layers=layers)
 
 
+def map_linears(spec: ModelSpec, f: Callable[[LinSpec], LinSpec]) -> ModelSpec:
+    """The spec with every linear x (each layer's, each expert's, the lm_head) replaced by ``f(x)``."""
+
+    def lin(x: LinSpec | None) -> LinSpec | None:
+        return None if x is None else f(x)
+
+    def moe(x: MoeSpec | None) -> MoeSpec | None:
+        return (
+            None
+            if x is None
+            else dataclasses.replace(x, gate_up=[f(g) for g in x.gate_up], down=[f(d) for d in x.down])
+        )
+
+    layers = [
+        dataclasses.replace(x, **{k: lin(getattr(x, k)) for k in ("qkv", "o", "up", "down")}, moe=moe(x.moe))
+        for x in spec.layers
+    ]
+    return dataclasses.replace(spec, lm_head=lin(spec.lm_head), layers=layers)
+
+
 def buffers(spec: ModelSpec) -> Iterator[tuple[str, Any]]:
     """Every (name, handle) the kernel reads, in a stable order (a shared handle, e.g. a tied lm_head's table,
     appears under each of its names)."""

@@ -11,16 +11,17 @@ from .errors import ModelLoadError, one_line
 from .model_id import OFFLINE_HINT, alias_path, gguf_path, is_gguf, resolve_model_id
 
 
-def load_checkpoint(model_id: str, weights: str = "fp32"):
+def load_checkpoint(model_id: str, weights: str = "fp32", in_process: bool = False):
     """(tokenizer, HF causal-LM in fp32, eval mode) for a hub id, a local directory or a ``.gguf`` file.
 
     A ``.gguf`` file comes back as a ``models.gguf_model.GGUFModel``: config and tokenizer from its metadata
     directory (``convert.gguf_metadata_dir``), weights read from the file itself at the precision ``weights`` asks
     for (its own quantization under "auto", gguf-py's dequantized values under "fp32"), no HF model in memory.
+    ``in_process``: its tokenizer and config are converted in this process, not in a child.
     """
     model_id = alias_path(model_id)  # an alias is its fetched .gguf file from here on
     if is_gguf(model_id):
-        return load_gguf(model_id, weights)
+        return load_gguf(model_id, weights, in_process)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -31,13 +32,13 @@ def load_checkpoint(model_id: str, weights: str = "fp32"):
     return tokenizer, model.eval()
 
 
-def load_gguf(model_id: str, weights: str):
+def load_gguf(model_id: str, weights: str, in_process: bool = False):
     """(tokenizer, ``GGUFModel``) for a ``.gguf`` file served at ``weights``: its metadata directory's
     tokenizer and config, its weights straight from the file."""
     from models.gguf_model import GGUFModel
 
     path = gguf_path(model_id)
-    meta = convert.gguf_metadata_dir(path)
+    meta = convert.gguf_metadata_dir(path, in_process)
     with load_errors(meta):
         tokenizer = convert.saved_tokenizer(meta)
         config, generation_config = convert.saved_config(meta)

@@ -39,9 +39,10 @@ def gguf_cache_dir(path: str) -> str:
     return os.path.join(cache_subdir("checkpoints"), f"{stem}-{st.st_size}-{stamp}")
 
 
-def gguf_metadata_dir(path: str) -> str:
+def gguf_metadata_dir(path: str, in_process: bool = False) -> str:
     """The directory of the GGUF file ``path``'s tokenizer and config (``gguf_cache_dir(path)-meta``, keyed the same
-    way), converted now by a child process if no earlier start did."""
+    way), converted now if no earlier start did: by a child process, or here when ``in_process`` (a process that
+    imports transformers anyway and exits after the load: the model image's build)."""
     out_dir = gguf_cache_dir(path) + "-meta"
     if os.path.isfile(os.path.join(out_dir, MARKER)):
         log.info("GGUF %s: tokenizer and config from %s", path, out_dir)
@@ -53,7 +54,7 @@ def gguf_metadata_dir(path: str) -> str:
     except ValueError as exc:
         raise ModelLoadError(f"MODEL_ID {path} could not be loaded as a GGUF checkpoint: {one_line(exc)}") from exc
     log.info("GGUF %s: converting its tokenizer and config once into %s", path, out_dir)
-    build_gguf_once(path, out_dir, _metadata_in_child)
+    build_gguf_once(path, out_dir, write_gguf_metadata if in_process else _metadata_in_child)
     return out_dir
 
 
@@ -78,15 +79,17 @@ def write_gguf_metadata(path: str, out: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from models.gguf.config import file_config
+    from models.gguf.reader import fields_reader_installed
 
     directory, name = os.path.split(path)
     values = file_config(path)
-    if values is None:  # gpt2
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    else:
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
-    tokenizers = AutoTokenizer if config.model_type in ("gpt2", "llama") else transformers.PreTrainedTokenizerFast
-    tokenizers.from_pretrained(directory, gguf_file=name).save_pretrained(out)
+    with fields_reader_installed():  # transformers reads the header through our parser (seconds, not tens)
+        if values is None:  # gpt2
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        else:
+            config = AutoConfig.for_model(values.pop("model_type"), **values)
+        tokenizers = AutoTokenizer if config.model_type in ("gpt2", "llama") else transformers.PreTrainedTokenizerFast
+        tokenizers.from_pretrained(directory, gguf_file=name).save_pretrained(out)
     save_config(out, config, GenerationConfig.from_model_config(config))  # the generation config a model gets
 
 

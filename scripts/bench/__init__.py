@@ -1,7 +1,10 @@
 """The benchmark's parts; ``scripts/benchmark.py`` is the command line that runs them.
 
-workloads.py  the requests: seeded token-id prompts and budgets per workload (seed, scale, sweep)
-systems.py    the systems run on them: static_hf, hf_cb, ours (ours:int8 ...), llamacpp, ours_ray
+workloads.py  the requests: seeded token-id prompts and budgets per workload (seed, scale, sweep); drive
+systems.py    the systems run on them: ours (ours:int8 ...), ours_server, ours_ray; the registry of every system
+hf_systems.py the HF baselines: static_hf, hf_cb
+llamacpp.py   llama.cpp's llama-server
+servers.py    server processes: port, log, bounded health wait, peak RSS, stop
 roofline.py   inside the ours worker: engine overhead over the bare forward, the roofline, kernel rates
 report.py     per-request timings -> summaries; tables, JSON and plots
 """

@@ -19,14 +19,8 @@ import subprocess
 import sys
 import time
 
-from scripts.bench.systems import (
-    ROOT,
-    _free_port,
-    _log_path,
-    _process_handles,
-    _wait_healthy,
-    start_llama_server,
-)
+from scripts.bench import ROOT
+from scripts.bench.servers import _free_port, _log_path, _process_handles, _wait_healthy, start_llama_server
 from scripts.bench.workloads import PROMPT_TEXTS
 
 EMBEDDINGS = "embeddings"

@@ -1,12 +1,14 @@
 """Systems: (model_dir, workload) -> (once() -> per-request dicts, config dict).
 
 Each ``once()`` runs every request of the workload, each at its arrival time and after the request it
-waits for (``drive``), and returns per request, in seconds from t0: ``start`` (sent), ``first`` (first
+waits for (``workloads.drive``), and returns per request, in seconds from t0: ``start`` (sent), ``first`` (first
 token), ``end`` (finished) and ``token_times`` (every delivered token, where the system shows them), plus
 ``tokens`` (delivered) and ``tag``. ``once.stop`` / ``once.peak_rss_mb``, when set, stop a server and read
 its peak RSS; ``once.run_stats``, when set, holds figures of the last run (ours: prefill tokens computed,
 KV blocks in use). ``ours_ray`` is the exception: Ray Serve against our own HTTP server, measured side by
-side by ``deploy/bench_ray.py`` (``run_ours_ray``).
+side by ``deploy/bench_ray.py`` (``run_ours_ray``). Here: ours (in-process and as a server), the registry
+(``SYSTEM_FNS``, ``parse_system``); the HF baselines are ``hf_systems.py``, llama-server ``llamacpp.py``, the server
+processes' handling ``servers.py``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import time
 
 from . import ROOT
-from .workloads import Request, Workload, slot_context
+from .hf_systems import system_hf_cb, system_static_hf
+from .llamacpp import system_llamacpp
+from .servers import _free_port, _log_path, _process_handles, _wait_healthy
+from .workloads import Request, Workload, drive, slot_context
 
 
 class Unsupported(Exception):
@@ -46,197 +49,6 @@ def _in_turn(workload: Workload) -> bool:
     return workload.capacity == 1 and all(
         r.arrival == 0 and not r.continues and r.after == (i - 1 if i else None) for i, r in enumerate(reqs)
     )
-
-
-async def drive(requests: list[Request], send) -> list[dict]:
-    """Send every request at its arrival time, once the request it waits for has finished.
-
-    ``await send(request, prompt_ids)`` -> (output token ids, perf_counter() time of each). Returns the
-    per-request dicts (times from t0); a continued request's prompt is its predecessor's prompt and output
-    followed by its own tokens.
-    """
-    t0 = time.perf_counter()
-    done = [asyncio.Event() for _ in requests]
-    convo: list[list[int]] = [[] for _ in requests]  # each request's prompt + output (for continued turns)
-    out: list[dict] = [{} for _ in requests]
-
-    async def one(i: int, r: Request) -> None:
-        if r.after is not None:
-            await done[r.after].wait()
-        delay = t0 + r.arrival - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        prompt = (convo[r.after] if r.continues else []) + r.prompt_ids
-        start = time.perf_counter()
-        ids, times = await send(r, prompt)
-        end = time.perf_counter()
-        convo[i] = prompt + list(ids)
-        out[i] = {
-            "tag": r.tag,
-            "prompt_tokens": len(prompt),
-            "tokens": len(ids),
-            "start": start - t0,
-            "first": (times[0] if times else end) - t0,
-            "end": end - t0,
-            "token_times": [t - t0 for t in times],
-        }
-        done[i].set()
-
-    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-    return out
-
-
-HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the HF baselines' dtype=... option
-
-
-def hf_dtype(name: str):
-    """``static_hf:dtype=bf16`` -> torch.bfloat16 (fp32, bf16, fp16)."""
-    import torch
-
-    if name not in HF_DTYPES:
-        raise SystemExit(f"dtype must be one of {', '.join(HF_DTYPES)} (got {name!r})")
-    return getattr(torch, HF_DTYPES[name])
-
-
-def system_static_hf(model_dir: str, workload: Workload, device: str = "cpu", dtype: str = "fp32"):
-    """FCFS batches of the capacity through HF generate on ``device`` in ``dtype``; a request finishes when its
-    batch does. Every row of a batch gets its tokens at the batch's steps (the time each step's logits reach the
-    sampler)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-
-    from models.hf_baseline import HFModelRunner, left_pad
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype(dtype))
-    runner = HFModelRunner(model_dir, device=device, model=model)
-    requests, capacity = workload.requests, workload.capacity
-
-    class Steps(LogitsProcessor):
-        """Records when each step's tokens are chosen."""
-
-        def __init__(self):
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores):
-            self.times.append(time.perf_counter())
-            return scores
-
-    def once() -> list[dict]:
-        out = []
-        t0 = time.perf_counter()
-        for first in range(0, len(requests), capacity):
-            batch = requests[first : first + capacity]
-            start = time.perf_counter()
-            ids, mask = left_pad([r.prompt_ids for r in batch], runner.pad_id)  # each [B, W]
-            ids, mask = ids.to(runner.device), mask.to(runner.device)
-            width = ids.shape[1]
-            steps = Steps()
-            with torch.inference_mode():
-                gen = runner.model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    do_sample=False,
-                    eos_token_id=None,
-                    max_new_tokens=max(r.max_new_tokens for r in batch),
-                    pad_token_id=runner.pad_id,
-                    logits_processor=LogitsProcessorList([steps]),
-                )
-            end = time.perf_counter()
-            for r in batch:
-                n = min(r.max_new_tokens, gen.shape[1] - width)
-                times = [t - t0 for t in steps.times[:n]]
-                out.append(
-                    {
-                        "tag": r.tag,
-                        "prompt_tokens": len(r.prompt_ids),
-                        "tokens": n,
-                        "start": start - t0,
-                        "first": times[0] if times else end - t0,
-                        "end": end - t0,
-                        "token_times": times,
-                    }
-                )
-        return out
-
-    config = {"batching": "static FCFS batches, left-padded, HF generate(do_sample=False)", "batch_size": capacity}
-    return once, {**config, "device": str(runner.device), "dtype": dtype}
-
-
-def system_hf_cb(model_dir: str, workload: Workload, device: str = "cpu", dtype: str = "fp32"):
-    """transformers' continuous batching (ContinuousBatchingManager) on ``device`` in ``dtype``, same request cap,
-    all queued at t0; token times are its own per-token timestamps (``record_timestamps``)."""
-    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
-
-    requests, capacity = workload.requests, workload.capacity
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype(dtype), attn_implementation="sdpa")
-    model = model.to(device).eval()
-    page = 32
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    # eos_token_id=-1: no EOS (None would fall back to the model's EOS).
-    gen = GenerationConfig(
-        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.max_new_tokens for r in requests)
-    )
-    cb = ContinuousBatchingConfig(
-        max_requests_per_batch=capacity,  # the request cap, as for ours
-        max_batch_tokens=max(256, 2 * capacity),  # explicit: left unset it sizes itself from system RAM
-        page_size=page,
-        num_blocks=capacity * (longest // page + 2),  # KV pages for `capacity` of the longest requests
-        scheduler_type="fifo",
-        allow_block_sharing=False,
-        auto_switch_to_flash=False,
-    )
-    config = {
-        "attn_implementation": "sdpa",
-        "max_requests_per_batch": capacity,
-        "max_batch_tokens": cb.max_batch_tokens,
-        "page_size": page,
-        "num_blocks": cb.num_blocks,
-        "scheduler_type": "fifo",
-        "device": device,
-        "dtype": dtype,
-    }
-
-    def once() -> list[dict]:
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        manager.start()
-        done: dict[str, object] = {}
-        t0 = time.perf_counter()
-        try:
-            for i, r in enumerate(requests):
-                manager.add_request(
-                    r.prompt_ids,
-                    request_id=f"r{i}",
-                    max_new_tokens=r.max_new_tokens,
-                    record_timestamps=True,
-                    eos_token_id=-1,
-                )
-            deadline = time.monotonic() + 1800
-            while len(done) < len(requests):
-                if time.monotonic() > deadline or not manager.is_running():
-                    raise RuntimeError(f"continuous batching stopped with {len(done)}/{len(requests)} requests done")
-                out = manager.get_result(timeout=1.0)
-                if out is not None and out.is_finished():
-                    if out.error:
-                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-                    done[out.request_id] = out
-        finally:
-            manager.stop(block=True, timeout=10)
-            manager.destroy()
-        outs = [done[f"r{i}"] for i in range(len(requests))]
-        return [
-            {
-                "tag": r.tag,
-                "prompt_tokens": len(r.prompt_ids),
-                "tokens": len(o.generated_tokens),
-                "start": 0.0,
-                "first": o.timestamps[0] - t0,
-                "end": o.lifespan[1] - t0,
-                "token_times": [t - t0 for t in o.timestamps],
-            }
-            for r, o in zip(requests, outs)
-        ]
-
-    return once, config
 
 
 # ours' options in a system name ("ours:int8", "ours:budget=0:prefix=off") -> environment variables
@@ -407,122 +219,6 @@ def spec_counters(engine) -> dict | None:
     return counters
 
 
-def system_llamacpp(
-    model_dir: str,
-    workload: Workload,
-    gguf: str = "",
-    cache: str = "off",
-    repack: str = "auto",
-    kvd: str = "",
-    spec: str = "",
-    n: str = "",
-    m: str = "",
-):
-    """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
-    same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
-    ids of each chunk (``return_tokens``: token times, and the output a continued turn resends).
-    ``cache=on`` lets it reuse a slot's cached prompt prefix (``cache_prompt``; off by default). ``repack``: its
-    weight repacking (``on``, ``off`` = ``--no-repack``, ``auto``: on, and off again where the server dies
-    while starting with it: seen on an AVX-512 Xeon VM, a segfault in its repacked Q8_0 GEMM at warm-up). ``spec``: its
-    ``--spec-type`` (``ngram-simple``, ``ngram-map-k``, ``ngram-mod`` ...), ``n`` / ``m`` that type's lookup and
-    draft lengths (``--spec-ngram-<type>-size-n`` / ``-size-m``; ``ngram-mod``: ``--spec-ngram-mod-n-match`` /
-    ``-n-max``); its drafts and accepted drafts per run come from each answer's ``timings``.
-    ``kvd``: its KV cache type for K and V (``-ctk`` / ``-ctv``: f16 by default, q8_0 ...; its flash attention,
-    on by default here, reads a quantized V)."""
-    import httpx
-    import torch
-
-    from scripts.build_llamacpp import binary_path
-
-    binary = binary_path()
-    if binary is None:
-        raise RuntimeError("llama-server is not built: run python scripts/build_llamacpp.py (10-30 min, once)")
-    if not gguf:
-        raise RuntimeError("llamacpp needs --model to be a .gguf file")
-    requests, capacity = workload.requests, workload.capacity
-    context = workload.slot_context or slot_context(requests)
-    port = _free_port()
-    cmd = [
-        binary,
-        "-m",
-        gguf,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-np",
-        str(capacity),
-        "-t",
-        str(torch.get_num_threads()),
-        "-c",
-        str(capacity * context),
-        "--no-webui",
-    ]
-    if spec:
-        cmd += ["--spec-type", spec]
-        kind = spec.removeprefix("ngram-")
-        names = ("n-match", "n-max") if kind == "mod" else ("size-n", "size-m")
-        for name, value in zip(names, (n, m)):
-            if value:
-                cmd += [f"--spec-ngram-{kind}-{name}", value]
-    if kvd:
-        cmd += ["-ctk", kvd, "-ctv", kvd]
-    log_path = _log_path(f"llamacpp-{port}.log")
-    drafts = {"spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0}
-    proc, log_file, repacked = start_llama_server(cmd, f"http://127.0.0.1:{port}/health", log_path, repack)
-
-    async def send(client, r: Request, prompt: list[int]):
-        body = {
-            "prompt": prompt,
-            "n_predict": r.max_new_tokens,
-            "temperature": 0,
-            "ignore_eos": r.ignore_eos,
-            "stream": True,
-            "cache_prompt": cache == "on",
-            "return_tokens": True,
-        }
-        ids: list[int] = []
-        times: list[float] = []
-        async with client.stream("POST", f"http://127.0.0.1:{port}/completion", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                new = chunk.get("tokens") or []
-                ids += new
-                times += [time.perf_counter()] * len(new)
-                timings = chunk.get("timings") or {}
-                if chunk.get("stop") and "draft_n" in timings:
-                    drafts["spec_num_draft_tokens"] += timings["draft_n"]
-                    drafts["spec_num_accepted_tokens"] += timings.get("draft_n_accepted", 0)
-        return ids, times
-
-    def once() -> list[dict]:
-        drafts.update(dict.fromkeys(drafts, 0))
-
-        async def main():
-            # No keep-alive: a request sent in turn after an idle gap must not meet a connection the server closed.
-            limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-                return await drive(requests, lambda r, prompt: send(client, r, prompt))
-
-        return asyncio.run(main())
-
-    once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 10)
-    if spec:
-        once.run_stats = {"spec": drafts}
-    return once, {
-        "engine": f"llama-server ({binary}), -np {capacity}, -c {capacity * context}"
-        + ("" if repacked else ", --no-repack")
-        + (f", {' '.join(cmd[cmd.index('--spec-type') :])}" if spec else ""),
-        "capacity": capacity,
-        "kv_cache_type": kvd or "f16 (default)",
-        "cache_prompt": cache == "on",
-        "repack": repacked,
-    }
-
-
 def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto", gguf: str = "", **options):
     """``python server.py`` in its own process, as an operator runs it, configured like ``ours`` (``ours_env``, plus
     without ``fork``), fed over HTTP like llama-server: every request's token ids to ``/generate``, streamed
@@ -582,76 +278,6 @@ def system_ours_server(model_dir: str, workload: Workload, weights: str = "auto"
 
     once.peak_rss_mb, once.stop = _process_handles(proc, log_file, 30)
     return once, {"engine": "python server.py (its own process, over HTTP)", "capacity": capacity, "env": env}
-
-
-def _log_path(name: str) -> str:
-    """<repo>/weights/<name>, the directory made first (a fresh checkout has none)."""
-    os.makedirs(os.path.join(ROOT, "weights"), exist_ok=True)
-    return os.path.join(ROOT, "weights", name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _process_handles(proc: subprocess.Popen, log_file, stop_timeout: float):
-    """(peak_rss_mb(), stop()) of a server process we started: its own VmHWM; SIGTERM, then SIGKILL."""
-
-    def peak_rss_mb() -> float:
-        with open(f"/proc/{proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(stop_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log_file.close()
-
-    return peak_rss_mb, stop
-
-
-def start_llama_server(cmd: list[str], health_url: str, log_path: str, repack: str, timeout: float = 120):
-    """Start llama-server (``cmd``) and wait until ``health_url`` answers (the model loaded) -> (process, its log
-    file, whether it repacks weights). ``repack`` "off" adds ``--no-repack``; "auto" starts it repacking and, when
-    the server dies by itself before it is ready, once more with ``--no-repack`` (saying so)."""
-    if repack not in ("on", "off", "auto"):
-        raise ValueError(f"llamacpp:repack must be on, off or auto (got {repack!r})")
-    repacked = repack != "off"
-    while True:
-        log_file = open(log_path, "w")
-        proc = subprocess.Popen(cmd if repacked else [*cmd, "--no-repack"], stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(proc, health_url, timeout, log_path, "llama-server")
-            return proc, log_file, repacked
-        except RuntimeError:
-            log_file.close()
-            crashed = proc.wait() not in (0, -signal.SIGKILL)  # died by itself, not killed at the deadline
-            if not (crashed and repacked and repack == "auto"):
-                raise
-            repacked = False
-            print(f"llama-server died while starting (exit {proc.returncode}); again with --no-repack", flush=True)
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str, name: str) -> None:
-    """Bounded wait for a server we started to answer 200 at ``url``; it is killed if it does not."""
-    import urllib.request
-
-    deadline = time.time() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{name} did not become ready (see {log_path})")
-        time.sleep(0.5)
 
 
 SYSTEM_FNS = {

@@ -3,12 +3,15 @@
 A request is queued at t0 unless it says otherwise: ``arrival`` delays it (seconds after t0), ``after``
 holds it until an earlier request has finished, and ``continues`` makes its prompt that earlier request's
 prompt and output followed by its own tokens (a conversation's next turn). Systems that cannot express a
-workload's timing say so (``systems.unsupported``) and are reported as skipped.
+workload's timing say so (``systems.unsupported``) and are reported as skipped. ``drive`` sends a workload's
+requests by those rules.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 
 PROMPT_TEXTS = [
@@ -337,3 +340,41 @@ def slot_context(requests: list[Request]) -> int:
         before = need[r.after] if r.continues and r.after is not None else 0
         need.append(before + len(r.prompt_ids) + r.max_new_tokens)
     return max(need) + 8
+
+
+async def drive(requests: list[Request], send) -> list[dict]:
+    """Send every request at its arrival time, once the request it waits for has finished.
+
+    ``await send(request, prompt_ids)`` -> (output token ids, perf_counter() time of each). Returns the
+    per-request dicts (times from t0); a continued request's prompt is its predecessor's prompt and output
+    followed by its own tokens.
+    """
+    t0 = time.perf_counter()
+    done = [asyncio.Event() for _ in requests]
+    convo: list[list[int]] = [[] for _ in requests]  # each request's prompt + output (for continued turns)
+    out: list[dict] = [{} for _ in requests]
+
+    async def one(i: int, r: Request) -> None:
+        if r.after is not None:
+            await done[r.after].wait()
+        delay = t0 + r.arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt = (convo[r.after] if r.continues else []) + r.prompt_ids
+        start = time.perf_counter()
+        ids, times = await send(r, prompt)
+        end = time.perf_counter()
+        convo[i] = prompt + list(ids)
+        out[i] = {
+            "tag": r.tag,
+            "prompt_tokens": len(prompt),
+            "tokens": len(ids),
+            "start": start - t0,
+            "first": (times[0] if times else end) - t0,
+            "end": end - t0,
+            "token_times": [t - t0 for t in times],
+        }
+        done[i].set()
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return out
