@@ -65,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from scripts.bench import scale_model
@@ -360,6 +361,12 @@ def machine_line(threads: int) -> str:
     )
 
 
+def load_line() -> str:
+    """UTC time and the 1/5/15-minute load averages: figures from a shared machine say how busy it was."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()) + f", load average {load}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -431,8 +438,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args.gguf = os.path.abspath(os.path.expanduser(args.model)) if is_gguf(args.model) else ""
     machine = machine_line(args.threads)
+    started = load_line()
     print(note)
     print("machine:", machine)
+    print("started:", started)
     for w in workloads:
         if w not in WORKLOADS and w not in CAPACITY_WORKLOADS and w not in (DECODE_STEP, EMBEDDINGS, *NOT_SERVING):
             raise SystemExit(f"unknown workload {w!r}")
@@ -475,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         report_embeddings(results[EMBEDDINGS])
     if args.json:
         header = {"model": model_dir, "note": note, "machine": machine, "repeats": args.repeats, "quick": args.quick}
+        header["load"] = {"started": started, "ended": load_line()}  # a shared machine: how busy it was
         header.update({"quality": quality} if quality else {})
         header.update({"kv_quality": kv_quality} if kv_quality else {})
         write_json(args.json, results, **header)

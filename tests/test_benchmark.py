@@ -28,6 +28,7 @@ def test_quick_seed_benchmark_writes_json_for_every_system(tiny_model_dir, tmp_p
     proc = bench("--model", tiny_model_dir, "--workload", "seed", "--json", str(out), "--plot", str(plots))
     data = json.loads(out.read_text())
     assert data["model"] == tiny_model_dir and "machine" in data and data["quick"] is True
+    assert all(" UTC, load average " in data["load"][k] for k in ("started", "ended"))
     seed = data["results"]["seed"]
     assert set(seed) == {"static_hf", "hf_cb", "ours"}
     for name, r in seed.items():
