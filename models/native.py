@@ -15,9 +15,9 @@ only the K/V of its earlier rows, which an earlier call has written (and within 
 every row's K/V before any row attends when a sequence has several rows there).
 
 Importing this module, building a ``NativeModel`` and running steps import no torch. OpenMP reads its settings
-(wait policy, spin count) once, when the kernel's libgomp loads: set them (``engine.thread_environment``) before
-the first ``NativeModel``. Shapes: N rows (decode tokens, then each chunk's tokens), V logits per row, KVH K/V
-heads, D head_dim.
+(wait policy, spin count) once, when the kernel's libgomp loads: set them
+(``models.runtime_config.thread_environment``) before the first ``NativeModel``. Shapes: N rows (decode tokens,
+then each chunk's tokens), V logits per row, KVH K/V heads, D head_dim.
 """
 
 from __future__ import annotations
