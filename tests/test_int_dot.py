@@ -1,5 +1,6 @@
-"""The integer-dot path (models/kernels/int_dot.c): int8 activations times GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
-weights in their own blocks (random valid blocks written with numpy in each type's layout, as quant_gemm reads them).
+"""The integer-dot path (models/kernels/int_dot.c): int8 activations times GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+Q4_K / Q5_K / Q6_K weights in their own blocks (random valid blocks written with numpy in each type's layout, as
+quant_gemm reads them).
 
 Each ISA the CPU has (AVX2 maddubs always; AVX-VNNI and AVX-512 VNNI where present, else the test says which it
 could not run and why: never a silent skip) against a float64 evaluation of the same quantized math: the
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from models.gguf.blocks import TYPES as GGUF_TYPES
-from models.gguf.blocks import _k4_nibbles, k4_scale_min, random_blocks
+from models.gguf.blocks import _bits, _k4_nibbles, k4_scale_min, random_blocks
 from models.kernels import build, int_dot, quant_gemm
 
 from conftest import need_kernel
@@ -87,8 +88,8 @@ def reference(x, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np.ndar
 
 def random_weight(fmt: str, n: int, k: int, seed: int):
     """[n, k] random valid blocks of GGUF type ``fmt`` (fp16 scales and mins of both signs) -> the weight and, as the
-    blocks hold them, its integers q [n, k] (Q4_0: q - 8; Q6_K: sc (q - 32)) and each 32-group's factors d [n, G]
-    and m [n, G] (None without a min): weight = d q (+ m) in fp32, gguf-py's values."""
+    blocks hold them, its integers q [n, k] (Q4_0: q - 8; Q5_0: q - 16; Q6_K: sc (q - 32)) and each 32-group's
+    factors d [n, G] and m [n, G] (None without a min): weight = d q (+ m) in fp32, gguf-py's values."""
     t, g = GGUF_TYPES[fmt], k // 32
     raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(seed), 0.01)  # [blocks, block bytes]
     w = quant_gemm.from_blocks(fmt, raw.reshape(n, -1), k)
@@ -96,13 +97,23 @@ def random_weight(fmt: str, n: int, k: int, seed: int):
     m = None
     if fmt == "Q8_0":
         q, d = raw[:, 2:34].view(np.int8).astype(np.int32), half(0)
-    elif fmt in ("Q4_0", "Q4_1"):
-        qs = raw[:, 4:20] if fmt == "Q4_1" else raw[:, 2:18]
+    elif fmt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        at = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[fmt]  # the 16 bytes of nibbles (Q5_*: qh just before)
+        qs = raw[:, at : at + 16]
         q, d = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int32), half(0)  # k 0-15 low nibbles, 16-31 high
-        q, m = (q, half(2)) if fmt == "Q4_1" else (q - 8, None)
-    elif fmt == "Q4_K":
+        if fmt.startswith("Q5"):
+            q |= _bits(raw, at - 4, 32).astype(np.int32) << 4  # bit k of the u32 qh: q[k]'s 5th bit
+        if fmt.endswith("_1"):
+            m = half(2)
+        else:
+            q -= 8 if fmt == "Q4_0" else 16
+    elif fmt in ("Q4_K", "Q5_K"):
         sc, mn = k4_scale_min(raw[:, 4:16])  # [blocks, 8 sub-blocks]
-        q = _k4_nibbles(raw[:, 16:144]).astype(np.int32)
+        if fmt == "Q4_K":
+            q = _k4_nibbles(raw[:, 16:144]).astype(np.int32)
+        else:  # bit s of qh[l]: sub-block s's element l's 5th bit
+            high = _bits(raw, 16, 256).reshape(-1, 32, 8).transpose(0, 2, 1)
+            q = (_k4_nibbles(raw[:, 48:176]) | high << 4).astype(np.int32).reshape(len(raw), 256)
         d, m = half(0) * sc.astype(np.float32), -(half(2) * mn.astype(np.float32))
     else:  # Q6_K: 16 sub-blocks of 16, each (d sc) (q - 32); the integers carry sc
         b = len(raw)
@@ -233,14 +244,14 @@ def test_close_to_the_exact_fp32_path():
 
 
 def test_other_types_keep_fp32_activations():
-    """The integer path takes Q8_0, Q4_0, Q4_1, Q4_K and Q6_K only: any other type is refused by its switch (the
-    whole-step kernel then runs quant_gemm's exact path for it) and by ``gemm``."""
+    """The integer path takes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K only: any other type is refused by its
+    switch (the whole-step kernel then runs quant_gemm's exact path for it) and by ``gemm``."""
     lib = int_dot.load()
-    for name in ("F32", "F16", "Q5_K", "Q3_K", "Q2_K", "Q5_0", "IQ4_NL", "IQ4_XS"):
+    for name in ("F32", "F16", "BF16", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"):
         assert lib.int_dot_set_rows(GGUF_TYPES[name].type_id, 1) == -1, name
-    raw = random_blocks("Q5_K", 8 * 2, np.random.default_rng(0), 0.01).reshape(8, -1)
-    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
-        int_dot.gemm(torch.randn(2, 512), quant_gemm.from_blocks("Q5_K", raw, 512))
+    raw = random_blocks("Q3_K", 8 * 2, np.random.default_rng(0), 0.01).reshape(8, -1)
+    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+        int_dot.gemm(torch.randn(2, 512), quant_gemm.from_blocks("Q3_K", raw, 512))
 
 
 def test_activations_setting():

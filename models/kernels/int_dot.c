@@ -1,5 +1,5 @@
 /* Quantized linears by integer dot products: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]) for W of GGUF
- * type Q8_0, Q4_0, Q4_1, Q4_K or Q6_K in the file's own blocks, with X quantized per 32-block to int8 first, as
+ * type Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K in the file's own blocks, with X quantized per 32-block to int8 first, as
  * llama.cpp quantizes its activations (Q8_0 / Q8_1 / Q8_K blocks) for its vec_dot_<type>_q8_* kernels.
  *
  * Why: quant_gemm.c multiplies fp32 activations by weights dequantized to fp32, one FMA per weight and row (16
@@ -12,9 +12,13 @@
  *   Q8_0 (34 bytes / 32): d fp16 | q[32] int8              w = d q
  *   Q4_0 (18 bytes / 32): d fp16 | qs[16]                  w = d (q - 8),  q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
  *   Q4_1 (20 bytes / 32): d fp16 | m fp16 | qs[16]         w = d q + m
+ *   Q5_0 (22 bytes / 32): d fp16 | qh u32 | qs[16]         w = d (q - 16), q = Q4_0's nibble | (qh bit k) << 4
+ *   Q5_1 (24 bytes / 32): d fp16 | m fp16 | qh | qs[16]    w = d q + m, q as Q5_0's
  *   Q4_K (144 bytes / 256): 8 sub-blocks of 32, each w = (d sc) q - (dmin m), q a nibble (quants/q4_k.h)
+ *   Q5_K (176 bytes / 256): as Q4_K with q 5 bits, the 5th of sub-block s bit s of qh[k] (quants/q5_k.h)
  *   Q6_K (210 bytes / 256): 16 sub-blocks of 16, each w = (d sc) (q - 32), q 6 bits (quants/q6_k.h)
- * Every 32 weights of a row (a "group": a Q8_0 / Q4_0 / Q4_1 block, a Q4_K sub-block, two Q6_K sub-blocks) meet one
+ * Every 32 weights of a row (a "group": a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block, a Q4_K / Q5_K
+ * sub-block, two Q6_K sub-blocks) meet one
  * 32-block of the activations.
  * A panel is 8 consecutive output rows (the last one's missing rows read its last row again; their outputs are
  * dropped). Each 32-block of a panel's 8 rows is turned in registers into the kernels' operand form: 8 k-quads,
@@ -26,10 +30,13 @@
  *   Q8_0: y = sum_g dx_g d_gn S_gn                    S = sum_k q_k w_k (w the int8 q)
  *   Q4_0: the same with S = sum_k q_k (w_k - 8)       (sum q_k w_k - 8 s)
  *   Q4_1: y = sum_g dx_g d_gn S_gn + m_gn (s_g dx_g)  S = sum_k q_k w_k, w in 0..15
- *   Q4_K: as Q4_1 with d = d sc, m = -(dmin m) of the group's sub-block (each product exact in fp32)
+ *   Q5_0: as Q4_0 with S = sum_k q_k (w_k - 16), w in 0..31 (sum q_k w_k - 16 s)
+ *   Q5_1: as Q4_1 with w in 0..31
+ *   Q4_K, Q5_K: as Q4_1 / Q5_1 with d = d sc, m = -(dmin m) of the group's sub-block (each product exact in fp32)
  *   Q6_K: as Q8_0 with d the super-block's d, S = sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')), S_a / S_b the
  *         sums of q_k w_k over the group's two sub-blocks of 16, sc_a / sc_b their int8 scales
- * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (Q4_1, Q4_K: first y = fma(m, s dx, y)); then
+ * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (the types with a min: first
+ * y = fma(m, s dx, y)); then
  * y (+ bias) (+ r). S is exact and the order is fixed, so results do not depend on M, the thread count, the path
  * or the ISA (every ISA computes the same S and the same fp32 operations). tests/test_int_dot.py checks this
  * against a float64 evaluation of the same quantized math.
@@ -55,39 +62,53 @@
 #endif
 
 #include "quants/q4_k.h" /* k4_scale_min */
+#include "quants/q5_1.h" /* five_bit_bytes (q5_0.h) */
+#include "quants/q5_k.h" /* k5_high_bytes */
 
 #define ID_PANEL 8
 #define ID_GROUP 32
 #define ID_TILE 8 /* rows per register tile */
-enum { IDF_Q8_0 = 0, IDF_Q4_0 = 1, IDF_Q4_1 = 2, IDF_Q4_K = 3, IDF_Q6_K = 4, IDF_KINDS = 5 }; /* the types it takes */
+/* the types it takes */
+enum { IDF_Q8_0, IDF_Q4_0, IDF_Q4_1, IDF_Q4_K, IDF_Q6_K, IDF_Q5_0, IDF_Q5_1, IDF_Q5_K, IDF_KINDS };
+/* X(kind, a) for every kind: the kernels' switches, one case (constant kind, inlined code) per type */
+#define ID_EACH_KIND(X, a)                                                                                    \
+    X(IDF_Q8_0, a) X(IDF_Q4_0, a) X(IDF_Q4_1, a) X(IDF_Q4_K, a) X(IDF_Q6_K, a) X(IDF_Q5_0, a) X(IDF_Q5_1, a)       \
+        X(IDF_Q5_K, a)
 enum { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512VNNI = 2 };
 
 #define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define ID_VNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
 #define ID_INLINE static inline __attribute__((always_inline))
 
-/* GGUF type id -> this path's kind, or -1 (ggml's ids: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14) */
+/* GGUF type id (quants/common.h's T_*) -> this path's kind, or -1 */
 static inline int id_kind(int type) {
     switch (type) {
-    case 8: return IDF_Q8_0;
-    case 2: return IDF_Q4_0;
-    case 3: return IDF_Q4_1;
-    case 12: return IDF_Q4_K;
-    case 14: return IDF_Q6_K;
+    case T_Q8_0: return IDF_Q8_0;
+    case T_Q4_0: return IDF_Q4_0;
+    case T_Q4_1: return IDF_Q4_1;
+    case T_Q4_K: return IDF_Q4_K;
+    case T_Q6_K: return IDF_Q6_K;
+    case T_Q5_0: return IDF_Q5_0;
+    case T_Q5_1: return IDF_Q5_1;
+    case T_Q5_K: return IDF_Q5_K;
     default: return -1;
     }
 }
 
-static inline int id_super(int f) { return f == IDF_Q4_K || f == IDF_Q6_K; } /* 256-weight blocks of 8 groups */
-static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q4_K; }
+static inline int id_k4(int f) { return f == IDF_Q4_K || f == IDF_Q5_K; } /* Q4_K's scales and mins */
+static inline int id_super(int f) { return id_k4(f) || f == IDF_Q6_K; }  /* 256-weight blocks of 8 groups */
+static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q5_1 || id_k4(f); }
 
-/* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1) or a super-block's (8 groups). */
+/* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or a super-block's (8 groups). */
 static inline int id_block_bytes(int f) {
     switch (f) {
     case IDF_Q8_0: return 34;
     case IDF_Q4_0: return 18;
     case IDF_Q4_1: return 20;
+    case IDF_Q5_0: return 22;
+    case IDF_Q5_1: return 24;
     case IDF_Q4_K: return 144;
+    case IDF_Q5_K: return 176;
     default: return 210;
     }
 }
@@ -245,15 +266,16 @@ static inline void id_store(const float *acc, const float *bias, const float *r,
 /* ---------------- a panel's block in operand form ---------------- */
 
 /* The 32 weights of group g of a row as k-ordered bytes: Q8_0 its int8 q, the others their unsigned q (Q4_0 / Q4_1 /
- * Q4_K nibbles 0..15, Q6_K 0..63). */
+ * Q4_K nibbles 0..15, Q5_0 / Q5_1 / Q5_K 0..31, Q6_K 0..63). */
 ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
     int sub;
     const uint8_t *blk = id_block(f, row, g, &sub);
     const __m256i lo4 = _mm256_set1_epi8(15);
     if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    if (f == IDF_Q4_K) { /* sub-block 2p + i: nibble i of qs[32 p ..] */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (sub >> 1)));
-        return _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
+    if (id_k4(f)) { /* sub-block 2p + i: nibble i of qs[32 p ..] (Q5_K: | its 5th bits) */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (f == IDF_Q5_K ? 48 : 16) + 32 * (sub >> 1)));
+        const __m256i q = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
+        return f == IDF_Q5_K ? _mm256_or_si256(q, k5_high_bytes(blk + 16, sub)) : q;
     }
     if (f == IDF_Q6_K) { /* half h = sub / 4, quarter c = sub % 4 (quants/q6_k.h) */
         const int h = sub >> 2, c = sub & 3;
@@ -263,8 +285,11 @@ ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
         const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
         return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
     }
-    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_Q4_1 ? 4 : 2))), l4 = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
+    /* a 32-block: its 16 bytes of nibbles after d (m) (qh): k 0-15 the low nibbles, 16-31 the high */
+    const int qs = f == IDF_Q4_0 ? 2 : f == IDF_Q4_1 ? 4 : f == IDF_Q5_0 ? 6 : 8;
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + qs)), l4 = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
+    return f == IDF_Q5_0 || f == IDF_Q5_1 ? _mm256_or_si256(q, five_bit_bytes(u32_at(blk + qs - 4))) : q;
 }
 
 /* Group g of a panel's 8 rows -> the 8 k-quads w[j]: 32-bit word c of w[j] = row c's k 4j .. 4j + 3. */
@@ -304,7 +329,7 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
         int sub;
         const uint8_t *blk = id_block(f, rows[c], g, &sub);
         sa[c] = sb[c] = 0, m[c] = 0.0f;
-        if (f == IDF_Q4_K) {
+        if (id_k4(f)) {
             int sc, mn;
             k4_scale_min(blk + 4, sub, &sc, &mn);
             d[c] = f16_at(blk) * (float)sc, m[c] = -(f16_at(blk + 2) * (float)mn);
@@ -313,7 +338,7 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
             sa[c] = (int8_t)blk[192 + 2 * sub], sb[c] = (int8_t)blk[193 + 2 * sub];
         } else {
             d[c] = f16_at(blk);
-            if (f == IDF_Q4_1) m[c] = f16_at(blk + 2);
+            if (id_has_min(f)) m[c] = f16_at(blk + 2); /* Q4_1, Q5_1 */
         }
     }
     Factors8 r = {_mm256_loadu_ps(d), _mm256_loadu_ps(m), _mm256_loadu_si256((const __m256i *)sa),
@@ -321,10 +346,12 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
     return r;
 }
 
-/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, else 0 (Q6_K's offsets come with
- * its scales). */
+/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, -16 s for Q5_0, else 0 (Q6_K's
+ * offsets come with its scales). */
 ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
-    return f == IDF_Q4_0 ? -8 * s : f == IDF_Q8_0 && offset8 ? -128 * s : 0;
+    if (f == IDF_Q4_0) return -8 * s;
+    if (f == IDF_Q5_0) return -16 * s;
+    return f == IDF_Q8_0 && offset8 ? -128 * s : 0;
 }
 
 /* ================ AVX-512 VNNI: a panel pair per register ================ */
@@ -421,18 +448,15 @@ ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *r
     for (int m0 = 0; m0 < M; m0 += ID_TILE) {
         const int R = M - m0 < ID_TILE ? M - m0 : ID_TILE;
         for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+#define KIND(F, N)                                                                                           \
+    case F: tile512(F, x, m0, N, rows, prep, acc); break;
 #define TILE(N)                                                                                              \
     case N:                                                                                                  \
-        switch (f) {                                                                                         \
-        case IDF_Q8_0: tile512(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                  \
-        case IDF_Q4_0: tile512(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                  \
-        case IDF_Q4_1: tile512(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                  \
-        case IDF_Q4_K: tile512(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                  \
-        default: tile512(IDF_Q6_K, x, m0, N, rows, prep, acc);                                               \
-        }                                                                                                    \
+        switch (f) { ID_EACH_KIND(KIND, N) }                                                                    \
         break;
         switch (R) { TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) }
 #undef TILE
+#undef KIND
         store512(acc, R, bias, Rr, ldr, Y, ldy, m0, cols);
     }
 }
@@ -564,28 +588,20 @@ ROWS256(rows_avx2, , dot_avx2, 0)
         }                                                                                                        \
     }
 
-#define panel_vnni_TILES(N)                                                                                       \
-    switch (f) {                                                                                                  \
-    case IDF_Q8_0: panel_vnni_tile(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                   \
-    case IDF_Q4_0: panel_vnni_tile(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                   \
-    case IDF_Q4_1: panel_vnni_tile(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                   \
-    case IDF_Q4_K: panel_vnni_tile(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                   \
-    default: panel_vnni_tile(IDF_Q6_K, x, m0, N, rows, prep, acc);                                                \
-    }
-#define panel_avx2_TILES(N)                                                                                       \
-    switch (f) {                                                                                                  \
-    case IDF_Q8_0: panel_avx2_tile(IDF_Q8_0, x, m0, N, rows, prep, acc); break;                                   \
-    case IDF_Q4_0: panel_avx2_tile(IDF_Q4_0, x, m0, N, rows, prep, acc); break;                                   \
-    case IDF_Q4_1: panel_avx2_tile(IDF_Q4_1, x, m0, N, rows, prep, acc); break;                                   \
-    case IDF_Q4_K: panel_avx2_tile(IDF_Q4_K, x, m0, N, rows, prep, acc); break;                                   \
-    default: panel_avx2_tile(IDF_Q6_K, x, m0, N, rows, prep, acc);                                                \
-    }
+#define panel_vnni_KIND(F, N)                                                                                      \
+    case F: panel_vnni_tile(F, x, m0, N, rows, prep, acc); break;
+#define panel_avx2_KIND(F, N)                                                                                      \
+    case F: panel_avx2_tile(F, x, m0, N, rows, prep, acc); break;
+#define panel_vnni_TILES(N) switch (f) { ID_EACH_KIND(panel_vnni_KIND, N) }
+#define panel_avx2_TILES(N) switch (f) { ID_EACH_KIND(panel_avx2_KIND, N) }
 
 PANEL256(panel_vnni, ID_VNNI, rows_vnni, 1)
 PANEL256(panel_avx2, , rows_avx2, 0)
 #undef PANEL256
 #undef panel_vnni_TILES
 #undef panel_avx2_TILES
+#undef panel_vnni_KIND
+#undef panel_avx2_KIND
 
 static void range256(int isa, int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,
                      float *Y, int ldy, int M, int N, int p0, int p1) {

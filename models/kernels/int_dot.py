@@ -34,7 +34,7 @@ log = logging.getLogger("minibatch.int_dot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int_dot.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}  # the GGUF types it takes -> ids (gguf/blocks.py)
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGUF type -> id
 ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32
@@ -45,8 +45,8 @@ ROW_PATH_ROWS = 4  # steps of 1 to this many rows take int_rows.c's row path (in
 # None: conftest._exact_activations). AVX2: every step (the row path is 1.3-3.3x quant_gemm at 1-4 rows on a Zen 3);
 # VNNI: from 8 rows, as measured before the row path (its VNNI forms are not measured yet).
 MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
-    "vnni": {"Q8_0": 8, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8, "Q6_K": 8},
-    "avx2": {"Q8_0": 1, "Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q6_K": 1},
+    "vnni": dict.fromkeys(FORMATS, 8),
+    "avx2": dict.fromkeys(FORMATS, 1),
 }
 AUTO_ROWS = {kind: dict(rows) for kind, rows in MEASURED_AUTO_ROWS.items()}
 

@@ -18,8 +18,8 @@
  * id_factors, read 8 blocks at once or once per K-quant super-block), then per row i (R <= ID_ROWS_MAX, a constant
  * after inlining) 8 products of 32 bytes, the tree, and the panel path's fp32 update. Overflow bounds (|q| <= 127
  * for x): vpmaddubsw's pairs of u8 w x s8 q never saturate (Q8_0 takes |w| <= 128 with the sign moved onto x:
- * <= 32512; the nibble types 3810; Q6_K 16002); the 4- and 6-bit types add two pairs in int16 before widening
- * (<= 7620, Q6_K 32004 < 32767), Q8_0 widens first.
+ * <= 32512; the nibble types 3810; the 5-bit types 7874; Q6_K 16002); the 4-, 5- and 6-bit types add two pairs in
+ * int16 before widening (<= 7620, 15748, Q6_K 32004 < 32767), Q8_0 widens first.
  *
  * Kernels, one code path instantiated per ISA: AVX2 (vpmaddubsw, Q8_0 by the sign trick), AVX-VNNI and AVX-512 VNNI
  * (256-bit vpdpbusd, VEX and EVEX encodings; Q8_0 offset to u8, S starting at -128 s as in the panel path).
@@ -46,8 +46,8 @@ ID_INLINE __m256 id_half_ps(__m256i words, int hi) {
 
 /* The factors (int_dot.c's Factors8: d, m, Q6_K's sub-block scales) of a strip's 8 columns for group g and, for the
  * K-quants, every group of g's super-block: k[j] for group g + j, j < id_span(f). The same values as id_factors:
- * Q8_0 / Q4_0 / Q4_1 read the 8 blocks' first 4 bytes (d, Q4_1's m) at once; a K-quant's super-block header is read
- * once for its 8 groups. */
+ * the 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) read the 8 blocks' first 4 bytes (d, Q4_1's / Q5_1's m) at once;
+ * a K-quant's super-block header is read once for its 8 groups. */
 static inline int id_span(int f) { return id_super(f) ? 8 : 1; }
 
 ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factors8 *k) {
@@ -57,16 +57,16 @@ ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factor
             (int)u32_at(cols[0] + at), (int)u32_at(cols[1] + at), (int)u32_at(cols[2] + at), (int)u32_at(cols[3] + at),
             (int)u32_at(cols[4] + at), (int)u32_at(cols[5] + at), (int)u32_at(cols[6] + at), (int)u32_at(cols[7] + at));
         k->d = id_half_ps(words, 0);
-        k->m = f == IDF_Q4_1 ? id_half_ps(words, 1) : _mm256_setzero_ps();
+        k->m = id_has_min(f) ? id_half_ps(words, 1) : _mm256_setzero_ps(); /* Q4_1, Q5_1 */
         k->sca = k->scb = _mm256_setzero_si256();
         return;
     }
     const size_t at = (size_t)(g >> 3) * id_block_bytes(f);
     float d[8], dm[8];
-    int32_t a[8][8], b[8][8]; /* [group of the super-block][column]: Q4_K sc, m; Q6_K its two sub-block scales */
+    int32_t a[8][8], b[8][8]; /* [group of the super-block][column]: Q4_K / Q5_K sc, m; Q6_K its sub-block scales */
     for (int c = 0; c < 8; c++) {
         const uint8_t *blk = cols[c] + at;
-        if (f == IDF_Q4_K) {
+        if (id_k4(f)) {
             d[c] = f16_at(blk), dm[c] = f16_at(blk + 2);
             _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) k4_scale_min(blk + 4, s, &a[s][c], &b[s][c]);
         } else {
@@ -79,7 +79,7 @@ ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factor
     const __m256 dv = _mm256_loadu_ps(d), dmv = _mm256_loadu_ps(dm), sign = _mm256_set1_ps(-0.0f);
     for (int s = 0; s < 8; s++) {
         const __m256i sa = _mm256_loadu_si256((const __m256i *)a[s]), sb = _mm256_loadu_si256((const __m256i *)b[s]);
-        if (f == IDF_Q4_K) { /* d sc and -(dmin m), each one fp32 product as in id_factors */
+        if (id_k4(f)) { /* d sc and -(dmin m), each one fp32 product as in id_factors */
             k[s].d = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sa));
             k[s].m = _mm256_xor_ps(_mm256_mul_ps(dmv, _mm256_cvtepi32_ps(sb)), sign);
             k[s].sca = k[s].scb = _mm256_setzero_si256();
@@ -186,11 +186,7 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
             __m256 acc[ID_ROWS_MAX];                                                                             \
             for (int i = 0; i < ID_ROWS_MAX; i++) acc[i] = _mm256_setzero_ps();                                  \
             switch (f * ID_ROWS_MAX + M - 1) { /* the type and the row count, constants in each kernel */       \
-                ROWCASES(NAME, IDF_Q8_0)                                                                         \
-                ROWCASES(NAME, IDF_Q4_0)                                                                         \
-                ROWCASES(NAME, IDF_Q4_1)                                                                         \
-                ROWCASES(NAME, IDF_Q4_K)                                                                         \
-                ROWCASES(NAME, IDF_Q6_K)                                                                         \
+                ID_EACH_KIND(ROWCASES, NAME)                                                                     \
             }                                                                                                    \
             float tmp[8];                                                                                        \
             for (int i = 0; i < M; i++) {                                                                        \
@@ -202,7 +198,7 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
     }
 #define ROWCASE(NAME, F, R)                                                                                      \
     case F * ID_ROWS_MAX + R - 1: NAME##_strip(F, x, R, rows, acc); break;
-#define ROWCASES(NAME, F) ROWCASE(NAME, F, 1) ROWCASE(NAME, F, 2) ROWCASE(NAME, F, 3) ROWCASE(NAME, F, 4)
+#define ROWCASES(F, NAME) ROWCASE(NAME, F, 1) ROWCASE(NAME, F, 2) ROWCASE(NAME, F, 3) ROWCASE(NAME, F, 4)
 
 ROWSTRIP(strip_avx2, , quads_avx2, 0)
 ROWSTRIP(strip_vnni, ID_VNNI, quads_vnni, 1)

@@ -34,6 +34,17 @@ QINLINE void q5_0_avx2(const uint8_t *blk, int j, __m256 w[4]) {
     _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, i2f(_mm256_sub_epi32(q[i], _mm256_set1_epi32(16))));
 }
 
+/* The integer path's 5th bits (int_dot.c): bit k of qh as byte k of a register, 16 where it is set, else 0, so
+ * (the k-ordered nibbles | these) are the block's 32 q, k-ordered. Each 8-byte run of the register takes one byte
+ * of qh (a shuffle), and byte k tests its bit k % 8. */
+QINLINE __m256i five_bit_bytes(uint32_t qh) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                     2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
 /* A nibble block with its 32 high bits through two tables: t0 where the bit is clear, t1 where it is set. */
 QINLINE512 void five_bit_lut512(const uint8_t *qs, uint32_t qh, __m512 t0, __m512 t1, __m512 w[2]) {
     const __m512i v = u8x16(qs), h = _mm512_srli_epi32(v, 4);

@@ -16,6 +16,13 @@ static void q5_k_ref(const uint8_t *blk, float *out) {
     }
 }
 
+/* The integer path's 5th bits (int_dot.c): sub-block s's bits (bit s of qh[0..31]) as 32 bytes, 16 where set, else
+ * 0 (the byte's bit s moved to bit 4 by 16-bit shifts; the bits they carry across bytes are masked off). */
+QINLINE __m256i k5_high_bytes(const uint8_t *qh, int s) {
+    const __m256i v = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)qh), _mm_cvtsi32_si128(s));
+    return _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi8(16));
+}
+
 QINLINE void q5_k_avx2(const uint8_t *blk, int s, __m256 w[4]) {
     float a, b;
     k4_factors(blk, s, &a, &b);
