@@ -310,6 +310,54 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
         int_dot.set_activations("auto")
 
 
+@pytest.mark.model
+def test_a_gguf_files_q5_linears_take_the_integer_path(tmp_path):
+    """A Llama GGUF whose every matrix is Q5_0, Q5_1 or Q5_K (round-robin, as llama.cpp's Q4_K_M files of 896- or
+    1152-wide models are mostly Q5_0) through the whole-step kernel (decode_step.c): under ACTIVATIONS=int8 its
+    linears run int_dot.c (other logits, close to the exact ones, the same bits at 1 and 3 threads), and with the
+    Q5 types' rows turned off the same steps are the exact path's, bit for bit."""
+    import itertools
+
+    from gguf_files import write_gguf
+
+    from models import image
+    from models.native import NativeModel
+    from scripts.make_test_model import build_checkpoint
+
+    q5 = ("Q5_0", "Q5_1", "Q5_K")
+    hf = build_checkpoint(
+        str(tmp_path / "hf"), arch="llama", seed=7, tied=False, overrides={"hidden_size": 256, "intermediate_size": 512}
+    )
+    kinds = itertools.cycle(q5)
+    path = write_gguf(hf, str(tmp_path / "q5.gguf"), lambda name, shape: next(kinds))
+    image.write_image(path, "auto", str(tmp_path / "image"))
+    nm = NativeModel(str(tmp_path / "image"), 64, 4, threads=2)
+    prompt, table = list(range(5, 45)), list(range(12))
+
+    def run(choice: str, threads: int = 2, q5_rows: int | None = None) -> np.ndarray:
+        int_dot.set_activations(choice)
+        if q5_rows is not None:
+            for lib in int_dot._libs:
+                for fmt in q5:
+                    lib.int_dot_set_rows(int_dot.FORMATS[fmt], q5_rows)
+        nm.threads = threads
+        nm.k[...] = 0
+        nm.v[...] = 0
+        first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows: the panel path
+        step = nm.forward([7, 9], [40, 3], [table, [12]])  # 2 decode rows: the row path
+        return np.concatenate([first, step])
+
+    try:
+        exact, approx = run("fp32"), run("int8")
+        assert not np.array_equal(exact, approx)
+        assert np.linalg.norm(approx - exact) / np.linalg.norm(exact) < 0.05
+        assert (approx.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+        assert np.array_equal(run("int8", threads=1), approx) and np.array_equal(run("int8", threads=3), approx)
+        assert np.array_equal(run("int8", q5_rows=0), exact)  # every matrix is a Q5 type: nothing else is int8
+    finally:
+        int_dot.set_activations("auto")
+
+
 def test_auto_is_the_measured_choice_and_the_tests_run_exact():
     """ACTIVATIONS=auto maps each format and kind of ISA to the step size docs/integer-dot.md measured, and follows
     KERNEL_ISA; the suite pins it to the exact path (conftest), and a server started by the tests gets
