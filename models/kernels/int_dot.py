@@ -5,13 +5,13 @@ Which steps use it is the ``ACTIVATIONS`` setting (config.py), applied to every 
 (``decode_step.c`` includes ``int_dot.c``; this module's own build serves the tests and ``gemm``):
 
     fp32   every linear multiplies fp32 activations (quant_gemm.c): bit for bit HF's math on the weights
-    int8   every Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linear of every step takes int8 activations and integer dot products
+    int8   every linear of a type in ``FORMATS`` takes int8 activations and integer dot products, in every step
     auto   per type, steps of at least ``AUTO_ROWS[kind][type]`` rows take int8 activations (measured, below)
 
-The weights are the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks as quant_gemm reads them (``WEIGHTS=int8``
-/ ``int4`` make Q8_0 / Q4_1; a Q4_K_M file is Q4_K and Q6_K), so the path costs no memory. Every other GGUF type
-(Q2_K, Q3_K, Q5_K, Q5_*, IQ4_*, the floats) always multiplies fp32 activations: this path has no kernel for them
-(docs/integer-dot.md). It is not exact against HF:
+The weights are the GGUF file's own Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks as quant_gemm reads
+them (``WEIGHTS=int8`` / ``int4`` make Q8_0 / Q4_1; a Q4_K_M file is Q4_K and Q6_K, or mostly Q5_0 where its rows are
+not whole 256-blocks), so the path costs no memory. Every other GGUF type (Q2_K, Q3_K, IQ4_*, the floats) always
+multiplies fp32 activations: this path has no kernel for them (docs/integer-dot.md). It is not exact against HF:
 the activations' rounding changes the logits slightly (perplexity figures in docs/integer-dot.md);
 ``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the thread count or the ISA
 (``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation of the same quantized math.
