@@ -42,8 +42,9 @@ ROW_PATH_ROWS = 4  # steps of 1 to this many rows take int_rows.c's row path (in
 
 # ACTIVATIONS=auto: steps of at least this many rows take int8 activations, per weight type and kind of ISA (None:
 # never), chosen by measurement (docs/integer-dot.md, "The default"). AUTO_ROWS is what runs (the tests pin it to
-# None: conftest._exact_activations). AVX2: every step (the row path is 1.3-3.3x quant_gemm at 1-4 rows on a Zen 3);
-# VNNI: from 8 rows, as measured before the row path (its VNNI forms are not measured yet).
+# None: conftest._exact_activations). AVX2: every step (the row path is 1.3-3.3x quant_gemm at 1-4 rows on a Zen 3,
+# the 5-bit types 1.6-2.6x); VNNI: from 8 rows, as measured before the row path (its VNNI forms are not measured yet;
+# the 5-bit types, never timed on VNNI, take the other types' choice).
 MEASURED_AUTO_ROWS: dict[str, dict[str, int | None]] = {
     "vnni": dict.fromkeys(FORMATS, 8),
     "avx2": dict.fromkeys(FORMATS, 1),
