@@ -69,7 +69,10 @@ def tokenizer_gguf(path: str, base: dict, **changes) -> str:
     w.add_tokenizer_pre(keys["pre"])
     w.add_token_list(keys["tokens"])
     w.add_token_types(keys["token_type"])
-    w.add_token_merges(keys["merges"])
+    if "merges" in keys:
+        w.add_token_merges(keys["merges"])
+    if "scores" in keys:
+        w.add_token_scores(keys["scores"])
     ids = {"bos_token_id": w.add_bos_token_id, "eos_token_id": w.add_eos_token_id}
     ids.update(unknown_token_id=w.add_unk_token_id, padding_token_id=w.add_pad_token_id)
     for key, add in ids.items():
@@ -112,14 +115,43 @@ def vocabulary_variants(base: dict) -> dict[str, dict]:
     return variants
 
 
+def sentencepiece_vocabulary() -> dict:
+    """Tokenizer metadata of a small sentencepiece vocabulary as llama.cpp's converter writes one (no merges:
+    scores; <unk>, <s>, </s>, the 256 byte tokens, then pieces, each piece's halves earlier in the vocabulary)."""
+    words = "the quick brown fox jumps over lazy dog hello world it is in on".split()
+    pieces = list(dict.fromkeys(c for w in words for c in "\u2581" + w))
+    for w in words:
+        for n in range(2, len(w) + 2):
+            pieces.append(("\u2581" + w)[:n])
+    pieces = list(dict.fromkeys(pieces))
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    ids = dict(bos_token_id=1, eos_token_id=2, unknown_token_id=0)
+    ids.update(add_bos_token=None)  # llama.cpp adds BOS to a sentencepiece vocabulary that does not say
+    return dict(model="llama", pre="default", tokens=tokens, token_type=types, scores=scores, merges=None, **ids)
+
+
 def test_our_tokenizer_files_are_transformers_conversion(llama, tmp_path):
-    """For every variant of a byte-level BPE vocabulary, the three files our code writes are byte for byte those of
-    transformers' conversion, and the tokenizers encode and decode text alike (specials included)."""
+    """For every variant of a byte-level BPE vocabulary and of a sentencepiece one, the three files our code writes
+    are byte for byte those of transformers' conversion, and the tokenizers encode and decode text alike (specials
+    included)."""
     from tokenizers import Tokenizer
 
     base = read_metadata(llama, 1 << 62)[0]
-    text = "Hello wörld <|eot_id|> <think> it's 12345 héllo wörld\n\n  x"
-    for i, (name, changes) in enumerate(vocabulary_variants(base).items()):
+    text = "Hello wörld <|eot_id|> <think> it's 12345 héllo wörld\n\n  x the quick brown fox <s> jumps"
+    spm = sentencepiece_vocabulary()
+    variants = vocabulary_variants(base)
+    variants["sentencepiece"] = spm
+    variants["sentencepiece, no BOS added, a control token, a user-defined one"] = dict(
+        spm,
+        tokens=spm["tokens"] + ["<|im_end|>", "<think>"],
+        token_type=spm["token_type"] + [3, 4],
+        scores=spm["scores"] + [0.0, 0.0],
+        add_bos_token=False,
+        padding_token_id=len(spm["tokens"]),
+    )
+    for i, (name, changes) in enumerate(variants.items()):
         path = tokenizer_gguf(str(tmp_path / f"v{i}.gguf"), base, **changes)
         metadata = read_metadata(path, 1 << 62)[0]
         assert written_by_us(metadata) is None, name
@@ -133,11 +165,12 @@ def test_our_tokenizer_files_are_transformers_conversion(llama, tmp_path):
 
 
 def test_vocabularies_our_code_does_not_write_fall_back(llama, caplog):
-    """A sentencepiece vocabulary, a split regex our code does not write, or a file without merges: ``written_by_us``
-    says why, and ``direct_config`` leaves such a file (and a GPT-2 file, whose config is transformers') to
-    transformers with a debug line."""
+    """A unigram vocabulary, a split regex our code does not write, a byte-level file without merges, an EOS added
+    after every text: ``written_by_us`` says why, and ``direct_config`` leaves such a file (and a GPT-2 file, whose
+    config is transformers') to transformers with a debug line."""
     base = read_metadata(llama, 1 << 62)[0]
-    assert written_by_us(dict(base, **{"tokenizer.ggml.model": "llama"})) is not None
+    assert written_by_us(dict(base, **{"tokenizer.ggml.model": "t5"})) is not None
+    assert written_by_us(dict(base, **{"tokenizer.ggml.add_eos_token": True})) is not None
     assert written_by_us(dict(base, **{"tokenizer.ggml.pre": "qwen2"})) is not None
     assert written_by_us({k: v for k, v in base.items() if k != "tokenizer.ggml.merges"}) is not None
     assert convert.direct_config(llama) is not None

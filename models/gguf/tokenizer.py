@@ -38,6 +38,8 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+SPM_PRE = (None, "default")  # a sentencepiece vocabulary's tokenizer.ggml.pre: no split regex
+LLAMA_DEFAULT_TOKENS = ("<s>", "</s>", "<unk>")  # LlamaTokenizer's bos, eos, unk defaults, in the order it adds them
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 # (tokenizer_config.json key, tokenizer.ggml key of the token id)
 SPECIAL_IDS = (
@@ -51,14 +53,17 @@ SPECIAL_IDS = (
 def written_by_us(metadata: dict) -> str | None:
     """None when ``write_tokenizer`` writes this file's tokenizer, else why not (for the caller's debug log)."""
     kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre")
-    if kind != "gpt2":
-        return f"tokenizer.ggml.model {kind!r} (only byte-level BPE, 'gpt2', is written by our code)"
-    if pre not in PLAIN_PRE + LLAMA3_PRE:
+    tokens, merges = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.merges")
+    if kind not in BUILDERS:
+        return f"tokenizer.ggml.model {kind!r} (our code writes {', '.join(BUILDERS)})"
+    if kind == "gpt2" and pre not in PLAIN_PRE + LLAMA3_PRE:
         return f"tokenizer.ggml.pre {pre!r} (our code writes {', '.join(PLAIN_PRE + LLAMA3_PRE)})"
-    if not isinstance(metadata.get("tokenizer.ggml.tokens"), list) or not isinstance(
-        metadata.get("tokenizer.ggml.merges"), list
-    ):
+    if kind == "llama" and pre not in SPM_PRE:
+        return f"tokenizer.ggml.pre {pre!r} of a sentencepiece vocabulary (our code writes {SPM_PRE})"
+    if not isinstance(tokens, list) or not (isinstance(merges, list) or kind == "llama" and merges is None):
         return "the vocabulary or the merges are missing (or were not read in full)"
+    if merges is None and not isinstance(metadata.get("tokenizer.ggml.scores"), list):
+        return "a sentencepiece vocabulary with neither merges nor scores"
     if metadata.get("tokenizer.ggml.add_eos_token") is not None:
         return "tokenizer.ggml.add_eos_token is set"
     return None
@@ -86,20 +91,15 @@ def _spelled(tokens: list[str]) -> dict[str, int]:
 
 
 def build_tokenizer(metadata: dict):
-    """The ``tokenizers.Tokenizer`` of a byte-level BPE GGUF (``written_by_us`` is None) and its
-    tokenizer_config.json's special tokens ({bos_token, eos_token, unk_token, pad_token}: a token or None)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
+    """The ``tokenizers.Tokenizer`` of a GGUF that ``written_by_us`` accepts and its tokenizer_config.json's
+    special tokens ({bos_token, eos_token, unk_token, pad_token}: a token or None)."""
 
-    tokens = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
-    bpe = BPE(vocab=_spelled(tokens), merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="")
-    tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(GPT2_DEFAULT_TOKEN, special=True)])  # GPT2Tokenizer's own, added first
-    _add_file_tokens(tok, tokens, metadata.get("tokenizer.ggml.token_type") or ())
+    tokens, kind = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.model"]
+    tok = BUILDERS[kind](metadata)
+    _add_file_tokens(tok, tokens, metadata.get("tokenizer.ggml.token_type") or (), byte_level=kind == "gpt2")
     if metadata.get("tokenizer.ggml.pre") in LLAMA3_PRE:
+        from tokenizers import Regex, pre_tokenizers
+
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
@@ -110,21 +110,81 @@ def build_tokenizer(metadata: dict):
         name: tokens[metadata[f"tokenizer.ggml.{key}"]] if f"tokenizer.ggml.{key}" in metadata else None
         for name, key in SPECIAL_IDS
     }
-    added = {t.content for t in tok.get_added_tokens_decoder().values()}
-    for value in dict.fromkeys(v for v in special.values() if v is not None):  # each once, in this order
-        if value not in added:
-            tok.add_special_tokens([AddedToken(value, special=True)])
-    tok.post_processor = _post_processor(tok, special["bos_token"], bool(metadata.get("tokenizer.ggml.add_bos_token")))
+    _add_special(tok, special.values())
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")  # llama.cpp adds BOS to an SPM vocab
+    tok.post_processor = _post_processor(tok, special["bos_token"], bool(add_bos))
     return tok, special
 
 
-def _add_file_tokens(tok, tokens: list[str], types) -> None:
-    """The file's control tokens (spelled in the byte alphabet: llama.cpp mislabels others) as special tokens,
-    then its user-defined ones (``<think>``) as plain added tokens, as transformers' GGUF integration adds them."""
+def _add_special(tok, values) -> None:
+    """Add each token of ``values`` (None: none) that is not an added token yet as a special token, in order."""
+    from tokenizers import AddedToken
+
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    for value in dict.fromkeys(v for v in values if v is not None):  # each once, in this order
+        if value not in added:
+            tok.add_special_tokens([AddedToken(value, special=True)])
+
+
+def _byte_level(metadata: dict):
+    """transformers' ``GPT2Tokenizer`` of the file: its vocabulary respelled in the byte alphabet, its merges,
+    GPT-2's byte-level split and decoder, and GPT-2's own special token."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
+    vocab = _spelled(metadata["tokenizer.ggml.tokens"])
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    _add_special(tok, [GPT2_DEFAULT_TOKEN])
+    return tok
+
+
+def _sentencepiece(metadata: dict):
+    """transformers' ``LlamaTokenizer`` of the file: BPE over the vocabulary as spelled (byte fallback), the
+    file's merges or the ones its scores imply (``spm_merges``), the ``▁`` prefix on the first word, and Llama's
+    own special tokens."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokens = metadata["tokenizer.ggml.tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    stored = metadata.get("tokenizer.ggml.merges")
+    if stored is not None:
+        merges = [tuple(m.split(" ")) for m in stored]
+    else:
+        merges = spm_merges(vocab, dict(zip(tokens, metadata["tokenizer.ggml.scores"])))
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    tok.decoder = decoders.Sequence(steps)
+    _add_special(tok, LLAMA_DEFAULT_TOKENS)
+    return tok
+
+
+def spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a sentencepiece vocabulary implies (transformers' ``generate_merges`` with scores): every split
+    of every token into two tokens, a token's splits by the ids of their halves, all of them by score (best
+    first), then by the halves' lengths (longest first)."""
+    merges = []
+    for merge, score in scores.items():
+        local = [
+            (merge[:i], merge[i:], score) for i in range(1, len(merge)) if merge[:i] in vocab and merge[i:] in vocab
+        ]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _add_file_tokens(tok, tokens: list[str], types, byte_level: bool) -> None:
+    """The file's control tokens as special tokens (in a byte-level vocabulary only those spelled in the byte
+    alphabet: llama.cpp mislabels others), then its user-defined ones (``<think>``) as plain added tokens, as
+    transformers' GGUF integration adds them."""
     from tokenizers import AddedToken
 
     alphabet = set(byte_alphabet().values())
-    control = [t for t, kind in zip(tokens, types) if kind == CONTROL and set(t) <= alphabet]
+    control = [t for t, kind in zip(tokens, types) if kind == CONTROL and (not byte_level or set(t) <= alphabet)]
     if control:
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     vocab = tok.get_vocab()
@@ -142,6 +202,9 @@ def _post_processor(tok, bos: str | None, add_bos: bool):
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1"
     special = [(bos, tok.token_to_id(bos))] if add_bos else []
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+BUILDERS = {"gpt2": _byte_level, "llama": _sentencepiece}  # tokenizer.ggml.model -> the vocabulary's pipeline
 
 
 def write_tokenizer(metadata: dict, directory: str) -> None:
