@@ -112,6 +112,7 @@ def vocabulary_variants(base: dict) -> dict[str, dict]:
             chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
         )
     variants["no <|endoftext|>, no BOS id"] = dict(tokens=no_eot, bos_token_id=None, add_bos_token=True)
+    variants["no add_bos_token key"] = dict(add_bos_token=None)
     return variants
 
 
