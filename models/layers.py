@@ -39,6 +39,7 @@ from .kv_cache import PagedKVCache
 from .mixed_batch import MixedBatch
 from .quant import quantize
 from .state_dict import release_file_pages
+from .step_layout import StepLayout, StepLimits
 
 
 def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -256,22 +257,11 @@ class MixedForward:
             return self._forward(*args)
 
     def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden):
-        starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
         pooled = any(hidden)  # embeddings: the torch loop (the whole-step kernel returns logits only here)
         whole_step = not pooled and self._takes_fused_step(len(token_ids), prompts)
-        batch = MixedBatch.build(
-            token_ids,
-            positions,
-            tables,
-            prompts,
-            prompt_tables,
-            starts,
-            self.kv.block_size,
-            self.device,
-            every_position,
-            for_step=whole_step,
-            hidden=hidden,
-        )
+        chunks = (prompts, prompt_tables, prompt_starts, every_position, hidden)
+        layout = StepLayout.build(self.step_limits, token_ids, positions, tables, *chunks)
+        batch = MixedBatch.from_layout(layout, self.device, for_step=whole_step)
         if whole_step:  # the embedding, every layer, the final norm and the lm_head in one call
             if self.lora is not None and self.lora.row_slots is not None:  # and each adapter's deltas, in the kernel
                 return self.fused_step(batch, (self.lora.kernel, self.lora.row_slots))
@@ -390,6 +380,7 @@ class MixedForward:
         """The KV block pool (K/V heads only, elements ``kv_cache_dtype``); lean decode steps where their kernels
         run."""
         self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device, kv_cache_dtype)
+        self.step_limits = StepLimits(block_size, num_blocks)  # the pool's bounds (ids, positions: unchecked)
         self.lean_decode = lean_decode_supported(device, head_dim, block_size, self.kv.k.dtype)
         self.layer_pools = [self.kv.pools(layer) for layer in range(n_layer)]  # views, made once, not per step
         self.fused_step = self._fused_plan() if self.lean_decode else None
