@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -237,24 +238,27 @@ class MixedForward:
         every_position: list[bool] = (),
         hidden: list[bool] = (),
         loras: list[int] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Decode B tokens (token_ids[b] at positions[b] of the sequence with block table tables[b]) and
-        prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block table
-        prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each decode row's, then
-        each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """``model_runner.ModelRunner.forward``: decode B tokens (token_ids[b] at positions[b] of the sequence with
+        block table tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default
+        0, block table prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each
+        decode row's, then each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
 
         Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position; a chunk
         with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). A chunk
         with ``hidden[i]`` set has no logits rows; its final hidden states (after the final norm) at every position
-        come in a second tensor [their tokens, C], returned as (logits, hidden) when any chunk is so flagged.
+        come in a second array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. float32
+        numpy (on the CPU a view of the step's output tensor: no copy), as the native runner returns them.
         """
         args = (token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden)
         if loras is None:
-            return self._forward(*args)
-        if self.lora is None:
+            out = self._forward(*args)
+        elif self.lora is None:
             raise ValueError("rows of LoRA adapters for a model without adapters (enable_lora)")
-        with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
-            return self._forward(*args)
+        else:
+            with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
+                out = self._forward(*args)
+        return tuple(t.float().cpu().numpy() for t in out) if isinstance(out, tuple) else out.float().cpu().numpy()
 
     def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden):
         pooled = any(hidden)  # embeddings: the torch loop (the whole-step kernel returns logits only here)
@@ -286,13 +290,22 @@ class MixedForward:
         rows = n_decode + sum(len(p) for p in prompts)
         return 0 < rows <= self.fused_step.max_rows
 
-    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
         """Run whole prompts into their blocks; return each prompt's last-position logits [len(prompts), V]."""
         return self.forward([], [], [], prompts, tables)
 
-    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> np.ndarray:
         """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
         return self.forward(token_ids, positions, tables)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` of the KV pool becomes a copy of block ``src``, every layer (``PagedKVCache.copy_block``)."""
+        self.kv.copy_block(src, dst)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the KV block pool."""
+        return self.kv.nbytes
 
     # --- LoRA adapters (models/lora.py) ---
 

@@ -32,6 +32,7 @@ from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.image_files import MODEL_FILE
 from models.kernels import step_abi
 from models.kernels.lora_step import KernelLora
+from models.kv_pool import KVPool
 from models.lora import targets_from_json
 from models.step_layout import StepLayout, StepLimits
 
@@ -58,12 +59,12 @@ def _map_files(image_dir: str, meta: dict) -> dict:
 
 
 class NativeModel:
-    """One model image with its own KV pools, stepped without torch.
+    """One model image with its own KV pool, stepped without torch.
 
-    ``num_blocks`` KV blocks of ``block_size`` tokens (pools [n_layer, num_blocks, KVH, block_size, D] of
-    ``kv_cache_dtype`` elements, K and V: ``PagedKVCache``'s layout; int8's scales [n_layer, num_blocks, KVH,
-    block_size] fp32 beside them); ``threads`` OpenMP threads per step. Raises ``ImageError`` for an unusable
-    image, ``RuntimeError`` when the kernel cannot be built or run here, ValueError for an unknown dtype.
+    ``num_blocks`` KV blocks of ``block_size`` tokens of ``kv_cache_dtype`` elements (``self.kv``, a
+    ``models.kv_pool.KVPool``: the pool class the torch forward views too); ``threads`` OpenMP threads per step.
+    Raises ``ImageError`` for an unusable image, ``RuntimeError`` when the kernel cannot be built or run here,
+    ValueError for an unknown dtype.
     """
 
     def __init__(
@@ -98,19 +99,9 @@ class NativeModel:
         )
         n_layer, KVH, D = meta["kv"]["n_layer"], meta["kv"]["n_kv_head"], meta["kv"]["head_dim"]
         self.kv_bytes_per_token = kv_dtype.bytes_per_token(kv_cache_dtype, n_layer, KVH, D)
-        # np.zeros is calloc: a page is committed when first written (np.zeros_like would write every page)
-        elements = kv_dtype.NUMPY_DTYPES[kv_cache_dtype]
-        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), elements)
-        self.v = np.zeros(self.k.shape, elements)
-        self.k_scale = self.v_scale = None
-        if kv_dtype.has_scales(kv_cache_dtype):  # one per (block, head, token): the pools' strides / D
-            self.k_scale = np.zeros(self.k.shape[:4], np.float32)
-            self.v_scale = np.zeros(self.k.shape[:4], np.float32)
-        # Layer l's pools as [num_blocks, block_size, KVH, D]: PagedKVCache.pools' strides (elements).
-        geometry = step_abi.PoolGeometry(
-            block_size, KVH * block_size * D, D, block_size * D, kv_dtype.CODES[kv_cache_dtype]
-        )
-        self.structs = step_abi.Structs(addresses, [self._layer_pools(i) for i in range(n_layer)], geometry)
+        self.kv = KVPool(n_layer, num_blocks, block_size, KVH, D, kv_cache_dtype)
+        pools = [self.kv.layer_addresses(i) for i in range(n_layer)]
+        self.structs = step_abi.Structs(addresses, pools, self.kv.geometry())
         self.step = step_abi.StepKernel(lib, self.structs, spec.C)
         self.n_embd = spec.C  # the model's width: a final hidden state's size
         self._ws = np.empty(0, np.float32)
@@ -132,18 +123,10 @@ class NativeModel:
 
     # --- what the server and the benchmark ask ---
 
-    def _layer_pools(self, layer: int) -> tuple[int, int, int | None, int | None]:
-        """Addresses of layer ``layer``'s K and V pools and (int8) their scales."""
-
-        def at(a: np.ndarray | None) -> int | None:
-            return None if a is None else a.ctypes.data + layer * a.strides[0]
-
-        return at(self.k), at(self.v), at(self.k_scale), at(self.v_scale)
-
     @property
     def kv_nbytes(self) -> int:
         """Bytes of the KV pool: K and V, and int8's scales."""
-        return sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+        return self.kv.nbytes
 
     def resident_weights(self) -> dict[str, int]:
         """Bytes of weights held, per format (``MixedForward.resident_weights`` of the model the image came from)."""
@@ -158,13 +141,8 @@ class NativeModel:
         return self.meta["flops"]["token"] + context * self.meta["flops"]["per_position"]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Block ``dst`` becomes a copy of block ``src``, K and V (and int8's scales), every layer
-        (``PagedKVCache.copy_block``)."""
-        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-            raise ValueError(f"blocks {src}, {dst} outside the pool of {self.num_blocks}")
-        for pool in (self.k, self.v, self.k_scale, self.v_scale):
-            if pool is not None:
-                pool[:, dst] = pool[:, src]
+        """Block ``dst`` becomes a copy of block ``src``, every layer (``KVPool.copy_block``)."""
+        self.kv.copy_block(src, dst)
 
     # --- a step ---
 

@@ -241,7 +241,7 @@ def _runs_from_one_state(model, plan, step) -> list[tuple]:
         model.kv.v.copy_(before[1])
         torch.set_num_threads(threads)
         model.fused_step = plan if fused else None
-        logits = step()
+        logits = torch.from_numpy(step())  # the runner's numpy logits, compared as tensors
         results.append((logits, model.kv.k.clone(), model.kv.v.clone()))
     model.fused_step = plan
     return results
