@@ -1,8 +1,8 @@
 """The torch side of the server: model families, their shared layers, the KV cache, compiled kernels.
 
 Importing this package imports no torch (torch-free modules live here too: ``cache_dir.py``,
-``native_memory.py``, ``image.py``, ``native.py``, ``step_layout.py``, ``kv_pool.py``, ``kernels/step_abi.py``); ``families()`` imports the torch
-modules when a model loads.
+``native_memory.py``, ``image.py``, ``native.py``, ``step_layout.py``, ``kv_pool.py``, ``kernels/step_abi.py``);
+``families()`` imports the torch modules when a model loads.
 
     layers.py      what every family shares: Linear (one packed copy per weight), MixedForward (the forward loop)
     step_layout.py StepLayout: one step's rows (decode tokens, then prompt chunks) in numpy, both runtimes' layout
