@@ -86,19 +86,24 @@ class DraftLength:
 
     Drafts are accepted in a run that ends at the first rejection, so with a per-token acceptance ``a`` the k-th
     draft is kept with probability ``a**k`` (its expected gain, in tokens), while it costs one more query row in
-    the step. A row is nearly free while a step is bound by streaming the weights (a few rows) and costs its share
-    of the step once the batch is compute-bound, so the bar a draft must clear grows with the rows the step
-    decodes: ``a**k >= ROW_COST * rows``. ``a`` is estimated from the sequence's verified steps (accepted drafts
-    are successes, the rejection ending a run a failure), decayed so it follows the text (a paragraph copied, then
-    new prose), from a prior of ``PRIOR``. A sequence that stopped drafting drifts back to the prior, so it is
-    probed again after a while. ``k_max`` (``NUM_SPECULATIVE_TOKENS``) caps it. ``ROW_COST`` is a heuristic, not
-    a measurement of this machine; ``SPECULATIVE_DISABLE_BY_BATCH_SIZE`` is the hard stop."""
+    the step. A step of ``rows`` decode rows costs about ``1 + ROW_COST * (rows - 1)`` one-row steps, so one more
+    row costs ``r = ROW_COST / (1 + ROW_COST * (rows - 1))`` of it (plus ``cost``, what proposing a draft costs).
+    The length is the one that maximizes the step's expected tokens per unit of its time, ``E(k) / C(k)`` with
+    ``E(k) = rows + a + ... + a**k`` and ``C(k) = 1 + r k``: the (k+1)-th draft is worth it while
+    ``a**(k+1) >= r E(k) / C(k)``. A draft thus has to clear a bar that grows with what the step already emits:
+    about a fifth of a token for one user's first draft, two thirds of one in a step of 8 rows.
+    ``a`` is estimated from the sequence's verified steps (accepted drafts are successes, the rejection ending a
+    run a failure), decayed so it follows the text (a paragraph copied, then new prose), from a prior of
+    ``PRIOR``. A sequence that stopped drafting drifts back to the prior, so it is probed again after a while.
+    ``k_max`` (``NUM_SPECULATIVE_TOKENS``) caps it; ``SPECULATIVE_DISABLE_BY_BATCH_SIZE`` is the hard stop."""
 
     PRIOR = 0.6  # per-token acceptance assumed before any verification, over PRIOR_WEIGHT pseudo-trials
     PRIOR_WEIGHT = 2.0
     DECAY = 0.8  # weight of the earlier trials at each verified step (about the last 5 steps count)
     IDLE_DRIFT = 0.05  # at each step that did not draft, the estimate moves this far towards the prior
-    ROW_COST = 0.08  # the bar per decoding row: 1 row drafts while a**k >= 0.08, 8 rows while a**k >= 0.64
+    # One more query row's cost, as a share of a one-row step: measured on SmolLM2 Q4_1, 2 threads, the AVX2 Zen 3
+    # (a step of 1, 2, 3, 4, 5 rows at context 72: 9.7, 11.7, 13.8, 15.9, 19.7 ms; docs/speculative.md).
+    ROW_COST = 0.2
 
     def __init__(self) -> None:
         self.successes = self.PRIOR * self.PRIOR_WEIGHT
@@ -113,11 +118,13 @@ class DraftLength:
         """Drafts worth verifying next step in a step of ``rows`` decode rows (0: none; the estimate then drifts
         back towards the prior, so that the sequence is probed again after a while). ``cost``: what proposing one
         draft costs, as a share of a step (0 for prompt lookup; a draft model's forward, ``EngineProposer.cost``):
-        it raises the bar, so that a draft that costs about a step is worth it only when nearly always accepted."""
-        bar, a = min(0.95, self.ROW_COST * max(rows, 1)) + cost, self.acceptance
-        k = 0
-        while k < k_max and a ** (k + 1) >= bar:
+        it adds to a row's cost, so that a draft that costs about a step is never worth it."""
+        rows, a = max(rows, 1), self.acceptance
+        per_draft = self.ROW_COST / (1 + self.ROW_COST * (rows - 1)) + cost
+        k, tokens = 0, float(rows)  # the step's expected tokens with k drafts: E(k)
+        while k < k_max and a ** (k + 1) >= per_draft * tokens / (1 + per_draft * k):
             k += 1
+            tokens += a**k
         if not k:
             self.successes += (self.PRIOR * self.PRIOR_WEIGHT - self.successes) * self.IDLE_DRIFT
             self.trials += (self.PRIOR_WEIGHT - self.trials) * self.IDLE_DRIFT

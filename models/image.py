@@ -10,7 +10,8 @@ process, the way ``HFEngine`` builds it, and the buffers its ``StepPlan`` points
     image.json     the spec with each buffer named, every buffer's offset / bytes / dtype / shape, and what a
                    server needs besides (model type, vocab, context window, KV geometry, max_rows, EOS ids,
                    resident and streamed weight bytes and the FLOP counts for the benchmark's roofline)
-    tokenizer/     the checkpoint's tokenizer (``text.tokenizer.write_tokenizer_dir``: what ``TextTokenizer`` reads)
+    tokenizer/     the checkpoint's tokenizer (``text.tokenizer.write_tokenizer_dir``: what ``TextTokenizer`` reads;
+                   a GGUF's, where our code can, ``gguf/tokenizer.py``: the same files, without transformers)
 
 ``models/native.py`` maps ``weights.bin`` read-only and runs steps on it without importing torch. The KV pools are
 not in the image (they depend on capacity): the runner allocates them.
@@ -213,6 +214,7 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
     """Build ``model_id`` at ``weights`` and write its image into the directory ``out`` (created); -> image.json's
     contents. Raises ``ModelLoadError`` when the model cannot load, ``ValueError`` when its steps cannot run as
     one compiled call here."""
+    from models.gguf.tokenizer import GGUFTokenizer
     from models.kernels import paged_attention, step_abi
     from models.loading import eos_ids
     from models.lora import targets_to_json
@@ -265,7 +267,10 @@ def write_image(model_id: str, weights: str, out: str) -> dict:
         "buffers": entries,
         "plan": step_abi.spec_to_json(spec),
     }
-    write_tokenizer_dir(tokenizer, os.path.join(out, TOKENIZER_DIR))  # as the generic class TextTokenizer reads
+    if isinstance(tokenizer, GGUFTokenizer):  # written from the GGUF's vocabulary by our code (load_gguf)
+        tokenizer.write_dir(os.path.join(out, TOKENIZER_DIR))
+    else:
+        write_tokenizer_dir(tokenizer, os.path.join(out, TOKENIZER_DIR))  # as the generic class TextTokenizer reads
     with open(os.path.join(out, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     return meta

@@ -158,6 +158,7 @@ def test_drive_honors_arrival_times_dependencies_and_continued_turns():
     assert parse_system("ours:budget=0:prefix=off") == ("ours", {"budget": "0", "prefix": "off"})
     assert parse_system("ours:int8") == ("ours", {"weights": "int8"})
     assert parse_system("ours:int8:isa=avx2") == ("ours", {"weights": "int8", "isa": "avx2"})
+    assert parse_system("ours:lmin=1:lmax=6") == ("ours", {"lmin": "1", "lmax": "6"})
     assert parse_system("llamacpp:cache=on") == ("llamacpp", {"cache": "on"})
     with pytest.raises(SystemExit):
         parse_system("hf_cb:budget=0")

@@ -278,6 +278,7 @@ def test_rejected_drafts_leave_the_books_as_without_them(method):
         on.planner.proposers["ngram"] = Wrong()
     else:
         on = with_drafter(checked_engine(speculative=DRAFT, **kw), CopyDrafter(wrong=True))
+    on.planner.spec_adaptive = False  # every row drafts all it may: the most rollbacks
     copies = fresh_copies(seqs)
     off_shots = snapshots(checked_engine(**kw), seqs)
     on_shots = snapshots(on, copies)
@@ -359,7 +360,7 @@ def test_the_draft_length_follows_the_acceptance():
         lengths.append(k)
         if k:
             bad.update(k, 0)
-    assert lengths[0] >= 3 and lengths[-30:].count(0) >= 18 and any(lengths[10:]), lengths  # stopped, probed again
+    assert lengths[0] >= 2 and lengths[-30:].count(0) >= 18 and any(lengths[10:]), lengths  # stopped, probed again
     assert DraftLength().length(8, 8) < DraftLength().length(8, 1)
 
     class Wrong:
@@ -495,8 +496,8 @@ def test_a_draft_that_costs_a_step_must_nearly_always_be_accepted():
         always.update(4, 4)
     assert always.length(8, 1, cost=0.0) == 8 and always.length(8, 1, cost=0.5) == 8
     assert always.length(8, 1, cost=1.0) == 0  # as slow as the target: never worth it
-    sometimes = DraftLength()  # acceptance 0.6: 0.6, 0.36, 0.22... against 0.08 + cost
-    assert sometimes.length(8, 1, cost=0.0) == 4 and sometimes.length(8, 1, cost=0.27) == 2
+    sometimes = DraftLength()  # acceptance 0.6: 0.6, 0.36, 0.22... against 0.2, 0.27, 0.28 (+ cost: 0.47, 0.51)
+    assert sometimes.length(8, 1, cost=0.0) == 2 and sometimes.length(8, 1, cost=0.27) == 1
     proposer = EngineProposer()
     for _ in range(30):
         proposer.observe(0.009, 0.010)

@@ -53,6 +53,7 @@ _LENGTH = struct.Struct("<Q")  # a string's length
 # GGUF metadata value types -> their size in bytes (8: string, 9: array are variable-sized)
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR_DTYPES = {k: np.dtype("<" + fmt) for k, fmt in _SCALAR_FORMATS.items()}  # the same, for whole arrays
 
 
 class _Cursor:
@@ -105,6 +106,10 @@ class _Cursor:
                 return count
             if etype == 8:
                 return [bytes(b).decode("utf-8") for b in self.strings(count)]
+            if etype in _SCALAR_DTYPES:  # a vocabulary's token types or scores: one read, the same Python values
+                values = np.frombuffer(self.buf, _SCALAR_DTYPES[etype], count, self.pos)
+                self.pos += values.nbytes
+                return values.tolist()
             return [self.value(etype, max_items) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {vtype}")
 

@@ -34,16 +34,29 @@ def load_checkpoint(model_id: str, weights: str = "fp32", in_process: bool = Fal
 
 def load_gguf(model_id: str, weights: str, in_process: bool = False):
     """(tokenizer, ``GGUFModel``) for a ``.gguf`` file served at ``weights``: its metadata directory's
-    tokenizer and config, its weights straight from the file."""
-    from models.gguf_model import GGUFModel
-
+    tokenizer and config, its weights straight from the file. ``in_process`` (the model image's child): a file
+    whose tokenizer and config our code reads alone (``convert.direct_config``) comes with a ``GGUFTokenizer``
+    (what the image's tokenizer directory is written from), without transformers."""
     path = gguf_path(model_id)
+    direct = convert.direct_config(path) if in_process else None
+    if direct is not None:  # no transformers: the tokenizer is written from the file's vocabulary by our code
+        from models.gguf.tokenizer import GGUFTokenizer
+
+        metadata, config, generation_config = direct
+        return GGUFTokenizer(metadata), _gguf_model(path, config, generation_config, weights)
     meta = convert.gguf_metadata_dir(path, in_process)
     with load_errors(meta):
         tokenizer = convert.saved_tokenizer(meta)
         config, generation_config = convert.saved_config(meta)
+    return tokenizer, _gguf_model(path, config, generation_config, weights)
+
+
+def _gguf_model(path: str, config, generation_config, weights: str):
+    """``GGUFModel`` of the file ``path``; ``ModelLoadError`` naming it when it cannot be served."""
+    from models.gguf_model import GGUFModel
+
     try:
-        return tokenizer, GGUFModel(path, config, generation_config, weights)
+        return GGUFModel(path, config, generation_config, weights)
     except ValueError as exc:  # the file changed under its cached metadata, or a type we cannot serve
         raise ModelLoadError(f"MODEL_ID {path}: {one_line(exc)}") from exc
 

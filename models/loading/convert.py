@@ -134,6 +134,36 @@ def _default_rope(values: dict) -> bool:
     return rope.get("rope_type", rope.get("type", "default")) == "default"
 
 
+def direct_config(path: str):
+    """(metadata, config, generation config) of the GGUF file ``path`` read by our code alone, without
+    transformers: when its config is ``gguf/config.py``'s for a ``PLAIN_MODEL_TYPES`` model with default RoPE, it
+    names an EOS token, and our code writes its tokenizer (``gguf/tokenizer.py``). The config is a ``PlainConfig``
+    of that dict (what the family reads of transformers' config class: the same values, tests/test_gguf_tokenizer.py
+    compares the images built both ways), the generation config the ids transformers copies from it. None (and a
+    debug line saying why) for any other file: the caller converts it with transformers."""
+    from models.gguf.config import file_config
+    from models.gguf.reader import read_metadata
+    from models.gguf.tokenizer import written_by_us
+
+    try:
+        metadata, tensors = read_metadata(path, max_items=1 << 62)  # the vocabulary and merges in full
+        values = file_config(path, (metadata, tensors))
+    except ValueError as exc:  # unreadable or unservable: the transformers path reports it in its words
+        log.debug("GGUF %s: not read by our code alone (%s)", path, one_line(exc))
+        return None
+    if values is None or values.get("model_type") not in PLAIN_MODEL_TYPES or not _default_rope(values):
+        why = "its config is not a plain one (a gpt2 file, another family, or scaled RoPE)"
+    elif values.get("eos_token_id") is None:
+        why = "it names no EOS token"
+    else:
+        why = written_by_us(metadata)
+    if why is not None:
+        log.debug("GGUF %s: tokenizer and config converted by transformers: %s", path, why)
+        return None
+    ids = {k: values.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return metadata, PlainConfig(values), PlainConfig(ids)
+
+
 def saved_config(directory: str) -> tuple:
     """(config, generation config) of a GGUF's metadata directory: ``PlainConfig``s of every attribute the
     converter saw where the model type allows (no transformers model module is imported), else the

@@ -64,6 +64,8 @@ OURS_OPTIONS = {
     "spec": "SPECULATIVE_METHOD",
     "k": "NUM_SPECULATIVE_TOKENS",
     "draft": "SPECULATIVE_MODEL",
+    "lmin": "PROMPT_LOOKUP_MIN",
+    "lmax": "PROMPT_LOOKUP_MAX",
     "device": "DEVICE",
 }
 
@@ -312,7 +314,8 @@ def parse_system(name: str) -> tuple[str, dict]:
             f"unknown system {name!r} (choose from {known}; ours:auto|fp32|int8|int4, "
             f"ours:budget=N (MAX_NUM_BATCHED_TOKENS), ours:prefix=on|off, ours:kv=MiB, ours:fork=off, "
             "ours:runtime=torch|native (RUNTIME), ours:device=cuda (DEVICE), ours:spec=off|ngram|draft_model "
-            "(SPECULATIVE_METHOD), ours:k=N (NUM_SPECULATIVE_TOKENS), ours:draft=N|PATH (SPECULATIVE_MODEL: the "
+            "(SPECULATIVE_METHOD), ours:k=N (NUM_SPECULATIVE_TOKENS), ours:lmin=N / ours:lmax=N (PROMPT_LOOKUP_MIN / "
+            "PROMPT_LOOKUP_MAX), ours:draft=N|PATH (SPECULATIVE_MODEL: the "
             "served GGUF's first N blocks, or a MODEL_ID), ours_server: as ours but fork; "
             "llamacpp:cache=on, llamacpp:spec=ngram-simple|ngram-map-k|ngram-mod...[:n=N][:m=M]; "
             "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours:device=cuda "
