@@ -2,15 +2,17 @@
 
 A ``ModelRunner`` holds a model's weights and its KV block pool and runs one step: decode rows and prompt chunks
 in, logits rows out (and, for prompts being embedded, their final hidden states), every row's K/V written into the
-blocks its table names. The planner decides which rows and
-which blocks (``core/planner.py``); the engine (``models.model_engine.ModelEngine``) feeds the runner a plan's rows and
-samples its logits. Two runtimes implement it:
+blocks its table names. The planner decides which rows and which blocks (``core/planner.py``); the engine
+(``models.model_engine.ModelEngine``) feeds the runner a plan's rows and samples its logits. Both runtimes lay a
+step's rows out as one ``models.step_layout.StepLayout`` (numpy) and keep K/V in one ``models.kv_pool.KVPool``
+(numpy); they differ only in how the weights are built and which kernel steps them:
 
-- ``models.native.NativeModel``: a memory-mapped model image stepped by the compiled whole-step kernel
-  (``models/kernels/decode_step.c``), numpy KV pools; torch-free.
-- ``models.layers.MixedForward`` (a family of ``models/``): the torch forward over ``models.kv_cache.PagedKVCache``;
-  it returns torch logits and keeps its pool in ``.kv``, which ``models.runtime.HFEngine`` adapts
-  (``_logits``, ``_copy_block``, ``kv_pool_bytes``).
+- ``models.native.NativeModel``: a memory-mapped model image, every step the compiled whole-step kernel
+  (``models/kernels/decode_step.c``) in calls of at most ``max_rows`` rows; torch-free.
+- ``models.layers.MixedForward`` (a family of ``models/``): weights built through torch from the checkpoint; a
+  step runs the same whole-step kernel, the lean per-layer calls or the torch forward by its size
+  (docs/architecture.md, "Which numeric path a step takes"), over torch views of the layout and the pool
+  (``models.mixed_batch.MixedBatch``, ``models.kv_cache.PagedKVCache``), and returns numpy like the native runner.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ModelRunner(Protocol):
         prompt_starts: Sequence[int] | None = None,
         every_position: Sequence[bool] = (),
         hidden: Sequence[bool] = (),
+        loras: Sequence[int] | None = None,
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Decode B tokens (``token_ids[b]`` at ``positions[b]``, block table ``tables[b]``) and prefill prompt
         chunks (``prompts[i]`` at positions ``[prompt_starts[i], + len)``, default 0, block table
@@ -44,6 +47,7 @@ class ModelRunner(Protocol):
         with ``hidden[i]`` set (a prompt embedded, ``/v1/embeddings``) has no logits rows: its final hidden states
         (after the final norm, before the lm_head: HF's last ``hidden_states``) at every position, in order, come in
         a second array [those chunks' tokens, C], and the result is (logits, hidden) when any chunk is so flagged.
+        ``loras``: each decode row's, then each chunk's adapter slot (-1: the base; None: every row the base's).
         Every row's K/V is written. ValueError for arguments that do not fit the pool, the tables or the context."""
         ...
 

@@ -1,11 +1,12 @@
 """The torch side of the server: model families, their shared layers, the KV cache, compiled kernels.
 
 Importing this package imports no torch (torch-free modules live here too: ``cache_dir.py``,
-``native_memory.py``, ``image.py``, ``native.py``, ``kernels/step_abi.py``); ``families()`` imports the torch
-modules when a model loads.
+``native_memory.py``, ``image.py``, ``native.py``, ``step_layout.py``, ``kv_pool.py``, ``kernels/step_abi.py``);
+``families()`` imports the torch modules when a model loads.
 
     layers.py      what every family shares: Linear (one packed copy per weight), MixedForward (the forward loop)
-    mixed_batch.py MixedBatch: where each token of one forward sits (decode rows, then prompt chunks)
+    step_layout.py StepLayout: one step's rows (decode tokens, then prompt chunks) in numpy, both runtimes' layout
+    mixed_batch.py MixedBatch: the torch forward's zero-copy view of a StepLayout
     attention.py   the one mixed-batch attention (GQA; GPT-2 is group size 1), the lean decode path's attention
     state_dict.py  a checkpoint's weights taken over (fp32 copies), its file pages dropped from RSS
     gpt2.py        GPT-2 block math and weight mapping
@@ -16,7 +17,9 @@ modules when a model loads.
     rope.py        RoPE tables (plain, HF's fixed scalings, partial rotary, per layer type) and their application
     llama.py, mistral.py, qwen2.py, qwen3.py, qwen3_moe.py, gemma.py, phi3.py, olmo2.py, granite.py, mixtral.py,
     olmoe.py       one family each: its spec from the HF config, its weight names (docs/families.md: adding one)
-    kv_cache.py    the preallocated KV block pool (the block manager, ``core/block_manager.py``, says who holds what)
+    kv_pool.py     KVPool: the preallocated KV block pool both runtimes use, numpy (``core/block_manager.py`` says who
+                   holds what)
+    kv_cache.py    PagedKVCache: the torch forward's view of the KV pool (zero-copy on the CPU)
     kernels/       compiled kernels (small_gemm.c, paged_attention.c with the fused RoPE + KV write + attention,
                    decode_ops.c; quant_gemm.c over GGUF blocks, one header per type in quants/) and the loader
     gguf/          torch-free: the GGUF reader, every type's block layout and reference dequantization, names,
@@ -26,7 +29,7 @@ modules when a model loads.
     quality.py     perplexity through our own forward (the WEIGHTS formats' quality)
     image.py       the model image: a built model's packed weights in one file (written in a torch child process),
                    cached; ``ensure_image`` is torch-free
-    native.py      the torch-free runner: a model image stepped by the whole-step kernel, numpy KV pools
+    native.py      the torch-free runner: a model image stepped by the whole-step kernel over a KVPool
     cache_dir.py   where checkpoints and built kernels are cached
     native_memory.py  caps oneDNN/ideep per-shape caches before torch loads; trims the heap after prefills
 """

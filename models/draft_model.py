@@ -190,7 +190,7 @@ class DraftModel:
         (numpy: the decode rows', then each chunk's last position's)."""
         self.forwards += 1
         self.tokens_fed += len(token_ids) + sum(map(len, prompts))
-        return self.engine._logits(token_ids, positions, tables, prompts, prompt_tables, starts)
+        return self.engine.model.forward(token_ids, positions, tables, prompts, prompt_tables, starts)
 
     # --- the draft's books --------------------------------------------------------------------------------
     def _reserve(self, seq_id: int, num_tokens: int) -> bool:

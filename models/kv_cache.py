@@ -1,39 +1,34 @@
-"""The KV cache: one preallocated pool of fixed-size blocks for every layer, written in place (on the CPU its pages
-are committed as blocks are first written), its elements fp32, fp16, bf16 or int8 (``KV_CACHE_DTYPE``,
-``models/kv_dtype.py``).
-
-Layout per tensor: ``[n_layer, num_blocks, n_kv_head, block_size, head_dim]`` (head-major blocks:
-each block of one KV head is one contiguous ``block_size x head_dim`` run, which the decode
-kernel streams best; ``scripts/bench_paged_attention.py``); an int8 pool's scales (one fp32 per token and head)
-``[n_layer, num_blocks, n_kv_head, block_size]`` beside it. Which blocks a sequence holds is
-the block manager's business (``block_manager.py``, torch-free); this class only stores and
-reads: token at position ``p`` of a sequence with block table ``t`` lives in block
-``t[p // block_size]`` at offset ``p % block_size``. A token's K/V are converted once, when written (round to
-nearest even; int8: q8_0's rule, ``paged_attention.quantize_int8``), and read in place by the attention kernel.
+"""The KV cache as the torch forward reads and writes it: the block pool (``models.kv_pool.KVPool``: layout
+``[n_layer, num_blocks, n_kv_head, block_size, head_dim]``, int8's scales beside it; elements ``KV_CACHE_DTYPE``) as
+torch tensors. On the CPU they are views of the numpy pool the native runner uses too (``torch.from_numpy``: no copy,
+and the pool's pages are committed as blocks are first written); on another device, device tensors of the same
+layout. A token's K/V are converted once, when written (round to nearest even; int8: q8_0's rule,
+``paged_attention.quantize_int8``), and read in place by the attention kernel.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import kv_dtype
 from .kernels.paged_attention import dequantize, to_pool_dtype
+from .kv_pool import KVPool
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
-def _zeros(shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed pool. On the CPU, numpy's calloc: the OS hands out zero pages as they are first written, so the
-    pool's RSS is the blocks used, not the pool's size (``torch.zeros`` writes every page at start)."""
-    if torch.device(device).type == "cpu":
-        if dtype == torch.bfloat16:  # numpy has no bf16: its 16 bits, viewed
-            return torch.from_numpy(np.zeros(shape, np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(np.zeros(shape, torch.empty(0, dtype=dtype).numpy().dtype))
-    return torch.zeros(shape, device=device, dtype=dtype)
+def _view(a, dtype: torch.dtype) -> torch.Tensor | None:
+    """A numpy pool array as a torch tensor of ``dtype`` sharing its memory (bf16: its raw 16 bits, viewed)."""
+    if a is None:
+        return None
+    t = torch.from_numpy(a)
+    return t.view(dtype) if t.dtype != dtype else t
 
 
 class PagedKVCache:
+    """The pool's K, V (and int8's scales) as torch tensors (``k``, ``v``, ``k_scale``, ``v_scale``); ``pool``: the
+    ``KVPool`` they view on the CPU, else None."""
+
     def __init__(
         self,
         n_layer: int,
@@ -44,25 +39,28 @@ class PagedKVCache:
         device: torch.device,
         dtype: str = "fp32",
     ) -> None:
-        shape = (n_layer, num_blocks, n_kv_head, block_size, head_dim)
         self.dtype = kv_dtype.check(dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
         elements = TORCH_DTYPES[dtype]
-        self.k, self.v = _zeros(shape, device, elements), _zeros(shape, device, elements)
+        self.pool = None
+        if torch.device(device).type == "cpu":
+            self.pool = KVPool(n_layer, num_blocks, block_size, n_kv_head, head_dim, dtype)
+            self.k, self.v = _view(self.pool.k, elements), _view(self.pool.v, elements)
+            self.k_scale = _view(self.pool.k_scale, torch.float32)
+            self.v_scale = _view(self.pool.v_scale, torch.float32)
+            return
+        shape = (n_layer, num_blocks, n_kv_head, block_size, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=elements)
+        self.v = torch.zeros(shape, device=device, dtype=elements)
         self.k_scale = self.v_scale = None
         if kv_dtype.has_scales(dtype):
-            self.k_scale = _zeros(shape[:4], device, torch.float32)
-            self.v_scale = _zeros(shape[:4], device, torch.float32)
-        self.num_blocks, self.block_size = num_blocks, block_size
+            self.k_scale = torch.zeros(shape[:4], device=device, dtype=torch.float32)
+            self.v_scale = torch.zeros(shape[:4], device=device, dtype=torch.float32)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the pool: K and V, and int8's scales."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
-
-    @staticmethod
-    def bytes_per_block(n_layer: int, block_size: int, n_kv_head: int, head_dim: int, dtype: str = "fp32") -> int:
-        """K and V of one block over every layer (int8: with its scales)."""
-        return block_size * kv_dtype.bytes_per_token(dtype, n_layer, n_kv_head, head_dim)
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
@@ -80,6 +78,9 @@ class PagedKVCache:
     def copy_block(self, src: int, dst: int) -> None:
         """Block ``dst`` becomes a copy of block ``src``, K and V (and int8's scales), every layer (a forked sequence's
         own copy of its parent's partial last block, which it then writes past)."""
+        if self.pool is not None:  # the CPU: the numpy pool these tensors view
+            self.pool.copy_block(src, dst)
+            return
         for t in self._tensors():
             t[:, dst] = t[:, src]
 

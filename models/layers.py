@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +40,7 @@ from .kv_cache import PagedKVCache
 from .mixed_batch import MixedBatch
 from .quant import quantize
 from .state_dict import release_file_pages
+from .step_layout import StepLayout, StepLimits
 
 
 def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -236,42 +238,34 @@ class MixedForward:
         every_position: list[bool] = (),
         hidden: list[bool] = (),
         loras: list[int] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Decode B tokens (token_ids[b] at positions[b] of the sequence with block table tables[b]) and
-        prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block table
-        prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each decode row's, then
-        each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """``model_runner.ModelRunner.forward``: decode B tokens (token_ids[b] at positions[b] of the sequence with
+        block table tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default
+        0, block table prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each
+        decode row's, then each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
 
         Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position; a chunk
         with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). A chunk
         with ``hidden[i]`` set has no logits rows; its final hidden states (after the final norm) at every position
-        come in a second tensor [their tokens, C], returned as (logits, hidden) when any chunk is so flagged.
+        come in a second array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. float32
+        numpy (on the CPU a view of the step's output tensor: no copy), as the native runner returns them.
         """
         args = (token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden)
         if loras is None:
-            return self._forward(*args)
-        if self.lora is None:
+            out = self._forward(*args)
+        elif self.lora is None:
             raise ValueError("rows of LoRA adapters for a model without adapters (enable_lora)")
-        with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
-            return self._forward(*args)
+        else:
+            with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
+                out = self._forward(*args)
+        return tuple(t.float().cpu().numpy() for t in out) if isinstance(out, tuple) else out.float().cpu().numpy()
 
     def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden):
-        starts = list(prompt_starts) if prompt_starts is not None else [0] * len(prompts)
         pooled = any(hidden)  # embeddings: the torch loop (the whole-step kernel returns logits only here)
         whole_step = not pooled and self._takes_fused_step(len(token_ids), prompts)
-        batch = MixedBatch.build(
-            token_ids,
-            positions,
-            tables,
-            prompts,
-            prompt_tables,
-            starts,
-            self.kv.block_size,
-            self.device,
-            every_position,
-            for_step=whole_step,
-            hidden=hidden,
-        )
+        chunks = (prompts, prompt_tables, prompt_starts, every_position, hidden)
+        layout = StepLayout.build(self.step_limits, token_ids, positions, tables, *chunks)
+        batch = MixedBatch.from_layout(layout, self.device, for_step=whole_step)
         if whole_step:  # the embedding, every layer, the final norm and the lm_head in one call
             if self.lora is not None and self.lora.row_slots is not None:  # and each adapter's deltas, in the kernel
                 return self.fused_step(batch, (self.lora.kernel, self.lora.row_slots))
@@ -296,13 +290,22 @@ class MixedForward:
         rows = n_decode + sum(len(p) for p in prompts)
         return 0 < rows <= self.fused_step.max_rows
 
-    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
         """Run whole prompts into their blocks; return each prompt's last-position logits [len(prompts), V]."""
         return self.forward([], [], [], prompts, tables)
 
-    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> np.ndarray:
         """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
         return self.forward(token_ids, positions, tables)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` of the KV pool becomes a copy of block ``src``, every layer (``PagedKVCache.copy_block``)."""
+        self.kv.copy_block(src, dst)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the KV block pool."""
+        return self.kv.nbytes
 
     # --- LoRA adapters (models/lora.py) ---
 
@@ -390,6 +393,7 @@ class MixedForward:
         """The KV block pool (K/V heads only, elements ``kv_cache_dtype``); lean decode steps where their kernels
         run."""
         self.kv = PagedKVCache(n_layer, num_blocks, block_size, n_kv_head, head_dim, device, kv_cache_dtype)
+        self.step_limits = StepLimits(block_size, num_blocks)  # the pool's bounds (ids, positions: unchecked)
         self.lean_decode = lean_decode_supported(device, head_dim, block_size, self.kv.k.dtype)
         self.layer_pools = [self.kv.pools(layer) for layer in range(n_layer)]  # views, made once, not per step
         self.fused_step = self._fused_plan() if self.lean_decode else None

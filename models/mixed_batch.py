@@ -1,12 +1,17 @@
-"""The mixed batch: where each token of one forward sits. B decode tokens (one per active row ``[0, B)``, each at its
-own position) and the prompt chunks packed after them, ``[B + T]`` with no padding; each token's KV slot, the
-decode rows' block tables, and the rows whose logits (or hidden states) are wanted."""
+"""The mixed batch: a step's rows (``models.step_layout.StepLayout``, numpy) as the torch forward reads them. B
+decode tokens (one per active row ``[0, B)``, each at its own position) and the prompt chunks packed after them,
+``[B + T]`` with no padding; each token's KV slot, the decode rows' block tables, and the rows whose logits (or
+hidden states) are wanted. On the CPU every tensor is a view of the layout's arrays (``torch.from_numpy``: no copy);
+elsewhere a copy on the device."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .step_layout import StepLayout
 
 
 @dataclass
@@ -35,63 +40,33 @@ class MixedBatch:
     hidden_rows: torch.Tensor | None = None  # rows whose final hidden states are wanted (chunks flagged ``hidden``)
 
     @classmethod
-    def build(
-        cls,
-        token_ids: list[int],
-        positions: list[int],
-        tables: list[list[int]],
-        prompts: list[list[int]],
-        prompt_tables: list[list[int]],
-        prompt_starts: list[int],
-        block_size: int,
-        device: torch.device,
-        every_position: list[bool] = (),
-        for_step: bool = False,
-        hidden: list[bool] = (),
-    ) -> MixedBatch:
-        """``every_position[i]``: chunk i's logits are wanted at all its positions, not only the last
-        (prompt logprobs); ``hidden[i]``: none of its logits, its final hidden states at every position instead
-        (``hidden_rows``). ``for_step``: the batch goes to the whole-step kernel (``fused_step``), which
-        reads every row's table through ``block_tables`` and ``row_tables``."""
-        B = len(token_ids)
-        lengths = [len(p) for p in prompts]
-        starts = [B + sum(lengths[:i]) for i in range(len(lengths))]
-        ids = torch.tensor(list(token_ids) + [t for p in prompts for t in p], dtype=torch.long)
-        pos = list(positions) + [s + i for s, n in zip(prompt_starts, lengths) for i in range(n)]
-        blocks = [table[p // block_size] for table, p in zip(tables, positions)]
-        for table, start, n in zip(prompt_tables, prompt_starts, lengths):
-            blocks += [table[p // block_size] for p in range(start, start + n)]
-        block_tables = context_lens = row_tables = None
-        all_tables = list(tables) + list(prompt_tables) if for_step else tables
-        if all_tables:
-            width = max(len(t) for t in all_tables)
-            block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in all_tables], dtype=torch.int32)
-        if B:
-            context_lens = torch.tensor(positions, dtype=torch.int32) + 1
-        if for_step and prompts:  # row -> table: decode row b reads table b, chunk i's rows table B + i
-            counts = torch.tensor([1] * B + lengths)
-            row_tables = torch.repeat_interleave(torch.arange(B + len(prompts), dtype=torch.int32), counts)
-        full = list(every_position) or [False] * len(prompts)
-        pooled = list(hidden) or [False] * len(prompts)
-        spans = [
-            [] if h else range(s, s + n) if f else [s + n - 1] for s, n, f, h in zip(starts, lengths, full, pooled)
+    def from_layout(cls, layout: StepLayout, device: torch.device, for_step: bool = False) -> MixedBatch:
+        """The torch view of a step's rows. ``for_step``: the batch goes to the whole-step kernel (``fused_step``),
+        which reads every row's table through ``block_tables`` and ``row_tables``; otherwise the decode rows'
+        tables only (the chunks' are in ``prompts``)."""
+
+        def on(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)  # the CPU: the array itself
+
+        B, P = layout.n_decode, len(layout.chunk_rows)
+        tables = torch.from_numpy(layout.tables)
+        block_tables = tables if for_step else tables[:B] if B else None
+        context_lens = torch.from_numpy((layout.pos[:B] + 1).astype(np.int32)) if B else None
+        ends = np.append(layout.chunk_rows[1:], layout.n)
+        chunk_tables = [layout.tables[B + i, : layout.table_lens[B + i]].astype(np.int64) for i in range(P)]
+        prompts = [
+            (int(r), int(e - r), int(layout.pos[r]), on(t)) for r, e, t in zip(layout.chunk_rows, ends, chunk_tables)
         ]
-        sample = [*range(B), *(r for span in spans for r in span)] if prompts else None
-        states = [r for s, n, h in zip(starts, lengths, pooled) if h for r in range(s, s + n)]
-        pos_t = torch.tensor(pos, dtype=torch.long)
         return cls(
-            ids.to(device),
-            pos_t.to(device),
-            torch.tensor(blocks, dtype=torch.long, device=device),
-            (pos_t % block_size).to(device),
+            on(layout.ids),
+            on(layout.pos),
+            on(layout.slot_blocks),
+            on(layout.slot_offsets),
             B,
             block_tables,
             context_lens,
-            [
-                (r, n, s, torch.tensor(t, dtype=torch.long, device=device))
-                for r, n, s, t in zip(starts, lengths, prompt_starts, prompt_tables)
-            ],
-            torch.tensor(sample, device=device, dtype=torch.long) if sample is not None else None,
-            row_tables=row_tables,
-            hidden_rows=torch.tensor(states, device=device, dtype=torch.long) if states else None,
+            prompts,
+            on(layout.sample) if layout.sample is not None else None,
+            row_tables=torch.from_numpy(layout.row_table) if for_step and P else None,
+            hidden_rows=on(layout.hidden) if layout.hidden is not None else None,
         )

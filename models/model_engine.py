@@ -30,8 +30,8 @@ SAMPLING_FAILED = "sampling the next token for this sequence failed; it was stop
 class ModelEngine(InferenceEngine):
     """A real model behind the bookkeeping: what every model runtime shares once its model and tokenizer exist.
 
-    Subclasses build ``self.model`` (the forward contract of ``models.layers.MixedForward.forward``: decode rows and
-    prompt chunks in, logits rows out) and ``self.tokenizer`` (encode / decode / apply_chat_template), then call
+    Subclasses build ``self.model`` (a ``model_runner.ModelRunner``: decode rows and prompt chunks in, numpy logits
+    rows out, whichever runtime) and ``self.tokenizer`` (encode / decode / apply_chat_template), then call
     ``_init_batching``. Here: tokenizing, chat templates, one forward over decode rows and prompt chunks, and
     sampling its logits (``sampling``, on numpy: the same code whichever runtime made them).
     """
@@ -65,12 +65,6 @@ class ModelEngine(InferenceEngine):
         configure_speculation(self.planner, config)
         self._heap = HeapTrimmer()
         return num_blocks
-
-    def _logits(self, *forward_args, **lora):
-        """``self.model.forward(*forward_args, **lora)`` as a float32 numpy array [rows, V] (sampling runs on
-        numpy), and the hidden states [rows, C] beside it when a chunk asked for them (``ModelRunner.forward``'s
-        ``hidden``)."""
-        return self.model.forward(*forward_args, **lora)
 
     def _init_loras(self, config: Config, targets: list) -> None:
         """MAX_LORAS adapter slots on the model, and LORA_MODULES in them (``ModelLoadError``, one line naming the
@@ -153,7 +147,7 @@ class ModelEngine(InferenceEngine):
         every = [_scores_prompt(seq, start) for seq, start, _ in chunks]
         full = [True] * len(verify) + every
         pooled = [seq.pooling is not None for seq, _, _ in chunks]  # embeddings: final hidden states, no logits
-        out = self._logits(
+        out = self.model.forward(
             [decode[i].last_token_id for i in plain],
             [decode[i].num_tokens - 1 for i in plain],
             [plan.tables[i] for i in plain],

@@ -23,7 +23,6 @@ then each chunk's tokens), V logits per row, KVH K/V heads, D head_dim.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 
 import numpy as np
@@ -33,7 +32,9 @@ from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.image_files import MODEL_FILE
 from models.kernels import step_abi
 from models.kernels.lora_step import KernelLora
+from models.kv_pool import KVPool
 from models.lora import targets_from_json
+from models.step_layout import StepLayout, StepLimits
 
 
 def unavailable_reason() -> str | None:
@@ -58,12 +59,12 @@ def _map_files(image_dir: str, meta: dict) -> dict:
 
 
 class NativeModel:
-    """One model image with its own KV pools, stepped without torch.
+    """One model image with its own KV pool, stepped without torch.
 
-    ``num_blocks`` KV blocks of ``block_size`` tokens (pools [n_layer, num_blocks, KVH, block_size, D] of
-    ``kv_cache_dtype`` elements, K and V: ``PagedKVCache``'s layout; int8's scales [n_layer, num_blocks, KVH,
-    block_size] fp32 beside them); ``threads`` OpenMP threads per step. Raises ``ImageError`` for an unusable
-    image, ``RuntimeError`` when the kernel cannot be built or run here, ValueError for an unknown dtype.
+    ``num_blocks`` KV blocks of ``block_size`` tokens of ``kv_cache_dtype`` elements (``self.kv``, a
+    ``models.kv_pool.KVPool``: the pool class the torch forward views too); ``threads`` OpenMP threads per step.
+    Raises ``ImageError`` for an unusable image, ``RuntimeError`` when the kernel cannot be built or run here,
+    ValueError for an unknown dtype.
     """
 
     def __init__(
@@ -93,21 +94,14 @@ class NativeModel:
         self.max_rows, self.kv_cache_dtype = meta["max_rows"], kv_cache_dtype
         self.tokenizer_dir = os.path.join(image_dir, TOKENIZER_DIR)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.step_limits = StepLimits(
+            block_size, num_blocks, meta["embed_rows"], meta["context_window"], meta.get("kv_window", 0)
+        )
         n_layer, KVH, D = meta["kv"]["n_layer"], meta["kv"]["n_kv_head"], meta["kv"]["head_dim"]
         self.kv_bytes_per_token = kv_dtype.bytes_per_token(kv_cache_dtype, n_layer, KVH, D)
-        # np.zeros is calloc: a page is committed when first written (np.zeros_like would write every page)
-        elements = kv_dtype.NUMPY_DTYPES[kv_cache_dtype]
-        self.k = np.zeros((n_layer, num_blocks, KVH, block_size, D), elements)
-        self.v = np.zeros(self.k.shape, elements)
-        self.k_scale = self.v_scale = None
-        if kv_dtype.has_scales(kv_cache_dtype):  # one per (block, head, token): the pools' strides / D
-            self.k_scale = np.zeros(self.k.shape[:4], np.float32)
-            self.v_scale = np.zeros(self.k.shape[:4], np.float32)
-        # Layer l's pools as [num_blocks, block_size, KVH, D]: PagedKVCache.pools' strides (elements).
-        geometry = step_abi.PoolGeometry(
-            block_size, KVH * block_size * D, D, block_size * D, kv_dtype.CODES[kv_cache_dtype]
-        )
-        self.structs = step_abi.Structs(addresses, [self._layer_pools(i) for i in range(n_layer)], geometry)
+        self.kv = KVPool(n_layer, num_blocks, block_size, KVH, D, kv_cache_dtype)
+        pools = [self.kv.layer_addresses(i) for i in range(n_layer)]
+        self.structs = step_abi.Structs(addresses, pools, self.kv.geometry())
         self.step = step_abi.StepKernel(lib, self.structs, spec.C)
         self.n_embd = spec.C  # the model's width: a final hidden state's size
         self._ws = np.empty(0, np.float32)
@@ -129,18 +123,10 @@ class NativeModel:
 
     # --- what the server and the benchmark ask ---
 
-    def _layer_pools(self, layer: int) -> tuple[int, int, int | None, int | None]:
-        """Addresses of layer ``layer``'s K and V pools and (int8) their scales."""
-
-        def at(a: np.ndarray | None) -> int | None:
-            return None if a is None else a.ctypes.data + layer * a.strides[0]
-
-        return at(self.k), at(self.v), at(self.k_scale), at(self.v_scale)
-
     @property
     def kv_nbytes(self) -> int:
         """Bytes of the KV pool: K and V, and int8's scales."""
-        return sum(a.nbytes for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+        return self.kv.nbytes
 
     def resident_weights(self) -> dict[str, int]:
         """Bytes of weights held, per format (``MixedForward.resident_weights`` of the model the image came from)."""
@@ -155,13 +141,8 @@ class NativeModel:
         return self.meta["flops"]["token"] + context * self.meta["flops"]["per_position"]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Block ``dst`` becomes a copy of block ``src``, K and V (and int8's scales), every layer
-        (``PagedKVCache.copy_block``)."""
-        if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
-            raise ValueError(f"blocks {src}, {dst} outside the pool of {self.num_blocks}")
-        for pool in (self.k, self.v, self.k_scale, self.v_scale):
-            if pool is not None:
-                pool[:, dst] = pool[:, src]
+        """Block ``dst`` becomes a copy of block ``src``, every layer (``KVPool.copy_block``)."""
+        self.kv.copy_block(src, dst)
 
     # --- a step ---
 
@@ -188,9 +169,8 @@ class NativeModel:
         array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. Every row's K/V is
         written. Raises ValueError for arguments that do not fit the pools, tables or context window.
         """
-        rows = _StepRows.build(
-            self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden
-        )
+        chunks = (prompts, prompt_tables, prompt_starts, every_position, hidden)
+        rows = StepLayout.build(self.step_limits, token_ids, positions, tables, *chunks)
         logits = np.empty((rows.n_sample, self.n_vocab), np.float32)
         states = None if rows.hidden is None else np.empty((len(rows.hidden), self.n_embd), np.float32)
         slots = None
@@ -219,7 +199,7 @@ class NativeModel:
 
     def _call(
         self,
-        rows: _StepRows,
+        rows: StepLayout,
         r0: int,
         r1: int,
         logits: np.ndarray,
@@ -252,101 +232,3 @@ class NativeModel:
             **hidden,
             lora=ctypes.addressof(lora[0]) if lora is not None else None,
         )
-
-
-class _StepRows:
-    """One step's rows as the kernel reads them (numpy, built vectorized): N rows, decode tokens then each chunk's.
-
-    ids, pos, slot_blocks, slot_offsets: [N] int64; tables [B + P, width] int32 (decode rows' tables, then the
-    chunks'; padded with 0); row_table [N] int32 (row -> its table); sample: int64 rows whose logits are wanted, in
-    order, or None (no prompts: every row); hidden: int64 rows whose final hidden states are wanted (the chunks
-    flagged ``hidden``: every row of theirs, none of them sampled), or None (no chunk flagged).
-    """
-
-    __slots__ = (
-        "n",
-        "ids",
-        "pos",
-        "slot_blocks",
-        "slot_offsets",
-        "tables",
-        "row_table",
-        "sample",
-        "n_sample",
-        "hidden",
-    )
-
-    @classmethod
-    def build(cls, model: NativeModel, token_ids, positions, tables, prompts, prompt_tables, starts, every, hidden=()):
-        B, P = len(token_ids), len(prompts)
-        starts = [0] * P if starts is None else list(starts)
-        if len(positions) != B or len(tables) != B or len(prompt_tables) != P or len(starts) != P:
-            raise ValueError("token_ids, positions and tables, and prompts, prompt_tables and prompt_starts differ")
-        if every and len(every) != P:
-            raise ValueError(f"every_position has {len(every)} entries for {P} prompts")
-        if hidden and len(hidden) != P:
-            raise ValueError(f"hidden has {len(hidden)} entries for {P} prompts")
-        lengths = np.fromiter(map(len, prompts), np.int64, P)
-        if P and lengths.min() < 1:
-            raise ValueError("an empty prompt chunk")
-        self = cls()
-        n = self.n = B + int(lengths.sum())
-        counts = np.concatenate([np.ones(B, np.int64), lengths])
-        self.row_table = np.repeat(np.arange(B + P, dtype=np.int32), counts)
-        self.ids = np.fromiter(itertools.chain(token_ids, *prompts), np.int64, n)
-        first = B + np.cumsum(lengths) - lengths  # each chunk's first row
-        self.pos = np.empty(n, np.int64)
-        self.pos[:B] = positions
-        self.pos[B:] = np.repeat(np.asarray(starts, np.int64) - first, lengths) + np.arange(B, n)
-        self.tables = _pad_tables(list(tables) + list(prompt_tables))
-        self._check(model, [len(t) for t in tables] + [len(t) for t in prompt_tables])
-        block = self.pos // model.block_size
-        self.slot_blocks = self.tables[self.row_table, block].astype(np.int64)
-        self.slot_offsets = self.pos % model.block_size
-        self.hidden = None
-        if not P:
-            self.sample, self.n_sample = None, n
-            return self
-        wanted = np.zeros(n, bool)
-        wanted[:B] = True
-        wanted[first + lengths - 1] = True
-        if every:
-            wanted[B:] |= np.repeat(np.asarray(every, bool), lengths)
-        if any(hidden):  # a flagged chunk's rows: hidden states, no logits
-            pooled = np.concatenate([np.zeros(B, bool), np.repeat(np.asarray(hidden, bool), lengths)])
-            wanted &= ~pooled
-            self.hidden = np.flatnonzero(pooled).astype(np.int64)
-        self.sample = np.flatnonzero(wanted).astype(np.int64)
-        self.n_sample = len(self.sample)
-        return self
-
-    def _check(self, model: NativeModel, table_lens: list[int]) -> None:
-        """Every id, position and block inside what the kernel may touch (a bad one would read or write out of
-        bounds)."""
-        if self.n and (self.ids.min() < 0 or self.ids.max() >= model.meta["embed_rows"]):
-            raise ValueError(f"token ids must lie in [0, {model.meta['embed_rows']})")
-        if self.n and (self.pos.min() < 0 or self.pos.max() >= model.context_window):
-            raise ValueError(f"positions must lie in [0, {model.context_window}) (the context window)")
-        if self.n and np.any(self.pos // model.block_size >= np.asarray(table_lens, np.int64)[self.row_table]):
-            raise ValueError("a block table does not cover its tokens' positions")
-        if self.tables.size and self.tables.max() >= model.num_blocks:
-            raise ValueError(f"block ids must lie in [0, {model.num_blocks})")
-        if self.tables.size and self.tables.min() < 0 and np.any(self._read(model) < 0):
-            raise ValueError(f"block ids must lie in [0, {model.num_blocks})")
-
-    def _read(self, model: NativeModel) -> np.ndarray:
-        """The table entries the rows read: from the block of each row's first key (its sliding window's, when every
-        layer has one: entries before it may be released) to its own position's. -> their block ids, flat."""
-        bs, window = model.block_size, model.meta.get("kv_window", 0)
-        first = np.maximum(self.pos - window + 1, 0) // bs if window else np.zeros_like(self.pos)
-        cols = np.arange(self.tables.shape[1])
-        wanted = (cols >= first[:, None]) & (cols <= (self.pos // bs)[:, None])  # [N, width]
-        return self.tables[self.row_table][wanted]
-
-
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    """Block tables -> [len(tables), max length] int32, each padded with 0."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    out = np.zeros((len(tables), max(int(lens.max()) if len(tables) else 0, 1)), np.int32)
-    out[np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(itertools.chain(*tables), np.int64, int(lens.sum()))
-    return out

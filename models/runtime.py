@@ -110,7 +110,7 @@ class HFEngine(ModelEngine):
             num_blocks,
             block_size,
             num_blocks * block_size,
-            self.model.kv.nbytes / 2**20,
+            self.model.kv_nbytes / 2**20,
             ", ".join(f"{fmt} {n / 2**20:.1f} MiB" for fmt, n in sorted(resident.items())),
             sum(resident.values()) / 2**20,
             "small_gemm panels" if self.model.small_gemm else "oneDNN" if self.model.onednn else "torch",
@@ -119,19 +119,6 @@ class HFEngine(ModelEngine):
             memory.get("VmRSS", 0),
             memory.get("VmHWM", 0),
         )
-
-    def _logits(self, *forward_args, **lora):
-        out = self.model.forward(*forward_args, **lora)  # logits [rows, V], or (logits, hidden [rows, C])
-        if isinstance(out, tuple):
-            return tuple(t.float().cpu().numpy() for t in out)
-        return out.float().cpu().numpy()  # sampling runs on numpy
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        self.model.kv.copy_block(src, dst)
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        return self.model.kv.nbytes
 
 
 class NativeEngine(ModelEngine):

@@ -241,7 +241,7 @@ def _runs_from_one_state(model, plan, step) -> list[tuple]:
         model.kv.v.copy_(before[1])
         torch.set_num_threads(threads)
         model.fused_step = plan if fused else None
-        logits = step()
+        logits = torch.from_numpy(step())  # the runner's numpy logits, compared as tensors
         results.append((logits, model.kv.k.clone(), model.kv.v.clone()))
     model.fused_step = plan
     return results
@@ -391,3 +391,34 @@ def test_greedy_parity_with_chunks_riding_in_whole_step_calls(family_dir, weight
     assert len(mixed) >= 4, mixed
     for seq in seqs:
         assert seq.output_token_ids == expected(ref, seq, set()), (weights, seq.prompt_token_ids)
+
+
+# --- the step layout as the torch forward reads it ------------------------------------------------------------
+
+
+def test_the_torch_batch_is_a_view_of_the_step_layout():
+    """``MixedBatch.from_layout`` on the CPU: the token arrays are the layout's own memory (no copy), and what the
+    torch forward reads besides is derived right: decode rows' tables and context lengths, each chunk's (first row,
+    length, start, table), the sampled and the embedded rows, and (``for_step``) every row's table."""
+    from models.mixed_batch import MixedBatch
+    from models.step_layout import StepLayout, StepLimits
+
+    limits = StepLimits(block_size=4, num_blocks=16)
+    # decode rows at positions 5 and 0; chunk 0: 3 tokens from position 6, every position; chunk 1: 2, embedded
+    args = ([7, 8], [5, 0], [[1, 2], [3]], [[9, 10, 11], [12, 13]], [[4, 5, 6], [7]], [6, 0], [True, False])
+    layout = StepLayout.build(limits, *args, hidden=[False, True])
+    batch = MixedBatch.from_layout(layout, torch.device("cpu"))
+    for tensor, array in [(batch.ids, layout.ids), (batch.pos, layout.pos), (batch.slot_blocks, layout.slot_blocks)]:
+        assert tensor.data_ptr() == array.ctypes.data
+    assert batch.pos.tolist() == [5, 0, 6, 7, 8, 0, 1] and batch.slot_blocks.tolist() == [2, 3, 5, 5, 6, 7, 7]
+    assert batch.slot_offsets.tolist() == [1, 0, 2, 3, 0, 0, 1] and batch.n_decode == 2
+    assert batch.block_tables.tolist() == [[1, 2, 0], [3, 0, 0]] and batch.context_lens.tolist() == [6, 1]
+    assert [(r, n, s, t.tolist()) for r, n, s, t in batch.prompts] == [(2, 3, 6, [4, 5, 6]), (5, 2, 0, [7])]
+    assert batch.sample_rows.tolist() == [0, 1, 2, 3, 4] and batch.hidden_rows.tolist() == [5, 6]
+    assert batch.row_tables is None
+    step = MixedBatch.from_layout(layout, torch.device("cpu"), for_step=True)
+    assert step.block_tables.shape == (4, 3) and step.row_tables.tolist() == [0, 1, 2, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="does not cover"):
+        StepLayout.build(limits, [7], [4], [[1]], [], [], None)
+    with pytest.raises(ValueError, match="block ids"):
+        StepLayout.build(limits, [7], [0], [[16]], [], [], None)

@@ -289,8 +289,8 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
         int_dot.set_activations(choice)
         kernel_isa(isa)
         nm.threads = threads
-        nm.k[...] = 0
-        nm.v[...] = 0
+        nm.kv.k[...] = 0
+        nm.kv.v[...] = 0
         first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows
         # 2 decode rows; the second is another sequence at position 3 in its own block (a block another row of the
         # step reads would make the result depend on which thread writes first: the planner never builds that step)

@@ -11,6 +11,7 @@ the prefix cache) gives the same tokens again.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_prefix_cache import seq, submit_all
 
@@ -290,3 +291,25 @@ def test_a_dtype_the_cpu_cannot_run_fails_at_startup_with_one_line(monkeypatch):
     assert "\n" not in str(err.value)
     for ok in ("fp32", "bf16", "int8"):
         runtime_config._check_kv_dtype(Config(kv_cache_dtype=ok))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", *NARROW])
+def test_the_torch_cache_is_a_view_of_the_one_numpy_pool(dtype):
+    """On the CPU the torch forward's K/V tensors are the native runner's numpy pool (``models.kv_pool.KVPool``),
+    not a copy: a torch write is in the pool's arrays, and a block copied in the pool is in the tensors."""
+    torch = pytest.importorskip("torch")
+    from models.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(2, 5, 4, 2, 8, torch.device("cpu"), dtype)
+    pool = cache.pool
+    assert pool.nbytes == cache.nbytes and len(pool.arrays()) == (4 if dtype == "int8" else 2)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    cache.write(1, torch.tensor([3, 3, 0]), torch.tensor([0, 1, 2]), k, v)
+    written = [a[1, 3, :, :2].copy() for a in (pool.k, pool.v)]
+    assert all(np.any(a != 0) for a in written) and not np.any(pool.k[0])
+    cache.copy_block(3, 4)
+    assert torch.equal(cache.k[:, 4], cache.k[:, 3]) and np.array_equal(pool.v[1, 4, :, :2], written[1])
+    if dtype == "int8":
+        assert np.array_equal(pool.k_scale[:, 4], pool.k_scale[:, 3]) and np.any(pool.k_scale[1, 4])
+    with pytest.raises(ValueError, match="outside the pool"):
+        cache.copy_block(0, 5)

@@ -27,6 +27,7 @@ pytest.importorskip("transformers")
 from models import image  # noqa: E402
 from models.image import ImageError  # noqa: E402
 from models.kernels import build, step_abi  # noqa: E402
+from models.kv_pool import KVPool  # noqa: E402
 from models.loading import ModelLoadError, marker_path  # noqa: E402
 from models.native import NativeModel  # noqa: E402
 
@@ -65,12 +66,9 @@ def family_dir(request, tmp_path_factory) -> str:
 
 
 def pool_arrays(model) -> list[np.ndarray]:
-    """A model's K and V pools (and int8's scales) as numpy arrays of their raw elements (bf16 as its 16 bits)."""
-    if isinstance(model, NativeModel):
-        return [a for a in (model.k, model.v, model.k_scale, model.v_scale) if a is not None]
-    kv = model.kv
-    tensors = [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
-    return [t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy() for t in tensors]
+    """A model's K and V pools (and int8's scales) as numpy arrays of their raw elements (bf16 as its 16 bits): the
+    one ``KVPool`` both runtimes step over (the torch forward's tensors view it on the CPU)."""
+    return (model.kv if isinstance(model, NativeModel) else model.kv.pool).arrays()
 
 
 def dequantized(arrays: list[np.ndarray], kv_dtype: str) -> list[np.ndarray]:
@@ -100,7 +98,7 @@ class Pair:
         takes its one-call path), then leaves both with the runner's pools. -> (torch logits, runner logits)."""
         prompts = kwargs.get("prompts", ())
         one_call = self.tm._takes_fused_step(len(args[0]), prompts)
-        want = self.tm.forward(*args, **kwargs).numpy()
+        want = self.tm.forward(*args, **kwargs)
         got = self.nm.forward(*args, **kwargs)
         mine, theirs = pool_arrays(self.nm), pool_arrays(self.tm)
         assert got.shape == want.shape and got.dtype == np.float32
@@ -233,15 +231,15 @@ def test_long_contexts_and_thread_counts(family_dir, cache_root, tmp_path, weigh
     p = Pair(family_dir, weights, str(tmp_path / "image"))
     seqs = Sequences(3, [700])
     p.both([], [], [], **seqs.chunks([(0, 0, 400)]))
-    k0, v0 = p.nm.k.copy(), p.nm.v.copy()
+    k0, v0 = p.nm.kv.k.copy(), p.nm.kv.v.copy()
     runs = []
     for threads in (1, 2, 3):
-        p.nm.k[...], p.nm.v[...] = k0, v0
+        p.nm.kv.k[...], p.nm.kv.v[...] = k0, v0
         p.nm.threads = threads
-        runs.append((p.nm.forward([], [], [], **seqs.chunks([(0, 400, 700)])), p.nm.k.copy(), p.nm.v.copy()))
+        runs.append((p.nm.forward([], [], [], **seqs.chunks([(0, 400, 700)])), p.nm.kv.k.copy(), p.nm.kv.v.copy()))
     for logits, k, v in runs[1:]:
         assert np.array_equal(logits, runs[0][0]) and np.array_equal(k, runs[0][1]) and np.array_equal(v, runs[0][2])
-    p.nm.k[...], p.nm.v[...] = k0, v0
+    p.nm.kv.k[...], p.nm.kv.v[...] = k0, v0
     p.nm.threads = 2
     p.both([], [], [], **seqs.chunks([(0, 400, 700)]))
 
@@ -261,12 +259,12 @@ def test_avx512_and_avx2_steps_give_the_same_bits(family_dir, cache_root, tmp_pa
         (seqs.decode([0, 1, 3], [5, 6, 7]), seqs.chunks([(5, 0, 33)], every=(True,))),
     ]
     for args, chunk in steps:
-        k0, v0 = p.nm.k.copy(), p.nm.v.copy()
+        k0, v0 = p.nm.kv.k.copy(), p.nm.kv.v.copy()
         runs = []
         for choice in ("avx2", "auto"):
             kernel_isa(choice)
-            p.nm.k[...], p.nm.v[...] = k0, v0
-            runs.append((p.nm.forward(*args, **chunk), p.nm.k.copy(), p.nm.v.copy()))
+            p.nm.kv.k[...], p.nm.kv.v[...] = k0, v0
+            runs.append((p.nm.forward(*args, **chunk), p.nm.kv.k.copy(), p.nm.kv.v.copy()))
         (a, ka, va), (b, kb, vb) = runs
         assert np.array_equal(a, b) and np.array_equal(ka, kb) and np.array_equal(va, vb)
 
@@ -309,7 +307,7 @@ def test_what_the_runner_reports_with_narrower_kv(kv_pair):
     what_the_runner_reports(kv_pair)
     n_layer, KVH, D = (nm.meta["kv"][k] for k in ("n_layer", "n_kv_head", "head_dim"))
     per_token = {"fp16": 2 * D, "bf16": 2 * D, "int8": D + 4}[kv_pair.kv_dtype] * 2 * n_layer * KVH
-    assert nm.kv_bytes_per_token == per_token == kv_pair.tm.kv.bytes_per_block(n_layer, 1, KVH, D, kv_pair.kv_dtype)
+    assert nm.kv_bytes_per_token == per_token == KVPool.bytes_per_block(n_layer, 1, KVH, D, kv_pair.kv_dtype)
 
 
 def what_the_runner_reports(pair: Pair) -> None:

@@ -380,10 +380,11 @@ def test_the_draft_length_follows_the_acceptance():
 
 
 class ShadowDraftEngine:
-    """A stand-in for the draft model's engine (what ``DraftModel`` uses of a ``ModelEngine``: ``_logits``, the
-    planner's pool geometry, ``max_context``), numpy only: its greedy choice after token t is ``succ(t)`` but at
-    every 5th token (a wrong draft there), and it keeps a shadow KV pool (each slot: the token fed there), so a test
-    can check what the draft's K/V hold. ``fail`` makes the next forward raise."""
+    """A stand-in for the draft model's engine (what ``DraftModel`` uses of a ``ModelEngine``: its runner's
+    ``forward``, the planner's pool geometry, ``max_context``), numpy only, and its own runner (``model``): its
+    greedy choice after token t is ``succ(t)`` but at every 5th token (a wrong draft there), and it keeps a shadow
+    KV pool (each slot: the token fed there), so a test can check what the draft's K/V hold. ``fail`` makes the
+    next forward raise."""
 
     VOCAB = 257
 
@@ -392,8 +393,9 @@ class ShadowDraftEngine:
         self.max_context, self.block_size = max_context, block_size
         self.slots: dict[int, list] = {}
         self.fail = False
+        self.model = self
 
-    def _logits(self, token_ids, positions, tables, prompts=(), prompt_tables=(), starts=()):
+    def forward(self, token_ids, positions, tables, prompts=(), prompt_tables=(), starts=()):
         if self.fail:
             self.fail = False
             raise RuntimeError("draft forward failed")
