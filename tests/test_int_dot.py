@@ -341,8 +341,8 @@ def test_a_gguf_files_q5_linears_take_the_integer_path(tmp_path):
                 for fmt in q5:
                     lib.int_dot_set_rows(int_dot.FORMATS[fmt], q5_rows)
         nm.threads = threads
-        nm.k[...] = 0
-        nm.v[...] = 0
+        nm.kv.k[...] = 0
+        nm.kv.v[...] = 0
         first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows: the panel path
         step = nm.forward([7, 9], [40, 3], [table, [12]])  # 2 decode rows: the row path
         return np.concatenate([first, step])

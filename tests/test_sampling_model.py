@@ -240,7 +240,7 @@ def test_non_finite_logits_fail_that_row_alone(tiny_model_dir, ref, monkeypatch)
     forward = engine.model.forward
 
     def poisoning_forward(*args, **kwargs):
-        logits = forward(*args, **kwargs).clone()
+        logits = forward(*args, **kwargs).copy()  # numpy logits [rows, vocab]; a view of the step's buffer
         if poisoned.status is SequenceStatus.RUNNING and len(poisoned.output_token_ids) == 3:
             row = engine.planner.rows.index(poisoned)
             logits[row, 5] = float("nan")
