@@ -124,8 +124,10 @@ def bench_outlines(tok, vocab: int, tokens: list[int]):
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 
+    from models.gguf.tokenizer import byte_alphabet
+
     t0 = time.perf_counter()
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in byte_alphabet().items()}
     eos = tok.eos_token_id
     table: dict[bytes, list[int]] = {}
     for text, i in tok.get_vocab().items():
@@ -146,19 +148,6 @@ def bench_outlines(tok, vocab: int, tokens: list[int]):
             g.advance(t)
 
     return compile_ms, walk(fill, advance, tokens, mask)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE vocabularies are written in it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def main() -> None:
