@@ -58,14 +58,18 @@ _libs: list[ctypes.CDLL] = []  # loaded kernels with the path (int_dot_set_rows 
 
 def _load() -> ctypes.CDLL:
     require_cpu_flags(("avx2", "fma", "f16c"), "AVX2, FMA and F16C")
-    lib = build_and_load(SOURCE, FLAGS)
+    return register(with_isa(declare(build_and_load(SOURCE, FLAGS))))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare a built int_dot.c's direct entry points (``gemm``'s; also a baseline build: scripts/bench/roofline)."""
     lib.int_dot_gemm.restype = _I
     lib.int_dot_gemm.argtypes = [_I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
     lib.int_dot_quantize.restype = None
     lib.int_dot_quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
     lib.int_dot_row_path.restype = _I
     lib.int_dot_row_path.argtypes = [_I]
-    return register(with_isa(lib))
+    return lib
 
 
 KERNEL = KernelLoader("integer-dot kernel", _load, "quantized linears keep fp32 activations", log)
@@ -166,12 +170,12 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return q, d, s
 
 
-def gemm(x, w, bias=None, residual=None, threads: int = 1):
+def gemm(x, w, bias=None, residual=None, threads: int = 1, lib: ctypes.CDLL | None = None):
     """x [M, K] fp32 (torch) @ W^T (+ bias) (+ residual) for a ``quant_gemm.QuantWeight`` of one of ``FORMATS`` by
-    integer dot products."""
+    integer dot products (``lib``: another build of int_dot.c, ``declare``d; default this checkout's)."""
     import torch
 
-    lib = load()
+    lib = lib or load()
     if lib is None:
         raise RuntimeError(f"the integer-dot kernel is unavailable: {KERNEL.unavailable_reason}")
     if w.fmt not in FORMATS:

@@ -44,10 +44,67 @@ ID_INLINE __m256 id_half_ps(__m256i words, int hi) {
     return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
 }
 
+/* The 16 bytes at offset `at` of a strip's 8 columns, transposed: v[j] lane c = column c's 32-bit word j (4 loads
+ * of two columns each, then a 4 x 4 transpose of words in each 128-bit half). */
+ID_INLINE void id_words16(const uint8_t *const *cols, size_t at, __m256i v[4]) {
+    __m256i r[4];
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) { /* columns c | c + 4 */
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(cols[c] + at));
+        r[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128((const __m128i *)(cols[c + 4] + at)), 1);
+    }
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* Byte b (a constant 0-3) of each 32-bit lane, zero- or sign-extended to int32. */
+ID_INLINE __m256i id_byte_u(__m256i v, int b) {
+    return b == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), _mm256_set1_epi32(255));
+}
+ID_INLINE __m256i id_byte_s(__m256i v, int b) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24); }
+
+/* A K-quant super-block's factors for a strip's 8 columns, k[s] for its group s, in registers (no per-column
+ * scalar work: a strip's header bytes are transposed once, then every scale is a lane-wise shift and mask).
+ * Q4_K / Q5_K: header d | dmin | scales[12] = 16 bytes, words w1 = bytes 0-3, w2 = 4-7, w3 = 8-11; k4_scale_min
+ * lane-wise: sc 0-3 = w1 & 63, m 0-3 = w2 & 63, sc 4-7 = (w3 & 15) | (w1 >> 6) << 4, m 4-7 = (w3 >> 4) | (w2 >> 6)
+ * << 4 (per byte). d sc and -(dmin m) as id_factors: one fp32 product each ((-dmin) m is -(dmin m) exactly).
+ * Q6_K: scales int8[16] at 192 (word j: scales 4j .. 4j + 3; group s: scales 2s, 2s + 1), d at 208. */
+ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Factors8 *k) {
+    __m256i w[4];
+    if (f == IDF_Q6_K) {
+        id_words16(cols, at + 192, w);
+        const __m256i dw = _mm256_setr_epi32( /* bytes 206-209: scales 14, 15 | d */
+            (int)u32_at(cols[0] + at + 206), (int)u32_at(cols[1] + at + 206), (int)u32_at(cols[2] + at + 206),
+            (int)u32_at(cols[3] + at + 206), (int)u32_at(cols[4] + at + 206), (int)u32_at(cols[5] + at + 206),
+            (int)u32_at(cols[6] + at + 206), (int)u32_at(cols[7] + at + 206));
+        const __m256 d = id_half_ps(dw, 1);
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            k[s].d = d, k[s].m = _mm256_setzero_ps();
+            k[s].sca = id_byte_s(w[s >> 1], 2 * (s & 1)), k[s].scb = id_byte_s(w[s >> 1], 2 * (s & 1) + 1);
+        }
+        return;
+    }
+    id_words16(cols, at, w);
+    const __m256 d = id_half_ps(w[0], 0), ndmin = _mm256_xor_ps(id_half_ps(w[0], 1), _mm256_set1_ps(-0.0f));
+    const __m256i m63 = _mm256_set1_epi32(0x3f3f3f3f), m15 = _mm256_set1_epi32(0x0f0f0f0f);
+    const __m256i m48 = _mm256_set1_epi32(0x30303030);
+    const __m256i sc[2] = {_mm256_and_si256(w[1], m63),
+                           _mm256_or_si256(_mm256_and_si256(w[3], m15), _mm256_and_si256(_mm256_srli_epi32(w[1], 2), m48))};
+    const __m256i mn[2] = {_mm256_and_si256(w[2], m63),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[3], 4), m15),
+                                           _mm256_and_si256(_mm256_srli_epi32(w[2], 2), m48))};
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+        k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(id_byte_u(sc[s >> 2], s & 3)));
+        k[s].m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(id_byte_u(mn[s >> 2], s & 3)));
+        k[s].sca = k[s].scb = _mm256_setzero_si256();
+    }
+}
+
 /* The factors (int_dot.c's Factors8: d, m, Q6_K's sub-block scales) of a strip's 8 columns for group g and, for the
  * K-quants, every group of g's super-block: k[j] for group g + j, j < id_span(f). The same values as id_factors:
  * the 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) read the 8 blocks' first 4 bytes (d, Q4_1's / Q5_1's m) at once;
- * a K-quant's super-block header is read once for its 8 groups. */
+ * a K-quant's super-block header is read once for its 8 groups (id_super_factors). */
 static inline int id_span(int f) { return id_super(f) ? 8 : 1; }
 
 ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factors8 *k) {
@@ -61,32 +118,7 @@ ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factor
         k->sca = k->scb = _mm256_setzero_si256();
         return;
     }
-    const size_t at = (size_t)(g >> 3) * id_block_bytes(f);
-    float d[8], dm[8];
-    int32_t a[8][8], b[8][8]; /* [group of the super-block][column]: Q4_K / Q5_K sc, m; Q6_K its sub-block scales */
-    for (int c = 0; c < 8; c++) {
-        const uint8_t *blk = cols[c] + at;
-        if (id_k4(f)) {
-            d[c] = f16_at(blk), dm[c] = f16_at(blk + 2);
-            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) k4_scale_min(blk + 4, s, &a[s][c], &b[s][c]);
-        } else {
-            d[c] = f16_at(blk + 208);
-            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-                a[s][c] = (int8_t)blk[192 + 2 * s], b[s][c] = (int8_t)blk[193 + 2 * s];
-            }
-        }
-    }
-    const __m256 dv = _mm256_loadu_ps(d), dmv = _mm256_loadu_ps(dm), sign = _mm256_set1_ps(-0.0f);
-    for (int s = 0; s < 8; s++) {
-        const __m256i sa = _mm256_loadu_si256((const __m256i *)a[s]), sb = _mm256_loadu_si256((const __m256i *)b[s]);
-        if (id_k4(f)) { /* d sc and -(dmin m), each one fp32 product as in id_factors */
-            k[s].d = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sa));
-            k[s].m = _mm256_xor_ps(_mm256_mul_ps(dmv, _mm256_cvtepi32_ps(sb)), sign);
-            k[s].sca = k[s].scb = _mm256_setzero_si256();
-        } else {
-            k[s].d = dv, k[s].m = _mm256_setzero_ps(), k[s].sca = sa, k[s].scb = sb;
-        }
-    }
+    id_super_factors(f, cols, (size_t)(g >> 3) * id_block_bytes(f), k);
 }
 
 /* One column-group's 8 int32 quad sums: 4 k each, k-ordered. AVX2: vpmaddubsw to pairs then vpmaddwd; VNNI: one

@@ -180,13 +180,27 @@ def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
     return data.numel() * 4 / best / 1e9
 
 
+def baseline_kernel(tree: str):
+    """int_dot.c of another checkout (``tree``: its root, e.g. ``git worktree add /tmp/base <commit>``), built into
+    the kernel cache and declared as this one (its ISA: the best the CPU has; its row path: on)."""
+    from models.kernels import build, int_dot
+
+    return int_dot.declare(build.build_and_load(os.path.join(tree, "models", "kernels", "int_dot.c"), int_dot.FLAGS))
+
+
 def matvec_rates(
-    types: tuple[str, ...], rows: tuple[int, ...], threads: int, shapes=MATVEC_SHAPES, rounds: int = 7
+    types: tuple[str, ...],
+    rows: tuple[int, ...],
+    threads: int,
+    shapes=MATVEC_SHAPES,
+    rounds: int = 7,
+    baseline: str | None = None,
 ) -> list[dict]:
     """GB/s of weight streamed by one decode matvec (x [rows, in] @ W^T, W random valid GGUF blocks of each type),
     per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
-    row path), on ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round
-    (a noisy minute hits each alike); the best call counts."""
+    row path; with ``baseline``, a checkout's root, also that checkout's row path: ``int8_rows_base``), on
+    ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round (a noisy minute
+    hits each alike); the best call counts."""
     import numpy as np
     import torch
 
@@ -203,6 +217,11 @@ def matvec_rates(
         "int8_panel": lambda x, w: (lib.int_dot_row_path(0), int_dot.gemm(x, w, threads=threads)),
         "int8_rows": lambda x, w: (lib.int_dot_row_path(saved[1]), int_dot.gemm(x, w, threads=threads)),
     }
+    paths = MATVEC_PATHS
+    if baseline:
+        base = baseline_kernel(baseline)
+        calls["int8_rows_base"] = lambda x, w: int_dot.gemm(x, w, threads=threads, lib=base)
+        paths = (*MATVEC_PATHS, "int8_rows_base")
     out = []
     try:
         for fmt in types:
@@ -214,14 +233,14 @@ def matvec_rates(
                 ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-COLD_BYTES // raw.nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                    best = dict.fromkeys(MATVEC_PATHS, float("inf"))
+                    best = dict.fromkeys(paths, float("inf"))
                     for _ in range(rounds):
-                        for path in MATVEC_PATHS:
+                        for path in paths:
                             calls[path](x, ws[-1])  # the row-path switch
                             for w in ws[:-1]:
                                 best[path] = min(best[path], _timed(functools.partial(calls[path], x, w)))
                     row = {"type": fmt, "shape": f"{n}x{k}", "rows": m, "threads": threads}
-                    row.update({f"{path}_gb_s": raw.nbytes / best[path] / 1e9 for path in MATVEC_PATHS})
+                    row.update({f"{path}_gb_s": raw.nbytes / best[path] / 1e9 for path in paths})
                     out.append(row)
     finally:
         torch.set_num_threads(saved[0])
@@ -250,16 +269,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--types", default=",".join(int_dot.FORMATS), help="GGUF types, comma-separated")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", help="also write the rows to this file")
+    p.add_argument("--baseline", help="another checkout's root: also time its int_dot.c row path (int8_rows_base)")
     args = p.parse_args(argv)
     read = read_bandwidth(args.threads)
     rates = matvec_rates(
-        tuple(args.types.split(",")), tuple(int(r) for r in args.rows.split(",")), args.threads, rounds=args.rounds
+        tuple(args.types.split(",")),
+        tuple(int(r) for r in args.rows.split(",")),
+        args.threads,
+        rounds=args.rounds,
+        baseline=args.baseline,
     )
+    paths = MATVEC_PATHS + (("int8_rows_base",) if args.baseline else ())
     print(f"# {_machine()}; int_dot ISA {int_dot.isa()}; {args.threads} threads; read bandwidth {read:.1f} GB/s")
-    print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>11}" for p in MATVEC_PATHS) + "  rows/fp32")
+    print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>14}" for p in paths) + "  rows/fp32  of read")
     for r in rates:
-        gbs = " ".join(f"{r[f'{p}_gb_s']:>11.1f}" for p in MATVEC_PATHS)
-        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {r['int8_rows_gb_s'] / r['fp32_gb_s']:.2f}x")
+        gbs = " ".join(f"{r[f'{p}_gb_s']:>14.1f}" for p in paths)
+        fp32, rows_ = r["fp32_gb_s"], r["int8_rows_gb_s"]
+        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {rows_ / fp32:8.2f}x  {rows_ / read:6.0%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": _machine(), "threads": args.threads, "read_gb_s": read, "rates": rates}, f, indent=1)
