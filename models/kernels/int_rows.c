@@ -28,13 +28,27 @@
 
 #define ID_ROWS_MAX 4 /* steps of up to this many rows take the row path */
 #ifndef ID_ROWS_PREFETCH
-#define ID_ROWS_PREFETCH 1024 /* bytes ahead of a column's current group to prefetch; 0: none (docs/integer-dot.md) */
+#define ID_ROWS_PREFETCH 1 /* prefetch the next strip (id_rows_prefetch); 0: none (docs/integer-dot.md) */
 #endif
 
 /* Byte offset of group g in a row (a super-block's groups spread evenly over it: for prefetching only). */
 static inline size_t id_group_at(int f, int g) {
     if (id_super(f)) return (size_t)(g >> 3) * id_block_bytes(f) + (size_t)(g & 7) * id_block_bytes(f) / 8;
     return (size_t)g * id_block_bytes(f);
+}
+
+/* Prefetch for a strip's group g: the next strip, linearly. A strip's 8 columns are 8 consecutive weight rows, one
+ * contiguous run of `bytes` (8 row_bytes) that the next strip follows, but it reads them as 8 short interleaved
+ * streams (a 2048-wide Q4_K row is 18 cache lines), which the hardware prefetchers pick up late and a prefetch a
+ * fixed distance ahead of each column misses at every strip's start. At group g the strip has read 8
+ * id_group_at(f, g) of its bytes; the lines that far into the next strip are fetched, as many a step as that point
+ * advances (8 groups' bytes, + 16 for a super-block's uneven spread), so the whole next strip is in cache (L1, or
+ * L2 for a long strip) before it starts. strip = the first column's row (rows[0]: W + 8 p row_bytes). */
+ID_INLINE void id_rows_prefetch(int f, const uint8_t *strip, size_t bytes, int g) {
+    if (!ID_ROWS_PREFETCH) return;
+    const int lines = (8 * id_block_bytes(f) / (id_super(f) ? 8 : 1) + 16 + 63) / 64;
+    const char *at = (const char *)strip + bytes + 8 * id_group_at(f, g);
+    for (int l = 0; l < lines; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
 }
 
 /* fp32 of the fp16 in the low (hi = 0) or high (hi = 1) half of each 32-bit lane. */
@@ -160,9 +174,8 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
     ATTR ID_INLINE void NAME(int f, const QRows *x, int R, const uint8_t *const *cols, int g, const Factors8 *kp,  \
                              __m256 *acc) {     \
         __m256i w[8], sgn[8];                                                                                    \
+        id_rows_prefetch(f, cols[0], 8 * id_row_bytes(f, x->G), g);                                               \
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                    \
-            if (ID_ROWS_PREFETCH)                                                                                \
-                _mm_prefetch((const char *)cols[c] + id_group_at(f, g) + ID_ROWS_PREFETCH, _MM_HINT_T0);         \
             w[c] = id_values(f, cols[c], g);                                                                     \
             if (f == IDF_Q8_0 && VNNI) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80));              \
             if (f == IDF_Q8_0 && !VNNI) sgn[c] = w[c], w[c] = _mm256_abs_epi8(w[c]);                             \
