@@ -188,7 +188,7 @@ def test_greedy_parity_with_joins_while_lean_steps_run(family_dir, weights, smal
     if engine.model.fused_step is not None:  # fp32 on small_gemm: every lean step is one whole-step call
         step_call = decode_step.StepPlan.__call__
         monkeypatch.setattr(
-            decode_step.StepPlan, "__call__", lambda plan, b: (lean_steps.append(1), step_call(plan, b))[1]
+            decode_step.StepPlan, "__call__", lambda plan, *a: (lean_steps.append(1), step_call(plan, *a))[1]
         )
     budgets = [1 + (i * 5) % 17 for i in range(24)]
     seqs = seqs_for(ref, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(24)], budgets, ignore_eos=True)
@@ -379,10 +379,10 @@ def test_greedy_parity_with_chunks_riding_in_whole_step_calls(family_dir, weight
     mixed = []
     step_call = decode_step.StepPlan.__call__
 
-    def counting(plan, batch):
-        if batch.prompts and batch.n_decode:
-            mixed.append(batch.ids.shape[0])
-        return step_call(plan, batch)
+    def counting(plan, layout, *rest):
+        if len(layout.chunk_rows) and layout.n_decode:
+            mixed.append(layout.n)
+        return step_call(plan, layout, *rest)
 
     monkeypatch.setattr(decode_step.StepPlan, "__call__", counting)
     prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(9)]
