@@ -38,7 +38,7 @@ from core.pooling import pool_chunk
 from core.sampling import TokenLogprobs
 from core.sequence import Sequence
 from core.speculative import EngineProposer, SpecParams, verify_run
-from core.step import AdmissionError, BatchPlan, RowFailure, StepOutput, StepResult
+from core.step import AdmissionError, BatchLimits, BatchPlan, RowFailure, StepOutput, StepResult
 
 __all__ = ["AdmissionError", "ChatTemplateError", "FakeEngine", "InferenceEngine", "RowFailure"]
 
@@ -66,46 +66,40 @@ class ChatTemplateError(ValueError):
 
 
 class InferenceEngine(ABC):
-    """Executes planned steps over ``capacity`` rows and a pool of KV blocks (the planner keeps the books).
-
-    ``num_blocks`` blocks of ``block_size`` tokens (0: enough for every row at ``max_context``).
-    ``max_num_batched_tokens`` > 0 prefills prompts in chunks of at most that many tokens per step (decode rows
-    first), at most ``max_prefill_while_decoding`` of them while rows decode (0: no cap of its own);
-    ``prefix_caching`` shares cached full blocks between prompts. See ``core/planner.py``.
+    """Executes planned steps within ``limits`` (``core.step.BatchLimits``: rows, context, stop ids, the KV pool's
+    blocks, the chunked-prefill budget; the planner, which keeps the books, holds the same object). See
+    ``core/planner.py``.
     """
 
     loras = None  # a ``models.lora.LoraManager`` where LoRA adapters are served (MAX_LORAS > 0), else None
-    max_context: int  # prompt + generated tokens one sequence may hold
     vocab_size: int  # token ids are in [0, vocab_size)
     model_name: str
     hidden_size: int | None = None  # an embedding's width (core/pooling.py); None: this engine embeds nothing
 
-    def __init__(
-        self,
-        capacity: int,
-        max_context: int,
-        stop_token_ids: Iterable[int],
-        num_blocks: int = 0,
-        block_size: int = 32,
-        max_num_batched_tokens: int = 0,
-        prefix_caching: bool = True,
-        max_prefill_while_decoding: int = 0,
-    ) -> None:
-        self.capacity = capacity
-        self.max_context = max_context
-        self.stop_token_ids = frozenset(stop_token_ids)
-        self.planner = Planner(
-            capacity,
-            max_context,
-            self.stop_token_ids,
-            num_blocks,
-            block_size,
-            max_num_batched_tokens,
-            prefix_caching,
-            max_prefill_while_decoding,
-        )
+    def __init__(self, limits: BatchLimits) -> None:
+        self.planner = Planner(limits)
         # A proposer run here, before each forward (a draft model: ``models/draft_model.py``; ``attach_drafter``).
         self.drafter: Drafter | None = None
+
+    @property
+    def limits(self) -> BatchLimits:
+        """The planner's limits: the one object both read."""
+        return self.planner.limits
+
+    @property
+    def capacity(self) -> int:
+        """Sequences holding a slot at once."""
+        return self.planner.limits.capacity
+
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens one sequence may hold."""
+        return self.planner.limits.max_context
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Token ids that end every sequence (the model's EOS and STOP_TOKEN_IDS)."""
+        return self.planner.limits.stop_token_ids
 
     def attach_drafter(self, drafter: Drafter, method: str = "draft_model") -> None:
         """Requests choosing speculative ``method`` get their drafts from ``drafter``: the planner reserves their
@@ -282,14 +276,16 @@ class FakeEngine(InferenceEngine):
         speculative: SpecParams | None = None,
     ) -> None:
         super().__init__(
-            capacity,
-            max_context,
-            stop_token_ids,
-            num_blocks,
-            block_size,
-            max_num_batched_tokens,
-            prefix_caching,
-            max_prefill_while_decoding,
+            BatchLimits(
+                capacity,
+                max_context,
+                frozenset(stop_token_ids),
+                num_blocks,
+                block_size,
+                max_num_batched_tokens,
+                prefix_caching,
+                max_prefill_while_decoding,
+            )
         )
         self.kv_slots: dict[int, list[int | None]] | None = {} if check_kv else None  # block -> token per slot
         if speculative is not None:

@@ -43,35 +43,24 @@ from core.planner_forks import ForkBooks
 from core.planner_prefix import PrefixBooks
 from core.sequence import Sequence, SequenceStatus
 from core.speculative import NgramProposer, SpecParams, SpecStats, draft_state
-from core.step import AdmissionError, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
+from core.step import AdmissionError, BatchLimits, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
 log = logging.getLogger("minibatch.engine")
 
 
 class Planner(PrefixBooks, ForkBooks, DraftBooks):
-    """The books of ``capacity`` rows over a pool of ``num_blocks`` KV blocks of ``block_size`` tokens (0: enough
-    for every row at ``max_context``, so nothing is ever preempted), and the plan of each step."""
+    """The books of ``limits.capacity`` rows over a pool of ``limits.num_blocks`` KV blocks of ``limits.block_size``
+    tokens (0: enough for every row at ``limits.max_context``, so nothing is ever preempted), and the plan of each
+    step. ``limits`` (``core.step.BatchLimits``) is the engine's too: read, never copied."""
 
-    def __init__(
-        self,
-        capacity: int,
-        max_context: int,
-        stop_token_ids: Iterable[int],
-        num_blocks: int = 0,
-        block_size: int = 32,
-        max_num_batched_tokens: int = 0,
-        prefix_caching: bool = True,
-        max_prefill_while_decoding: int = 0,
-    ) -> None:
-        self.capacity = capacity
-        self.max_context = max_context
-        self.max_num_batched_tokens = max_num_batched_tokens  # 0: whole prompts in the step that admits them
-        self.max_prefill_while_decoding = max_prefill_while_decoding
-        self.stop_token_ids = frozenset(stop_token_ids)
-        num_blocks = num_blocks or capacity * -(-max_context // block_size)
+    def __init__(self, limits: BatchLimits) -> None:
+        self.limits = limits
+        num_blocks = limits.num_blocks or limits.capacity * -(-limits.max_context // limits.block_size)
         # Admission leaves 1% of the pool free (vLLM's watermark) so running sequences can grow a little
         # before anyone is preempted.
-        self.blocks = BlockManager(num_blocks, block_size, num_blocks // 100, enable_caching=prefix_caching)
+        self.blocks = BlockManager(
+            num_blocks, limits.block_size, num_blocks // 100, enable_caching=limits.prefix_caching
+        )
         self.rows: list[Sequence] = []  # the decoding sequences, in row order
         self._admitted: dict[int, int] = {}  # seq_id -> admission serial (the preemption order)
         self._serial = itertools.count()
@@ -87,7 +76,6 @@ class Planner(PrefixBooks, ForkBooks, DraftBooks):
         self._steps = 0
         self._peak_batch = 0
         self._tokens = 0
-        self.kv_window = 0  # a sliding window on every layer: blocks that left it go back to the pool
         # Speculative decoding (core/speculative.py): the server's default (a request's own SpecParams wins), no
         # drafts while ``spec_disable_batch_size`` or more rows decode (0: never off: a busy batch is compute-bound
         # and verify rows cost real time there), the proposers by method, and the counters.
@@ -99,6 +87,14 @@ class Planner(PrefixBooks, ForkBooks, DraftBooks):
         self.spec_row_limit = 0
         self.proposers = {"ngram": NgramProposer()}
         self.spec = SpecStats()
+
+    # The limits the books read, by their names (read-only here: change them on ``limits``, the one object).
+    capacity = property(lambda self: self.limits.capacity)
+    max_context = property(lambda self: self.limits.max_context)
+    stop_token_ids = property(lambda self: self.limits.stop_token_ids)
+    max_num_batched_tokens = property(lambda self: self.limits.max_num_batched_tokens)  # 0: whole prompts
+    max_prefill_while_decoding = property(lambda self: self.limits.max_prefill_while_decoding)
+    kv_window = property(lambda self: self.limits.kv_window)  # blocks that left it go back to the pool
 
     # --- what is admitted ---------------------------------------------------------------------
     def num_active(self) -> int:

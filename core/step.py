@@ -1,5 +1,6 @@
 """One engine step as data: what the planner decided (``BatchPlan``, vLLM's ``SchedulerOutput``), what the engine
-computed (``StepOutput``), and what applying it changed (``StepResult``). No torch.
+computed (``StepOutput``), and what applying it changed (``StepResult``); and the limits every step keeps
+(``BatchLimits``: one object, the engine's and its planner's). No torch.
 
 The scheduler asks the planner (``core/planner.py``) for a ``BatchPlan`` on the event loop, the engine executes
 it on its worker thread and returns a ``StepOutput`` (one token, or a ``RowFailure``, per sampled row), and the
@@ -13,6 +14,28 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from core.sequence import Sequence
+
+
+@dataclass
+class BatchLimits:
+    """What the config says of every step: ``capacity`` rows of sequences of up to ``max_context`` tokens, ending at
+    ``stop_token_ids``; a pool of ``num_blocks`` KV blocks of ``block_size`` tokens (0: enough for every row at
+    ``max_context``); prompts in chunks of at most ``max_num_batched_tokens`` tokens per step (0: whole prompts), at
+    most ``max_prefill_while_decoding`` of them while rows decode (0: no cap of its own); ``prefix_caching``; a
+    sliding window of ``kv_window`` keys on every layer (0: none; blocks that left it go back to the pool).
+
+    One object, built once from the config (``models.model_engine.ModelEngine._init_batching``, ``FakeEngine``):
+    the planner holds it (``Planner.limits``) and the engine reads it there (``InferenceEngine.limits``)."""
+
+    capacity: int
+    max_context: int
+    stop_token_ids: frozenset[int] = frozenset()
+    num_blocks: int = 0
+    block_size: int = 32
+    max_num_batched_tokens: int = 0
+    prefix_caching: bool = True
+    max_prefill_while_decoding: int = 0
+    kv_window: int = 0
 
 
 class AdmissionError(ValueError):

@@ -186,11 +186,11 @@ class DraftModel:
         return logits[[order[r] for r in range(len(seqs))]]
 
     def _forward(self, token_ids, positions, tables, prompts=(), prompt_tables=(), starts=()) -> np.ndarray:
-        """The draft model's forward (``ModelRunner.forward``: decode rows, then chunks) -> float32 logits [rows, V]
-        (numpy: the decode rows', then each chunk's last position's)."""
+        """The draft model's forward (``RowsForward.forward_rows``: decode rows, then chunks) -> float32 logits
+        [rows, V] (numpy: the decode rows', then each chunk's last position's)."""
         self.forwards += 1
         self.tokens_fed += len(token_ids) + sum(map(len, prompts))
-        return self.engine.model.forward(token_ids, positions, tables, prompts, prompt_tables, starts)
+        return self.engine.model.forward_rows(token_ids, positions, tables, prompts, prompt_tables, starts)
 
     # --- the draft's books --------------------------------------------------------------------------------
     def _reserve(self, seq_id: int, num_tokens: int) -> bool:

@@ -26,12 +26,15 @@ D = head_dim, V = vocab, L = positions attended by a decode step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from model_runner import RowsForward
 
 from .attention import LEAN_MAX_ROWS, lean_decode_supported
 from .kernels import decode_ops, decode_step, quant_gemm, small_gemm
@@ -204,7 +207,7 @@ def _add(total: dict[str, int], more: dict[str, int]) -> None:
         total[fmt] = total.get(fmt, 0) + n
 
 
-class MixedForward:
+class MixedForward(RowsForward):
     """A model family's forward over a mixed batch: the loop every family shares.
 
     Subclasses set ``blocks``, ``lm_head``, ``n_layer``, ``n_head``, ``head_dim``, ``kv`` (a PagedKVCache,
@@ -227,49 +230,27 @@ class MixedForward:
     lora = None  # a ``lora_torch.TorchLora`` once adapters are enabled (``enable_lora``)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        tables: list[list[int]] = (),
-        prompts: list[list[int]] = (),
-        prompt_tables: list[list[int]] = (),
-        prompt_starts: list[int] | None = None,
-        every_position: list[bool] = (),
-        hidden: list[bool] = (),
-        loras: list[int] | None = None,
-    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """``model_runner.ModelRunner.forward``: decode B tokens (token_ids[b] at positions[b] of the sequence with
-        block table tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default
-        0, block table prompt_tables[i]); every table must already cover its tokens' positions. ``loras``: each
-        decode row's, then each chunk's adapter slot (-1: the base; None: every row the base's; ``enable_lora``).
-
-        Returns logits [B + len(prompts), V]: the decode rows, then each chunk's last position; a chunk
-        with ``every_position[i]`` set has all its positions there instead, in order (prompt logprobs). A chunk
-        with ``hidden[i]`` set has no logits rows; its final hidden states (after the final norm) at every position
-        come in a second array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. float32
-        numpy (on the CPU a view of the step's output tensor: no copy), as the native runner returns them.
-        """
-        args = (token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden)
-        if loras is None:
-            out = self._forward(*args)
-        elif self.lora is None:
+    def forward(self, layout: StepLayout, loras: list[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """``model_runner.ModelRunner.forward`` over ``layout``'s rows (``loras``: each decode row's, then each chunk's
+        adapter slot, -1 the base; ``enable_lora``) -> float32 numpy logits [n_sample, V] (and the hidden rows' final
+        hidden states [len(layout.hidden), C] beside them, when the layout has any), as the native runner returns
+        them. A step of at most ``fused_step.max_rows`` rows (no hidden rows) is one whole-step kernel call over the
+        layout itself, the native runner's (``StepKernel.run``); any other runs ``_forward`` over its torch view."""
+        if loras is not None and self.lora is None:
             raise ValueError("rows of LoRA adapters for a model without adapters (enable_lora)")
-        else:
-            with self.lora.rows(loras, [1] * len(token_ids) + [len(p) for p in prompts]):
-                out = self._forward(*args)
+        slots = layout.row_slots(loras)
+        if layout.hidden is None and self._takes_fused_step(layout.n):  # embeddings: the torch loop
+            # the embedding, every layer, the final norm and the lm_head in one call (and each adapter's deltas)
+            return self.fused_step(layout, slots, self.lora.kernel if slots is not None else None)
+        batch = MixedBatch.from_layout(layout, self.device)
+        with self.lora.rows(slots) if slots is not None else contextlib.nullcontext():
+            out = self._forward(batch)
+        # numpy on the CPU: a view of the step's output tensor, no copy
         return tuple(t.float().cpu().numpy() for t in out) if isinstance(out, tuple) else out.float().cpu().numpy()
 
-    def _forward(self, token_ids, positions, tables, prompts, prompt_tables, prompt_starts, every_position, hidden):
-        pooled = any(hidden)  # embeddings: the torch loop (the whole-step kernel returns logits only here)
-        whole_step = not pooled and self._takes_fused_step(len(token_ids), prompts)
-        chunks = (prompts, prompt_tables, prompt_starts, every_position, hidden)
-        layout = StepLayout.build(self.step_limits, token_ids, positions, tables, *chunks)
-        batch = MixedBatch.from_layout(layout, self.device, for_step=whole_step)
-        if whole_step:  # the embedding, every layer, the final norm and the lm_head in one call
-            if self.lora is not None and self.lora.row_slots is not None:  # and each adapter's deltas, in the kernel
-                return self.fused_step(batch, (self.lora.kernel, self.lora.row_slots))
-            return self.fused_step(batch)
+    def _forward(self, batch: MixedBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The step through torch: per layer the lean compiled calls (``lean``: a small decode-only step) or the
+        torch ops -> logits [n_sample, V] (and the hidden rows' final hidden states, when the batch has any)."""
         batch.lean = self.lean_decode and not batch.prompts and 0 < batch.n_decode <= LEAN_MAX_ROWS
         x, pos_state = self._embed(batch)  # [N, C]
         for layer, block in enumerate(self.blocks):
@@ -279,24 +260,14 @@ class MixedForward:
             logits = torch.empty(0, self.lm_head.out_features, device=x.device)
         else:
             logits = self._logits(x if batch.sample_rows is None else x[batch.sample_rows], batch.lean)
-        return (logits, self._final_norm(x[batch.hidden_rows])) if pooled else logits
+        return (logits, self._final_norm(x[batch.hidden_rows])) if batch.hidden_rows is not None else logits
 
-    def _takes_fused_step(self, n_decode: int, prompts: list[list[int]]) -> bool:
-        """Whether a step of ``n_decode`` decode rows and these prompt chunks runs as one whole-step call: the
-        kernel plan exists (lean decode on), and its rows (decode tokens plus chunk tokens) are within the
-        plan's limit (``StepPlan.max_rows``)."""
+    def _takes_fused_step(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows (decode tokens plus chunk tokens) runs as one whole-step call: the kernel
+        plan exists (lean decode on), and the rows are within the plan's limit (``StepPlan.max_rows``)."""
         if self.fused_step is None or not self.lean_decode:
             return False
-        rows = n_decode + sum(len(p) for p in prompts)
         return 0 < rows <= self.fused_step.max_rows
-
-    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
-        """Run whole prompts into their blocks; return each prompt's last-position logits [len(prompts), V]."""
-        return self.forward([], [], [], prompts, tables)
-
-    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> np.ndarray:
-        """One token per sequence: token_ids[b] sits at positions[b], its blocks tables[b]. Returns logits [B, V]."""
-        return self.forward(token_ids, positions, tables)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Block ``dst`` of the KV pool becomes a copy of block ``src``, every layer (``PagedKVCache.copy_block``)."""

@@ -404,9 +404,8 @@ class LoraSlots:
         return [self.slot_of(i) if i else _NO_SLOT for i in lora_ids]
 
 
-def row_groups(slots: list[int], counts: list[int] | None = None) -> list[tuple[int, np.ndarray]]:
+def row_groups(slots: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """The rows of each adapter present: [(slot, its row indices int64, ascending)], slots ascending, the base's rows
-    left out. ``slots``: one per forward row (decode rows, then prompt chunks); ``counts``: each one's tokens (None:
-    one each), so a chunk's slot covers all its token rows."""
-    per_row = np.repeat(np.asarray(slots, np.int64), counts if counts is not None else 1)
-    return [(int(s), np.flatnonzero(per_row == s)) for s in np.unique(per_row) if s != _NO_SLOT]
+    left out. ``slots``: one per token row of the forward (``StepLayout.row_slots``)."""
+    slots = np.asarray(slots, np.int64)
+    return [(int(s), np.flatnonzero(slots == s)) for s in np.unique(slots) if s != _NO_SLOT]

@@ -2,10 +2,10 @@
 that adapter's rows of the step (``models/lora.py`` has the math and the format).
 
 ``TorchLora`` is a model's adapter state: the resident adapters by slot (their A^T / B^T as torch tensors) and the
-row groups of the forward running now (``rows``: set by ``MixedForward.forward`` around one forward). Each targeted
-linear holds a ``LinearLora`` hook: for each adapter present that targets it, one shrink GEMM over its rows, x A^T
-[n, R], then per HF module one expand GEMM into that module's output columns, scaled as PEFT scales it. A step with
-no adapter row costs one attribute test per linear.
+row groups of the forward running now (``rows``: set by ``MixedForward.forward`` around a torch forward). Each
+targeted linear holds a ``LinearLora`` hook: for each adapter present that targets it, one shrink GEMM over its rows,
+x A^T [n, R], then per HF module one expand GEMM into that module's output columns, scaled as PEFT scales it. A step
+with no adapter row costs one attribute test per linear.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class TorchLora:
                 lin.lora = LinearLora(self, i, kind)
         self.slots: list[dict | None] = [None] * max_loras  # slot -> {(layer, kind): (a_t, [(j0, r, n0, N, s, b_t)])}
         self.groups: list[tuple[int, torch.Tensor]] = []  # this forward's (slot, row indices), base rows left out
-        self.row_slots: np.ndarray | None = None  # this forward's slot per token row (-1: the base), for the kernel
 
     def set(self, slot: int, adapter: Adapter | None) -> None:
         self.kernel.set(slot, adapter)
@@ -58,16 +57,14 @@ class TorchLora:
         }
 
     @contextlib.contextmanager
-    def rows(self, slots: list[int] | None, counts: list[int]):
-        """Within it, the forward's rows belong to these slots (one per decode row / prompt chunk, ``counts`` tokens
-        each; None: every row is the base's)."""
-        if slots is not None:
-            self.row_slots = np.repeat(np.asarray(slots, np.int64), counts)
-            self.groups = [(s, torch.from_numpy(r).to(self.device)) for s, r in row_groups(slots, counts)]
+    def rows(self, slots: np.ndarray):
+        """Within it, the forward's token rows belong to these slots (one per row, ``StepLayout.row_slots``; -1: the
+        base)."""
+        self.groups = [(s, torch.from_numpy(r).to(self.device)) for s, r in row_groups(slots)]
         try:
             yield
         finally:
-            self.groups, self.row_slots = [], None
+            self.groups = []
 
 
 class LinearLora:

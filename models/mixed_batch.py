@@ -29,28 +29,22 @@ class MixedBatch:
     slot_blocks: torch.Tensor  # [B + T] block id of each token's KV slot
     slot_offsets: torch.Tensor  # [B + T] offset of each token's KV slot in its block
     n_decode: int  # B: the decode tokens are rows [0, B) of the activation
-    # [B, max_blocks] int32 of the decode rows (padded with 0), None when B = 0; built ``for_step``: [B + P,
-    # max_blocks], the P chunks' tables after the decode rows'.
-    block_tables: torch.Tensor | None
+    block_tables: torch.Tensor | None  # [B, max_blocks] int32 of the decode rows (padded with 0), None when B = 0
     context_lens: torch.Tensor | None  # [B] int32: decode row b attends positions [0, pos[b]]
     prompts: list[tuple[int, int, int, torch.Tensor]]  # per chunk: (first activation row, length, start, table)
     sample_rows: torch.Tensor | None  # rows whose logits are needed; None = every row (no prompts)
     lean: bool = False  # decode rows only, few enough for the lean path (MixedForward.forward sets it)
-    row_tables: torch.Tensor | None = None  # built ``for_step`` with prompts: [B + T] int32, each row's table
     hidden_rows: torch.Tensor | None = None  # rows whose final hidden states are wanted (chunks flagged ``hidden``)
 
     @classmethod
-    def from_layout(cls, layout: StepLayout, device: torch.device, for_step: bool = False) -> MixedBatch:
-        """The torch view of a step's rows. ``for_step``: the batch goes to the whole-step kernel (``fused_step``),
-        which reads every row's table through ``block_tables`` and ``row_tables``; otherwise the decode rows'
-        tables only (the chunks' are in ``prompts``)."""
+    def from_layout(cls, layout: StepLayout, device: torch.device) -> MixedBatch:
+        """The torch view of a step's rows (the whole-step kernel reads the layout itself: ``StepKernel.run``)."""
 
         def on(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)  # the CPU: the array itself
 
         B, P = layout.n_decode, len(layout.chunk_rows)
-        tables = torch.from_numpy(layout.tables)
-        block_tables = tables if for_step else tables[:B] if B else None
+        block_tables = torch.from_numpy(layout.tables[:B]) if B else None
         context_lens = torch.from_numpy((layout.pos[:B] + 1).astype(np.int32)) if B else None
         ends = np.append(layout.chunk_rows[1:], layout.n)
         chunk_tables = [layout.tables[B + i, : layout.table_lens[B + i]].astype(np.int64) for i in range(P)]
@@ -67,6 +61,5 @@ class MixedBatch:
             context_lens,
             prompts,
             on(layout.sample) if layout.sample is not None else None,
-            row_tables=torch.from_numpy(layout.row_table) if for_step and P else None,
             hidden_rows=on(layout.hidden) if layout.hidden is not None else None,
         )

@@ -1,7 +1,8 @@
 """What every model runtime shares once a model and its tokenizer exist (``ModelEngine``): tokenizing, chat templates,
-one forward over a plan's decode rows and prompt chunks (the ``model_runner.ModelRunner`` contract), verifying
-drafts, prompt logprobs, embeddings' hidden states, and sampling the logits on numpy (``core/sampling.py``: the same
-code whichever runtime made them). The runtimes themselves are ``models/runtime.py``. No torch.
+one forward over a plan's decode rows and prompt chunks (laid out once as a ``models.step_layout.StepLayout``, handed
+to the ``model_runner.ModelRunner``), verifying drafts, prompt logprobs, embeddings' hidden states, and sampling the
+logits on numpy (``core/sampling.py``: the same code whichever runtime made them). The runtimes themselves are
+``models/runtime.py``. No torch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from core.pooling import pool_chunk
 from core.sampling import NonFiniteLogits, apply_token_bitmask, grammar_bitmask, logprobs, sample
 from core.sequence import Sequence
 from core.speculative import verify_run
-from core.step import BatchPlan, RowFailure
+from core.step import BatchLimits, BatchPlan, RowFailure
 from engine import ChatTemplateError, InferenceEngine
 from model_runner import ModelRunner
 from models.loading import ModelLoadError
 from models.native_memory import HeapTrimmer
 from models.runtime_config import configure_speculation, kv_cache_dtype, kv_pool_blocks
+from models.step_layout import StepLayout
 
 log = logging.getLogger("minibatch.engine")
 
@@ -48,20 +50,20 @@ class ModelEngine(InferenceEngine):
         max_context = min(window, config.max_model_len) if config.max_model_len else window
         block_size = config.kv_block_size
         num_blocks = kv_pool_blocks(config, max_context, kv_bytes_per_token * block_size)
-        InferenceEngine.__init__(
-            self,
+        limits = BatchLimits(
             config.max_batch_size,
             max_context,
-            stops | set(config.stop_token_ids),
+            frozenset(stops | set(config.stop_token_ids)),
             num_blocks,
             block_size,
             config.max_num_batched_tokens,
             config.prefix_caching,
             config.max_prefill_tokens_while_decoding,
+            kv_window,
         )
+        InferenceEngine.__init__(self, limits)
         self.model_name = config.model_id
         self.kv_cache_dtype = kv_cache_dtype(config)  # the pool's elements (what /metrics' kv_cache_info says)
-        self.planner.kv_window = kv_window
         configure_speculation(self.planner, config)
         self._heap = HeapTrimmer()
         return num_blocks
@@ -147,7 +149,8 @@ class ModelEngine(InferenceEngine):
         every = [_scores_prompt(seq, start) for seq, start, _ in chunks]
         full = [True] * len(verify) + every
         pooled = [seq.pooling is not None for seq, _, _ in chunks]  # embeddings: final hidden states, no logits
-        out = self.model.forward(
+        layout = StepLayout.build(  # the step's rows, as both runtimes read them
+            self.model.step_limits,
             [decode[i].last_token_id for i in plain],
             [decode[i].num_tokens - 1 for i in plain],
             [plan.tables[i] for i in plain],
@@ -157,8 +160,9 @@ class ModelEngine(InferenceEngine):
             [decode[i].num_tokens - 1 for i in verify] + [start for _, start, _ in chunks],
             full if any(full) else (),
             [False] * len(verify) + pooled if any(pooled) else (),
-            **self._lora_rows(plan, plain, verify),
-        )  # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
+        )
+        out = self.model.forward(layout, self._lora_rows(plan, plain, verify))
+        # [plain rows + (k + 1) per verified row + one row per chunk (every position of a scoring chunk), V]
         logits, hidden = out if any(pooled) else (out, None)  # hidden: [embedded chunks' tokens, C]
         if chunks or verify:  # chunks bring new shapes, whose scratch the heap would otherwise keep
             self._heap.maybe_trim()
@@ -187,12 +191,11 @@ class ModelEngine(InferenceEngine):
         self._add_logprobs(logits, plan.samples, tokens)
         return tokens
 
-    def _lora_rows(self, plan: BatchPlan, plain: list[int], verify: list[int]) -> dict:
+    def _lora_rows(self, plan: BatchPlan, plain: list[int], verify: list[int]) -> list[int] | None:
         """The forward's ``loras`` argument (each row's adapter slot, in the order ``_forward`` feeds the rows), or
-        nothing when every row is the base model's."""
+        None when every row is the base model's."""
         ids, n = plan.loras, len(plan.decode)
-        slots = self.loras.rows([ids[i] for i in plain + verify] + ids[n:]) if self.loras is not None else None
-        return {} if slots is None else {"loras": slots}
+        return self.loras.rows([ids[i] for i in plain + verify] + ids[n:]) if self.loras is not None else None
 
     def _verify(self, logits, samples: list[Sequence], first: list[int], drafts: list[list[int]]) -> list:
         """Speculative decoding: ``samples[i]`` samples from logits row ``first[i]``, and a decode row with ``k``

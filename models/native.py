@@ -3,16 +3,15 @@
 ``NativeModel`` maps the image's ``weights.bin`` read-only (its pages are the resident weights: no copy, and pages
 never read, e.g. RoPE rows past the longest context, never become resident), allocates the KV pools with numpy
 (zeroed lazily by the OS: the pool costs RSS only as it fills), rebuilds the kernel's structs with pointers into
-the mapping (``kernels/step_abi.py``, the same code ``decode_step.StepPlan`` uses) and runs ``forward`` with the
-contract of ``layers.MixedForward.forward``, returning numpy logits.
+the mapping (``kernels/step_abi.py``, the same code ``decode_step.StepPlan`` uses) and runs ``forward``
+(``model_runner.ModelRunner``'s) through ``step_abi.StepKernel.run``, the one kernel-call setup both runtimes use,
+returning numpy logits.
 
 LoRA adapters (``models/lora.py``) go to the kernel as ``kernels/lora_step.KernelLora`` structs pointing at their
 own numpy arrays; each call groups its rows by adapter. The image records the linears adapters may target.
 
 A step of more rows than the image's ``max_rows`` (many decode rows, a long prompt chunk) runs as consecutive
-calls of at most ``max_rows`` rows in row order. That is exact: attention is causal, so a chunk's later rows need
-only the K/V of its earlier rows, which an earlier call has written (and within a call, ``write_first`` writes
-every row's K/V before any row attends when a sequence has several rows there).
+calls of at most ``max_rows`` rows in row order (``StepKernel.run``: exact, attention being causal).
 
 Importing this module, building a ``NativeModel`` and running steps import no torch. OpenMP reads its settings
 (wait policy, spin count) once, when the kernel's libgomp loads: set them
@@ -22,11 +21,11 @@ then each chunk's tokens), V logits per row, KVH K/V heads, D head_dim.
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import numpy as np
 
+from model_runner import RowsForward
 from models import kv_dtype
 from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.image_files import MODEL_FILE
@@ -58,7 +57,7 @@ def _map_files(image_dir: str, meta: dict) -> dict:
     return maps
 
 
-class NativeModel:
+class NativeModel(RowsForward):
     """One model image with its own KV pool, stepped without torch.
 
     ``num_blocks`` KV blocks of ``block_size`` tokens of ``kv_cache_dtype`` elements (``self.kv``, a
@@ -102,9 +101,8 @@ class NativeModel:
         self.kv = KVPool(n_layer, num_blocks, block_size, KVH, D, kv_cache_dtype)
         pools = [self.kv.layer_addresses(i) for i in range(n_layer)]
         self.structs = step_abi.Structs(addresses, pools, self.kv.geometry())
-        self.step = step_abi.StepKernel(lib, self.structs, spec.C)
+        self.step = step_abi.StepKernel(lib, self.structs, spec.C, self.max_rows)
         self.n_embd = spec.C  # the model's width: a final hidden state's size
-        self._ws = np.empty(0, np.float32)
 
     # --- LoRA adapters (models/lora.py): the kernel's hook after each targeted linear ---
 
@@ -146,89 +144,14 @@ class NativeModel:
 
     # --- a step ---
 
-    def forward(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        tables: list[list[int]] = (),
-        prompts: list[list[int]] = (),
-        prompt_tables: list[list[int]] = (),
-        prompt_starts: list[int] | None = None,
-        every_position: list[bool] = (),
-        hidden: list[bool] = (),
-        loras: list[int] | None = None,
-    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """``MixedForward.forward``'s contract: decode B tokens (token_ids[b] at positions[b], block table
-        tables[b]) and prefill prompt chunks (prompts[i] at positions [prompt_starts[i], + len), default 0, block
-        table prompt_tables[i]; every table covers its tokens' positions); ``loras``: each decode row's, then each
-        chunk's adapter slot (-1: the base; None: every row the base's).
-
-        Returns logits [B + len(prompts), V] float32: the decode rows, then each chunk's last position; a chunk
-        with ``every_position[i]`` set has all its positions there instead, in order. A chunk with ``hidden[i]``
-        set has no logits rows; its final hidden states (after the final norm) at every position come in a second
-        array [their tokens, C], returned as (logits, hidden) when any chunk is so flagged. Every row's K/V is
-        written. Raises ValueError for arguments that do not fit the pools, tables or context window.
-        """
-        chunks = (prompts, prompt_tables, prompt_starts, every_position, hidden)
-        rows = StepLayout.build(self.step_limits, token_ids, positions, tables, *chunks)
-        logits = np.empty((rows.n_sample, self.n_vocab), np.float32)
-        states = None if rows.hidden is None else np.empty((len(rows.hidden), self.n_embd), np.float32)
-        slots = None
-        if loras is not None:  # one per token row
-            if self.lora is None or len(loras) != len(token_ids) + len(prompts):
-                raise ValueError("loras: one adapter slot per decode row and chunk, on a model with adapters")
-            slots = np.repeat(np.asarray(loras, np.int64), [1] * len(token_ids) + [len(p) for p in prompts])
-        for r0 in range(0, rows.n, self.max_rows):
-            self._call(rows, r0, min(rows.n, r0 + self.max_rows), logits, slots, states)
+    def forward(self, layout: StepLayout, loras: list[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """``model_runner.ModelRunner.forward``: the whole-step kernel over ``layout``'s rows, in calls of at most
+        ``max_rows`` rows (``step_abi.StepKernel.run``) -> numpy logits [n_sample, V] (and the hidden rows' final
+        hidden states [len(layout.hidden), C] beside them, when the layout has any)."""
+        logits = np.empty((layout.n_sample, self.n_vocab), np.float32)
+        states = None if layout.hidden is None else np.empty((len(layout.hidden), self.n_embd), np.float32)
+        if loras is not None and self.lora is None:
+            raise ValueError("loras: adapter slots for a model without adapters (enable_lora)")
+        slots = layout.row_slots(loras)
+        self.step.run(layout, logits, self.threads, states=states, slots=slots, lora=self.lora)
         return logits if states is None else (logits, states)
-
-    def prefill(self, prompts: list[list[int]], tables: list[list[int]]) -> np.ndarray:
-        """Whole prompts into their blocks -> each prompt's last-position logits [len(prompts), V]."""
-        return self.forward([], [], [], prompts, tables)
-
-    def decode(self, token_ids: list[int], positions: list[int], tables: list[list[int]]) -> np.ndarray:
-        """One token per sequence -> logits [B, V]."""
-        return self.forward(token_ids, positions, tables)
-
-    def _workspace(self, rows: int) -> int:
-        """The address of a ``WS_ALIGN``-aligned workspace for a call of ``rows`` rows (grown, never shrunk)."""
-        need = self.step.workspace_floats(rows, self.threads) + step_abi.WS_ALIGN // 4
-        if self._ws.size < need:
-            self._ws = np.empty(need, np.float32)
-        return self._ws.ctypes.data + (-self._ws.ctypes.data % step_abi.WS_ALIGN)
-
-    def _call(
-        self,
-        rows: StepLayout,
-        r0: int,
-        r1: int,
-        logits: np.ndarray,
-        slots: np.ndarray | None,
-        states: np.ndarray | None = None,
-    ) -> None:
-        """Rows [r0, r1) as one kernel call; their sample rows' logits into their rows of ``logits``, their hidden
-        rows' final hidden states into theirs of ``states``; ``slots``: each token row's adapter slot (-1: the
-        base), or None."""
-        seq = rows.row_table[r0:r1]
-        write_first = bool(np.any(seq[1:] == seq[:-1]))  # a sequence with several rows here attends its own slots
-        if rows.sample is None:  # every row sampled: output rows are the rows
-            s0, sample, n_sample = r0, None, r1 - r0
-        else:
-            s0, s1 = np.searchsorted(rows.sample, [r0, r1])
-            local = rows.sample[s0:s1] - r0
-            sample, n_sample = local.ctypes.data, int(s1 - s0)
-        hidden = {}
-        if states is not None:
-            h0, h1 = np.searchsorted(rows.hidden, [r0, r1])
-            mine = rows.hidden[h0:h1] - r0
-            hidden = {"hidden_rows": mine.ctypes.data, "n_hidden": int(h1 - h0), "hidden": states[h0:].ctypes.data}
-        at = 8 * r0  # bytes into the int64 row arrays
-        lora = self.lora.step(slots, r0, r1, self.threads) if slots is not None else None
-        self.step(
-            *(r1 - r0, rows.ids.ctypes.data + at, rows.pos.ctypes.data + at, rows.slot_blocks.ctypes.data + at),
-            *(rows.slot_offsets.ctypes.data + at, rows.tables.ctypes.data, rows.tables.shape[1]),
-            *(seq.ctypes.data, write_first, sample, n_sample),
-            *(logits.ctypes.data + 4 * int(s0) * self.n_vocab, self._workspace(r1 - r0), self.threads),
-            **hidden,
-            lora=ctypes.addressof(lora[0]) if lora is not None else None,
-        )

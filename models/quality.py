@@ -41,7 +41,7 @@ def perplexity(model, ids: list[int], chunk: int = CHUNK) -> float:
     nll = 0.0
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : min(start + chunk, len(ids) - 1)]  # positions start.., each predicting the next
-        logits = model.forward([], [], [], [piece], [table], [start], [True])  # [len(piece), V]
+        logits = model.forward_rows([], [], [], [piece], [table], [start], [True])  # [len(piece), V]
         targets = torch.tensor(ids[start + 1 : start + 1 + len(piece)])
         logp = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
         nll -= logp[torch.arange(len(piece)), targets].sum().item()

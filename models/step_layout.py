@@ -1,9 +1,11 @@
 """One step's rows as every runtime reads them (numpy, torch-free): B decode tokens, then each prompt chunk's tokens
 back to back, N rows with no padding, and each row's KV slot and block table.
 
-Built once per step (``StepLayout.build``, vectorized), checked against what the kernels may touch
-(``StepLimits``), then read as it is: the native runner (``models/native.py``) passes its arrays' addresses to the
-whole-step kernel, the torch forward views them zero-copy (``models.mixed_batch.MixedBatch.from_layout``).
+Built once per step by the engine (``StepLayout.build``, vectorized; ``models.model_engine.ModelEngine._forward``),
+checked against what the runner's kernels may touch (its ``step_limits``), then handed to the runner's ``forward``
+and read as it is: the whole-step kernel call (``models.kernels.step_abi.StepKernel.run``, both runtimes) passes its
+arrays' addresses, the torch forward's per-layer path views them zero-copy
+(``models.mixed_batch.MixedBatch.from_layout``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ class StepLayout:
         self.sample = np.flatnonzero(wanted).astype(np.int64)
         self.n_sample = len(self.sample)
         return self
+
+    def row_slots(self, loras) -> np.ndarray | None:
+        """Each row's adapter slot [N] int64 from ``loras``, one per decode row then chunk (-1: the base), or None
+        for None; ValueError when ``loras`` is not one per decode row and chunk."""
+        if loras is None:
+            return None
+        want = len(self.table_lens)
+        if len(loras) != want:
+            raise ValueError(f"loras: one adapter slot per decode row and chunk ({want}), not {len(loras)}")
+        return np.asarray(loras, np.int64)[self.row_table]
 
     def _check(self, limits: StepLimits) -> None:
         """Every id, position and block inside what the kernels may touch (a bad one would read or write out of

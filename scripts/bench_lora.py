@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
     rng = np.random.default_rng(0)
     for b in range(B):  # prefill each sequence's context
-        model.forward([], [], [], [rng.integers(0, 1000, args.context).tolist()], [tables[b]])
+        model.forward_rows([], [], [], [rng.integers(0, 1000, args.context).tolist()], [tables[b]])
     ids, pos = [7] * B, [args.context] * B
     configs = {
         "base": None,
@@ -98,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     for _ in range(3):  # warm-up
         for slots in configs.values():
-            model.forward(ids, pos, tables, loras=slots)
+            model.forward_rows(ids, pos, tables, loras=slots)
     for _ in range(args.rounds):
         for name, slots in configs.items():
             t0 = time.perf_counter()
-            model.forward(ids, pos, tables, loras=slots)
+            model.forward_rows(ids, pos, tables, loras=slots)
             times[name].append(time.perf_counter() - t0)
     after = os.getloadavg()
     base = statistics.median(times["base"])

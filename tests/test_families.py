@@ -327,7 +327,7 @@ def test_whole_step_call_gives_the_per_layer_calls(arch, family_dir, weights="in
     for B in (1, 5):
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
         prompts = [[(5 * b + 3 * i) % 90 + 3 for i in range(3 + 7 * b)] for b in range(B)]
-        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        tokens = model.forward_rows([], [], [], prompts, tables).argmax(-1).tolist()
         runs = _runs_from_one_state(model, plan, lambda: model.decode(tokens, [len(p) for p in prompts], tables))
         first = runs[0]
         for logits, k, v in runs[1:-1]:  # the whole-step call at other thread counts

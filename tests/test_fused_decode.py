@@ -157,7 +157,7 @@ def test_lean_steps_give_the_torch_paths_logits(family_dir, weights, small_gemm)
     for B in (1, 2, 5, attention.LEAN_MAX_ROWS, attention.LEAN_MAX_ROWS + 1, 20):
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
         prompts = [[(5 * b + i) % 50 + 3 for i in range(3 + b % 7)] for b in range(B)]
-        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        tokens = model.forward_rows([], [], [], prompts, tables).argmax(-1).tolist()
         positions = [len(p) for p in prompts]
         model.lean_decode = True
         lean = model.decode(tokens, positions, tables)
@@ -188,7 +188,7 @@ def test_greedy_parity_with_joins_while_lean_steps_run(family_dir, weights, smal
     if engine.model.fused_step is not None:  # fp32 on small_gemm: every lean step is one whole-step call
         step_call = decode_step.StepPlan.__call__
         monkeypatch.setattr(
-            decode_step.StepPlan, "__call__", lambda plan, b: (lean_steps.append(1), step_call(plan, b))[1]
+            decode_step.StepPlan, "__call__", lambda plan, *a: (lean_steps.append(1), step_call(plan, *a))[1]
         )
     budgets = [1 + (i * 5) % 17 for i in range(24)]
     seqs = seqs_for(ref, [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(24)], budgets, ignore_eos=True)
@@ -213,7 +213,7 @@ def test_whole_step_call_gives_the_per_layer_calls_bits(family_dir, weights):
     for B in (1, 2, 5, attention.LEAN_MAX_ROWS):
         tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(B)]
         prompts = [[(3 * b + i) % 50 + 3 for i in range(2 + b % 9)] for b in range(B)]
-        tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+        tokens = model.forward_rows([], [], [], prompts, tables).argmax(-1).tolist()
         _same_bits_every_way(model, plan, tokens, [len(p) for p in prompts], tables)
 
 
@@ -227,7 +227,7 @@ def test_whole_step_call_over_partitioned_contexts(family_dir):
     per_seq = -(-(max(lens) + 1) // bs)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(len(lens))]
     prompts = [[(11 * b + i) % 50 + 3 for i in range(n)] for b, n in enumerate(lens)]
-    tokens = model.forward([], [], [], prompts, tables).argmax(-1).tolist()
+    tokens = model.forward_rows([], [], [], prompts, tables).argmax(-1).tolist()
     _same_bits_every_way(model, model.fused_step, tokens, lens, tables)
 
 
@@ -291,7 +291,7 @@ def _mixed_step(model, decode_lens: list[int], chunks: list[tuple]) -> tuple[lis
     B = len(decode_lens)
     done = [prompts[b] for b in range(B)] + [prompts[B + i][:start] for i, (_, start, _, _) in enumerate(chunks)]
     ready = [i for i, p in enumerate(done) if p]
-    out = model.forward([], [], [], [done[i] for i in ready], [tables[i] for i in ready])
+    out = model.forward_rows([], [], [], [done[i] for i in ready], [tables[i] for i in ready])
     tokens = out[:B].argmax(-1).tolist()
     args = (tokens, list(decode_lens), tables[:B])
     kwargs = {
@@ -308,8 +308,8 @@ def _mixed_every_way(model, args, kwargs) -> None:
     and K/V; the torch path (2 threads) the same within float tolerance. The whole-step call really ran."""
     plan = model.fused_step
     rows = len(args[0]) + sum(len(p) for p in kwargs["prompts"])
-    assert model._takes_fused_step(len(args[0]), kwargs["prompts"]), rows
-    results = _runs_from_one_state(model, plan, lambda: model.forward(*args, **kwargs))
+    assert model._takes_fused_step(rows), rows
+    results = _runs_from_one_state(model, plan, lambda: model.forward_rows(*args, **kwargs))
     first, (plain, plain_k, plain_v) = results[0], results[-1]
     n_sample = len(args[0]) + sum(
         len(p) if every else 1 for p, every in zip(kwargs["prompts"], kwargs["every_position"] or [False] * 9)
@@ -354,11 +354,11 @@ def test_fp32_steps_past_small_gemms_row_limit_keep_the_torch_path(family_dir):
     need_step_kernel()
     model = make_engine(family_dir, 4, weights="fp32").model
     assert model.fused_step.max_rows == attention.LEAN_MAX_ROWS
-    assert model._takes_fused_step(2, [[1] * 14])
-    assert not model._takes_fused_step(2, [[1] * 15])
+    assert model._takes_fused_step(2 + 14)
+    assert not model._takes_fused_step(2 + 15)
     quant = make_engine(family_dir, 4, weights="int4").model
-    assert quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 4)])
-    assert not quant._takes_fused_step(4, [[1] * (quant.fused_step.max_rows - 3)])
+    assert quant._takes_fused_step(quant.fused_step.max_rows)
+    assert not quant._takes_fused_step(quant.fused_step.max_rows + 1)
 
 
 @pytest.mark.model
@@ -379,10 +379,10 @@ def test_greedy_parity_with_chunks_riding_in_whole_step_calls(family_dir, weight
     mixed = []
     step_call = decode_step.StepPlan.__call__
 
-    def counting(plan, batch):
-        if batch.prompts and batch.n_decode:
-            mixed.append(batch.ids.shape[0])
-        return step_call(plan, batch)
+    def counting(plan, layout, *rest):
+        if len(layout.chunk_rows) and layout.n_decode:
+            mixed.append(layout.n)
+        return step_call(plan, layout, *rest)
 
     monkeypatch.setattr(decode_step.StepPlan, "__call__", counting)
     prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(9)]
@@ -399,7 +399,8 @@ def test_greedy_parity_with_chunks_riding_in_whole_step_calls(family_dir, weight
 def test_the_torch_batch_is_a_view_of_the_step_layout():
     """``MixedBatch.from_layout`` on the CPU: the token arrays are the layout's own memory (no copy), and what the
     torch forward reads besides is derived right: decode rows' tables and context lengths, each chunk's (first row,
-    length, start, table), the sampled and the embedded rows, and (``for_step``) every row's table."""
+    length, start, table), the sampled and the embedded rows; the layout's every-row tables (the kernel's) and
+    each row's adapter slot."""
     from models.mixed_batch import MixedBatch
     from models.step_layout import StepLayout, StepLimits
 
@@ -415,9 +416,10 @@ def test_the_torch_batch_is_a_view_of_the_step_layout():
     assert batch.block_tables.tolist() == [[1, 2, 0], [3, 0, 0]] and batch.context_lens.tolist() == [6, 1]
     assert [(r, n, s, t.tolist()) for r, n, s, t in batch.prompts] == [(2, 3, 6, [4, 5, 6]), (5, 2, 0, [7])]
     assert batch.sample_rows.tolist() == [0, 1, 2, 3, 4] and batch.hidden_rows.tolist() == [5, 6]
-    assert batch.row_tables is None
-    step = MixedBatch.from_layout(layout, torch.device("cpu"), for_step=True)
-    assert step.block_tables.shape == (4, 3) and step.row_tables.tolist() == [0, 1, 2, 2, 2, 3, 3]
+    assert layout.tables.shape == (4, 3) and layout.row_table.tolist() == [0, 1, 2, 2, 2, 3, 3]  # the kernel's
+    assert layout.row_slots([5, -1, 2, 0]).tolist() == [5, -1, 2, 2, 2, 0, 0]
+    with pytest.raises(ValueError, match="one adapter slot per decode row and chunk"):
+        layout.row_slots([5, -1, 2])
     with pytest.raises(ValueError, match="does not cover"):
         StepLayout.build(limits, [7], [4], [[1]], [], [], None)
     with pytest.raises(ValueError, match="block ids"):

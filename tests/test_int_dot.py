@@ -291,10 +291,10 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
         nm.threads = threads
         nm.kv.k[...] = 0
         nm.kv.v[...] = 0
-        first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows
+        first = nm.forward_rows([], [], [], [prompt], [table], [0], [True])  # 40 rows
         # 2 decode rows; the second is another sequence at position 3 in its own block (a block another row of the
         # step reads would make the result depend on which thread writes first: the planner never builds that step)
-        step = nm.forward([7, 9], [40, 3], [table, [12]])
+        step = nm.forward_rows([7, 9], [40, 3], [table, [12]])
         return np.concatenate([first, step])
 
     try:
@@ -343,8 +343,8 @@ def test_a_gguf_files_q5_linears_take_the_integer_path(tmp_path):
         nm.threads = threads
         nm.kv.k[...] = 0
         nm.kv.v[...] = 0
-        first = nm.forward([], [], [], [prompt], [table], [0], [True])  # 40 rows: the panel path
-        step = nm.forward([7, 9], [40, 3], [table, [12]])  # 2 decode rows: the row path
+        first = nm.forward_rows([], [], [], [prompt], [table], [0], [True])  # 40 rows: the panel path
+        step = nm.forward_rows([7, 9], [40, 3], [table, [12]])  # 2 decode rows: the row path
         return np.concatenate([first, step])
 
     try:

@@ -273,17 +273,17 @@ def test_kernel_hook_matches_the_torch_hooks_at_any_thread_count(lora_checkpoint
     tables = [[2 * b, 2 * b + 1] for b in range(len(rows))] + [[20, 21]]
     args = ([11 + b for b in range(7)], [5] * 7, tables[:7], [[3, 4, 5, 6, 7]], [tables[7]], [0])
     for b in range(7):  # each decode row's context, under its own adapter
-        model.forward([], [], [], [list(range(30, 35))], [tables[b]], loras=[rows[b]])
+        model.forward_rows([], [], [], [list(range(30, 35))], [tables[b]], loras=[rows[b]])
     threads = torch.get_num_threads()
     try:
         runs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            runs.append(model.forward(*args, loras=rows + [slot["all8"]]))
+            runs.append(model.forward_rows(*args, loras=rows + [slot["all8"]]))
         plan, model.fused_step = model.fused_step, None  # the same step through the torch linears' hooks
-        torch_logits = model.forward(*args, loras=rows + [slot["all8"]])
+        torch_logits = model.forward_rows(*args, loras=rows + [slot["all8"]])
         model.fused_step = plan
-        base = model.forward(*args)
+        base = model.forward_rows(*args)
     finally:
         torch.set_num_threads(threads)
     assert all(np.array_equal(runs[0], r) for r in runs[1:])
@@ -377,8 +377,8 @@ def test_every_family_matches_peft(arch, small_gemm, tmp_path):
     ids = list(range(5, 14))
     with torch.no_grad(), small_model_threads(peft):
         want = peft.eval()(torch.tensor([ids + [14]])).logits[0, -2:].numpy()
-    prefill = model.forward([], [], [], [ids], [[0, 1, 2, 3]], loras=[0])
-    decode = model.forward([14], [9], [[0, 1, 2, 3]], loras=[0])
+    prefill = model.forward_rows([], [], [], [ids], [[0, 1, 2, 3]], loras=[0])
+    decode = model.forward_rows([14], [9], [[0, 1, 2, 3]], loras=[0])
     np.testing.assert_allclose(np.concatenate([prefill, decode]), want, rtol=1e-4, atol=2e-5)
 
 

@@ -258,7 +258,7 @@ def test_an_fp32_checkpoint_loads_without_holding_its_file_in_rss(tiny_model_dir
     ids = torch.tensor([[5, 9, 13, 2]])
     with torch.no_grad():
         want = hf(ids).logits[0, -1]
-    got = model.forward([], [], [], [ids[0].tolist()], [[0]])[0]
+    got = model.forward_rows([], [], [], [ids[0].tolist()], [[0]])[0]
     assert torch.allclose(torch.as_tensor(got), want, atol=1e-4)
 
 

@@ -97,9 +97,9 @@ class Pair:
         """One forward through each from the same KV state; checks they agree (bit for bit where the torch model
         takes its one-call path), then leaves both with the runner's pools. -> (torch logits, runner logits)."""
         prompts = kwargs.get("prompts", ())
-        one_call = self.tm._takes_fused_step(len(args[0]), prompts)
-        want = self.tm.forward(*args, **kwargs)
-        got = self.nm.forward(*args, **kwargs)
+        one_call = self.tm._takes_fused_step(len(args[0]) + sum(map(len, prompts)))
+        want = self.tm.forward_rows(*args, **kwargs)
+        got = self.nm.forward_rows(*args, **kwargs)
         mine, theirs = pool_arrays(self.nm), pool_arrays(self.tm)
         assert got.shape == want.shape and got.dtype == np.float32
         if one_call:
@@ -236,7 +236,7 @@ def test_long_contexts_and_thread_counts(family_dir, cache_root, tmp_path, weigh
     for threads in (1, 2, 3):
         p.nm.kv.k[...], p.nm.kv.v[...] = k0, v0
         p.nm.threads = threads
-        runs.append((p.nm.forward([], [], [], **seqs.chunks([(0, 400, 700)])), p.nm.kv.k.copy(), p.nm.kv.v.copy()))
+        runs.append((p.nm.forward_rows([], [], [], **seqs.chunks([(0, 400, 700)])), p.nm.kv.k.copy(), p.nm.kv.v.copy()))
     for logits, k, v in runs[1:]:
         assert np.array_equal(logits, runs[0][0]) and np.array_equal(k, runs[0][1]) and np.array_equal(v, runs[0][2])
     p.nm.kv.k[...], p.nm.kv.v[...] = k0, v0
@@ -264,7 +264,7 @@ def test_avx512_and_avx2_steps_give_the_same_bits(family_dir, cache_root, tmp_pa
         for choice in ("avx2", "auto"):
             kernel_isa(choice)
             p.nm.kv.k[...], p.nm.kv.v[...] = k0, v0
-            runs.append((p.nm.forward(*args, **chunk), p.nm.kv.k.copy(), p.nm.kv.v.copy()))
+            runs.append((p.nm.forward_rows(*args, **chunk), p.nm.kv.k.copy(), p.nm.kv.v.copy()))
         (a, ka, va), (b, kb, vb) = runs
         assert np.array_equal(a, b) and np.array_equal(ka, kb) and np.array_equal(va, vb)
 
@@ -331,18 +331,18 @@ def test_bad_arguments_raise(pair):
     nm, seqs = pair.nm, Sequences(9, [6])
     table = seqs.tables[0]
     with pytest.raises(ValueError, match="context window"):
-        nm.forward([5], [1024], [table * 200])
+        nm.forward_rows([5], [1024], [table * 200])
     with pytest.raises(ValueError, match="block ids"):
-        nm.forward([5], [1], [[NB]])
+        nm.forward_rows([5], [1], [[NB]])
     with pytest.raises(ValueError, match="does not cover"):
-        nm.forward([5], [BS], [table[:1]])
+        nm.forward_rows([5], [BS], [table[:1]])
     with pytest.raises(ValueError, match="token ids"):
-        nm.forward([611], [0], [table])
+        nm.forward_rows([611], [0], [table])
     with pytest.raises(ValueError, match="empty prompt chunk"):
-        nm.forward([], [], [], [[]], [table])
+        nm.forward_rows([], [], [], [[]], [table])
     with pytest.raises(ValueError, match="differ"):
-        nm.forward([5, 6], [0], [table])
-    assert nm.forward([], []).shape == (0, nm.n_vocab)
+        nm.forward_rows([5, 6], [0], [table])
+    assert nm.forward_rows([], []).shape == (0, nm.n_vocab)
 
 
 # --- the image cache and the image files ---------------------------------------------------------------------
@@ -528,8 +528,8 @@ from models.native import NativeModel
 image_dir, out, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 int_dot.set_activations("fp32")  # the exact path, as the tests' session fixture sets it in this process
 model = NativeModel(image_dir, args["nb"], args["bs"], threads=2)
-first = model.forward([], [], [], args["prompts"], args["tables"])
-second = model.forward(first.argmax(-1).tolist(), [len(p) for p in args["prompts"]], args["tables"])
+first = model.forward_rows([], [], [], args["prompts"], args["tables"])
+second = model.forward_rows(first.argmax(-1).tolist(), [len(p) for p in args["prompts"]], args["tables"])
 np.save(out, np.concatenate([first, second]))
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
 print("imported:", bad)

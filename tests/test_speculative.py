@@ -292,7 +292,7 @@ def test_rejected_drafts_leave_the_books_as_without_them(method):
 def test_drafts_stay_within_the_token_budget_and_free_blocks():
     """The drafts of a step fit the token budget left by the decode rows and the prompt chunks."""
     eng = checked_engine(speculative=SpecParams("ngram", num_tokens=8, lookup_min=1, lookup_max=2))
-    eng.planner.max_num_batched_tokens = 10
+    eng.planner.limits.max_num_batched_tokens = 10
     seqs = [Sequence(prompt_token_ids=[5, 6] * 10, max_new_tokens=30) for _ in range(4)]
     waiting = list(seqs)
     seen = 0
@@ -381,7 +381,7 @@ def test_the_draft_length_follows_the_acceptance():
 
 class ShadowDraftEngine:
     """A stand-in for the draft model's engine (what ``DraftModel`` uses of a ``ModelEngine``: its runner's
-    ``forward``, the planner's pool geometry, ``max_context``), numpy only, and its own runner (``model``): its
+    ``forward_rows``, the planner's pool geometry, ``max_context``), numpy only, and its own runner (``model``): its
     greedy choice after token t is ``succ(t)`` but at every 5th token (a wrong draft there), and it keeps a shadow
     KV pool (each slot: the token fed there), so a test can check what the draft's K/V hold. ``fail`` makes the
     next forward raise."""
@@ -395,7 +395,7 @@ class ShadowDraftEngine:
         self.fail = False
         self.model = self
 
-    def forward(self, token_ids, positions, tables, prompts=(), prompt_tables=(), starts=()):
+    def forward_rows(self, token_ids, positions, tables, prompts=(), prompt_tables=(), starts=()):
         if self.fail:
             self.fail = False
             raise RuntimeError("draft forward failed")
@@ -466,7 +466,7 @@ def test_a_draft_model_keeps_its_own_books(caplog):
     aborted = copies[-1]
     waiting, steps = list(copies), 0
     while not all(s.is_finished for s in copies):
-        on.planner.max_num_batched_tokens = 10 if steps % 3 else 5  # every third step, no room for drafts
+        on.planner.limits.max_num_batched_tokens = 10 if steps % 3 else 5  # every third step, no room for drafts
         plan = on.planner.schedule(waiting)
         waiting = plan.preempted + [s for s in waiting if s not in plan.newcomers]
         on.planner.update_from_output(plan, on.execute(plan))

@@ -2,8 +2,9 @@
 
 ``StepPlan`` describes a model to the kernel once (ctypes structs pointing at the packed weights, norm
 weights, RoPE tables and KV pools, which all stay where they are); a step then costs one ctypes call and
-the logits tensor. A step's rows are its decode tokens and the tokens of any prompt chunks riding with them
-(at most ``StepPlan.max_rows``). A decode-only step's results are those of the per-layer lean calls
+the logits array, made from the step's ``StepLayout`` by ``step_abi.StepKernel.run`` as the native runner's are.
+A step's rows are its decode tokens and the tokens of any prompt chunks riding with them (at most
+``StepPlan.max_rows``). A decode-only step's results are those of the per-layer lean calls
 (quant_gemm / small_gemm, rope_write_attend, decode_ops), bit for bit; every step's do not depend on the
 thread count.
 
@@ -31,8 +32,7 @@ buffers a plan's spec names, and ``models/native.py`` runs them without torch.
 
 from __future__ import annotations
 
-import ctypes
-
+import numpy as np
 import torch
 
 from . import paged_attention, quant_gemm, small_gemm, step_abi
@@ -41,10 +41,6 @@ from .step_abi import FP32, KERNEL, PANELS, load
 __all__ = ["FP32", "KERNEL", "PANELS", "QUANT_MAX_ROWS", "StepPlan", "layer_spec", "lin", "load"]
 
 QUANT_MAX_ROWS = 128  # rows (decode + prompt-chunk tokens) a step of quantized linears takes through the kernel
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _pool_addresses(k_pool: torch.Tensor, v_pool: torch.Tensor, scales) -> tuple:
@@ -81,7 +77,7 @@ def layer_spec(norm1, norm2, qkv, o, up, down, scale: float, moe=None, **deltas)
 
 
 class StepPlan:
-    """One model described to the kernel; ``plan(batch)`` runs a step -> logits.
+    """One model described to the kernel; ``plan(layout)`` runs a step -> logits.
 
     embed: (token table: fp32 [V, C], panels or a ``QuantWeight``, learned positions [P, C] or None); layers: per layer
     a ``layer_spec``; pools: per layer the ``PagedKVCache.pools`` views (k_pool, v_pool, int8's scales or None);
@@ -116,35 +112,22 @@ class StepPlan:
         )
         addresses = step_abi.map_buffers(self.spec, lambda _, t: t.data_ptr())
         self.structs = step_abi.Structs(addresses, [_pool_addresses(*p) for p in self._pools], geometry)
-        self.step = step_abi.StepKernel(self.kernel, self.structs, dims["C"])
         # fp32 panels stay within small_gemm's row limit (panel_gemm wins above it); quantized linears go further.
         fp32 = any(p.fmt == FP32 for x in self.spec.linears() for p in x.parts)
         self.max_rows = small_gemm.MAX_ROWS if fp32 else QUANT_MAX_ROWS
+        self.step = step_abi.StepKernel(self.kernel, self.structs, dims["C"], self.max_rows)
         self.n_vocab = lm_head.out_features
-        self.ws = torch.empty(0)
 
     @staticmethod
     def supports(linears: list) -> bool:
         """Whether every linear has a copy the kernel reads, and the kernel loads here."""
         return all(lin(x) is not None for x in linears) and load() is not None
 
-    def __call__(self, batch, lora=None) -> torch.Tensor:
-        """A ``mixed_batch.MixedBatch`` built ``for_step`` (N rows: decode tokens, prompt-chunk tokens) -> logits of its
-        sample rows [n_sample, V] (every row when it has no prompts); every row's K/V written. ``lora``: (a
-        ``lora_step.KernelLora``, each row's adapter slot [N], -1 the base) or None."""
-        N, threads = batch.ids.shape[0], torch.get_num_threads()
-        adapters = lora[0].step(lora[1], 0, N, threads) if lora is not None else None
-        need = self.step.workspace_floats(N, threads)  # torch aligns ws to a cache line (step_abi.WS_ALIGN)
-        if self.ws.numel() < need:
-            self.ws = torch.empty(need)
-        sample = batch.sample_rows
-        logits = torch.empty(N if sample is None else sample.shape[0], self.n_vocab)
-        tables = batch.block_tables
-        write_first = any(n > 1 for _, n, _, _ in batch.prompts)  # a chunk's rows attend each other's slots
-        self.step(
-            *(N, batch.ids.data_ptr(), batch.pos.data_ptr(), batch.slot_blocks.data_ptr()),
-            *(batch.slot_offsets.data_ptr(), tables.data_ptr(), tables.stride(0), _ptr(batch.row_tables)),
-            *(write_first, _ptr(sample), logits.shape[0], logits.data_ptr(), self.ws.data_ptr(), threads),
-            lora=ctypes.addressof(adapters[0]) if adapters is not None else None,
-        )
+    def __call__(self, layout, slots=None, lora=None) -> np.ndarray:
+        """A ``models.step_layout.StepLayout`` of at most ``max_rows`` rows (decode tokens, prompt-chunk tokens) ->
+        logits of its sample rows [n_sample, V] numpy (every row when it has no prompts); every row's K/V written,
+        at torch's thread count. ``slots``: each row's adapter slot [N] (-1 the base) in ``lora`` (a
+        ``lora_step.KernelLora``), or None. The call is the native runner's (``step_abi.StepKernel.run``)."""
+        logits = np.empty((layout.n_sample, self.n_vocab), np.float32)
+        self.step.run(layout, logits, torch.get_num_threads(), slots=slots, lora=lora)
         return logits

@@ -10,7 +10,8 @@ through this module, so the kernel's struct layout is written down once:
   a spec whose handles are names through ``image.json``.
 - ``Structs`` builds the ctypes ``Model`` and ``Layer`` array from a spec whose handles are addresses, plus the
   KV pools (capacity-dependent: never part of a spec).
-- ``StepKernel`` sizes the workspace and makes the call.
+- ``StepKernel`` makes the call: a step's rows (``models.step_layout.StepLayout``) as calls of at most ``max_rows``
+  rows, each with its workspace.
 
 Importing this module imports no torch; loading the kernel (``load``) builds it once per machine (``build.py``).
 """
@@ -24,6 +25,8 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from . import int_dot
 from .build import KernelLoader, build_and_load, require_cpu_flags, with_isa
@@ -371,14 +374,17 @@ class Structs:
 
 
 class StepKernel:
-    """The loaded kernel and one model's structs: workspace sizing and the call, on addresses only.
+    """The loaded kernel and one model's structs: the one place a step's rows become kernel calls.
 
-    The workspace is x [rows, C] (the residual stream) in whole cache lines, then the kernel's own
-    (``decode_step_workspace``); its start must be ``WS_ALIGN``-aligned.
+    ``run`` steps a ``models.step_layout.StepLayout`` (both runtimes' layout: the native runner's and the torch
+    forward's whole-step path) as calls of at most ``max_rows`` rows; ``__call__`` is one call on addresses. The
+    workspace is x [rows, C] (the residual stream) in whole cache lines, then the kernel's own
+    (``decode_step_workspace``); its start is ``WS_ALIGN``-aligned. Held here, grown, never shrunk.
     """
 
-    def __init__(self, lib: ctypes.CDLL, structs: Structs, n_embd: int) -> None:
-        self.lib, self.structs, self.n_embd = lib, structs, n_embd
+    def __init__(self, lib: ctypes.CDLL, structs: Structs, n_embd: int, max_rows: int) -> None:
+        self.lib, self.structs, self.n_embd, self.max_rows = lib, structs, n_embd, max_rows
+        self._ws = np.empty(0, np.float32)
 
     def _x_floats(self, rows: int) -> int:
         return -(-rows * self.n_embd // 16) * 16
@@ -386,6 +392,52 @@ class StepKernel:
     def workspace_floats(self, rows: int, threads: int) -> int:
         """Floats of workspace a call of ``rows`` rows at ``threads`` threads needs."""
         return self._x_floats(rows) + self.lib.decode_step_workspace(self.structs.ref, rows, threads)
+
+    def _workspace(self, rows: int, threads: int) -> int:
+        """The address of a ``WS_ALIGN``-aligned workspace for a call of ``rows`` rows at ``threads`` threads."""
+        need = self.workspace_floats(rows, threads) + WS_ALIGN // 4
+        if self._ws.size < need:
+            self._ws = np.empty(need, np.float32)
+        return self._ws.ctypes.data + (-self._ws.ctypes.data % WS_ALIGN)
+
+    def run(self, layout, logits: np.ndarray, threads: int, *, states=None, slots=None, lora=None) -> None:
+        """One step over ``layout``'s rows (a ``StepLayout``) as consecutive calls of at most ``max_rows`` rows in row
+        order. Exact: attention is causal, so a chunk's later rows need only the K/V of its earlier rows, which an
+        earlier call has written (within a call, ``write_first`` writes every row's K/V before any row attends).
+
+        Its sample rows' logits go into ``logits`` [n_sample, V] fp32, its hidden rows' final hidden states into
+        ``states`` [len(layout.hidden), C] (None: no hidden rows); ``slots``: each row's adapter slot [N] int64
+        (-1: the base) in ``lora`` (a ``lora_step.KernelLora``), or None."""
+        for r0 in range(0, layout.n, self.max_rows):
+            r1 = min(layout.n, r0 + self.max_rows)
+            adapters = lora.step(slots, r0, r1, threads) if slots is not None else None  # kept until the call ends
+            self._call(layout, r0, r1, logits, threads, states, adapters)
+
+    def _call(self, layout, r0: int, r1: int, logits: np.ndarray, threads: int, states, adapters) -> None:
+        """Rows [r0, r1) of ``layout`` as one call: their sample rows' logits into their rows of ``logits``, their
+        hidden rows' states into theirs of ``states``; ``adapters``: ``KernelLora.step``'s (Lora, arrays) or None."""
+        seq = layout.row_table[r0:r1]
+        write_first = bool(np.any(seq[1:] == seq[:-1]))  # a sequence with several rows here attends its own slots
+        if layout.sample is None:  # every row sampled: output rows are the rows
+            s0, sample, n_sample = r0, None, r1 - r0
+        else:
+            s0, s1 = np.searchsorted(layout.sample, [r0, r1])
+            local = layout.sample[s0:s1] - r0
+            sample, n_sample = local.ctypes.data, int(s1 - s0)
+        hidden = {}
+        if states is not None:
+            h0, h1 = np.searchsorted(layout.hidden, [r0, r1])
+            mine = layout.hidden[h0:h1] - r0
+            hidden = {"hidden_rows": mine.ctypes.data, "n_hidden": int(h1 - h0), "hidden": states[h0:].ctypes.data}
+        at = 8 * r0  # bytes into the int64 row arrays
+        self(
+            *(r1 - r0, layout.ids.ctypes.data + at, layout.pos.ctypes.data + at, layout.slot_blocks.ctypes.data + at),
+            *(layout.slot_offsets.ctypes.data + at, layout.tables.ctypes.data, layout.tables.shape[1]),
+            *(seq.ctypes.data, write_first, sample, n_sample),
+            *(logits.ctypes.data + int(s0) * logits.strides[0], self._workspace(r1 - r0, threads), threads),
+            **hidden,
+            lora=ctypes.addressof(adapters[0]) if adapters is not None else None,
+        )
 
     def __call__(
         self,

@@ -109,10 +109,10 @@ def greedy(model, prompt: list[int], new: int) -> list[int]:
     """``new`` greedy tokens after ``prompt`` (the pool's first blocks)."""
     bs = model.kv.block_size
     table = list(range(-(-(len(prompt) + new) // bs)))
-    logits = model.forward([], [], [], [prompt], [table], [0])
+    logits = model.forward_rows([], [], [], [prompt], [table], [0])
     out = [int(logits[-1].argmax())]
     for pos in range(len(prompt), len(prompt) + new - 1):
-        out.append(int(model.forward([out[-1]], [pos], [table])[0].argmax()))
+        out.append(int(model.forward_rows([out[-1]], [pos], [table])[0].argmax()))
     return out
 
 

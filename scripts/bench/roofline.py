@@ -55,9 +55,9 @@ def _bare_steps(model, block_size: int, batch: int, prompt: list[int], steps: in
     """Same rows, same positions, nothing but the model's forward (over blocks of its own: the engine is idle)."""
     per_row = -(-(len(prompt) + steps + 1) // block_size)
     tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(batch)]
-    model.forward([], [], [], [prompt] * batch, tables)
+    model.forward_rows([], [], [], [prompt] * batch, tables)
     n = len(prompt)
-    return [_timed(functools.partial(model.forward, [11] * batch, [n + s] * batch, tables)) for s in range(steps)]
+    return [_timed(functools.partial(model.forward_rows, [11] * batch, [n + s] * batch, tables)) for s in range(steps)]
 
 
 def overhead_and_roofline(
