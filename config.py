@@ -77,8 +77,8 @@ class Config:
     # requests that choose "draft_model". "" = none (a request asking for one gets a 400). models/draft_model.py.
     speculative_model: str = ""
     # Most draft tokens a sequence verifies per step, and the n-gram lengths prompt lookup matches (longest first).
-    num_speculative_tokens: int = 6
-    prompt_lookup_min: int = 1
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # No drafts while this many sequences or more decode (0 = never off): a busy batch is compute-bound, and a
     # draft's verify row costs real time there.

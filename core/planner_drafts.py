@@ -59,21 +59,16 @@ class DraftBooks:
         proposer = self.proposers.get(params.method) if params.enabled else None
         if proposer is None:  # off, or a method this engine has no proposer for
             return [], 0
-        cap = min(seq.max_new_tokens - len(seq.output_token_ids) - 1, budget, self.max_context - seq.num_tokens)
-        if cap <= 0:
-            return [], 0
-        in_engine = getattr(proposer, "in_engine", False)
-        # Prompt lookup proposes first: its match decides which acceptance estimate sizes the drafts (DraftState).
-        drafts = [] if in_engine else proposer.propose(seq, params, min(params.num_tokens, cap))
-        if not in_engine and not drafts:
-            return [], 0
         k = params.num_tokens
         if self.spec_adaptive:
             k = draft_state(seq).length.length(k, rows, getattr(proposer, "cost", 0.0))
-        k = min(k, cap)
+        k = min(k, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
+        k = min(k, self.max_context - seq.num_tokens)
         if k <= 0:
             return [], 0
-        return ([], k) if in_engine else (cut_drafts(seq, drafts[:k]), 0)
+        if getattr(proposer, "in_engine", False):
+            return [], k
+        return cut_drafts(seq, proposer.propose(seq, params, k)[:k]), 0
 
     def _roll_back_lookahead(self, rows: list[Sequence], lookahead: list[int], runs: list | None = None) -> None:
         """Give back the slots of the drafts no row keeps, last row first (the reverse of ``_propose``'s taking, so

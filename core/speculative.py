@@ -38,8 +38,8 @@ class SpecParams:
     tokens found earlier in it."""
 
     method: str = "off"
-    num_tokens: int = 6
-    lookup_min: int = 1
+    num_tokens: int = 4
+    lookup_min: int = 2
     lookup_max: int = 4
 
     def __post_init__(self) -> None:
@@ -69,10 +69,6 @@ class NgramIndex:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` (of
         ``max_n`` down to ``min_n`` tokens); [] when no suffix occurred before."""
-        return self.match(tokens, k)[1]
-
-    def match(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
-        """``propose``'s drafts, with the length of the suffix they were found by (0 with no drafts)."""
         last = len(tokens) - 1
         for end in range(self.indexed, last):  # n-grams ending at ``end``, followed by tokens[end + 1]
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
@@ -81,8 +77,8 @@ class NgramIndex:
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             start = self.after[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return n, tokens[start : start + k]
-        return 0, []
+                return tokens[start : start + k]
+        return []
 
 
 class DraftLength:
@@ -142,24 +138,11 @@ class DraftLength:
 
 
 class DraftState:
-    """A sequence's speculative state: its n-gram index (built for one pair of lookup lengths) and draft lengths.
-
-    Prompt lookup keeps two acceptance estimates, for drafts found by a suffix of fewer than ``LONG_MATCH`` tokens and
-    for those found by a longer one: a long match is a copy under way, whose drafts are mostly right, a one- or
-    two-token match is often a coincidence (on the copy workload's answers, 95% of the first drafts after a match of
-    5+ tokens were right, 12-55% after a 2-token one: docs/speculative.md). ``length`` is the estimate the sequence's
-    next drafts are sized by and their verification updates (an engine-run proposer uses the first)."""
-
-    LONG_MATCH = 3
+    """A sequence's speculative state: its n-gram index (built for one pair of lookup lengths) and draft length."""
 
     def __init__(self) -> None:
         self.index: NgramIndex | None = None
-        self.lengths = (DraftLength(), DraftLength())  # short matches, long matches
-        self.length = self.lengths[0]
-
-    def matched(self, n: int) -> None:
-        """The next drafts were found by a suffix of ``n`` tokens: they are sized by (and update) its estimate."""
-        self.length = self.lengths[n >= self.LONG_MATCH]
+        self.length = DraftLength()
 
 
 def draft_state(seq) -> DraftState:
@@ -173,15 +156,11 @@ class NgramProposer:
     occurred in its prompt or output. Free to compute; it wins where the answer repeats the prompt."""
 
     def propose(self, seq, params: SpecParams, k: int) -> list[int]:
-        """Up to ``k`` drafts for ``seq``; the sequence's draft length estimate becomes that of their match's length
-        (``DraftState.matched``)."""
         state = draft_state(seq)
         index = state.index
         if index is None or (index.min_n, index.max_n) != (params.lookup_min, params.lookup_max):
             index = state.index = NgramIndex(params.lookup_min, params.lookup_max)
-        n, drafts = index.match(seq.prompt_token_ids + seq.output_token_ids, k)
-        state.matched(n)
-        return drafts
+        return index.propose(seq.prompt_token_ids + seq.output_token_ids, k)
 
 
 class EngineProposer:

@@ -379,44 +379,6 @@ def test_the_draft_length_follows_the_acceptance():
     assert wasted[True] < wasted[False] / 3, wasted
 
 
-def test_prompt_lookup_sizes_drafts_by_the_length_of_their_match():
-    """A sequence keeps one acceptance estimate for drafts found by a short suffix (1-2 tokens) and one for a long
-    one (3+): where long matches keep being accepted and short ones rejected, the planner drafts all it may after a
-    long match and nothing after a short one, and the verification updates the estimate that sized the drafts."""
-    from core.speculative import draft_state
-
-    params = SpecParams("ngram", num_tokens=6, lookup_min=1, lookup_max=4)
-    eng = FakeEngine(speculative=params)
-    long_match = Sequence([5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7], 20)  # ends with 5 6 7, seen before
-    short_match = Sequence([5, 6, 7, 8, 9, 10, 11, 12, 13, 20, 21, 7], 20)  # only 7 was seen before
-    for seq in (long_match, short_match):
-        state = draft_state(seq)
-        for _ in range(10):
-            state.lengths[1].update(6, 6)
-            state.lengths[0].update(2, 0)
-    assert eng.planner._drafts_for(long_match, 100, 1) == ([8, 9, 10, 11, 12, 13], 0)
-    assert draft_state(long_match).length is draft_state(long_match).lengths[1]
-    assert eng.planner._drafts_for(short_match, 100, 1) == ([], 0)
-    assert draft_state(short_match).length is draft_state(short_match).lengths[0]
-
-    def cycle(seq: Sequence) -> int:  # the answer goes on with the prompt's cycle 5 .. 13
-        return 5 + (seq.last_token_id - 4) % 9
-
-    eng = FakeEngine(speculative=params, token_fn=cycle)  # through a step: the verification updates that estimate
-    seq = Sequence([5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7], 20)
-    eng.admit([seq])
-    state = draft_state(seq)
-    before = [(e.successes, e.trials) for e in state.lengths]
-    plan = eng.planner.plan([])
-    assert plan.drafts == [[9, 10, 11, 12, 13, 5][: len(plan.drafts[0])]] and plan.drafts[0]
-    assert state.length is state.lengths[1]  # the suffix 5 6 7 8 occurred before
-    eng.planner.update_from_output(plan, eng.execute(plan))
-    assert (state.lengths[0].successes, state.lengths[0].trials) == before[0]
-    k = len(plan.drafts[0])
-    assert seq.output_token_ids == [8, 9, 10, 11, 12, 13, 5, 6][: k + 2]  # every draft accepted, and the bonus token
-    assert state.lengths[1].successes > before[1][0]
-
-
 class ShadowDraftEngine:
     """A stand-in for the draft model's engine (what ``DraftModel`` uses of a ``ModelEngine``: its runner's
     ``forward``, the planner's pool geometry, ``max_context``), numpy only, and its own runner (``model``): its
