@@ -20,6 +20,21 @@ from engine import FakeEngine  # torch-free
 from models.kernels.build import has_avx512  # torch-free
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One cache root for the run (compiled kernels, model images, converted checkpoints; the fetched SmolLM2 is there
+# too): the kernels take minutes of compiling on 2 cores, once per root. A test that needs a root of its own shares
+# this one's kernels (``private_cache_root``). A developer's own MINIBATCH_CACHE wins.
+os.environ.setdefault("MINIBATCH_CACHE", os.path.join(ROOT, "weights", "cache"))
+
+
+def private_cache_root(root: str) -> str:
+    """Make ``root`` a cache root of a test's own (images, checkpoints) whose ``kernels`` are the run's."""
+    from models.kernels.build import kernel_dir
+
+    shared = kernel_dir()
+    os.makedirs(shared, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    os.symlink(shared, os.path.join(root, "kernels"))
+    return root
 
 
 @pytest.fixture(autouse=True, scope="session")

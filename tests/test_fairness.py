@@ -218,11 +218,17 @@ def test_clients_named_by_the_header_share_the_queue_and_the_slots():
     async def body():
         engine = FakeEngine(capacity=8, step_delay=0.005)
         config = dict(
-            client_id_header="X-Client", max_queue_depth=32, max_client_queue_share=0.25, max_sequences_per_request=8
+            client_id_header="X-Client",
+            max_queue_depth=32,
+            max_client_queue_share=0.25,
+            max_sequences_per_request=8,
+            max_new_tokens_limit=200,
         )
         async with serving(engine, **config) as client:
             x, y = {"X-Client": "x"}, {"X-Client": "y"}
-            body_of = {"prompt": "flood", "max_new_tokens": 60, "ignore_eos": True}
+            # Long enough (1 s of steps per wave) that a loaded machine's slow posting cannot let x's flood drain
+            # before y arrives: then y would take every slot, never half.
+            body_of = {"prompt": "flood", "max_new_tokens": 200, "ignore_eos": True}
             waiting = client.app.state.server.scheduler.waiting
             flood = []
             for _ in range(16):  # one at a time: 8 take the slots, 8 wait (the client's share of 32)
@@ -241,7 +247,7 @@ def test_clients_named_by_the_header_share_the_queue_and_the_slots():
             r = await asyncio.wait_for(theirs, 15)
             assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == [fake_text("y's", 20)] * 8
             for r in await asyncio.wait_for(asyncio.gather(*flood), 30):
-                assert r.status_code == 200 and r.json()["text"] == fake_text("flood", 60)
+                assert r.status_code == 200 and r.json()["text"] == fake_text("flood", 200)
 
     bounded(body, 60)
 

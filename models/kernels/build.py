@@ -28,7 +28,9 @@ _isa_libs: list = []  # the loaded kernels that have AVX-512 paths (``with_isa``
 
 
 def kernel_dir() -> str:
-    return cache_subdir("kernels")
+    """``<cache root>/kernels``, its links resolved: a library linked against another is keyed by that library's
+    path, so a cache root whose ``kernels`` links to another root's finds the same builds there."""
+    return os.path.realpath(cache_subdir("kernels"))
 
 
 def built_path(source: str, flags: list[str], link: tuple[str, ...] = ()) -> str:

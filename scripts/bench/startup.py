@@ -76,13 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     model_id = ensure_gguf(args.model) if parse(args.model) else args.model
     print(f"{model_id}; load average {os.getloadavg()[0]:.2f}", flush=True)
     from models.cache_dir import cache_subdir
+    from models.kernels import build_all_into
 
     cache = cache_subdir("startup-bench")
     for name in ("images", "checkpoints"):  # what a model's first start builds
         shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
-    subprocess.run(
-        [sys.executable, "-c", _KERNELS], cwd=args.tree, env=dict(os.environ, MINIBATCH_CACHE=cache), check=True
-    )
+    build_all_into(cache, args.tree)
     for i in range(args.starts):
         r = start_once(model_id, cache, args.tree)
         print(
@@ -91,15 +90,6 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     return 0
-
-
-# Every kernel a start loads, built into the benchmark's cache (a kernel linked against another is keyed by that
-# library's path, so a cache directory of its own builds its own copies once).
-_KERNELS = """
-from models.kernels import decode_ops, int_dot, paged_attention, quant_gemm, small_gemm, step_abi
-for kernel in (decode_ops, int_dot, paged_attention, quant_gemm, small_gemm, step_abi):
-    kernel.load()
-"""
 
 
 if __name__ == "__main__":
