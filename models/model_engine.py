@@ -207,7 +207,7 @@ class ModelEngine(InferenceEngine):
         rows = [r + j for r, d in zip(first, drafts) for j in range(len(d) + 1)]
         owners = [s for s, d in zip(samples, drafts) for _ in range(len(d) + 1)]
         before = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        raw = logits[rows]
+        raw = logits if rows == list(range(logits.shape[0])) else logits[rows]  # one verifying row: no copy
         sampled = self._next_tokens(raw, owners, before)
         out: list = []
         emitted_rows: list[int] = []
@@ -224,7 +224,9 @@ class ModelEngine(InferenceEngine):
                 emitted_rows += range(at, at + len(run)) if good else [at]
             at += len(d) + 1
         tokens = [t for r in out for t in (r if isinstance(r, list) else [r])]
-        self._add_logprobs(raw[emitted_rows], [owners[r] for r in emitted_rows], tokens)
+        emitted = [owners[r] for r in emitted_rows]
+        if any(s.logprobs is not None for s in emitted):  # else no copy of the emitted rows
+            self._add_logprobs(raw[emitted_rows], emitted, tokens)
         return out
 
     def _copy_block(self, src: int, dst: int) -> None:
