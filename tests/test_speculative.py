@@ -307,7 +307,7 @@ def test_drafts_stay_within_the_token_budget_and_free_blocks():
 
 
 def test_drafts_never_take_a_step_across_the_row_limit():
-    """Where the engine's arithmetic changes with the step's rows (int8 activations from 8 rows under
+    """Where the engine's arithmetic changes with the step's rows (say int8 activations from 8 rows under
     ACTIVATIONS=auto), drafts never take a step from below the limit to it: a token is rounded as without drafts."""
     from models.runtime_config import exact_row_limit
 

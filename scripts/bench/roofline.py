@@ -270,7 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--baseline", help="another checkout's root: also time its int_dot.c row path (int8_rows_base)")
+    p.add_argument(
+        "--isa", choices=int_dot.ISAS, help="time the integer path's form for this ISA (default: the best the CPU has)"
+    )
     args = p.parse_args(argv)
+    if args.isa and int_dot.force_isa(args.isa) != args.isa:
+        p.error(f"this CPU has no {args.isa} (the integer path would run {int_dot.isa()})")
     read = read_bandwidth(args.threads)
     rates = matvec_rates(
         tuple(args.types.split(",")),
@@ -288,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {rows_ / fp32:8.2f}x  {rows_ / read:6.0%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": _machine(), "threads": args.threads, "read_gb_s": read, "rates": rates}, f, indent=1)
+            run = {"machine": _machine(), "isa": int_dot.isa(), "threads": args.threads, "read_gb_s": read}
+            json.dump({**run, "rates": rates}, f, indent=1)
 
 
 if __name__ == "__main__":
