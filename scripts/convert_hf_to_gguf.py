@@ -26,9 +26,6 @@ import os
 import runpy
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
 
 def patch_pre_tokenizer(fallback: str) -> None:
     """An unknown pre-tokenizer hash -> ``fallback`` (the vendored converter must be importable)."""

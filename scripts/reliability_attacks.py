@@ -341,7 +341,6 @@ def minor(tree: str, models: dict) -> dict:
 
 # --- the run ----------------------------------------------------------------------------------------------------
 def build_models(need: set[str], smollm2: str | None, tmp: str) -> dict:
-    sys.path.insert(0, ROOT)
     from scripts.make_test_model import build_checkpoint
 
     models = {}

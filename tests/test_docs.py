@@ -34,3 +34,16 @@ def test_the_readme_links_exist_and_it_stays_short():
     assert "docs/architecture.md" in links and "docs/configuration.md" in links, links
     assert [link for link in links if not os.path.exists(os.path.join(ROOT, link))] == []
     assert len(readme.splitlines()) <= 300
+
+
+def test_no_module_edits_sys_path_to_reach_the_project():
+    """The project imports by package path as installed (``pip install -e .``), from anywhere: no module puts the
+    checkout on ``sys.path``. The one exception is scripts/convert_hf_to_gguf.py, which puts llama.cpp's vendored
+    converter (not a package) there to run it."""
+    edits = []
+    for path in project_modules() + [f"tests/{name}" for name in os.listdir(os.path.join(ROOT, "tests"))]:
+        if not path.endswith(".py") or path == "scripts/convert_hf_to_gguf.py":
+            continue
+        with open(os.path.join(ROOT, path)) as f:
+            edits += [f"{path}: {line.strip()}" for line in f if re.search(r"sys\.path\s*(\.|\[.*\]\s*=|\+?=)", line)]
+    assert not edits, edits
