@@ -111,27 +111,40 @@ def test_config_stop_token_ids_reach_the_built_engine():
     bounded(body)
 
 
-def test_the_engine_is_built_and_stepped_on_one_thread(monkeypatch):
+def test_the_engine_is_built_and_stepped_on_one_thread_and_planned_on_the_loop(monkeypatch):
     """scheduler.engine_thread: libgomp spins its workers only while its pools fit the cores, so the thread
-    that builds the engine (OpenMP pool made while packing weights) must be the one that steps it."""
+    that builds the engine (OpenMP pool made while packing weights) must be the one that steps it. The planner
+    (schedule, update_from_output), which keeps the KV books and the sequences' status, runs on the event loop
+    only (docs/architecture.md, "Threading")."""
     import threading
 
     import server
 
-    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+    threads: dict[str, set[int]] = {"build": set(), "step": set(), "plan": set(), "loop": set()}
 
     class Recording(FakeEngine):
         def execute(self, plan):
             threads["step"].add(threading.get_ident())
             return super().execute(plan)
 
+    def recorded(method):
+        def call(*args, **kwargs):
+            threads["plan"].add(threading.get_ident())
+            return method(*args, **kwargs)
+
+        return call
+
     def load(config):
         threads["build"].add(threading.get_ident())
-        return Recording(capacity=2)
+        engine = Recording(capacity=2)
+        engine.planner.schedule = recorded(engine.planner.schedule)
+        engine.planner.update_from_output = recorded(engine.planner.update_from_output)
+        return engine
 
     monkeypatch.setattr(server, "load_engine", load)
 
     async def body():
+        threads["loop"].add(threading.get_ident())
         app = create_app(config=Config(model_id="fake", max_batch_size=2))
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -140,7 +153,8 @@ def test_the_engine_is_built_and_stepped_on_one_thread(monkeypatch):
 
     bounded(body)
     assert len(threads["build"]) == 1 and threads["step"] == threads["build"]
-    assert threading.get_ident() not in threads["build"]  # not the event loop's thread
+    assert not threads["loop"] & threads["build"]  # the worker is not the event loop's thread
+    assert threads["plan"] == threads["loop"]
 
 
 @pytest.mark.parametrize("temperature", [0, 0.0, -0.0])
