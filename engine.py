@@ -118,12 +118,13 @@ class InferenceEngine(ABC):
             return StepOutput([])
         start = time.perf_counter()
         tokens = self._forward(plan)
+        seconds = time.perf_counter() - start
         drafted = getattr(self.drafter, "forward_seconds", None) if plan.draft_slots else None
         if drafted is not None:  # what one draft costs against this step: the planner's bar for the next drafts
-            self._engine_proposer.observe(drafted, time.perf_counter() - start)
+            self._engine_proposer.observe(drafted, seconds)
         for src, dst in plan.copies:
             self._copy_block(src, dst)
-        return StepOutput(tokens)
+        return StepOutput(tokens, seconds)
 
     @abstractmethod
     def _forward(self, plan: BatchPlan) -> list[int | RowFailure]:

@@ -42,7 +42,7 @@ from core.planner_drafts import DraftBooks
 from core.planner_forks import ForkBooks
 from core.planner_prefix import PrefixBooks
 from core.sequence import Sequence, SequenceStatus
-from core.speculative import NgramProposer, SpecParams, SpecStats, draft_state
+from core.speculative import NgramProposer, SpecParams, SpecStats, StepCost, draft_state
 from core.step import AdmissionError, BatchLimits, BatchPlan, Chunk, RowFailure, StepOutput, StepResult
 
 log = logging.getLogger("minibatch.engine")
@@ -86,6 +86,7 @@ class Planner(PrefixBooks, ForkBooks, DraftBooks):
         # ACTIVATIONS=auto; 0: none): drafts never take a step across it, so every token is computed as without them.
         self.spec_row_limit = 0
         self.proposers = {"ngram": NgramProposer()}
+        self.step_cost = StepCost()
         self.spec = SpecStats()
 
     # The limits the books read, by their names (read-only here: change them on ``limits``, the one object).
@@ -274,6 +275,8 @@ class Planner(PrefixBooks, ForkBooks, DraftBooks):
             if seq.admit_time is None:  # a recomputed sequence keeps its first admission time
                 seq.admit_time = plan.start
         if plan.decode:
+            if output.seconds and not plan.chunks:  # a decode step's cost by its rows: the draft length's bar
+                self.step_cost.observe(n + plan.num_draft_tokens, output.seconds)
             self._commit_step(plan.decode, tokens[:n], now, plan.drafts, plan.lookahead)
         done = []
         for seq, begin, end in plan.chunks:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from core.block_manager import BlockManager
 from core.sequence import Sequence
-from core.speculative import SpecParams, cut_drafts, draft_state
+from core.speculative import SpecParams, StepCost, cut_drafts, draft_state
 from core.step import RowFailure
 
 
@@ -23,6 +23,7 @@ class DraftBooks:
     spec_adaptive: bool
     spec_row_limit: int
     proposers: dict
+    step_cost: StepCost  # what a decode step costs by its rows, as measured (update_from_output)
 
     def _propose(self, rows: list[Sequence], chunk_tokens: int) -> tuple[list[list[int]], list[int]]:
         """Draft tokens for each decode row, and the lookahead slots reserved for an engine-run proposer to fill (a
@@ -61,7 +62,7 @@ class DraftBooks:
             return [], 0
         k = params.num_tokens
         if self.spec_adaptive:
-            k = draft_state(seq).length.length(k, rows, getattr(proposer, "cost", 0.0))
+            k = draft_state(seq).length.length(k, rows, getattr(proposer, "cost", 0.0), self.step_cost)
         k = min(k, seq.max_new_tokens - len(seq.output_token_ids) - 1, budget)
         k = min(k, self.max_context - seq.num_tokens)
         if k <= 0:

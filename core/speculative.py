@@ -81,17 +81,62 @@ class NgramIndex:
         return []
 
 
+class StepCost:
+    """What a decode step costs by its rows (decode rows plus their drafts), learned from the steps the engine ran
+    (``StepOutput.seconds``; steps with prompt chunks are not counted: their rows are a different shape). The draft
+    length weighs one more verify row by it, so it follows the machine and the kernels: a row path that covers 1-4
+    rows and panels from 5 (``int_dot``), a VNNI CPU or an AVX2 one. Until a row count has been seen ``MIN_SEEN``
+    times its cost is extrapolated from the nearest row count seen, by the linear model ``1 + ROW_COST (rows - 1)``
+    (ROW_COST measured on the Zen 3: a step of 1, 2, 3, 4, 5 rows of SmolLM2 Q4_1 at context 72 took 9.7, 11.7, 13.8,
+    15.9, 19.7 ms; docs/speculative.md), or taken from that model alone before any step."""
+
+    ROW_COST = 0.2  # one more query row's cost, as a share of a one-row step, before any step is measured
+    SMOOTHING = 0.1  # weight of a new step in its row count's running mean (after MIN_SEEN plain-mean steps)
+    MIN_SEEN = 3
+
+    def __init__(self) -> None:
+        self._mean: dict[int, float] = {}  # rows -> running mean of the step's seconds
+        self._seen: dict[int, int] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows took ``seconds``."""
+        if rows < 1 or seconds <= 0:
+            return
+        seen = self._seen.get(rows, 0)
+        mean = self._mean.get(rows, seconds)
+        self._mean[rows] = mean + (seconds - mean) * max(1 / (seen + 1), self.SMOOTHING)
+        self._seen[rows] = seen + 1
+
+    def samples(self, rows: int) -> int:
+        """How many steps of ``rows`` rows were measured."""
+        return self._seen.get(rows, 0)
+
+    def ratio(self, rows: int, base: int) -> float:
+        """A step of ``rows`` rows' cost over one of ``base`` rows'."""
+        return self._time(rows) / self._time(base)
+
+    def _time(self, rows: int) -> float:
+        known = [n for n, seen in self._seen.items() if seen >= self.MIN_SEEN]
+        if not known:
+            return self._linear(rows)
+        nearest = min(known, key=lambda n: (abs(n - rows), n))
+        return self._mean[nearest] * self._linear(rows) / self._linear(nearest)
+
+    def _linear(self, rows: int) -> float:
+        return 1 + self.ROW_COST * (rows - 1)
+
+
 class DraftLength:
     """How many drafts one sequence's next step verifies (adaptive speculation), from its measured acceptance.
 
     Drafts are accepted in a run that ends at the first rejection, so with a per-token acceptance ``a`` the k-th
     draft is kept with probability ``a**k`` (its expected gain, in tokens), while it costs one more query row in
-    the step. A step of ``rows`` decode rows costs about ``1 + ROW_COST * (rows - 1)`` one-row steps, so one more
-    row costs ``r = ROW_COST / (1 + ROW_COST * (rows - 1))`` of it (plus ``cost``, what proposing a draft costs).
-    The length is the one that maximizes the step's expected tokens per unit of its time, ``E(k) / C(k)`` with
-    ``E(k) = rows + a + ... + a**k`` and ``C(k) = 1 + r k``: the (k+1)-th draft is worth it while
-    ``a**(k+1) >= r E(k) / C(k)``. A draft thus has to clear a bar that grows with what the step already emits:
-    about a fifth of a token for one user's first draft, two thirds of one in a step of 8 rows.
+    the step. A step of ``rows`` decode rows and ``k`` drafts costs ``C(k) = T(rows + k) / T(rows)`` of one without
+    drafts (``StepCost``: measured by row count, else ``1 + ROW_COST (rows - 1)``), plus ``k cost`` (``cost``, what
+    proposing a draft costs). The length is the one that maximizes the step's expected tokens per unit of its time,
+    ``E(k) / C(k)`` with ``E(k) = rows + a + ... + a**k`` (ties: fewer drafts). A draft thus has to clear a bar that
+    grows with what the step already emits: at the linear model's costs, about a fifth of a token for one user's
+    first draft, two thirds of one in a step of 8 rows.
     ``a`` is estimated from the sequence's verified steps (accepted drafts are successes, the rejection ending a
     run a failure), decayed so it follows the text (a paragraph copied, then new prose), from a prior of
     ``PRIOR``. A sequence that stopped drafting drifts back to the prior, so it is probed again after a while.
@@ -101,9 +146,6 @@ class DraftLength:
     PRIOR_WEIGHT = 2.0
     DECAY = 0.8  # weight of the earlier trials at each verified step (about the last 5 steps count)
     IDLE_DRIFT = 0.05  # at each step that did not draft, the estimate moves this far towards the prior
-    # One more query row's cost, as a share of a one-row step: measured on SmolLM2 Q4_1, 2 threads, the AVX2 Zen 3
-    # (a step of 1, 2, 3, 4, 5 rows at context 72: 9.7, 11.7, 13.8, 15.9, 19.7 ms; docs/speculative.md).
-    ROW_COST = 0.2
 
     def __init__(self) -> None:
         self.successes = self.PRIOR * self.PRIOR_WEIGHT
@@ -114,17 +156,19 @@ class DraftLength:
         """The estimated per-token acceptance."""
         return self.successes / self.trials
 
-    def length(self, k_max: int, rows: int, cost: float = 0.0) -> int:
+    def length(self, k_max: int, rows: int, cost: float = 0.0, steps: StepCost | None = None) -> int:
         """Drafts worth verifying next step in a step of ``rows`` decode rows (0: none; the estimate then drifts
         back towards the prior, so that the sequence is probed again after a while). ``cost``: what proposing one
         draft costs, as a share of a step (0 for prompt lookup; a draft model's forward, ``EngineProposer.cost``):
-        it adds to a row's cost, so that a draft that costs about a step is never worth it."""
-        rows, a = max(rows, 1), self.acceptance
-        per_draft = self.ROW_COST / (1 + self.ROW_COST * (rows - 1)) + cost
-        k, tokens = 0, float(rows)  # the step's expected tokens with k drafts: E(k)
-        while k < k_max and a ** (k + 1) >= per_draft * tokens / (1 + per_draft * k):
-            k += 1
-            tokens += a**k
+        it adds to a row's cost, so that a draft that costs about a step is never worth it. ``steps``: the
+        measured step costs by rows (None: the linear model)."""
+        rows, a, steps = max(rows, 1), self.acceptance, steps or StepCost()
+        k, best, tokens = 0, float(rows), float(rows)  # tokens: the step's expected tokens with j drafts, E(j)
+        for j in range(1, k_max + 1):
+            tokens += a**j
+            value = tokens / (steps.ratio(rows + j, rows) + cost * j)
+            if value > best:
+                k, best = j, value
         if not k:
             self.successes += (self.PRIOR * self.PRIOR_WEIGHT - self.successes) * self.IDLE_DRIFT
             self.trials += (self.PRIOR_WEIGHT - self.trials) * self.IDLE_DRIFT

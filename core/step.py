@@ -131,9 +131,11 @@ class BatchPlan:
 class StepOutput:
     """What the engine computed for a plan: one token id (or ``RowFailure``) per ``BatchPlan.samples`` entry; for a
     decode row that verified drafts, the list of tokens it emits (its accepted drafts, then the token sampled after
-    them: ``core.speculative.verify_run``)."""
+    them: ``core.speculative.verify_run``). ``seconds``: the forward's wall time (0: not measured), which the planner
+    learns a step's cost by its rows from (``core.speculative.StepCost``)."""
 
     tokens: list[int | list[int] | RowFailure]
+    seconds: float = 0.0
 
 
 @dataclass

@@ -343,6 +343,46 @@ def test_no_drafts_at_or_past_the_disable_batch_size():
     assert eng.planner.spec.num_drafts  # the last two rows, alone, did draft
 
 
+def test_the_step_cost_is_learned_by_rows_and_weighs_the_drafts():
+    """StepCost: the linear model before any step; a row count's own mean once seen MIN_SEEN times; the nearest
+    measured count, scaled by the model, for the others. A verify step that jumps in cost (5 rows: the kernels' row
+    path ends at 4) makes the draft length stop below it, where the linear model would take it."""
+    from core.speculative import DraftLength, StepCost
+
+    cost = StepCost()
+    assert cost.ratio(5, 1) == pytest.approx(1 + 4 * StepCost.ROW_COST)
+    for rows, ms in ((1, 10), (2, 11), (3, 12), (4, 13), (5, 30)):
+        for _ in range(StepCost.MIN_SEEN - 1):
+            cost.observe(rows, ms / 1000)
+    assert cost.ratio(5, 1) == pytest.approx(1 + 4 * StepCost.ROW_COST)  # not seen often enough yet
+    for rows, ms in ((1, 10), (2, 11), (3, 12), (4, 13), (5, 30)):
+        cost.observe(rows, ms / 1000)
+    assert cost.samples(5) == StepCost.MIN_SEEN and cost.ratio(5, 1) == pytest.approx(3.0)
+    assert cost.ratio(7, 1) == pytest.approx(3.0 * (1 + 6 * 0.2) / (1 + 4 * 0.2))  # from 5, the nearest seen
+    cost.observe(1, 0.0)  # an unmeasured step changes nothing
+    assert cost.samples(1) == StepCost.MIN_SEEN
+    likely = DraftLength()
+    likely.successes, likely.trials = 9.0, 10.0  # acceptance 0.9
+    assert likely.length(4, 1) == 4  # linear: the 4th draft is worth its row
+    assert likely.length(4, 1, steps=cost) == 3  # measured: a 5-row step costs 3 one-row steps
+
+
+def test_the_planner_learns_the_step_cost_from_decode_steps_only():
+    eng = checked_engine(speculative=SpecParams("ngram", num_tokens=4, lookup_min=1, lookup_max=2), capacity=2)
+    seqs = [Sequence(prompt_token_ids=[5, 6] * 20, max_new_tokens=30) for _ in range(2)]
+    waiting, chunked, plain = list(seqs), set(), set()
+    while not all(s.is_finished for s in seqs):
+        plan = eng.planner.schedule(waiting)
+        waiting = [s for s in waiting if s not in plan.newcomers]
+        rows = len(plan.decode) + plan.num_draft_tokens
+        (chunked if plan.chunks else plain).add(rows)
+        eng.planner.update_from_output(plan, eng.execute(plan))
+    seen = {rows for rows in range(1, 16) if eng.planner.step_cost.samples(rows)}
+    assert seen == plain - {0} and seen  # every decode-only step counted, under its rows with drafts
+    chunk_only = chunked - plain
+    assert not seen & chunk_only
+
+
 def test_the_draft_length_follows_the_acceptance():
     """Adaptive speculation: drafts that keep being accepted grow to NUM_SPECULATIVE_TOKENS; drafts that keep being
     rejected stop (with a probe now and then), and they stop sooner in a busier batch."""
