@@ -198,7 +198,8 @@ def matvec_rates(
 ) -> list[dict]:
     """GB/s of weight streamed by one decode matvec (x [rows, in] @ W^T, W random valid GGUF blocks of each type),
     per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
-    row path; with ``baseline``, a checkout's root, also that checkout's row path: ``int8_rows_base``), on
+    row path; with ``baseline``, a checkout's root, also that checkout's row path: ``int8_rows_base``; a type the
+    integer path does not take, such as Q2_K or IQ4_XS, has the fp32 path only), on
     ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round (a noisy minute
     hits each alike); the best call counts."""
     import numpy as np
@@ -225,6 +226,7 @@ def matvec_rates(
     out = []
     try:
         for fmt in types:
+            here = paths if fmt in int_dot.FORMATS else ("fp32",)
             for n, k in shapes:
                 t = TYPES[fmt]
                 raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(0), 0.01).reshape(n, -1)
@@ -233,14 +235,14 @@ def matvec_rates(
                 ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-COLD_BYTES // raw.nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                    best = dict.fromkeys(paths, float("inf"))
+                    best = dict.fromkeys(here, float("inf"))
                     for _ in range(rounds):
-                        for path in paths:
+                        for path in here:
                             calls[path](x, ws[-1])  # the row-path switch
                             for w in ws[:-1]:
                                 best[path] = min(best[path], _timed(functools.partial(calls[path], x, w)))
                     row = {"type": fmt, "shape": f"{n}x{k}", "rows": m, "threads": threads}
-                    row.update({f"{path}_gb_s": raw.nbytes / best[path] / 1e9 for path in paths})
+                    row.update({f"{path}_gb_s": raw.nbytes / best[path] / 1e9 for path in here})
                     out.append(row)
     finally:
         torch.set_num_threads(saved[0])
@@ -266,7 +268,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Read bandwidth and per-type decode matvec GB/s (fp32 vs int8 paths).")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,2,4", help="activation rows per call, comma-separated")
-    p.add_argument("--types", default=",".join(int_dot.FORMATS), help="GGUF types, comma-separated")
+    p.add_argument(
+        "--types",
+        default=",".join(int_dot.FORMATS),
+        help="GGUF types, comma-separated (default: the integer path's; any GGUF type times its fp32 path)",
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--baseline", help="another checkout's root: also time its int_dot.c row path (int8_rows_base)")
@@ -287,10 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     paths = MATVEC_PATHS + (("int8_rows_base",) if args.baseline else ())
     print(f"# {_machine()}; int_dot ISA {int_dot.isa()}; {args.threads} threads; read bandwidth {read:.1f} GB/s")
     print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>14}" for p in paths) + "  rows/fp32  of read")
-    for r in rates:
-        gbs = " ".join(f"{r[f'{p}_gb_s']:>14.1f}" for p in paths)
-        fp32, rows_ = r["fp32_gb_s"], r["int8_rows_gb_s"]
-        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {rows_ / fp32:8.2f}x  {rows_ / read:6.0%}")
+    for r in rates:  # "of read": the best path's share of the read bandwidth (the fp32 one alone for some types)
+        gbs = " ".join(f"{r[f'{p}_gb_s']:>14.1f}" if f"{p}_gb_s" in r else f"{'-':>14}" for p in paths)
+        fp32, rows_ = r["fp32_gb_s"], r.get("int8_rows_gb_s")
+        ratio = f"{rows_ / fp32:8.2f}x" if rows_ else f"{'-':>9}"
+        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {ratio}  {max(rows_ or 0, fp32) / read:6.0%}")
     if args.json:
         with open(args.json, "w") as f:
             run = {"machine": _machine(), "isa": int_dot.isa(), "threads": args.threads, "read_gb_s": read}
