@@ -358,7 +358,8 @@ def test_the_step_cost_is_learned_by_rows_and_weighs_the_drafts():
     for rows, ms in ((1, 10), (2, 11), (3, 12), (4, 13), (5, 30)):
         cost.observe(rows, ms / 1000)
     assert cost.samples(5) == StepCost.MIN_SEEN and cost.ratio(5, 1) == pytest.approx(3.0)
-    assert cost.ratio(7, 1) == pytest.approx(3.0 * (1 + 6 * 0.2) / (1 + 4 * 0.2))  # from 5, the nearest seen
+    row = StepCost.ROW_COST
+    assert cost.ratio(7, 1) == pytest.approx(3.0 * (1 + 6 * row) / (1 + 4 * row))  # from 5, the nearest seen
     cost.observe(1, 0.0)  # an unmeasured step changes nothing
     assert cost.samples(1) == StepCost.MIN_SEEN
     likely = DraftLength()
