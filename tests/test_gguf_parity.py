@@ -29,7 +29,7 @@ from gguf_files import cache_key, write_gguf  # noqa: E402
 
 from models.gguf.blocks import TYPES  # noqa: E402
 
-from conftest import Reference, pool_mb  # noqa: E402
+from conftest import Gate, Reference, pool_mb  # noqa: E402
 from live import ThreadServer, metric  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -129,8 +129,10 @@ def prompts(ref: Reference) -> list[list[int]]:
     return [ids[i : i + n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
-async def generate_all(url: str, requests: list[dict]) -> list[dict]:
-    """The first five at once, the rest while they decode (joins), each answered once."""
+async def generate_all(url: str, requests: list[dict], gate: Gate) -> list[dict]:
+    """The first five at once, the rest while they decode (joins), each answered once. The engine's first step
+    waits on ``gate`` until the server holds all of the first five: on a fast machine the first would otherwise
+    finish before the fifth arrives, and the pool would never run short (no preemption to test)."""
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -141,7 +143,19 @@ async def generate_all(url: str, requests: list[dict]) -> list[dict]:
             assert r.status_code == 200, r.text
             return r.json()
 
-        return await asyncio.gather(*(one(body, 0.0 if i < 5 else 0.3 + 0.1 * i) for i, body in enumerate(requests)))
+        async def open_when_five_are_in() -> None:
+            for _ in range(600):
+                text = (await client.get("/metrics")).text
+                held = metric(text, "minibatch:num_requests_running") + metric(text, "minibatch:num_requests_waiting")
+                if held >= 5:
+                    break
+                await asyncio.sleep(0.01)
+            gate.open.set()
+
+        delays = [0.0 if i < 5 else 0.3 + 0.1 * i for i in range(len(requests))]
+        answers = asyncio.gather(*(one(body, delay) for body, delay in zip(requests, delays)))
+        await open_when_five_are_in()
+        return await answers
 
 
 @pytest.mark.parametrize("runtime", ["native", "torch"])
@@ -168,8 +182,11 @@ def test_greedy_parity_over_http(case, runtime):
         max_num_batched_tokens=6,
     )
     with ThreadServer(create_app(config), ready_timeout=600) as server:
-        assert type(server.state.engine).__name__ == ("NativeEngine" if runtime == "native" else "HFEngine")
-        answers = asyncio.run(generate_all(server.url, requests))
+        engine = server.state.engine
+        assert type(engine).__name__ == ("NativeEngine" if runtime == "native" else "HFEngine")
+        gate, execute = Gate(), engine.execute
+        engine.execute = lambda plan: (gate.wait(), execute(plan))[1]
+        answers = asyncio.run(generate_all(server.url, requests, gate))
         import httpx
 
         preemptions = metric(httpx.get(server.url + "/metrics").text, "minibatch:num_preemptions_total")
