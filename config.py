@@ -104,11 +104,11 @@ class Config:
     # Instruction set of the quantized kernels: "auto" runs their AVX-512 paths where the CPU has AVX-512 F/BW/VL
     # (the same bits as AVX2), "avx2" their AVX2 paths everywhere. docs/quantization.md.
     kernel_isa: str = "auto"
-    # Activations of the Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K linears (WEIGHTS=int8 / int4 make
+    # Activations of the quantized linears (every GGUF type but F32 / F16 / BF16; WEIGHTS=int8 / int4 make
     # Q8_0 / Q4_1): "fp32"
     # multiplies fp32 activations (bit for bit HF's math on the file's weights), "int8" rounds them to int8 per
     # 32-block (as llama.cpp does) for integer dot products (VNNI / AVX2) in every step, "auto" does so from the
-    # step size measured to gain (models/kernels/int_dot.py AUTO_ROWS). Other GGUF types always multiply fp32
+    # step size measured to gain (models/kernels/int_dot.py AUTO_ROWS). The float types always multiply fp32
     # activations. docs/integer-dot.md.
     activations: str = "auto"
     # --- LoRA adapters (models/lora.py, docs/api.md "LoRA adapters") ---

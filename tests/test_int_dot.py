@@ -1,12 +1,13 @@
 """The integer-dot path (models/kernels/int_dot.c): int8 activations times GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-Q4_K / Q5_K / Q6_K weights in their own blocks (random valid blocks written with numpy in each type's layout, as
-quant_gemm reads them).
+Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS weights in their own blocks (random valid blocks written with numpy
+in each type's layout, as quant_gemm reads them).
 
 Each ISA the CPU has (AVX2 maddubs always; AVX-VNNI and AVX-512 VNNI where present, else the test says which it
 could not run and why: never a silent skip) against a float64 evaluation of the same quantized math: the
 activations rounded exactly as the kernel does (checked bit for bit first), then per output the sum over groups
-of dx d S (+ m s dx). Ragged shapes (N not a multiple of 8 or 16, odd panel ranges), 1-3 threads,
-bias and residual; and the results do not depend on the ISA, the batch or the thread count (bit for bit).
+of dx d S (+ m s dx; Q2_K: + dx (-dmin) Mn, its sub-blocks' mins). Ragged shapes (N not a multiple of 8 or 16,
+odd panel ranges), 1-3 threads, bias and residual; and the results do not depend on the ISA, the batch or the
+thread count (bit for bit).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from models.gguf.blocks import KVALUES, _bits, _k4_nibbles, k4_scale_min, random_blocks
 from models.gguf.blocks import TYPES as GGUF_TYPES
-from models.gguf.blocks import _bits, _k4_nibbles, k4_scale_min, random_blocks
 from models.kernels import build, int_dot, quant_gemm
 
 from conftest import need_kernel
@@ -67,13 +68,21 @@ def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def reference(x, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np.ndarray]:
     """float64 (y, scale) of the quantized math: y[i, n] = sum_g dx d S (+ m s dx) (+ bias) (+ r), q the weights'
-    integers (Q4_0: q - 8); scale bounds the fp32 rounding (the sum of the terms' magnitudes)."""
+    integers (Q4_0: q - 8); m a group's min, or Q2_K's (mins [n, k] per weight, factor [n, G]: the group's term
+    dx factor Mn, Mn = sum_k q_k mins_k); scale bounds the fp32 rounding (the sum of the terms' magnitudes)."""
     xq, dx, xs = quantize_ref(x.numpy())
     n, k = q.shape
     g = dx.shape[1]
-    S = np.einsum("mgk,ngk->mng", xq.astype(np.int64).reshape(-1, g, 32), q.astype(np.int64).reshape(n, g, 32))
-    terms = dx.astype(np.float64)[:, None, :] * d.astype(np.float64)[None, :, :] * S  # S exact
-    if m is not None:
+
+    def sums(ints: np.ndarray) -> np.ndarray:  # [M, N, G]: each group's exact integer sum of q_k ints_k
+        per_group = ints.astype(np.int64).reshape(n, g, 32)
+        return np.einsum("mgk,ngk->mng", xq.astype(np.int64).reshape(-1, g, 32), per_group)
+
+    terms = dx.astype(np.float64)[:, None, :] * d.astype(np.float64)[None, :, :] * sums(q)  # S exact
+    if isinstance(m, tuple):
+        mins, factor = m
+        terms = terms + dx.astype(np.float64)[:, None, :] * factor.astype(np.float64)[None, :, :] * sums(mins)
+    elif m is not None:
         terms = terms + m.astype(np.float64)[None, :, :] * (xs.astype(np.float64) * dx)[:, None, :]
     y = terms.sum(axis=2)
     scale = np.abs(terms).sum(axis=2)
@@ -88,8 +97,9 @@ def reference(x, q, d, m, bias=None, residual=None) -> tuple[np.ndarray, np.ndar
 
 def random_weight(fmt: str, n: int, k: int, seed: int):
     """[n, k] random valid blocks of GGUF type ``fmt`` (fp16 scales and mins of both signs) -> the weight and, as the
-    blocks hold them, its integers q [n, k] (Q4_0: q - 8; Q5_0: q - 16; Q6_K: sc (q - 32)) and each 32-group's
-    factors d [n, G] and m [n, G] (None without a min): weight = d q (+ m) in fp32, gguf-py's values."""
+    blocks hold them, its integers q [n, k] (Q4_0: q - 8; Q5_0: q - 16; Q6_K: sc (q - 32); Q3_K: sc (q - 4); Q2_K:
+    sc q; IQ4_*: the grid's values) and each 32-group's factors d [n, G] and m [n, G] (None without a min; Q2_K:
+    (its mins [n, k], -dmin [n, G])): weight = d q (+ m) in fp32, gguf-py's values."""
     t, g = GGUF_TYPES[fmt], k // 32
     raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(seed), 0.01)  # [blocks, block bytes]
     w = quant_gemm.from_blocks(fmt, raw.reshape(n, -1), k)
@@ -115,6 +125,30 @@ def random_weight(fmt: str, n: int, k: int, seed: int):
             high = _bits(raw, 16, 256).reshape(-1, 32, 8).transpose(0, 2, 1)
             q = (_k4_nibbles(raw[:, 48:176]) | high << 4).astype(np.int32).reshape(len(raw), 256)
         d, m = half(0) * sc.astype(np.float32), -(half(2) * mn.astype(np.float32))
+    elif fmt == "IQ4_NL":
+        qs = raw[:, 2:18]
+        q, d = KVALUES[np.concatenate([qs & 15, qs >> 4], axis=1)].astype(np.int32), half(0)
+    elif fmt == "IQ4_XS":  # 8 sub-blocks of 32: (d sc) grid[q], sc 6 bits - 32
+        qs = raw[:, 8:136].reshape(-1, 8, 16)
+        q = KVALUES[np.concatenate([qs & 15, qs >> 4], axis=2)].astype(np.int32).reshape(len(raw), 256)
+        high = (raw[:, 2].astype(np.int32) | raw[:, 3].astype(np.int32) << 8)[:, None] >> 2 * np.arange(8) & 3
+        low = raw[:, 4:8].repeat(2, axis=1).astype(np.int32) >> np.tile([0, 4], 4) & 15
+        d = half(0) * ((low | high << 4) - 32).astype(np.float32)
+    elif fmt in ("Q2_K", "Q3_K"):  # group c = 4 h + j: bits 2 j of qs[32 h .. 32 h + 32]; two sub-blocks of 16 each
+        b, at = len(raw), 16 if fmt == "Q2_K" else 32
+        qs = raw[:, at : at + 64].reshape(b, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+        low = (qs & 3).reshape(b, 256).astype(np.int32)
+        if fmt == "Q2_K":
+            sc, mn = (raw[:, :16] & 15).astype(np.int32), (raw[:, :16] >> 4).astype(np.int32)
+            q, d = np.repeat(sc, 16, axis=1) * low, np.repeat(half(80), 8, axis=1)
+            m = (np.repeat(mn, 16, axis=1).reshape(n, k), np.repeat(-half(82), 8, axis=1).reshape(n, k // 32))
+        else:  # hmask[k % 32] bit c; scales 6 bits as ggml unpacks them, minus 32
+            high = (raw[:, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1) & 1).reshape(b, 256)
+            sb = raw[:, 96:108].astype(np.int32)
+            s = np.arange(16)
+            lo = np.where(s < 8, sb[:, s % 8] & 15, sb[:, s % 8] >> 4)
+            sc = (lo | (sb[:, 8 + s % 4] >> 2 * (s // 4) & 3) << 4) - 32
+            q, d = np.repeat(sc, 16, axis=1) * (low + 4 * high.astype(np.int32) - 4), np.repeat(half(108), 8, axis=1)
     else:  # Q6_K: 16 sub-blocks of 16, each (d sc) (q - 32); the integers carry sc
         b = len(raw)
         ql = raw[:, 0:128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -123,9 +157,13 @@ def random_weight(fmt: str, n: int, k: int, seed: int):
         sc = raw[:, 192:208].view(np.int8).astype(np.int32)
         q, d = (sc[:, :, None] * q6.reshape(b, 16, 16)).reshape(b, 256), np.repeat(half(208), 8, axis=1)
     d = d.astype(np.float32).reshape(n, g)
-    m = None if m is None else m.astype(np.float32).reshape(n, g)
+    if isinstance(m, tuple):  # Q2_K: each weight's min times the group's -dmin
+        offset = np.repeat(m[1], 32, axis=1).astype(np.float64) * m[0]
+    elif m is not None:
+        m = m.astype(np.float32).reshape(n, g)
+        offset = np.repeat(m, 32, axis=1)
     q = q.reshape(n, k)
-    values = np.repeat(d, 32, axis=1) * q + (0 if m is None else np.repeat(m, 32, axis=1))
+    values = np.repeat(d, 32, axis=1) * q.astype(np.float64) + (0 if m is None else offset)
     assert np.array_equal(values.astype(np.float32), quant_gemm.dequantize(w).numpy()), fmt  # the file's weights
     return w, q, d, m
 
@@ -244,14 +282,15 @@ def test_close_to_the_exact_fp32_path():
 
 
 def test_other_types_keep_fp32_activations():
-    """The integer path takes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K only: any other type is refused by its
-    switch (the whole-step kernel then runs quant_gemm's exact path for it) and by ``gemm``."""
+    """The integer path takes every quantized GGUF type and no float one: F32, F16 and BF16 are refused by its switch
+    (the whole-step kernel then runs quant_gemm's path for them) and by ``gemm``."""
     lib = int_dot.load()
-    for name in ("F32", "F16", "BF16", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"):
+    assert set(int_dot.FORMATS) == {name for name, t in GGUF_TYPES.items() if name not in ("F32", "F16", "BF16")}
+    for name in ("F32", "F16", "BF16"):
         assert lib.int_dot_set_rows(GGUF_TYPES[name].type_id, 1) == -1, name
-    raw = random_blocks("Q3_K", 8 * 2, np.random.default_rng(0), 0.01).reshape(8, -1)
-    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
-        int_dot.gemm(torch.randn(2, 512), quant_gemm.from_blocks("Q3_K", raw, 512))
+    raw = random_blocks("F16", 8 * 64, np.random.default_rng(0), 0.01).reshape(8, -1)
+    with pytest.raises(ValueError, match="Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS"):
+        int_dot.gemm(torch.randn(2, 64), quant_gemm.from_blocks("F16", raw, 64))
 
 
 def test_activations_setting():
@@ -311,35 +350,38 @@ def test_whole_step_takes_the_setting(weights, tmp_path, kernel_isa):
 
 
 @pytest.mark.model
-def test_a_gguf_files_q5_linears_take_the_integer_path(tmp_path):
-    """A Llama GGUF whose every matrix is Q5_0, Q5_1 or Q5_K (round-robin, as llama.cpp's Q4_K_M files of 896- or
-    1152-wide models are mostly Q5_0) through the whole-step kernel (decode_step.c): under ACTIVATIONS=int8 its
-    linears run int_dot.c (other logits, close to the exact ones, the same bits at 1 and 3 threads), and with the
-    Q5 types' rows turned off the same steps are the exact path's, bit for bit."""
+@pytest.mark.parametrize("kinds", [("Q5_0", "Q5_1", "Q5_K"), ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")], ids=["q5", "low"])
+def test_a_gguf_files_linears_take_the_integer_path(tmp_path, kinds):
+    """A Llama GGUF whose every matrix is one of ``kinds`` (round-robin; the 5-bit types as llama.cpp's Q4_K_M files
+    of 896- or 1152-wide models are mostly Q5_0; the 2-, 3-bit and IQ4 types of Q2_K, Q3_K_M and IQ4 files) through
+    the whole-step kernel (decode_step.c): under ACTIVATIONS=int8 its linears run int_dot.c (other logits, close to
+    the exact ones, the same bits at 1 and 3 threads), and with those types' rows turned off the same steps are the
+    exact path's, bit for bit."""
     import itertools
 
     from gguf_files import write_gguf
 
     from models import image
+    from models.gguf.reader import open_gguf
     from models.native import NativeModel
     from scripts.make_test_model import build_checkpoint
 
-    q5 = ("Q5_0", "Q5_1", "Q5_K")
     hf = build_checkpoint(
         str(tmp_path / "hf"), arch="llama", seed=7, tied=False, overrides={"hidden_size": 256, "intermediate_size": 512}
     )
-    kinds = itertools.cycle(q5)
-    path = write_gguf(hf, str(tmp_path / "q5.gguf"), lambda name, shape: next(kinds))
+    cycle = itertools.cycle(kinds)
+    path = write_gguf(hf, str(tmp_path / "mixed.gguf"), lambda name, shape: next(cycle))
+    assert {t.type_name for t in open_gguf(path) if len(t.shape) == 2} == set(kinds)
     image.write_image(path, "auto", str(tmp_path / "image"))
     nm = NativeModel(str(tmp_path / "image"), 64, 4, threads=2)
     prompt, table = list(range(5, 45)), list(range(12))
 
-    def run(choice: str, threads: int = 2, q5_rows: int | None = None) -> np.ndarray:
+    def run(choice: str, threads: int = 2, kind_rows: int | None = None) -> np.ndarray:
         int_dot.set_activations(choice)
-        if q5_rows is not None:
+        if kind_rows is not None:
             for lib in int_dot._libs:
-                for fmt in q5:
-                    lib.int_dot_set_rows(int_dot.FORMATS[fmt], q5_rows)
+                for fmt in kinds:
+                    lib.int_dot_set_rows(int_dot.FORMATS[fmt], kind_rows)
         nm.threads = threads
         nm.kv.k[...] = 0
         nm.kv.v[...] = 0
@@ -353,7 +395,7 @@ def test_a_gguf_files_q5_linears_take_the_integer_path(tmp_path):
         assert np.linalg.norm(approx - exact) / np.linalg.norm(exact) < 0.05
         assert (approx.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
         assert np.array_equal(run("int8", threads=1), approx) and np.array_equal(run("int8", threads=3), approx)
-        assert np.array_equal(run("int8", q5_rows=0), exact)  # every matrix is a Q5 type: nothing else is int8
+        assert np.array_equal(run("int8", kind_rows=0), exact)  # every matrix is one of kinds: nothing else is int8
     finally:
         int_dot.set_activations("auto")
 

@@ -1,6 +1,7 @@
 /* Quantized linears by integer dot products: Y[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]) (+ R[M, N]) for W of GGUF
- * type Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K in the file's own blocks, with X quantized per 32-block to int8 first, as
- * llama.cpp quantizes its activations (Q8_0 / Q8_1 / Q8_K blocks) for its vec_dot_<type>_q8_* kernels.
+ * type Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS in the file's own blocks, with X
+ * quantized per 32-block to int8 first, as llama.cpp quantizes its activations (Q8_0 / Q8_1 / Q8_K blocks) for its
+ * vec_dot_<type>_q8_* kernels.
  *
  * Why: quant_gemm.c multiplies fp32 activations by weights dequantized to fp32, one FMA per weight and row (16
  * multiply-adds an instruction with AVX-512). Here a weight stays an integer: VNNI's vpdpbusd does 64 u8 x s8
@@ -17,9 +18,12 @@
  *   Q4_K (144 bytes / 256): 8 sub-blocks of 32, each w = (d sc) q - (dmin m), q a nibble (quants/q4_k.h)
  *   Q5_K (176 bytes / 256): as Q4_K with q 5 bits, the 5th of sub-block s bit s of qh[k] (quants/q5_k.h)
  *   Q6_K (210 bytes / 256): 16 sub-blocks of 16, each w = (d sc) (q - 32), q 6 bits (quants/q6_k.h)
- * Every 32 weights of a row (a "group": a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block, a Q4_K / Q5_K
- * sub-block, two Q6_K sub-blocks) meet one
- * 32-block of the activations.
+ *   Q2_K (84 bytes / 256): 16 sub-blocks of 16, each w = (d sc) q - (dmin m), q 2 bits, sc and m 4 bits (q2_k.h)
+ *   Q3_K (110 bytes / 256): 16 sub-blocks of 16, each w = (d sc) (q - 4), q 3 bits, sc 6 bits - 32 (q3_k.h)
+ *   IQ4_NL (18 bytes / 32): d fp16 | qs[16]                w = d grid[q], q Q4_0's nibble, grid int8 (iq4_nl.h)
+ *   IQ4_XS (136 bytes / 256): 8 sub-blocks of 32, each w = (d sc) grid[q], sc 6 bits - 32 (iq4_xs.h)
+ * Every 32 weights of a row (a "group": a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL block, a Q4_K / Q5_K / IQ4_XS
+ * sub-block, two Q2_K / Q3_K / Q6_K sub-blocks) meet one 32-block of the activations.
  * A panel is 8 consecutive output rows (the last one's missing rows read its last row again; their outputs are
  * dropped). Each 32-block of a panel's 8 rows is turned in registers into the kernels' operand form: 8 k-quads,
  * each a register of 8 columns x 4 k (an 8 x 8 transpose of 32-bit words), once per block for all of a step's rows.
@@ -35,8 +39,12 @@
  *   Q4_K, Q5_K: as Q4_1 / Q5_1 with d = d sc, m = -(dmin m) of the group's sub-block (each product exact in fp32)
  *   Q6_K: as Q8_0 with d the super-block's d, S = sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')), S_a / S_b the
  *         sums of q_k w_k over the group's two sub-blocks of 16, sc_a / sc_b their int8 scales
+ *   Q3_K: as Q6_K with an offset of 4: S = sc_a (S_a - 4 s') + sc_b (S_b - 4 (s - s')), w in 0..7
+ *   Q2_K: as Q6_K without an offset (w in 0..3), and its sub-blocks' mins as one more integer per group,
+ *         Mn = m_a s' + m_b (s - s'), with the factor -dmin
+ *   IQ4_NL, IQ4_XS: as Q8_0 with w the grid's int8 value (a nibble's byte lookup) and d = d (IQ4_XS: d sc)
  * in fp32, group by group in increasing g: y = fma(float(S), d dx, y) (the types with a min: first
- * y = fma(m, s dx, y)); then
+ * y = fma(m, s dx, y); Q2_K: first y = fma(float(Mn), -dmin dx, y)); then
  * y (+ bias) (+ r). S is exact and the order is fixed, so results do not depend on M, the thread count, the path
  * or the ISA (every ISA computes the same S and the same fp32 operations). tests/test_int_dot.py checks this
  * against a float64 evaluation of the same quantized math.
@@ -46,7 +54,7 @@
  *     and row, x's 4 bytes broadcast. Q8_0 is offset by 128 to u8 (S starts at -128 s).
  *   avxvnni (AVX-VNNI, 256-bit vpdpbusd): the same per panel, 8 columns a register.
  *   avx2 (vpmaddubsw): u8 x s8 pairs to int16, vpmaddwd to int32, as llama.cpp's AVX2 path; Q8_0 takes the sign
- *     trick (|w| as u8 times x with w's sign: no int16 overflow, as |w| <= 128, |q| <= 127).
+ *     trick (|w| as u8 times x with w's sign: no int16 overflow, as |w| <= 128, |q| <= 127), as do the IQ4 types.
  * Up to 8 rows each block's operands are made in registers and used by every row at once; more rows make a panel
  * (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
  *
@@ -61,6 +69,8 @@
 #include <omp.h>
 #endif
 
+#include "quants/iq4_xs.h" /* iq4_xs_scale, IQ4_GRID */
+#include "quants/q3_k.h" /* q3_k_scale */
 #include "quants/q4_k.h" /* k4_scale_min */
 #include "quants/q5_1.h" /* five_bit_bytes (q5_0.h) */
 #include "quants/q5_k.h" /* k5_high_bytes */
@@ -69,11 +79,14 @@
 #define ID_GROUP 32
 #define ID_TILE 8 /* rows per register tile */
 /* the types it takes */
-enum { IDF_Q8_0, IDF_Q4_0, IDF_Q4_1, IDF_Q4_K, IDF_Q6_K, IDF_Q5_0, IDF_Q5_1, IDF_Q5_K, IDF_KINDS };
+enum {
+    IDF_Q8_0, IDF_Q4_0, IDF_Q4_1, IDF_Q4_K, IDF_Q6_K, IDF_Q5_0, IDF_Q5_1, IDF_Q5_K, IDF_Q2_K, IDF_Q3_K, IDF_IQ4_NL,
+    IDF_IQ4_XS, IDF_KINDS
+};
 /* X(kind, a) for every kind: the kernels' switches, one case (constant kind, inlined code) per type */
 #define ID_EACH_KIND(X, a)                                                                                    \
     X(IDF_Q8_0, a) X(IDF_Q4_0, a) X(IDF_Q4_1, a) X(IDF_Q4_K, a) X(IDF_Q6_K, a) X(IDF_Q5_0, a) X(IDF_Q5_1, a)       \
-        X(IDF_Q5_K, a)
+        X(IDF_Q5_K, a) X(IDF_Q2_K, a) X(IDF_Q3_K, a) X(IDF_IQ4_NL, a) X(IDF_IQ4_XS, a)
 enum { ISA_AVX2 = 0, ISA_AVXVNNI = 1, ISA_AVX512VNNI = 2 };
 
 #define ID_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -91,15 +104,24 @@ static inline int id_kind(int type) {
     case T_Q5_0: return IDF_Q5_0;
     case T_Q5_1: return IDF_Q5_1;
     case T_Q5_K: return IDF_Q5_K;
+    case T_Q2_K: return IDF_Q2_K;
+    case T_Q3_K: return IDF_Q3_K;
+    case T_IQ4_NL: return IDF_IQ4_NL;
+    case T_IQ4_XS: return IDF_IQ4_XS;
     default: return -1;
     }
 }
 
 static inline int id_k4(int f) { return f == IDF_Q4_K || f == IDF_Q5_K; } /* Q4_K's scales and mins */
-static inline int id_super(int f) { return id_k4(f) || f == IDF_Q6_K; }  /* 256-weight blocks of 8 groups */
+/* two sub-blocks of 16 a group, each with its scale (S = sc_a (S_a - o s') + sc_b (S_b - o (s - s')), o: id_offset16) */
+static inline int id_sub16(int f) { return f == IDF_Q6_K || f == IDF_Q3_K || f == IDF_Q2_K; }
+static inline int id_offset16(int f) { return f == IDF_Q6_K ? 32 : f == IDF_Q3_K ? 4 : 0; }
+static inline int id_super(int f) { return id_k4(f) || id_sub16(f) || f == IDF_IQ4_XS; } /* 256-blocks of 8 groups */
 static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q5_1 || id_k4(f); }
+/* signed weight bytes (int8 values): VNNI offsets them to u8, AVX2 takes the sign trick */
+static inline int id_signed(int f) { return f == IDF_Q8_0 || f == IDF_IQ4_NL || f == IDF_IQ4_XS; }
 
-/* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or a super-block's (8 groups). */
+/* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or a super-block's (8 groups). */
 static inline int id_block_bytes(int f) {
     switch (f) {
     case IDF_Q8_0: return 34;
@@ -109,6 +131,10 @@ static inline int id_block_bytes(int f) {
     case IDF_Q5_1: return 24;
     case IDF_Q4_K: return 144;
     case IDF_Q5_K: return 176;
+    case IDF_Q2_K: return 84;
+    case IDF_Q3_K: return 110;
+    case IDF_IQ4_NL: return 18;
+    case IDF_IQ4_XS: return 136;
     default: return 210;
     }
 }
@@ -265,13 +291,29 @@ static inline void id_store(const float *acc, const float *bias, const float *r,
 
 /* ---------------- a panel's block in operand form ---------------- */
 
-/* The 32 weights of group g of a row as k-ordered bytes: Q8_0 its int8 q, the others their unsigned q (Q4_0 / Q4_1 /
- * Q4_K nibbles 0..15, Q5_0 / Q5_1 / Q5_K 0..31, Q6_K 0..63). */
+/* The 32 weights of group g of a row as k-ordered bytes: Q8_0 its int8 q, IQ4_NL / IQ4_XS their int8 grid values,
+ * the others their unsigned q (Q4_0 / Q4_1 / Q4_K nibbles 0..15, Q5_0 / Q5_1 / Q5_K 0..31, Q6_K 0..63, Q2_K 0..3,
+ * Q3_K 0..7). */
 ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
     int sub;
     const uint8_t *blk = id_block(f, row, g, &sub);
     const __m256i lo4 = _mm256_set1_epi8(15);
     if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) { /* 16 bytes of nibbles (k 0-15 low, 16-31 high) -> the grid's bytes */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub)));
+        const __m128i l4 = _mm_set1_epi8(15);
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID)), q);
+    }
+    if (f == IDF_Q2_K || f == IDF_Q3_K) { /* group sub = 4 h + j: bits 2 j of qs[32 h ..] (Q3_K: | hmask bit sub << 2) */
+        const __m128i shift = _mm_cvtsi32_si128(2 * (sub & 3));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (f == IDF_Q2_K ? 16 : 32) + 32 * (sub >> 2)));
+        const __m256i low = _mm256_and_si256(_mm256_srl_epi16(v, shift), _mm256_set1_epi8(3));
+        if (f == IDF_Q2_K) return low;
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
+        return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+    }
     if (id_k4(f)) { /* sub-block 2p + i: nibble i of qs[32 p ..] (Q5_K: | its 5th bits) */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (f == IDF_Q5_K ? 48 : 16) + 32 * (sub >> 1)));
         const __m256i q = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(v, 4) : v, lo4);
@@ -316,19 +358,20 @@ ID_INLINE void id_operands(int f, const uint8_t *const *rows, int g, __m256i w[8
     }
 }
 
-/* Group g's factors in each of a panel's 8 rows: d, m (0 without a min) and, for Q6_K, its two sub-block scales. */
+/* Group g's factors in each of a panel's 8 rows: d, m (0 without a min; Q2_K: -dmin) and, for the types with
+ * sub-blocks of 16 (Q2_K, Q3_K, Q6_K), their two scales, and Q2_K's two mins. */
 typedef struct {
     __m256 d, m;
-    __m256i sca, scb;
+    __m256i sca, scb, mna, mnb;
 } Factors8;
 
 ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
     float d[8], m[8];
-    int32_t sa[8], sb[8];
+    int32_t sa[8], sb[8], ma[8], mb[8];
     for (int c = 0; c < 8; c++) {
         int sub;
         const uint8_t *blk = id_block(f, rows[c], g, &sub);
-        sa[c] = sb[c] = 0, m[c] = 0.0f;
+        sa[c] = sb[c] = ma[c] = mb[c] = 0, m[c] = 0.0f;
         if (id_k4(f)) {
             int sc, mn;
             k4_scale_min(blk + 4, sub, &sc, &mn);
@@ -336,22 +379,52 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
         } else if (f == IDF_Q6_K) {
             d[c] = f16_at(blk + 208);
             sa[c] = (int8_t)blk[192 + 2 * sub], sb[c] = (int8_t)blk[193 + 2 * sub];
+        } else if (f == IDF_Q3_K) {
+            d[c] = f16_at(blk + 108);
+            sa[c] = q3_k_scale(blk + 96, 2 * sub), sb[c] = q3_k_scale(blk + 96, 2 * sub + 1);
+        } else if (f == IDF_Q2_K) {
+            d[c] = f16_at(blk + 80), m[c] = -f16_at(blk + 82);
+            sa[c] = blk[2 * sub] & 15, sb[c] = blk[2 * sub + 1] & 15, ma[c] = blk[2 * sub] >> 4, mb[c] = blk[2 * sub + 1] >> 4;
+        } else if (f == IDF_IQ4_XS) {
+            d[c] = iq4_xs_scale(blk, sub);
         } else {
             d[c] = f16_at(blk);
             if (id_has_min(f)) m[c] = f16_at(blk + 2); /* Q4_1, Q5_1 */
         }
     }
     Factors8 r = {_mm256_loadu_ps(d), _mm256_loadu_ps(m), _mm256_loadu_si256((const __m256i *)sa),
-                  _mm256_loadu_si256((const __m256i *)sb)};
+                  _mm256_loadu_si256((const __m256i *)sb), _mm256_loadu_si256((const __m256i *)ma),
+                  _mm256_loadu_si256((const __m256i *)mb)};
     return r;
 }
 
-/* S's start per (row, group): -128 s for u8-offset Q8_0 (VNNI), -8 s for Q4_0, -16 s for Q5_0, else 0 (Q6_K's
- * offsets come with its scales). */
+/* A group's contribution to one activation row's 8 outputs (row at: its dx, s dx, s, s'), from the integer sums lo
+ * (k 0-15) and hi (k 16-31), id_start already in lo + hi: the header's math, the same fp32 operations in the same
+ * order in every kernel (the 512-bit form: id_update512). */
+ID_INLINE __m256 id_update256(int f, __m256i lo, __m256i hi, const Factors8 *k, const QRows *x, size_t at, __m256 y) {
+    __m256i Si;
+    if (id_sub16(f)) {
+        const int32_t sa = x->s16[at], sb = x->s[at] - sa, o = id_offset16(f);
+        Si = _mm256_add_epi32(_mm256_mullo_epi32(k->sca, _mm256_sub_epi32(lo, _mm256_set1_epi32(o * sa))),
+                              _mm256_mullo_epi32(k->scb, _mm256_sub_epi32(hi, _mm256_set1_epi32(o * sb))));
+        if (f == IDF_Q2_K) { /* the mins: Mn = m_a s' + m_b (s - s') */
+            const __m256i Mn = _mm256_add_epi32(_mm256_mullo_epi32(k->mna, _mm256_set1_epi32(sa)),
+                                                _mm256_mullo_epi32(k->mnb, _mm256_set1_epi32(sb)));
+            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(k->m, _mm256_set1_ps(x->d[at])), y);
+        }
+    } else {
+        Si = _mm256_add_epi32(lo, hi);
+    }
+    if (id_has_min(f)) y = _mm256_fmadd_ps(k->m, _mm256_set1_ps(x->sd[at]), y);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(Si), _mm256_mul_ps(k->d, _mm256_set1_ps(x->d[at])), y);
+}
+
+/* S's start per (row, group): -128 s for u8-offset signed weights (Q8_0, IQ4_*: VNNI), -8 s for Q4_0, -16 s for
+ * Q5_0, else 0 (Q2_K's / Q3_K's / Q6_K's offsets come with their scales). */
 ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
     if (f == IDF_Q4_0) return -8 * s;
     if (f == IDF_Q5_0) return -16 * s;
-    return f == IDF_Q8_0 && offset8 ? -128 * s : 0;
+    return id_signed(f) && offset8 ? -128 * s : 0;
 }
 
 /* ================ AVX-512 VNNI: a panel pair per register ================ */
@@ -359,7 +432,7 @@ ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
 typedef struct {
     __m512i w[8];
     __m512 d, m;
-    __m512i sca, scb;
+    __m512i sca, scb, mna, mnb;
 } Prep512;
 
 /* [a | b] as one 16-lane register */
@@ -369,18 +442,19 @@ ID_512 ID_INLINE __m512 join512(__m256 a, __m256 b) {
 
 ID_512 ID_INLINE __m512i join512i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 
-/* Group g of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: Q8_0 offset to u8. */
+/* Group g of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: signed ones offset to u8. */
 ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, Prep512 *p) {
     __m256i a[8], b[8];
     id_operands(f, rows, g, a);
     id_operands(f, rows + 8, g, b);
     for (int j = 0; j < 8; j++) {
         p->w[j] = join512i(a[j], b[j]);
-        if (f == IDF_Q8_0) p->w[j] = _mm512_xor_si512(p->w[j], _mm512_set1_epi8((char)0x80));
+        if (id_signed(f)) p->w[j] = _mm512_xor_si512(p->w[j], _mm512_set1_epi8((char)0x80));
     }
     const Factors8 fa = id_factors(f, rows, g), fb = id_factors(f, rows + 8, g);
     p->d = join512(fa.d, fb.d), p->m = join512(fa.m, fb.m);
     p->sca = join512i(fa.sca, fb.sca), p->scb = join512i(fa.scb, fb.scb);
+    p->mna = join512i(fa.mna, fb.mna), p->mnb = join512i(fa.mnb, fb.mnb);
 }
 
 /* R rows (constant after inlining) x group g: acc[i] += the group's contribution (see the header). */
@@ -401,15 +475,20 @@ ID_512 ID_INLINE void rows512(int f, const QRows *x, int m0, int g, const Prep51
         t1 = _mm512_dpbusd_epi32(t1, p->w[7], _mm512_set1_epi32(xq[7]));
         s0 = _mm512_add_epi32(s0, t0), s1 = _mm512_add_epi32(s1, t1);
         __m512i Si;
-        if (f == IDF_Q6_K) { /* sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')) */
-            const int32_t sa = x->s16[at], sb = x->s[at] - sa;
-            Si = _mm512_add_epi32(_mm512_mullo_epi32(p->sca, _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * sa))),
-                                  _mm512_mullo_epi32(p->scb, _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * sb))));
+        __m512 y = acc[i];
+        if (id_sub16(f)) { /* sc_a (S_a - o s') + sc_b (S_b - o (s - s')) (id_update256's math) */
+            const int32_t sa = x->s16[at], sb = x->s[at] - sa, o = id_offset16(f);
+            Si = _mm512_add_epi32(_mm512_mullo_epi32(p->sca, _mm512_sub_epi32(s0, _mm512_set1_epi32(o * sa))),
+                                  _mm512_mullo_epi32(p->scb, _mm512_sub_epi32(s1, _mm512_set1_epi32(o * sb))));
+            if (f == IDF_Q2_K) {
+                const __m512i Mn = _mm512_add_epi32(_mm512_mullo_epi32(p->mna, _mm512_set1_epi32(sa)),
+                                                    _mm512_mullo_epi32(p->mnb, _mm512_set1_epi32(sb)));
+                y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(p->m, _mm512_set1_ps(x->d[at])), y);
+            }
         } else {
             Si = _mm512_add_epi32(s0, s1);
         }
         const __m512 S = _mm512_cvtepi32_ps(Si);
-        __m512 y = acc[i];
         if (id_has_min(f)) y = _mm512_fmadd_ps(p->m, _mm512_set1_ps(x->sd[at]), y);
         acc[i] = _mm512_fmadd_ps(S, _mm512_mul_ps(p->d, _mm512_set1_ps(x->d[at])), y);
     }
@@ -489,11 +568,11 @@ typedef struct {
     Factors8 k;
 } Prep256;
 
-/* Block g's operands for the chosen step: VNNI offsets Q8_0 to u8; AVX2 keeps Q8_0's signed weights for the sign
- * and multiplies their magnitudes. */
+/* Block g's operands for the chosen step: VNNI offsets signed weights (Q8_0, IQ4_*) to u8; AVX2 keeps them for the
+ * sign and multiplies their magnitudes. */
 ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, int g, Prep256 *p) {
     id_operands(f, rows, g, p->w);
-    if (f == IDF_Q8_0)
+    if (id_signed(f))
         for (int j = 0; j < 8; j++) {
             if (vnni) {
                 p->w[j] = _mm256_xor_si256(p->w[j], _mm256_set1_epi8((char)0x80));
@@ -512,7 +591,7 @@ ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
     return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 
-/* R rows x one block; VNNI: the AVX-VNNI step, else maddubs (Q8_0: w = |w|, the sign moved onto x). */
+/* R rows x one block; VNNI: the AVX-VNNI step, else maddubs (signed weights: w = |w|, the sign moved onto x). */
 #define ROWS256(NAME, ATTR, DOT, VNNI)                                                                            \
     ATTR ID_INLINE void NAME(int f, const QRows *x, int m0, int g, const Prep256 *p, __m256 *acc, int R) {        \
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                    \
@@ -522,24 +601,12 @@ ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
             __m256i s0 = _mm256_set1_epi32(id_start(f, VNNI, x->s[at])), s1 = _mm256_setzero_si256();            \
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                \
                 __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 4]);                        \
-                if (!VNNI && f == IDF_Q8_0)                                                                      \
+                if (!VNNI && id_signed(f))                                                                       \
                     x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 4]);              \
                 s0 = DOT(s0, p->w[j], x0);                                                                       \
                 s1 = DOT(s1, p->w[j + 4], x1);                                                                   \
             }                                                                                                    \
-            __m256i Si;                                                                                          \
-            if (f == IDF_Q6_K) {                                                                                 \
-                const int32_t sa = x->s16[at], sb = x->s[at] - sa;                                               \
-                Si = _mm256_add_epi32(                                                                           \
-                    _mm256_mullo_epi32(p->k.sca, _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * sa))),              \
-                    _mm256_mullo_epi32(p->k.scb, _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * sb))));             \
-            } else {                                                                                             \
-                Si = _mm256_add_epi32(s0, s1);                                                                   \
-            }                                                                                                    \
-            const __m256 S = _mm256_cvtepi32_ps(Si);                                                             \
-            __m256 y = acc[i];                                                                                   \
-            if (id_has_min(f)) y = _mm256_fmadd_ps(p->k.m, _mm256_set1_ps(x->sd[at]), y);                        \
-            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(p->k.d, _mm256_set1_ps(x->d[at])), y);                     \
+            acc[i] = id_update256(f, s0, s1, &p->k, x, at, acc[i]);                                              \
         }                                                                                                        \
     }
 

@@ -18,11 +18,13 @@
  * id_factors, read 8 blocks at once or once per K-quant super-block), then per row i (R <= ID_ROWS_MAX, a constant
  * after inlining) 8 products of 32 bytes, the tree, and the panel path's fp32 update. Overflow bounds (|q| <= 127
  * for x): vpmaddubsw's pairs of u8 w x s8 q never saturate (Q8_0 takes |w| <= 128 with the sign moved onto x:
- * <= 32512; the nibble types 3810; the 5-bit types 7874; Q6_K 16002); the 4-, 5- and 6-bit types add two pairs in
- * int16 before widening (<= 7620, 15748, Q6_K 32004 < 32767), Q8_0 widens first.
+ * <= 32512, the IQ4 types' |w| <= 127 32258; the nibble types 3810; the 5-bit types 7874; Q6_K 16002; Q3_K 1778,
+ * Q2_K 762); the unsigned types add two pairs in int16 before widening (<= 7620, 15748, Q6_K 32004 < 32767), the
+ * signed ones (Q8_0, IQ4_NL, IQ4_XS) widen first.
  *
- * Kernels, one code path instantiated per ISA: AVX2 (vpmaddubsw, Q8_0 by the sign trick), AVX-VNNI and AVX-512 VNNI
- * (256-bit vpdpbusd, VEX and EVEX encodings; Q8_0 offset to u8, S starting at -128 s as in the panel path).
+ * Kernels, one code path instantiated per ISA: AVX2 (vpmaddubsw, signed weights by the sign trick), AVX-VNNI and
+ * AVX-512 VNNI (256-bit vpdpbusd, VEX and EVEX encodings; signed weights offset to u8, S starting at -128 s as in
+ * the panel path).
  * Included by int_dot.c after its panel kernels; its id_range calls id_rows_range for M <= int_dot_row_path's rows.
  */
 
@@ -78,24 +80,79 @@ ID_INLINE __m256i id_byte_u(__m256i v, int b) {
 }
 ID_INLINE __m256i id_byte_s(__m256i v, int b) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24); }
 
-/* A K-quant super-block's factors for a strip's 8 columns, k[s] for its group s, in registers (no per-column
- * scalar work: a strip's header bytes are transposed once, then every scale is a lane-wise shift and mask).
+/* The 32-bit word at byte `at` of each of a strip's 8 columns, column c in lane c. */
+ID_INLINE __m256i id_words_at(const uint8_t *const *cols, size_t at) {
+    return _mm256_setr_epi32((int)u32_at(cols[0] + at), (int)u32_at(cols[1] + at), (int)u32_at(cols[2] + at),
+                             (int)u32_at(cols[3] + at), (int)u32_at(cols[4] + at), (int)u32_at(cols[5] + at),
+                             (int)u32_at(cols[6] + at), (int)u32_at(cols[7] + at));
+}
+
+/* A super-block's factors for a strip's 8 columns, k[s] for its group s, in registers (no per-column scalar work:
+ * a strip's header bytes are transposed once, then every scale is a lane-wise shift and mask).
  * Q4_K / Q5_K: header d | dmin | scales[12] = 16 bytes, words w1 = bytes 0-3, w2 = 4-7, w3 = 8-11; k4_scale_min
  * lane-wise: sc 0-3 = w1 & 63, m 0-3 = w2 & 63, sc 4-7 = (w3 & 15) | (w1 >> 6) << 4, m 4-7 = (w3 >> 4) | (w2 >> 6)
  * << 4 (per byte). d sc and -(dmin m) as id_factors: one fp32 product each ((-dmin) m is -(dmin m) exactly).
- * Q6_K: scales int8[16] at 192 (word j: scales 4j .. 4j + 3; group s: scales 2s, 2s + 1), d at 208. */
+ * Q6_K: scales int8[16] at 192 (word j: scales 4j .. 4j + 3; group s: scales 2s, 2s + 1), d at 208.
+ * Q2_K: scales[16] at 0 (word j: sub-blocks 4j .. 4j + 3, sc the low nibble, m the high), d | dmin at 80.
+ * Q3_K: scales[12] at 96 as words a0 a1 a2 -> 16 6-bit scales as ggml unpacks them (q3_k_scale, lane-wise: scales
+ * 0-3 = a0 & 15 | (a2 & 3) << 4, 4-7 = a1 & 15 | (a2 >> 2 & 3) << 4, 8-11 = a0 >> 4 | (a2 >> 4 & 3) << 4, 12-15 =
+ * a1 >> 4 | (a2 >> 6 & 3) << 4, per byte), minus 32; d at 108.
+ * IQ4_XS: d | scales_h at 0, scales_l[4] at 4: group s's scale = (scales_l >> 4 s & 15) | (scales_h >> 2 s & 3) << 4,
+ * minus 32; d sc one fp32 product, as iq4_xs_scale. Every value is id_factors' for the same group. */
 ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Factors8 *k) {
     __m256i w[4];
+    const __m256i zero = _mm256_setzero_si256();
     if (f == IDF_Q6_K) {
         id_words16(cols, at + 192, w);
-        const __m256i dw = _mm256_setr_epi32( /* bytes 206-209: scales 14, 15 | d */
-            (int)u32_at(cols[0] + at + 206), (int)u32_at(cols[1] + at + 206), (int)u32_at(cols[2] + at + 206),
-            (int)u32_at(cols[3] + at + 206), (int)u32_at(cols[4] + at + 206), (int)u32_at(cols[5] + at + 206),
-            (int)u32_at(cols[6] + at + 206), (int)u32_at(cols[7] + at + 206));
-        const __m256 d = id_half_ps(dw, 1);
+        const __m256 d = id_half_ps(id_words_at(cols, at + 206), 1); /* bytes 206-209: scales 14, 15 | d */
         _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
             k[s].d = d, k[s].m = _mm256_setzero_ps();
             k[s].sca = id_byte_s(w[s >> 1], 2 * (s & 1)), k[s].scb = id_byte_s(w[s >> 1], 2 * (s & 1) + 1);
+            k[s].mna = k[s].mnb = zero;
+        }
+        return;
+    }
+    if (f == IDF_Q2_K) {
+        id_words16(cols, at, w);
+        const __m256i dw = id_words_at(cols, at + 80), m15 = _mm256_set1_epi32(15);
+        const __m256 d = id_half_ps(dw, 0), ndmin = _mm256_xor_ps(id_half_ps(dw, 1), _mm256_set1_ps(-0.0f));
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            const __m256i a = id_byte_u(w[s >> 1], 2 * (s & 1)), b = id_byte_u(w[s >> 1], 2 * (s & 1) + 1);
+            k[s].d = d, k[s].m = ndmin;
+            k[s].sca = _mm256_and_si256(a, m15), k[s].scb = _mm256_and_si256(b, m15);
+            k[s].mna = _mm256_srli_epi32(a, 4), k[s].mnb = _mm256_srli_epi32(b, 4);
+        }
+        return;
+    }
+    if (f == IDF_Q3_K) {
+        id_words16(cols, at + 92, w); /* bytes 92-107: w[1], w[2], w[3] = a0, a1, a2 */
+        const __m256 d = id_half_ps(id_words_at(cols, at + 106), 1);
+        const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
+        const __m256i a0 = w[1], a1 = w[2], a2 = w[3], o32 = _mm256_set1_epi32(32);
+        const __m256i aux[4] = {
+            _mm256_or_si256(_mm256_and_si256(a0, m4), _mm256_slli_epi32(_mm256_and_si256(a2, m2), 4)),
+            _mm256_or_si256(_mm256_and_si256(a1, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 2), m2), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a0, 4), m4),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 4), m2), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a1, 4), m4),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 6), m2), 4))};
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            k[s].d = d, k[s].m = _mm256_setzero_ps();
+            k[s].sca = _mm256_sub_epi32(id_byte_u(aux[s >> 1], 2 * (s & 1)), o32);
+            k[s].scb = _mm256_sub_epi32(id_byte_u(aux[s >> 1], 2 * (s & 1) + 1), o32);
+            k[s].mna = k[s].mnb = zero;
+        }
+        return;
+    }
+    if (f == IDF_IQ4_XS) {
+        const __m256i h = id_words_at(cols, at), l = id_words_at(cols, at + 4);
+        const __m256 d = id_half_ps(h, 0);
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi32(l, 4 * s), _mm256_set1_epi32(15));
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi32(h, 16 + 2 * s), _mm256_set1_epi32(3));
+            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+            k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), k[s].m = _mm256_setzero_ps();
+            k[s].sca = k[s].scb = k[s].mna = k[s].mnb = zero;
         }
         return;
     }
@@ -111,25 +168,23 @@ ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Fa
     _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
         k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(id_byte_u(sc[s >> 2], s & 3)));
         k[s].m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(id_byte_u(mn[s >> 2], s & 3)));
-        k[s].sca = k[s].scb = _mm256_setzero_si256();
+        k[s].sca = k[s].scb = k[s].mna = k[s].mnb = zero;
     }
 }
 
-/* The factors (int_dot.c's Factors8: d, m, Q6_K's sub-block scales) of a strip's 8 columns for group g and, for the
- * K-quants, every group of g's super-block: k[j] for group g + j, j < id_span(f). The same values as id_factors:
- * the 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) read the 8 blocks' first 4 bytes (d, Q4_1's / Q5_1's m) at once;
- * a K-quant's super-block header is read once for its 8 groups (id_super_factors). */
+/* The factors (int_dot.c's Factors8) of a strip's 8 columns for group g and, for the 256-blocks, every group of g's
+ * super-block: k[j] for group g + j, j < id_span(f). The same values as id_factors: the 32-blocks (Q8_0, Q4_0,
+ * Q4_1, Q5_0, Q5_1, IQ4_NL) read the 8 blocks' first 4 bytes (d, Q4_1's / Q5_1's m) at once; a super-block's
+ * header is read once for its 8 groups (id_super_factors). */
 static inline int id_span(int f) { return id_super(f) ? 8 : 1; }
 
 ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factors8 *k) {
     if (!id_super(f)) {
         const size_t at = (size_t)g * id_block_bytes(f);
-        const __m256i words = _mm256_setr_epi32(
-            (int)u32_at(cols[0] + at), (int)u32_at(cols[1] + at), (int)u32_at(cols[2] + at), (int)u32_at(cols[3] + at),
-            (int)u32_at(cols[4] + at), (int)u32_at(cols[5] + at), (int)u32_at(cols[6] + at), (int)u32_at(cols[7] + at));
+        const __m256i words = id_words_at(cols, at);
         k->d = id_half_ps(words, 0);
         k->m = id_has_min(f) ? id_half_ps(words, 1) : _mm256_setzero_ps(); /* Q4_1, Q5_1 */
-        k->sca = k->scb = _mm256_setzero_si256();
+        k->sca = k->scb = k->mna = k->mnb = _mm256_setzero_si256();
         return;
     }
     id_super_factors(f, cols, (size_t)(g >> 3) * id_block_bytes(f), k);
@@ -168,8 +223,8 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
 }
 
 /* A strip's group: R rows x 8 columns (cols[c]: column c's row of blocks), acc[i] += the group's contribution to
- * row i (int_dot.c's ROWS256 update, the same operations in the same order). DOT: quads_*; VNNI: 1 for vpdpbusd
- * (Q8_0 offset to u8), 0 for vpmaddubsw (Q8_0 by the sign trick, the other types' pairs added in int16). */
+ * row i (int_dot.c's id_update256, as the panel path). DOT: quads_*; VNNI: 1 for vpdpbusd (signed weights offset
+ * to u8), 0 for vpmaddubsw (signed weights by the sign trick, the other types' pairs added in int16). */
 #define ROWSTRIP(NAME, ATTR, DOT, VNNI)                                                                          \
     ATTR ID_INLINE void NAME(int f, const QRows *x, int R, const uint8_t *const *cols, int g, const Factors8 *kp,  \
                              __m256 *acc) {     \
@@ -177,8 +232,8 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
         id_rows_prefetch(f, cols[0], 8 * id_row_bytes(f, x->G), g);                                               \
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                    \
             w[c] = id_values(f, cols[c], g);                                                                     \
-            if (f == IDF_Q8_0 && VNNI) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80));              \
-            if (f == IDF_Q8_0 && !VNNI) sgn[c] = w[c], w[c] = _mm256_abs_epi8(w[c]);                             \
+            if (id_signed(f) && VNNI) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80));               \
+            if (id_signed(f) && !VNNI) sgn[c] = w[c], w[c] = _mm256_abs_epi8(w[c]);                              \
         }                                                                                                        \
         const Factors8 k = *kp;                                                                                  \
         _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                    \
@@ -189,7 +244,7 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
                 const __m256i *wj = w + 2 * j;                                                                   \
                 if (VNNI) {                                                                                      \
                     h[j] = pair32(DOT(wj[0], xv), DOT(wj[1], xv));                                               \
-                } else if (f == IDF_Q8_0) {                                                                      \
+                } else if (id_signed(f)) {                                                                       \
                     h[j] = pair32(DOT(wj[0], _mm256_sign_epi8(xv, sgn[2 * j])),                                  \
                                   DOT(wj[1], _mm256_sign_epi8(xv, sgn[2 * j + 1])));                             \
                 } else {                                                                                         \
@@ -197,18 +252,8 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
                 }                                                                                                \
             }                                                                                                    \
             id_tree(h, &lo, &hi);                                                                                \
-            __m256i Si;                                                                                          \
-            if (f == IDF_Q6_K) {                                                                                 \
-                const int32_t sa = x->s16[at], sb = x->s[at] - sa;                                               \
-                Si = _mm256_add_epi32(_mm256_mullo_epi32(k.sca, _mm256_sub_epi32(lo, _mm256_set1_epi32(32 * sa))), \
-                                      _mm256_mullo_epi32(k.scb, _mm256_sub_epi32(hi, _mm256_set1_epi32(32 * sb)))); \
-            } else {                                                                                             \
-                Si = _mm256_add_epi32(_mm256_add_epi32(lo, hi), _mm256_set1_epi32(id_start(f, VNNI, x->s[at])));  \
-            }                                                                                                    \
-            const __m256 S = _mm256_cvtepi32_ps(Si);                                                             \
-            __m256 y = acc[i];                                                                                   \
-            if (id_has_min(f)) y = _mm256_fmadd_ps(k.m, _mm256_set1_ps(x->sd[at]), y);                           \
-            acc[i] = _mm256_fmadd_ps(S, _mm256_mul_ps(k.d, _mm256_set1_ps(x->d[at])), y);                        \
+            lo = _mm256_add_epi32(lo, _mm256_set1_epi32(id_start(f, VNNI, x->s[at])));                           \
+            acc[i] = id_update256(f, lo, hi, &k, x, at, acc[i]);                                                 \
         }                                                                                                        \
     }
 

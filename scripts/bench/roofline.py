@@ -199,7 +199,7 @@ def matvec_rates(
     """GB/s of weight streamed by one decode matvec (x [rows, in] @ W^T, W random valid GGUF blocks of each type),
     per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
     row path; with ``baseline``, a checkout's root, also that checkout's row path: ``int8_rows_base``; a type the
-    integer path does not take, such as Q2_K or IQ4_XS, has the fp32 path only), on
+    integer path does not take, F16, BF16 or F32, has the fp32 path only), on
     ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round (a noisy minute
     hits each alike); the best call counts."""
     import numpy as np
