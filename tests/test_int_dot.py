@@ -18,7 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from models.gguf.blocks import KVALUES, _bits, _k4_nibbles, k4_scale_min, random_blocks
+from models.gguf.blocks import (
+    KVALUES,
+    _bits,
+    _k4_nibbles,
+    _nibbles,
+    _q3_k_scales,
+    _two_bit_groups,
+    iq4_xs_scales,
+    k4_scale_min,
+    random_blocks,
+)
 from models.gguf.blocks import TYPES as GGUF_TYPES
 from models.kernels import build, int_dot, quant_gemm
 
@@ -126,29 +136,21 @@ def random_weight(fmt: str, n: int, k: int, seed: int):
             q = (_k4_nibbles(raw[:, 48:176]) | high << 4).astype(np.int32).reshape(len(raw), 256)
         d, m = half(0) * sc.astype(np.float32), -(half(2) * mn.astype(np.float32))
     elif fmt == "IQ4_NL":
-        qs = raw[:, 2:18]
-        q, d = KVALUES[np.concatenate([qs & 15, qs >> 4], axis=1)].astype(np.int32), half(0)
+        q, d = KVALUES[_nibbles(raw[:, 2:18])].astype(np.int32), half(0)
     elif fmt == "IQ4_XS":  # 8 sub-blocks of 32: (d sc) grid[q], sc 6 bits - 32
-        qs = raw[:, 8:136].reshape(-1, 8, 16)
-        q = KVALUES[np.concatenate([qs & 15, qs >> 4], axis=2)].astype(np.int32).reshape(len(raw), 256)
-        high = (raw[:, 2].astype(np.int32) | raw[:, 3].astype(np.int32) << 8)[:, None] >> 2 * np.arange(8) & 3
-        low = raw[:, 4:8].repeat(2, axis=1).astype(np.int32) >> np.tile([0, 4], 4) & 15
-        d = half(0) * ((low | high << 4) - 32).astype(np.float32)
+        q = KVALUES[_nibbles(raw[:, 8:136].reshape(-1, 16))].astype(np.int32).reshape(len(raw), 256)
+        d = half(0) * iq4_xs_scales(raw).astype(np.float32)
     elif fmt in ("Q2_K", "Q3_K"):  # group c = 4 h + j: bits 2 j of qs[32 h .. 32 h + 32]; two sub-blocks of 16 each
         b, at = len(raw), 16 if fmt == "Q2_K" else 32
-        qs = raw[:, at : at + 64].reshape(b, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
-        low = (qs & 3).reshape(b, 256).astype(np.int32)
+        low = _two_bit_groups(raw[:, at : at + 64]).astype(np.int32).reshape(b, 256)
         if fmt == "Q2_K":
             sc, mn = (raw[:, :16] & 15).astype(np.int32), (raw[:, :16] >> 4).astype(np.int32)
             q, d = np.repeat(sc, 16, axis=1) * low, np.repeat(half(80), 8, axis=1)
             m = (np.repeat(mn, 16, axis=1).reshape(n, k), np.repeat(-half(82), 8, axis=1).reshape(n, k // 32))
-        else:  # hmask[k % 32] bit c; scales 6 bits as ggml unpacks them, minus 32
-            high = (raw[:, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1) & 1).reshape(b, 256)
-            sb = raw[:, 96:108].astype(np.int32)
-            s = np.arange(16)
-            lo = np.where(s < 8, sb[:, s % 8] & 15, sb[:, s % 8] >> 4)
-            sc = (lo | (sb[:, 8 + s % 4] >> 2 * (s // 4) & 3) << 4) - 32
-            q, d = np.repeat(sc, 16, axis=1) * (low + 4 * high.astype(np.int32) - 4), np.repeat(half(108), 8, axis=1)
+        else:  # bit c of hmask[k % 32]; scales 6 bits as ggml unpacks them, minus 32
+            high = _bits(raw, 0, 256).reshape(b, 32, 8).transpose(0, 2, 1).reshape(b, 256).astype(np.int32)
+            sc = _q3_k_scales(raw[:, 96:108]).astype(np.int32)
+            q, d = np.repeat(sc, 16, axis=1) * (low + 4 * high - 4), np.repeat(half(108), 8, axis=1)
     else:  # Q6_K: 16 sub-blocks of 16, each (d sc) (q - 32); the integers carry sc
         b = len(raw)
         ql = raw[:, 0:128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)

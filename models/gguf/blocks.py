@@ -193,11 +193,17 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     return (a[:, :, None] * q.reshape(n, 16, 16)).reshape(n, 256)
 
 
-def _iq4_xs(b: np.ndarray) -> np.ndarray:
+def iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks -> their 8 sub-block scales [n, 8] int32: 4 bits of scales_l, 2 of scales_h, minus 32."""
     n = b.shape[0]
     low = np.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], axis=2).reshape(n, 8)
     high = (b[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, 8]
-    a = _f16(b, 0) * ((low | high.astype(np.uint8) << 4).astype(np.float32) - 32)
+    return (low | high.astype(np.uint8) << 4).astype(np.int32) - 32
+
+
+def _iq4_xs(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    a = _f16(b, 0) * iq4_xs_scales(b).astype(np.float32)
     q = KVALUES[_nibbles(b[:, 8:136].reshape(n * 8, 16)).reshape(n, 8, 32)].astype(np.float32)
     return (a[:, :, None] * q).reshape(n, 256)
 

@@ -34,8 +34,10 @@ log = logging.getLogger("minibatch.int_dot")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int_dot.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # GGUF type -> id
-FORMATS.update({"Q2_K": 10, "Q3_K": 11, "IQ4_NL": 20, "IQ4_XS": 23})
+FORMATS = {  # GGUF type -> id
+    **{"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14},
+    **{"Q2_K": 10, "Q3_K": 11, "IQ4_NL": 20, "IQ4_XS": 23},
+}
 ISAS = ("avx2", "avxvnni", "avx512vnni")  # int_dot_isa's 0, 1, 2
 ACTIVATIONS = ("auto", "fp32", "int8")
 GROUP = 32

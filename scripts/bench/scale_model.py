@@ -68,8 +68,10 @@ for _name in RELEASED_SHAPES:
 TOKENIZERS = {"gemma-3-1b": "spm-gemma"}  # the rest: SmolLM2's byte-level BPE
 SEED = 0
 PRE_TOKENIZER = "smollm"  # tokenizer.ggml.pre for SmolLM2's tokenizer (llama.cpp knows it by this name)
-TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL")
-TYPES += ("IQ4_XS",)
+TYPES = (
+    *("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"),
+)
 
 
 def parse(name: str) -> tuple[str, str] | None:
