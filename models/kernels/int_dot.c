@@ -520,8 +520,14 @@ ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *r
     Prep512 *prep = NULL;
     if (M > ID_TILE) {
         prep = scratch_get(&id_w_scratch, sizeof(Prep512) * (size_t)G);
-        if (!prep) return; /* cannot happen for any K a model has (G * 768 bytes); Y is left as it was */
-        for (int g = 0; g < G; g++) prep512(f, rows, g, &prep[g]);
+        if (!prep) return; /* cannot happen for any K a model has (G * 896 bytes); Y is left as it was */
+        /* the kind a constant in each case: prep512's unpacking branches on it for every row of every group */
+#define PREP(F, _)                                                                                           \
+    case F:                                                                                                  \
+        for (int g = 0; g < G; g++) prep512(F, rows, g, &prep[g]);                                            \
+        break;
+        switch (f) { ID_EACH_KIND(PREP, 0) }
+#undef PREP
     }
     __m512 acc[ID_TILE];
     for (int m0 = 0; m0 < M; m0 += ID_TILE) {
@@ -630,7 +636,7 @@ ROWS256(rows_avx2, , dot_avx2, 0)
         if (M > ID_TILE) {                                                                                       \
             prep = scratch_get(&id_w_scratch, sizeof(Prep256) * (size_t)G);                                      \
             if (!prep) return;                                                                                   \
-            for (int g = 0; g < G; g++) prep256(f, VNNI, rows, g, &prep[g]);                                     \
+            switch (f) { ID_EACH_KIND(PREP256_KIND, VNNI) } /* the kind a constant in each case, as pair512 */     \
         }                                                                                                        \
         __m256 acc[ID_TILE];                                                                                     \
         float tmp[8];                                                                                            \
@@ -655,6 +661,10 @@ ROWS256(rows_avx2, , dot_avx2, 0)
         }                                                                                                        \
     }
 
+#define PREP256_KIND(F, VNNI)                                                                                      \
+    case F:                                                                                                        \
+        for (int g = 0; g < G; g++) prep256(F, VNNI, rows, g, &prep[g]);                                           \
+        break;
 #define panel_vnni_KIND(F, N)                                                                                      \
     case F: panel_vnni_tile(F, x, m0, N, rows, prep, acc); break;
 #define panel_avx2_KIND(F, N)                                                                                      \
@@ -667,6 +677,7 @@ PANEL256(panel_avx2, , rows_avx2, 0)
 #undef PANEL256
 #undef panel_vnni_TILES
 #undef panel_avx2_TILES
+#undef PREP256_KIND
 #undef panel_vnni_KIND
 #undef panel_avx2_KIND
 
