@@ -116,6 +116,9 @@ static inline int id_k4(int f) { return f == IDF_Q4_K || f == IDF_Q5_K; } /* Q4_
 /* two sub-blocks of 16 a group, each with its scale (S = sc_a (S_a - o s') + sc_b (S_b - o (s - s')), o: id_offset16) */
 static inline int id_sub16(int f) { return f == IDF_Q6_K || f == IDF_Q3_K || f == IDF_Q2_K; }
 static inline int id_offset16(int f) { return f == IDF_Q6_K ? 32 : f == IDF_Q3_K ? 4 : 0; }
+/* Q2_K, Q3_K: a sub-block's S_a - o s' fits int16 (|q| <= 127, |w - o| <= 4: <= 8128), so one vpmaddwd on the
+ * (S_a, S_b) pairs applies both scales (Q6_K's 63 w do not fit: two vpmulld) */
+static inline int id_pairs16(int f) { return f == IDF_Q3_K || f == IDF_Q2_K; }
 static inline int id_super(int f) { return id_k4(f) || id_sub16(f) || f == IDF_IQ4_XS; } /* 256-blocks of 8 groups */
 static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q5_1 || id_k4(f); }
 /* signed weight bytes (int8 values): VNNI offsets them to u8, AVX2 takes the sign trick */
@@ -291,6 +294,15 @@ static inline void id_store(const float *acc, const float *bias, const float *r,
 
 /* ---------------- a panel's block in operand form ---------------- */
 
+/* An IQ4 group's 16 bytes of nibbles (k 0-15 low, 16-31 high) -> the grid's bytes, each XOR flip (0x80: offset by
+ * 128 to u8, the table flipped before the lookup). */
+ID_INLINE __m256i id_iq4_values(const uint8_t *qs, char flip) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), l4 = _mm_set1_epi8(15);
+    const __m128i grid = _mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_GRID), _mm_set1_epi8(flip));
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(grid), q);
+}
+
 /* The 32 weights of group g of a row as k-ordered bytes: Q8_0 its int8 q, IQ4_NL / IQ4_XS their int8 grid values,
  * the others their unsigned q (Q4_0 / Q4_1 / Q4_K nibbles 0..15, Q5_0 / Q5_1 / Q5_K 0..31, Q6_K 0..63, Q2_K 0..3,
  * Q3_K 0..7). */
@@ -299,20 +311,17 @@ ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
     const uint8_t *blk = id_block(f, row, g, &sub);
     const __m256i lo4 = _mm256_set1_epi8(15);
     if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) { /* 16 bytes of nibbles (k 0-15 low, 16-31 high) -> the grid's bytes */
-        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub)));
-        const __m128i l4 = _mm_set1_epi8(15);
-        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
-        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID)), q);
-    }
+    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) return id_iq4_values(blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub), 0);
     if (f == IDF_Q2_K || f == IDF_Q3_K) { /* group sub = 4 h + j: bits 2 j of qs[32 h ..] (Q3_K: | hmask bit sub << 2) */
         const __m128i shift = _mm_cvtsi32_si128(2 * (sub & 3));
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (f == IDF_Q2_K ? 16 : 32) + 32 * (sub >> 2)));
         const __m256i low = _mm256_and_si256(_mm256_srl_epi16(v, shift), _mm256_set1_epi8(3));
         if (f == IDF_Q2_K) return low;
+        /* hmask bit sub moved to bit 2 (one shift: an immediate where sub is a constant, as in the row path) */
         const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
-        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
-        return _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+        const __m256i at2 = sub >= 2 ? _mm256_srl_epi16(hm, _mm_cvtsi32_si128(sub - 2))
+                                     : _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - sub));
+        return _mm256_or_si256(low, _mm256_and_si256(at2, _mm256_set1_epi8(4)));
     }
     if (id_k4(f)) { /* sub-block 2p + i: nibble i of qs[32 p ..] (Q5_K: | its 5th bits) */
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (f == IDF_Q5_K ? 48 : 16) + 32 * (sub >> 1)));
@@ -332,6 +341,16 @@ ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
     const __m128i v = _mm_loadu_si128((const __m128i *)(blk + qs)), l4 = _mm_set1_epi8(15);
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
     return f == IDF_Q5_0 || f == IDF_Q5_1 ? _mm256_or_si256(q, five_bit_bytes(u32_at(blk + qs - 4))) : q;
+}
+
+/* id_values with the signed types' bytes offset by 128 to u8, vpdpbusd's weights (S then starts at -128 s): the IQ4
+ * types look them up in a flipped grid (no extra operation), Q8_0 flips its sign bits. */
+ID_INLINE __m256i id_values_u8(int f, const uint8_t *row, int g) {
+    int sub;
+    const uint8_t *blk = id_block(f, row, g, &sub);
+    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) return id_iq4_values(blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub), (char)0x80);
+    const __m256i v = id_values(f, row, g);
+    return id_signed(f) ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
 }
 
 /* Group g of a panel's 8 rows -> the 8 k-quads w[j]: 32-bit word c of w[j] = row c's k 4j .. 4j + 3. */
@@ -359,19 +378,23 @@ ID_INLINE void id_operands(int f, const uint8_t *const *rows, int g, __m256i w[8
 }
 
 /* Group g's factors in each of a panel's 8 rows: d, m (0 without a min; Q2_K: -dmin) and, for the types with
- * sub-blocks of 16 (Q2_K, Q3_K, Q6_K), their two scales, and Q2_K's two mins. */
+ * sub-blocks of 16, their two scales: Q6_K's as int32 (sca, scb), Q2_K's / Q3_K's as an int16 pair per 32-bit lane
+ * (sc2: sc_a low, sc_b high; id_pairs16), and Q2_K's two mins likewise (mn2). */
 typedef struct {
     __m256 d, m;
-    __m256i sca, scb, mna, mnb;
+    __m256i sca, scb, sc2, mn2;
 } Factors8;
+
+/* (a, b) as an int16 pair: a in the low half of the 32-bit word, b in the high */
+static inline int32_t id_pair16(int32_t a, int32_t b) { return (int32_t)((uint32_t)(uint16_t)a | (uint32_t)b << 16); }
 
 ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
     float d[8], m[8];
-    int32_t sa[8], sb[8], ma[8], mb[8];
+    int32_t sa[8], sb[8], sc2[8], mn2[8];
     for (int c = 0; c < 8; c++) {
         int sub;
         const uint8_t *blk = id_block(f, rows[c], g, &sub);
-        sa[c] = sb[c] = ma[c] = mb[c] = 0, m[c] = 0.0f;
+        sa[c] = sb[c] = sc2[c] = mn2[c] = 0, m[c] = 0.0f;
         if (id_k4(f)) {
             int sc, mn;
             k4_scale_min(blk + 4, sub, &sc, &mn);
@@ -381,10 +404,11 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
             sa[c] = (int8_t)blk[192 + 2 * sub], sb[c] = (int8_t)blk[193 + 2 * sub];
         } else if (f == IDF_Q3_K) {
             d[c] = f16_at(blk + 108);
-            sa[c] = q3_k_scale(blk + 96, 2 * sub), sb[c] = q3_k_scale(blk + 96, 2 * sub + 1);
+            sc2[c] = id_pair16(q3_k_scale(blk + 96, 2 * sub), q3_k_scale(blk + 96, 2 * sub + 1));
         } else if (f == IDF_Q2_K) {
             d[c] = f16_at(blk + 80), m[c] = -f16_at(blk + 82);
-            sa[c] = blk[2 * sub] & 15, sb[c] = blk[2 * sub + 1] & 15, ma[c] = blk[2 * sub] >> 4, mb[c] = blk[2 * sub + 1] >> 4;
+            sc2[c] = id_pair16(blk[2 * sub] & 15, blk[2 * sub + 1] & 15);
+            mn2[c] = id_pair16(blk[2 * sub] >> 4, blk[2 * sub + 1] >> 4);
         } else if (f == IDF_IQ4_XS) {
             d[c] = iq4_xs_scale(blk, sub);
         } else {
@@ -393,8 +417,8 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
         }
     }
     Factors8 r = {_mm256_loadu_ps(d), _mm256_loadu_ps(m), _mm256_loadu_si256((const __m256i *)sa),
-                  _mm256_loadu_si256((const __m256i *)sb), _mm256_loadu_si256((const __m256i *)ma),
-                  _mm256_loadu_si256((const __m256i *)mb)};
+                  _mm256_loadu_si256((const __m256i *)sb), _mm256_loadu_si256((const __m256i *)sc2),
+                  _mm256_loadu_si256((const __m256i *)mn2)};
     return r;
 }
 
@@ -403,15 +427,19 @@ ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
  * order in every kernel (the 512-bit form: id_update512). */
 ID_INLINE __m256 id_update256(int f, __m256i lo, __m256i hi, const Factors8 *k, const QRows *x, size_t at, __m256 y) {
     __m256i Si;
-    if (id_sub16(f)) {
+    if (id_pairs16(f)) { /* (S_a - o s', S_b - o (s - s')) as int16 pairs, times (sc_a, sc_b): one vpmaddwd */
+        const int32_t sa = x->s16[at], sb = x->s[at] - sa, o = id_offset16(f);
+        __m256i pairs = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xaa);
+        if (o) pairs = _mm256_sub_epi16(pairs, _mm256_set1_epi32(id_pair16(o * sa, o * sb)));
+        Si = _mm256_madd_epi16(pairs, k->sc2);
+        if (f == IDF_Q2_K) { /* the mins: Mn = m_a s' + m_b (s - s') */
+            const __m256i Mn = _mm256_madd_epi16(k->mn2, _mm256_set1_epi32(id_pair16(sa, sb)));
+            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(k->m, _mm256_set1_ps(x->d[at])), y);
+        }
+    } else if (id_sub16(f)) { /* Q6_K */
         const int32_t sa = x->s16[at], sb = x->s[at] - sa, o = id_offset16(f);
         Si = _mm256_add_epi32(_mm256_mullo_epi32(k->sca, _mm256_sub_epi32(lo, _mm256_set1_epi32(o * sa))),
                               _mm256_mullo_epi32(k->scb, _mm256_sub_epi32(hi, _mm256_set1_epi32(o * sb))));
-        if (f == IDF_Q2_K) { /* the mins: Mn = m_a s' + m_b (s - s') */
-            const __m256i Mn = _mm256_add_epi32(_mm256_mullo_epi32(k->mna, _mm256_set1_epi32(sa)),
-                                                _mm256_mullo_epi32(k->mnb, _mm256_set1_epi32(sb)));
-            y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(k->m, _mm256_set1_ps(x->d[at])), y);
-        }
     } else {
         Si = _mm256_add_epi32(lo, hi);
     }
@@ -432,7 +460,7 @@ ID_INLINE int32_t id_start(int f, int offset8, int32_t s) {
 typedef struct {
     __m512i w[8];
     __m512 d, m;
-    __m512i sca, scb, mna, mnb;
+    __m512i sca, scb, sc2, mn2;
 } Prep512;
 
 /* [a | b] as one 16-lane register */
@@ -454,7 +482,7 @@ ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, Prep512 
     const Factors8 fa = id_factors(f, rows, g), fb = id_factors(f, rows + 8, g);
     p->d = join512(fa.d, fb.d), p->m = join512(fa.m, fb.m);
     p->sca = join512i(fa.sca, fb.sca), p->scb = join512i(fa.scb, fb.scb);
-    p->mna = join512i(fa.mna, fb.mna), p->mnb = join512i(fa.mnb, fb.mnb);
+    p->sc2 = join512i(fa.sc2, fb.sc2), p->mn2 = join512i(fa.mn2, fb.mn2);
 }
 
 /* R rows (constant after inlining) x group g: acc[i] += the group's contribution (see the header). */
@@ -476,15 +504,19 @@ ID_512 ID_INLINE void rows512(int f, const QRows *x, int m0, int g, const Prep51
         s0 = _mm512_add_epi32(s0, t0), s1 = _mm512_add_epi32(s1, t1);
         __m512i Si;
         __m512 y = acc[i];
-        if (id_sub16(f)) { /* sc_a (S_a - o s') + sc_b (S_b - o (s - s')) (id_update256's math) */
+        if (id_pairs16(f)) { /* id_update256's math: int16 pairs (S_a - o s', S_b - o (s - s')) . (sc_a, sc_b) */
+            const int32_t sa = x->s16[at], sb = x->s[at] - sa, o = id_offset16(f);
+            __m512i pairs = _mm512_mask_blend_epi16(0xaaaaaaaa, s0, _mm512_slli_epi32(s1, 16));
+            if (o) pairs = _mm512_sub_epi16(pairs, _mm512_set1_epi32(id_pair16(o * sa, o * sb)));
+            Si = _mm512_madd_epi16(pairs, p->sc2);
+            if (f == IDF_Q2_K) {
+                const __m512i Mn = _mm512_madd_epi16(p->mn2, _mm512_set1_epi32(id_pair16(sa, sb)));
+                y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(p->m, _mm512_set1_ps(x->d[at])), y);
+            }
+        } else if (id_sub16(f)) { /* Q6_K: sc_a (S_a - 32 s') + sc_b (S_b - 32 (s - s')) */
             const int32_t sa = x->s16[at], sb = x->s[at] - sa, o = id_offset16(f);
             Si = _mm512_add_epi32(_mm512_mullo_epi32(p->sca, _mm512_sub_epi32(s0, _mm512_set1_epi32(o * sa))),
                                   _mm512_mullo_epi32(p->scb, _mm512_sub_epi32(s1, _mm512_set1_epi32(o * sb))));
-            if (f == IDF_Q2_K) {
-                const __m512i Mn = _mm512_add_epi32(_mm512_mullo_epi32(p->mna, _mm512_set1_epi32(sa)),
-                                                    _mm512_mullo_epi32(p->mnb, _mm512_set1_epi32(sb)));
-                y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(p->m, _mm512_set1_ps(x->d[at])), y);
-            }
         } else {
             Si = _mm512_add_epi32(s0, s1);
         }

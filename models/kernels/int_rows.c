@@ -79,6 +79,11 @@ ID_INLINE __m256i id_byte_u(__m256i v, int b) {
     return b == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), _mm256_set1_epi32(255));
 }
 ID_INLINE __m256i id_byte_s(__m256i v, int b) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24); }
+/* Bytes 2 h and 2 h + 1 (h a constant 0-1) of each 32-bit lane, zero-extended to an int16 pair (id_pair16). */
+ID_INLINE __m256i id_bytes_pair16(__m256i v, int h) {
+    const __m256i two = h ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff)); /* low half */
+    return _mm256_and_si256(_mm256_or_si256(two, _mm256_slli_epi32(two, 8)), _mm256_set1_epi32(0x00ff00ff));
+}
 
 /* The 32-bit word at byte `at` of each of a strip's 8 columns, column c in lane c. */
 ID_INLINE __m256i id_words_at(const uint8_t *const *cols, size_t at) {
@@ -108,19 +113,19 @@ ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Fa
         _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
             k[s].d = d, k[s].m = _mm256_setzero_ps();
             k[s].sca = id_byte_s(w[s >> 1], 2 * (s & 1)), k[s].scb = id_byte_s(w[s >> 1], 2 * (s & 1) + 1);
-            k[s].mna = k[s].mnb = zero;
+            k[s].sc2 = k[s].mn2 = zero;
         }
         return;
     }
     if (f == IDF_Q2_K) {
         id_words16(cols, at, w);
-        const __m256i dw = id_words_at(cols, at + 80), m15 = _mm256_set1_epi32(15);
+        const __m256i dw = id_words_at(cols, at + 80), m15 = _mm256_set1_epi32(0x000f000f);
         const __m256 d = id_half_ps(dw, 0), ndmin = _mm256_xor_ps(id_half_ps(dw, 1), _mm256_set1_ps(-0.0f));
         _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-            const __m256i a = id_byte_u(w[s >> 1], 2 * (s & 1)), b = id_byte_u(w[s >> 1], 2 * (s & 1) + 1);
+            const __m256i ab = id_bytes_pair16(w[s >> 1], s & 1); /* (byte 2 s, byte 2 s + 1) of the scales */
             k[s].d = d, k[s].m = ndmin;
-            k[s].sca = _mm256_and_si256(a, m15), k[s].scb = _mm256_and_si256(b, m15);
-            k[s].mna = _mm256_srli_epi32(a, 4), k[s].mnb = _mm256_srli_epi32(b, 4);
+            k[s].sc2 = _mm256_and_si256(ab, m15), k[s].mn2 = _mm256_and_si256(_mm256_srli_epi32(ab, 4), m15);
+            k[s].sca = k[s].scb = zero;
         }
         return;
     }
@@ -128,7 +133,7 @@ ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Fa
         id_words16(cols, at + 92, w); /* bytes 92-107: w[1], w[2], w[3] = a0, a1, a2 */
         const __m256 d = id_half_ps(id_words_at(cols, at + 106), 1);
         const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
-        const __m256i a0 = w[1], a1 = w[2], a2 = w[3], o32 = _mm256_set1_epi32(32);
+        const __m256i a0 = w[1], a1 = w[2], a2 = w[3], o32 = _mm256_set1_epi16(32);
         const __m256i aux[4] = {
             _mm256_or_si256(_mm256_and_si256(a0, m4), _mm256_slli_epi32(_mm256_and_si256(a2, m2), 4)),
             _mm256_or_si256(_mm256_and_si256(a1, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 2), m2), 4)),
@@ -138,9 +143,8 @@ ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Fa
                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 6), m2), 4))};
         _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
             k[s].d = d, k[s].m = _mm256_setzero_ps();
-            k[s].sca = _mm256_sub_epi32(id_byte_u(aux[s >> 1], 2 * (s & 1)), o32);
-            k[s].scb = _mm256_sub_epi32(id_byte_u(aux[s >> 1], 2 * (s & 1) + 1), o32);
-            k[s].mna = k[s].mnb = zero;
+            k[s].sc2 = _mm256_sub_epi16(id_bytes_pair16(aux[s >> 1], s & 1), o32);
+            k[s].sca = k[s].scb = k[s].mn2 = zero;
         }
         return;
     }
@@ -152,7 +156,7 @@ ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Fa
             const __m256i high = _mm256_and_si256(_mm256_srli_epi32(h, 16 + 2 * s), _mm256_set1_epi32(3));
             const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
             k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), k[s].m = _mm256_setzero_ps();
-            k[s].sca = k[s].scb = k[s].mna = k[s].mnb = zero;
+            k[s].sca = k[s].scb = k[s].sc2 = k[s].mn2 = zero;
         }
         return;
     }
@@ -168,7 +172,7 @@ ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Fa
     _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
         k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(id_byte_u(sc[s >> 2], s & 3)));
         k[s].m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(id_byte_u(mn[s >> 2], s & 3)));
-        k[s].sca = k[s].scb = k[s].mna = k[s].mnb = zero;
+        k[s].sca = k[s].scb = k[s].sc2 = k[s].mn2 = zero;
     }
 }
 
@@ -184,7 +188,7 @@ ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factor
         const __m256i words = id_words_at(cols, at);
         k->d = id_half_ps(words, 0);
         k->m = id_has_min(f) ? id_half_ps(words, 1) : _mm256_setzero_ps(); /* Q4_1, Q5_1 */
-        k->sca = k->scb = k->mna = k->mnb = _mm256_setzero_si256();
+        k->sca = k->scb = k->sc2 = k->mn2 = _mm256_setzero_si256();
         return;
     }
     id_super_factors(f, cols, (size_t)(g >> 3) * id_block_bytes(f), k);
@@ -222,17 +226,17 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
     *hi = _mm256_permute2x128_si256(u0, u1, 0x31);
 }
 
-/* A strip's group: R rows x 8 columns (cols[c]: column c's row of blocks), acc[i] += the group's contribution to
- * row i (int_dot.c's id_update256, as the panel path). DOT: quads_*; VNNI: 1 for vpdpbusd (signed weights offset
- * to u8), 0 for vpmaddubsw (signed weights by the sign trick, the other types' pairs added in int16). */
+/* A strip's group g: R rows x 8 columns (cols[c]: column c's row of blocks; blocks[c]: the block holding g, which
+ * is its group j: a super-block's g & 7, else blocks = cols and j = g), acc[i] += the group's contribution to row
+ * i (int_dot.c's id_update256, as the panel path). DOT: quads_*; VNNI: 1 for vpdpbusd (signed weights offset to
+ * u8), 0 for vpmaddubsw (signed weights by the sign trick, the other types' pairs added in int16). */
 #define ROWSTRIP(NAME, ATTR, DOT, VNNI)                                                                          \
-    ATTR ID_INLINE void NAME(int f, const QRows *x, int R, const uint8_t *const *cols, int g, const Factors8 *kp,  \
-                             __m256 *acc) {     \
+    ATTR ID_INLINE void NAME(int f, const QRows *x, int R, const uint8_t *const *cols, const uint8_t *const *blocks, \
+                             int j, int g, const Factors8 *kp, __m256 *acc) {                             \
         __m256i w[8], sgn[8];                                                                                    \
         id_rows_prefetch(f, cols[0], 8 * id_row_bytes(f, x->G), g);                                               \
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                    \
-            w[c] = id_values(f, cols[c], g);                                                                     \
-            if (id_signed(f) && VNNI) w[c] = _mm256_xor_si256(w[c], _mm256_set1_epi8((char)0x80));               \
+            w[c] = VNNI ? id_values_u8(f, blocks[c], j) : id_values(f, blocks[c], j);                            \
             if (id_signed(f) && !VNNI) sgn[c] = w[c], w[c] = _mm256_abs_epi8(w[c]);                              \
         }                                                                                                        \
         const Factors8 k = *kp;                                                                                  \
@@ -263,7 +267,15 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
         for (int g = 0; g < x->G; g += id_span(f)) {                                                             \
             Factors8 k[8];                                                                                       \
             id_strip_factors(f, cols, g, k);                                                                     \
-            for (int j = 0; j < id_span(f); j++) STRIP(f, x, R, cols, g + j, &k[j], acc);                        \
+            if (!id_super(f)) {                                                                                  \
+                STRIP(f, x, R, cols, cols, g, g, k, acc);                                                        \
+                continue;                                                                                        \
+            }                                                                                                    \
+            /* a super-block: its 8 groups (unrolled: each group's shifts are immediates) from its 8 columns' \
+             * blocks, addressed once */                                                                         \
+            const uint8_t *blocks[ID_PANEL];                                                                     \
+            for (int c = 0; c < ID_PANEL; c++) blocks[c] = cols[c] + (size_t)(g >> 3) * id_block_bytes(f);       \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) STRIP(f, x, R, cols, blocks, j, g + j, &k[j], acc); \
         }                                                                                                        \
     }                                                                                                            \
     ATTR static void NAME(int f, const QRows *x, const uint8_t *W, const float *bias, const float *Rr, int ldr,  \
