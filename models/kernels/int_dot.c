@@ -123,6 +123,10 @@ static inline int id_super(int f) { return id_k4(f) || id_sub16(f) || f == IDF_I
 static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q5_1 || id_k4(f); }
 /* signed weight bytes (int8 values): VNNI offsets them to u8, AVX2 takes the sign trick */
 static inline int id_signed(int f) { return f == IDF_Q8_0 || f == IDF_IQ4_NL || f == IDF_IQ4_XS; }
+/* AVX2: how many k-quads' vpmaddubsw int16 sums (each w_1 q_1 + w_2 q_2, |q| <= 127) add in int16 before one
+ * vpmaddwd widens them: n 2 w_max 127 <= 32767, so 4 for the unsigned types up to 5 bits (w <= 31), 2 for Q6_K's 6,
+ * 1 for the signed ones (|w| up to 128 by the sign trick) */
+static inline int id_i16_quads(int f) { return id_signed(f) ? 1 : f == IDF_Q6_K ? 2 : 4; }
 
 /* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or a super-block's (8 groups). */
 static inline int id_block_bytes(int f) {
@@ -637,12 +641,25 @@ ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
             const int32_t *xq = (const int32_t *)(x->q + at * ID_GROUP);                                         \
             /* s0: k 0-15 (quads 0-3), s1: k 16-31 (4-7); integer sums: exact in any order */                    \
             __m256i s0 = _mm256_set1_epi32(id_start(f, VNNI, x->s[at])), s1 = _mm256_setzero_si256();            \
-            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                \
-                __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 4]);                        \
-                if (!VNNI && id_signed(f))                                                                       \
-                    x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 4]);              \
-                s0 = DOT(s0, p->w[j], x0);                                                                       \
-                s1 = DOT(s1, p->w[j + 4], x1);                                                                   \
+            if (VNNI || id_i16_quads(f) == 1) {                                                                  \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                            \
+                    __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 4]);                    \
+                    if (!VNNI && id_signed(f))                                                                   \
+                        x0 = _mm256_sign_epi8(x0, p->sgn[j]), x1 = _mm256_sign_epi8(x1, p->sgn[j + 4]);          \
+                    s0 = DOT(s0, p->w[j], x0);                                                                   \
+                    s1 = DOT(s1, p->w[j + 4], x1);                                                               \
+                }                                                                                                \
+            } else { /* AVX2, unsigned weights: id_i16_quads(f) quads' pair sums added in int16, then widened */ \
+                const int n = id_i16_quads(f);                                                                   \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j += n) {                                         \
+                    __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();                            \
+                    _Pragma("GCC unroll 4") for (int u = j; u < j + n; u++) {                                    \
+                        h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(p->w[u], _mm256_set1_epi32(xq[u])));      \
+                        h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(p->w[u + 4], _mm256_set1_epi32(xq[u + 4]))); \
+                    }                                                                                            \
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(h0, _mm256_set1_epi16(1)));                      \
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(h1, _mm256_set1_epi16(1)));                      \
+                }                                                                                                \
             }                                                                                                    \
             acc[i] = id_update256(f, s0, s1, &p->k, x, at, acc[i]);                                              \
         }                                                                                                        \

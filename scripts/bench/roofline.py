@@ -182,10 +182,15 @@ def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
 
 def baseline_kernel(tree: str):
     """int_dot.c of another checkout (``tree``: its root, e.g. ``git worktree add /tmp/base <commit>``), built into
-    the kernel cache and declared as this one (its ISA: the best the CPU has; its row path: on)."""
+    the kernel cache and declared as this one (its ISA: the one this checkout's kernel runs; its row path: on)."""
+    import ctypes
+
     from models.kernels import build, int_dot
 
-    return int_dot.declare(build.build_and_load(os.path.join(tree, "models", "kernels", "int_dot.c"), int_dot.FLAGS))
+    lib = int_dot.declare(build.build_and_load(os.path.join(tree, "models", "kernels", "int_dot.c"), int_dot.FLAGS))
+    lib.int_dot_isa.restype, lib.int_dot_isa.argtypes = ctypes.c_int, [ctypes.c_int]
+    lib.int_dot_isa(int_dot.ISAS.index(int_dot.isa()))
+    return lib
 
 
 def matvec_rates(
