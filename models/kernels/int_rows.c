@@ -44,13 +44,15 @@ static inline size_t id_group_at(int f, int g) {
  * streams (a 2048-wide Q4_K row is 18 cache lines), which the hardware prefetchers pick up late and a prefetch a
  * fixed distance ahead of each column misses at every strip's start. At group g the strip has read 8
  * id_group_at(f, g) of its bytes; the lines that far into the next strip are fetched, as many a step as that point
- * advances (8 groups' bytes, + 16 for a super-block's uneven spread), so the whole next strip is in cache (L1, or
- * L2 for a long strip) before it starts. strip = the first column's row (rows[0]: W + 8 p row_bytes). */
+ * advances (8 groups' bytes, + 16 for a super-block's uneven spread), so the whole next strip is in L2 before it
+ * starts. Into L2 (T1), not L1: a 8192-wide strip is 37 KB, most of an L1, and fetched a strip ahead it evicted the
+ * current strip's lines (docs/integer-dot.md, "Prefetching into L2"). strip = the first column's row (rows[0]:
+ * W + 8 p row_bytes). */
 ID_INLINE void id_rows_prefetch(int f, const uint8_t *strip, size_t bytes, int g) {
     if (!ID_ROWS_PREFETCH) return;
     const int lines = (8 * id_block_bytes(f) / (id_super(f) ? 8 : 1) + 16 + 63) / 64;
     const char *at = (const char *)strip + bytes + 8 * id_group_at(f, g);
-    for (int l = 0; l < lines; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
+    for (int l = 0; l < lines; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T1);
 }
 
 /* fp32 of the fp16 in the low (hi = 0) or high (hi = 1) half of each 32-bit lane. */
