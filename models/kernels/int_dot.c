@@ -298,9 +298,10 @@ static inline void id_store(const float *acc, const float *bias, const float *r,
 
 /* ---------------- a panel's block in operand form ---------------- */
 
-/* An IQ4 group's 16 bytes of nibbles (k 0-15 low, 16-31 high) -> the grid's bytes, each XOR flip (0x80: offset by
- * 128 to u8, the table flipped before the lookup). */
-ID_INLINE __m256i id_iq4_values(const uint8_t *qs, char flip) {
+/* An IQ4 group's 16 bytes of nibbles (k 0-15 low, 16-31 high; in block blk, IQ4_XS's sub-block sub) -> the grid's
+ * bytes, each XOR flip (0x80: offset by 128 to u8, the table flipped before the lookup). */
+ID_INLINE __m256i id_iq4_values(int f, const uint8_t *blk, int sub, char flip) {
+    const uint8_t *qs = blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub);
     const __m128i v = _mm_loadu_si128((const __m128i *)qs), l4 = _mm_set1_epi8(15);
     const __m128i grid = _mm_xor_si128(_mm_loadu_si128((const __m128i *)IQ4_GRID), _mm_set1_epi8(flip));
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), l4), _mm_and_si128(v, l4));
@@ -315,7 +316,7 @@ ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
     const uint8_t *blk = id_block(f, row, g, &sub);
     const __m256i lo4 = _mm256_set1_epi8(15);
     if (f == IDF_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) return id_iq4_values(blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub), 0);
+    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) return id_iq4_values(f, blk, sub, 0);
     if (f == IDF_Q2_K || f == IDF_Q3_K) { /* group sub = 4 h + j: bits 2 j of qs[32 h ..] (Q3_K: | hmask bit sub << 2) */
         const __m128i shift = _mm_cvtsi32_si128(2 * (sub & 3));
         const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (f == IDF_Q2_K ? 16 : 32) + 32 * (sub >> 2)));
@@ -352,7 +353,7 @@ ID_INLINE __m256i id_values(int f, const uint8_t *row, int g) {
 ID_INLINE __m256i id_values_u8(int f, const uint8_t *row, int g) {
     int sub;
     const uint8_t *blk = id_block(f, row, g, &sub);
-    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) return id_iq4_values(blk + (f == IDF_IQ4_NL ? 2 : 8 + 16 * sub), (char)0x80);
+    if (f == IDF_IQ4_NL || f == IDF_IQ4_XS) return id_iq4_values(f, blk, sub, (char)0x80);
     const __m256i v = id_values(f, row, g);
     return id_signed(f) ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
 }

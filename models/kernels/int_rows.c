@@ -196,19 +196,9 @@ ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factor
     id_super_factors(f, cols, (size_t)(g >> 3) * id_block_bytes(f), k);
 }
 
-/* One column-group's 8 int32 quad sums: 4 k each, k-ordered. AVX2: vpmaddubsw to pairs then vpmaddwd; VNNI: one
- * vpdpbusd. */
-ID_INLINE __m256i quads_avx2(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-ID_VNNI ID_INLINE __m256i quads_vnni(__m256i w, __m256i x) {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-}
-ID_512 ID_INLINE __m256i quads_512(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
-/* ... added to s (VNNI; AVX2's is not used: its pairs go through int16, pair16) */
-ID_INLINE __m256i more_avx2(__m256i s, __m256i w, __m256i x) { return _mm256_add_epi32(s, quads_avx2(w, x)); }
-ID_VNNI ID_INLINE __m256i more_vnni(__m256i s, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(s, w, x); }
-ID_512 ID_INLINE __m256i more_512(__m256i s, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(s, w, x); }
+/* One column-group's 8 int32 quad sums (4 k each, k-ordered) added to s: int_dot.c's dot_avx2 (vpmaddubsw to pairs
+ * then vpmaddwd) and dot_vnni (VEX vpdpbusd), and the EVEX form for the AVX-512 VNNI kernel: */
+ID_512 ID_INLINE __m256i dot_512(__m256i s, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(s, w, x); }
 
 /* A column pair's products -> [a, b, a, b | a, b, a, b]: lane 2 e + 0 / 1 a part of column a's / b's sum, the low
  * 128 bits over k 0-15, the high over k 16-31. From int32 quad sums (VNNI, AVX2's Q8_0): */
@@ -234,16 +224,17 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
 
 /* A strip's group g: R rows x 8 columns (cols[c]: column c's row of blocks; blocks[c]: the block holding g, which
  * is its group j: a super-block's g & 7, else blocks = cols and j = g), acc[i] += the group's contribution to row
- * i (int_dot.c's id_update256, as the panel path). DOT: quads_*, MORE: more_*; VNNI: 1 for vpdpbusd (signed
+ * i (int_dot.c's id_update256, as the panel path). DOT: dot_* (s + quad sums); VNNI: 1 for vpdpbusd (signed
  * weights offset to u8), 0 for vpmaddubsw (signed weights by the sign trick, the other types' pairs added in int16).
  * From 2 rows (where x is the same for all 8 columns: not AVX2's signed types) the tree's first level moves onto the
  * weights, made once for all rows: a column pair's products interleaved (pair32) are the products of the pair's
  * interleaved k-quads with x's quads each repeated, unpacklo_epi32(a, b) = dot(unpacklo_epi32(w_a, w_b),
  * unpacklo_epi32(x, x)) (likewise hi), so a row's pair is two dot steps, the second adding to the first. */
-#define ROWSTRIP(NAME, ATTR, DOT, MORE, VNNI)                                                                    \
+#define ROWSTRIP(NAME, ATTR, DOT, VNNI)                                                                          \
     ATTR ID_INLINE void NAME(int f, const QRows *x, int R, const uint8_t *const *cols, const uint8_t *const *blocks, \
                              int j, int g, const Factors8 *kp, __m256 *acc) {                                   \
         __m256i w[8], sgn[8], wl[4], wh[4];                                                                      \
+        const __m256i zero = _mm256_setzero_si256();                                                             \
         const int woven = R >= 2 && (VNNI || !id_signed(f)); /* the pairs' first level made on the weights */   \
         id_rows_prefetch(f, cols[0], 8 * id_row_bytes(f, x->G), g);                                               \
         _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                    \
@@ -264,17 +255,17 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
             _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {                                                \
                 const __m256i *wj = w + 2 * j;                                                                   \
                 if (woven && VNNI) {                                                                             \
-                    h[j] = MORE(DOT(wl[j], xl), wh[j], xh);                                                      \
+                    h[j] = DOT(DOT(zero, wl[j], xl), wh[j], xh);                                                 \
                 } else if (woven) {                                                                              \
                     /* int16: 4 products of one column, as pair16 */                                             \
                     const __m256i q = _mm256_add_epi16(_mm256_maddubs_epi16(wl[j], xl),                          \
                                                        _mm256_maddubs_epi16(wh[j], xh));                         \
                     h[j] = _mm256_madd_epi16(q, _mm256_set1_epi16(1));                                           \
                 } else if (VNNI) {                                                                               \
-                    h[j] = pair32(DOT(wj[0], xv), DOT(wj[1], xv));                                               \
+                    h[j] = pair32(DOT(zero, wj[0], xv), DOT(zero, wj[1], xv));                                   \
                 } else if (id_signed(f)) {                                                                       \
-                    h[j] = pair32(DOT(wj[0], _mm256_sign_epi8(xv, sgn[2 * j])),                                  \
-                                  DOT(wj[1], _mm256_sign_epi8(xv, sgn[2 * j + 1])));                             \
+                    h[j] = pair32(DOT(zero, wj[0], _mm256_sign_epi8(xv, sgn[2 * j])),                            \
+                                  DOT(zero, wj[1], _mm256_sign_epi8(xv, sgn[2 * j + 1])));                       \
                 } else {                                                                                         \
                     h[j] = pair16(_mm256_maddubs_epi16(wj[0], xv), _mm256_maddubs_epi16(wj[1], xv));              \
                 }                                                                                                \
@@ -326,9 +317,9 @@ ID_INLINE void id_tree(const __m256i t[4], __m256i *lo, __m256i *hi) {
     case F * ID_ROWS_MAX + R - 1: NAME##_strip(F, x, R, rows, acc); break;
 #define ROWCASES(F, NAME) ROWCASE(NAME, F, 1) ROWCASE(NAME, F, 2) ROWCASE(NAME, F, 3) ROWCASE(NAME, F, 4)
 
-ROWSTRIP(strip_avx2, , quads_avx2, more_avx2, 0)
-ROWSTRIP(strip_vnni, ID_VNNI, quads_vnni, more_vnni, 1)
-ROWSTRIP(strip_512, ID_512, quads_512, more_512, 1)
+ROWSTRIP(strip_avx2, , dot_avx2, 0)
+ROWSTRIP(strip_vnni, ID_VNNI, dot_vnni, 1)
+ROWSTRIP(strip_512, ID_512, dot_512, 1)
 ROWRANGE(id_rows_avx2, , strip_avx2)
 ROWRANGE(id_rows_vnni, ID_VNNI, strip_vnni)
 ROWRANGE(id_rows_512, ID_512, strip_512)
