@@ -3,6 +3,7 @@
 
     python scripts/build_llamacpp.py            # builds (10-30 minutes on 2 cores), prints the binary's path
     python scripts/build_llamacpp.py --print    # prints the path if built, else exits 1 (builds nothing)
+    python scripts/build_llamacpp.py --isa avx2 # ggml's portable AVX2 build beside it (an AVX2-only CPU's kernels)
 
 Why this route: no network but package registries here, and the ``llama-cpp-python`` sdist
 (``pip download --no-deps --no-binary :all:``) carries a full llama.cpp tree under
@@ -65,10 +66,19 @@ def cpu_tag(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     return hashlib.sha1(f"{platform.machine()}|{model}|{' '.join(isa)}".encode()).hexdigest()[:10]
 
 
-def build_dir(version: str = VERSION) -> str:
-    """<cache root>/llamacpp-<version>-<cpu_tag()> (``models/cache_dir.py``: $MINIBATCH_CACHE, else XDG, else
-    ~/.cache)."""
-    return cache_subdir(f"llamacpp-{version}-{cpu_tag()}")
+# Builds besides the native one: "avx2" is ggml's portable x86 build (-DGGML_NATIVE=OFF: AVX, AVX2, FMA, F16C and
+# BMI2, no AVX-512, no VNNI), the kernels an AVX2-only CPU such as a Zen 3 runs, runnable on any AVX2 host. On an
+# AVX-512 machine it is the peer of our kernels forced to their AVX2 form (KERNEL_ISA=avx2): both sides on the
+# same silicon in the ISA the older CPU has.
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"]}
+
+
+def build_dir(version: str = VERSION, isa: str = "native") -> str:
+    """<cache root>/llamacpp-<version>-<cpu_tag()> for the native build, ``-<isa>`` for a portable one
+    (``models/cache_dir.py``: $MINIBATCH_CACHE, else XDG, else ~/.cache)."""
+    if isa not in ISA_FLAGS:
+        raise SystemExit(f"unknown llama.cpp build {isa!r} (choose from {', '.join(ISA_FLAGS)})")
+    return cache_subdir(f"llamacpp-{version}-{cpu_tag() if isa == 'native' else isa}")
 
 
 # The binaries built beside each other; ``llama-server`` is copied last, so its presence means a finished build.
@@ -78,9 +88,10 @@ TARGETS = ("llama-quantize", "llama-server")
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
 
 
-def binary_path(version: str = VERSION, name: str = "llama-server") -> str | None:
-    """A built binary (``llama-server`` or ``llama-quantize``), or None when it has not been built on this machine."""
-    path = os.path.join(build_dir(version), name)
+def binary_path(version: str = VERSION, name: str = "llama-server", isa: str = "native") -> str | None:
+    """A built binary (``llama-server`` or ``llama-quantize``) of build ``isa`` (``ISA_FLAGS``), or None when it
+    has not been built on this machine."""
+    path = os.path.join(build_dir(version, isa), name)
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
@@ -186,9 +197,10 @@ def extract_llamacpp(sdist: str, work_dir: str) -> str:
     return os.path.dirname(found[0])
 
 
-def build(version: str, jobs: int) -> str:
-    """Configure and build ``TARGETS``, keep the converter; returns the installed ``llama-server``'s path."""
-    out_dir = build_dir(version)
+def build(version: str, jobs: int, isa: str = "native") -> str:
+    """Configure and build ``TARGETS`` with ``ISA_FLAGS[isa]``, keep the converter; returns the installed
+    ``llama-server``'s path."""
+    out_dir = build_dir(version, isa)
     os.makedirs(out_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="build-", dir=out_dir)
     source = extract_llamacpp(download_sdist(work, version), work)
@@ -206,7 +218,7 @@ def build(version: str, jobs: int) -> str:
             "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_SERVER=ON",
-            "-DGGML_NATIVE=ON",
+            *ISA_FLAGS[isa],
         ]
     )
     _run(["cmake", "--build", cmake_build, "--target", *TARGETS, "--config", "Release", "-j", str(jobs)])
@@ -228,16 +240,23 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
     ap.add_argument("--print", action="store_true", help="print the binary's path if built, else exit 1")
     ap.add_argument("--converter", action="store_true", help="only extract the converter (no build); print its dir")
+    ap.add_argument(
+        "--isa",
+        choices=list(ISA_FLAGS),
+        default="native",
+        help="native: -march=native (the default, what --systems llamacpp runs); avx2: ggml's portable AVX2 build, "
+        "an AVX2-only CPU's kernels (--systems llamacpp:isa=avx2)",
+    )
     args = ap.parse_args()
     if args.converter:
         print(ensure_converter(args.version))
         return
-    path = binary_path(args.version)
+    path = binary_path(args.version, isa=args.isa)
     if path is None and args.print:
-        print(f"llama-server is not built yet: run python {sys.argv[0]}", file=sys.stderr)
+        print(f"llama-server ({args.isa}) is not built yet: run python {sys.argv[0]} --isa {args.isa}", file=sys.stderr)
         raise SystemExit(1)
     if path is None:
-        path = build(args.version, args.jobs)
+        path = build(args.version, args.jobs, args.isa)
     print(path)
 
 

@@ -160,6 +160,7 @@ def test_drive_honors_arrival_times_dependencies_and_continued_turns():
     assert parse_system("ours:int8:isa=avx2") == ("ours", {"weights": "int8", "isa": "avx2"})
     assert parse_system("ours:lmin=1:lmax=6") == ("ours", {"lmin": "1", "lmax": "6"})
     assert parse_system("llamacpp:cache=on") == ("llamacpp", {"cache": "on"})
+    assert parse_system("llamacpp:isa=avx2") == ("llamacpp", {"isa": "avx2"})
     with pytest.raises(SystemExit):
         parse_system("hf_cb:budget=0")
 
@@ -293,6 +294,11 @@ def test_llamacpp_builds_are_kept_per_kind_of_cpu(tmp_path, monkeypatch):
     assert binary_path() is None  # not executable: not a finished build
     os.chmod(server, 0o755)
     assert binary_path() == server
+    # the portable AVX2 build (an AVX2-only CPU's kernels) lies beside it, under its ISA's name, not the CPU's
+    assert build_dir(isa="avx2") == str(tmp_path / "cache" / f"llamacpp-{VERSION}-avx2")
+    assert binary_path(isa="avx2") is None
+    with pytest.raises(SystemExit, match="unknown llama.cpp build 'avx9'"):
+        build_dir(isa="avx9")
 
 
 # --- the model's cost model (what the roofline asks), against a direct count of the checkpoint's weights ---

@@ -55,8 +55,9 @@
  *   avxvnni (AVX-VNNI, 256-bit vpdpbusd): the same per panel, 8 columns a register.
  *   avx2 (vpmaddubsw): u8 x s8 pairs to int16, vpmaddwd to int32, as llama.cpp's AVX2 path; Q8_0 takes the sign
  *     trick (|w| as u8 times x with w's sign: no int16 overflow, as |w| <= 128, |q| <= 127), as do the IQ4 types.
- * Up to 8 rows each block's operands are made in registers and used by every row at once; more rows make a panel
- * (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
+ * Up to 8 rows each block's operands are made as the rows need them and used by every row at once (a 32-block's in
+ * registers; a super-block's 8 groups at once into a small local array, its header read once: prep*_block); more
+ * rows make a panel (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
  *
  * Built by int_dot.py on its own (tests, and its entry int_dot_gemm) and included by decode_step.c, whose linears
  * call int_dot_linear for the types and row counts int_dot_set_rows enables (ACTIVATIONS, int_dot.py).
@@ -69,9 +70,7 @@
 #include <omp.h>
 #endif
 
-#include "quants/iq4_xs.h" /* iq4_xs_scale, IQ4_GRID */
-#include "quants/q3_k.h" /* q3_k_scale */
-#include "quants/q4_k.h" /* k4_scale_min */
+#include "quants/iq4_xs.h" /* IQ4_GRID */
 #include "quants/q5_1.h" /* five_bit_bytes (q5_0.h) */
 #include "quants/q5_k.h" /* k5_high_bytes */
 
@@ -124,9 +123,14 @@ static inline int id_has_min(int f) { return f == IDF_Q4_1 || f == IDF_Q5_1 || i
 /* signed weight bytes (int8 values): VNNI offsets them to u8, AVX2 takes the sign trick */
 static inline int id_signed(int f) { return f == IDF_Q8_0 || f == IDF_IQ4_NL || f == IDF_IQ4_XS; }
 /* AVX2: how many k-quads' vpmaddubsw int16 sums (each w_1 q_1 + w_2 q_2, |q| <= 127) add in int16 before one
- * vpmaddwd widens them: n 2 w_max 127 <= 32767, so 4 for the unsigned types up to 5 bits (w <= 31), 2 for Q6_K's 6,
- * 1 for the signed ones (|w| up to 128 by the sign trick) */
-static inline int id_i16_quads(int f) { return id_signed(f) ? 1 : f == IDF_Q6_K ? 2 : 4; }
+ * vpmaddwd widens them: n 2 w_max 127 <= 32767, so all 8 (k 0-31) for the nibble types whose S needs no halves apart
+ * (Q4_0, Q4_1, Q4_K: w <= 15, 30480), 4 for the other unsigned types up to 5 bits (w <= 31; Q2_K's and Q3_K's
+ * halves are their sub-blocks), 2 for Q6_K's 6, 1 for the signed ones (|w| up to 128 by the sign trick) */
+static inline int id_i16_quads(int f) {
+    if (id_signed(f)) return 1;
+    if (f == IDF_Q4_0 || f == IDF_Q4_1 || f == IDF_Q4_K) return 8;
+    return f == IDF_Q6_K ? 2 : 4;
+}
 
 /* Bytes of a block: a group's (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) or a super-block's (8 groups). */
 static inline int id_block_bytes(int f) {
@@ -393,38 +397,146 @@ typedef struct {
 /* (a, b) as an int16 pair: a in the low half of the 32-bit word, b in the high */
 static inline int32_t id_pair16(int32_t a, int32_t b) { return (int32_t)((uint32_t)(uint16_t)a | (uint32_t)b << 16); }
 
-ID_INLINE Factors8 id_factors(int f, const uint8_t *const *rows, int g) {
-    float d[8], m[8];
-    int32_t sa[8], sb[8], sc2[8], mn2[8];
-    for (int c = 0; c < 8; c++) {
-        int sub;
-        const uint8_t *blk = id_block(f, rows[c], g, &sub);
-        sa[c] = sb[c] = sc2[c] = mn2[c] = 0, m[c] = 0.0f;
-        if (id_k4(f)) {
-            int sc, mn;
-            k4_scale_min(blk + 4, sub, &sc, &mn);
-            d[c] = f16_at(blk) * (float)sc, m[c] = -(f16_at(blk + 2) * (float)mn);
-        } else if (f == IDF_Q6_K) {
-            d[c] = f16_at(blk + 208);
-            sa[c] = (int8_t)blk[192 + 2 * sub], sb[c] = (int8_t)blk[193 + 2 * sub];
-        } else if (f == IDF_Q3_K) {
-            d[c] = f16_at(blk + 108);
-            sc2[c] = id_pair16(q3_k_scale(blk + 96, 2 * sub), q3_k_scale(blk + 96, 2 * sub + 1));
-        } else if (f == IDF_Q2_K) {
-            d[c] = f16_at(blk + 80), m[c] = -f16_at(blk + 82);
-            sc2[c] = id_pair16(blk[2 * sub] & 15, blk[2 * sub + 1] & 15);
-            mn2[c] = id_pair16(blk[2 * sub] >> 4, blk[2 * sub + 1] >> 4);
-        } else if (f == IDF_IQ4_XS) {
-            d[c] = iq4_xs_scale(blk, sub);
-        } else {
-            d[c] = f16_at(blk);
-            if (id_has_min(f)) m[c] = f16_at(blk + 2); /* Q4_1, Q5_1 */
-        }
+/* fp32 of the fp16 in the low (hi = 0) or high (hi = 1) half of each 32-bit lane. */
+ID_INLINE __m256 id_half_ps(__m256i words, int hi) {
+    const __m256i h = hi ? _mm256_srli_epi32(words, 16) : _mm256_and_si256(words, _mm256_set1_epi32(0xffff));
+    const __m256i p = _mm256_packus_epi32(h, _mm256_setzero_si256()); /* each lane's 4 halves in its low 8 bytes */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
+}
+
+/* The 16 bytes at offset `at` of a strip's 8 columns, transposed: v[j] lane c = column c's 32-bit word j (4 loads
+ * of two columns each, then a 4 x 4 transpose of words in each 128-bit half). */
+ID_INLINE void id_words16(const uint8_t *const *cols, size_t at, __m256i v[4]) {
+    __m256i r[4];
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) { /* columns c | c + 4 */
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(cols[c] + at));
+        r[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128((const __m128i *)(cols[c + 4] + at)), 1);
     }
-    Factors8 r = {_mm256_loadu_ps(d), _mm256_loadu_ps(m), _mm256_loadu_si256((const __m256i *)sa),
-                  _mm256_loadu_si256((const __m256i *)sb), _mm256_loadu_si256((const __m256i *)sc2),
-                  _mm256_loadu_si256((const __m256i *)mn2)};
-    return r;
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* Byte b (a constant 0-3) of each 32-bit lane, zero- or sign-extended to int32. */
+ID_INLINE __m256i id_byte_u(__m256i v, int b) {
+    return b == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), _mm256_set1_epi32(255));
+}
+ID_INLINE __m256i id_byte_s(__m256i v, int b) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24); }
+/* Bytes 2 h and 2 h + 1 (h a constant 0-1) of each 32-bit lane, zero-extended to an int16 pair (id_pair16). */
+ID_INLINE __m256i id_bytes_pair16(__m256i v, int h) {
+    const __m256i two = h ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff)); /* low half */
+    return _mm256_and_si256(_mm256_or_si256(two, _mm256_slli_epi32(two, 8)), _mm256_set1_epi32(0x00ff00ff));
+}
+
+/* The 32-bit word at byte `at` of each of a strip's 8 columns, column c in lane c. */
+ID_INLINE __m256i id_words_at(const uint8_t *const *cols, size_t at) {
+    return _mm256_setr_epi32((int)u32_at(cols[0] + at), (int)u32_at(cols[1] + at), (int)u32_at(cols[2] + at),
+                             (int)u32_at(cols[3] + at), (int)u32_at(cols[4] + at), (int)u32_at(cols[5] + at),
+                             (int)u32_at(cols[6] + at), (int)u32_at(cols[7] + at));
+}
+
+/* A super-block's factors for a strip's 8 columns, k[s] for its group s, in registers (no per-column scalar work:
+ * a strip's header bytes are transposed once, then every scale is a lane-wise shift and mask).
+ * Q4_K / Q5_K: header d | dmin | scales[12] = 16 bytes, words w1 = bytes 0-3, w2 = 4-7, w3 = 8-11; quants/q4_k.h's
+ * k4_scale_min lane-wise: sc 0-3 = w1 & 63, m 0-3 = w2 & 63, sc 4-7 = (w3 & 15) | (w1 >> 6) << 4, m 4-7 = (w3 >> 4)
+ * | (w2 >> 6) << 4 (per byte). d sc and -(dmin m): one fp32 product each ((-dmin) m is -(dmin m) exactly).
+ * Q6_K: scales int8[16] at 192 (word j: scales 4j .. 4j + 3; group s: scales 2s, 2s + 1), d at 208.
+ * Q2_K: scales[16] at 0 (word j: sub-blocks 4j .. 4j + 3, sc the low nibble, m the high), d | dmin at 80.
+ * Q3_K: scales[12] at 96 as words a0 a1 a2 -> 16 6-bit scales as ggml unpacks them (quants/q3_k.h's q3_k_scale,
+ * lane-wise: scales 0-3 = a0 & 15 | (a2 & 3) << 4, 4-7 = a1 & 15 | (a2 >> 2 & 3) << 4, 8-11 = a0 >> 4 | (a2 >> 4 &
+ * 3) << 4, 12-15 = a1 >> 4 | (a2 >> 6 & 3) << 4, per byte), minus 32; d at 108.
+ * IQ4_XS: d | scales_h at 0, scales_l[4] at 4: group s's scale = (scales_l >> 4 s & 15) | (scales_h >> 2 s & 3) << 4,
+ * minus 32; d sc one fp32 product, as quants/iq4_xs.h's iq4_xs_scale. Every value is those scalar references' for
+ * the same group (tests/test_int_dot.py's float64 evaluation reads the blocks with gguf-py). */
+ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Factors8 *k) {
+    __m256i w[4];
+    const __m256i zero = _mm256_setzero_si256();
+    if (f == IDF_Q6_K) {
+        id_words16(cols, at + 192, w);
+        const __m256 d = id_half_ps(id_words_at(cols, at + 206), 1); /* bytes 206-209: scales 14, 15 | d */
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            k[s].d = d, k[s].m = _mm256_setzero_ps();
+            k[s].sca = id_byte_s(w[s >> 1], 2 * (s & 1)), k[s].scb = id_byte_s(w[s >> 1], 2 * (s & 1) + 1);
+            k[s].sc2 = k[s].mn2 = zero;
+        }
+        return;
+    }
+    if (f == IDF_Q2_K) {
+        id_words16(cols, at, w);
+        const __m256i dw = id_words_at(cols, at + 80), m15 = _mm256_set1_epi32(0x000f000f);
+        const __m256 d = id_half_ps(dw, 0), ndmin = _mm256_xor_ps(id_half_ps(dw, 1), _mm256_set1_ps(-0.0f));
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            const __m256i ab = id_bytes_pair16(w[s >> 1], s & 1); /* (byte 2 s, byte 2 s + 1) of the scales */
+            k[s].d = d, k[s].m = ndmin;
+            k[s].sc2 = _mm256_and_si256(ab, m15), k[s].mn2 = _mm256_and_si256(_mm256_srli_epi32(ab, 4), m15);
+            k[s].sca = k[s].scb = zero;
+        }
+        return;
+    }
+    if (f == IDF_Q3_K) {
+        id_words16(cols, at + 92, w); /* bytes 92-107: w[1], w[2], w[3] = a0, a1, a2 */
+        const __m256 d = id_half_ps(id_words_at(cols, at + 106), 1);
+        const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
+        const __m256i a0 = w[1], a1 = w[2], a2 = w[3], o32 = _mm256_set1_epi16(32);
+        const __m256i aux[4] = {
+            _mm256_or_si256(_mm256_and_si256(a0, m4), _mm256_slli_epi32(_mm256_and_si256(a2, m2), 4)),
+            _mm256_or_si256(_mm256_and_si256(a1, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 2), m2), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a0, 4), m4),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 4), m2), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a1, 4), m4),
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 6), m2), 4))};
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            k[s].d = d, k[s].m = _mm256_setzero_ps();
+            k[s].sc2 = _mm256_sub_epi16(id_bytes_pair16(aux[s >> 1], s & 1), o32);
+            k[s].sca = k[s].scb = k[s].mn2 = zero;
+        }
+        return;
+    }
+    if (f == IDF_IQ4_XS) {
+        const __m256i h = id_words_at(cols, at), l = id_words_at(cols, at + 4);
+        const __m256 d = id_half_ps(h, 0);
+        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi32(l, 4 * s), _mm256_set1_epi32(15));
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi32(h, 16 + 2 * s), _mm256_set1_epi32(3));
+            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+            k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), k[s].m = _mm256_setzero_ps();
+            k[s].sca = k[s].scb = k[s].sc2 = k[s].mn2 = zero;
+        }
+        return;
+    }
+    id_words16(cols, at, w);
+    const __m256 d = id_half_ps(w[0], 0), ndmin = _mm256_xor_ps(id_half_ps(w[0], 1), _mm256_set1_ps(-0.0f));
+    const __m256i m63 = _mm256_set1_epi32(0x3f3f3f3f), m15 = _mm256_set1_epi32(0x0f0f0f0f);
+    const __m256i m48 = _mm256_set1_epi32(0x30303030);
+    const __m256i sc[2] = {_mm256_and_si256(w[1], m63),
+                           _mm256_or_si256(_mm256_and_si256(w[3], m15), _mm256_and_si256(_mm256_srli_epi32(w[1], 2), m48))};
+    const __m256i mn[2] = {_mm256_and_si256(w[2], m63),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[3], 4), m15),
+                                           _mm256_and_si256(_mm256_srli_epi32(w[2], 2), m48))};
+    _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
+        k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(id_byte_u(sc[s >> 2], s & 3)));
+        k[s].m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(id_byte_u(mn[s >> 2], s & 3)));
+        k[s].sca = k[s].scb = k[s].sc2 = k[s].mn2 = zero;
+    }
+}
+
+/* The factors (Factors8) of a panel's (a strip's) 8 columns for group g and, for the 256-blocks, every group of g's
+ * super-block: k[j] for group g + j, j < id_span(f), in registers, for the panel and the row path alike: the
+ * 32-blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) read the 8 blocks' first 4 bytes (d, Q4_1's / Q5_1's m) at once;
+ * a super-block's header is read once for its 8 groups (id_super_factors), not once per group and column. */
+static inline int id_span(int f) { return id_super(f) ? 8 : 1; }
+
+ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factors8 *k) {
+    if (!id_super(f)) {
+        const size_t at = (size_t)g * id_block_bytes(f);
+        const __m256i words = id_words_at(cols, at);
+        k->d = id_half_ps(words, 0);
+        k->m = id_has_min(f) ? id_half_ps(words, 1) : _mm256_setzero_ps(); /* Q4_1, Q5_1 */
+        k->sca = k->scb = k->sc2 = k->mn2 = _mm256_setzero_si256();
+        return;
+    }
+    id_super_factors(f, cols, (size_t)(g >> 3) * id_block_bytes(f), k);
 }
 
 /* A group's contribution to one activation row's 8 outputs (row at: its dx, s dx, s, s'), from the integer sums lo
@@ -475,8 +587,10 @@ ID_512 ID_INLINE __m512 join512(__m256 a, __m256 b) {
 
 ID_512 ID_INLINE __m512i join512i(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 
-/* Group g of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: signed ones offset to u8. */
-ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, Prep512 *p) {
+/* Group g of the pair's 16 rows (rows[0..7] panel a, rows[8..15] panel b) -> operands: signed ones offset to u8;
+ * ka, kb: the group's factors in panel a and b (id_strip_factors). */
+ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, const Factors8 *ka, const Factors8 *kb,
+                              Prep512 *p) {
     __m256i a[8], b[8];
     id_operands(f, rows, g, a);
     id_operands(f, rows + 8, g, b);
@@ -484,10 +598,9 @@ ID_512 ID_INLINE void prep512(int f, const uint8_t *const *rows, int g, Prep512 
         p->w[j] = join512i(a[j], b[j]);
         if (id_signed(f)) p->w[j] = _mm512_xor_si512(p->w[j], _mm512_set1_epi8((char)0x80));
     }
-    const Factors8 fa = id_factors(f, rows, g), fb = id_factors(f, rows + 8, g);
-    p->d = join512(fa.d, fb.d), p->m = join512(fa.m, fb.m);
-    p->sca = join512i(fa.sca, fb.sca), p->scb = join512i(fa.scb, fb.scb);
-    p->sc2 = join512i(fa.sc2, fb.sc2), p->mn2 = join512i(fa.mn2, fb.mn2);
+    p->d = join512(ka->d, kb->d), p->m = join512(ka->m, kb->m);
+    p->sca = join512i(ka->sca, kb->sca), p->scb = join512i(ka->scb, kb->scb);
+    p->sc2 = join512i(ka->sc2, kb->sc2), p->mn2 = join512i(ka->mn2, kb->mn2);
 }
 
 /* R rows (constant after inlining) x group g: acc[i] += the group's contribution (see the header). */
@@ -541,13 +654,42 @@ ID_512 static inline void store512(const __m512 *acc, int R, const float *bias, 
     }
 }
 
-/* R rows x every group, the operands made per group in registers (R <= ID_TILE) or read from prep. */
+/* Every group's operands into prep[0..G) (the factors read once per block or super-block, id_strip_factors). */
+/* The operands of the block holding group g (g a multiple of id_span(f)): out[j] for its group g + j, j <
+ * id_span(f); the factors read once per block (id_strip_factors). One function per ISA, the kind a constant in each
+ * case and a super-block's 8 groups unrolled (each group's shifts and selects constants), so the tiles of every row
+ * count share it. */
+ID_512 __attribute__((noinline)) static void prep512_block(int f, const uint8_t *const *rows, int g, Prep512 *out) {
+#define PREP(F, _)                                                                                           \
+    case F: {                                                                                                \
+        Factors8 ka[8], kb[8];                                                                               \
+        id_strip_factors(F, rows, g, ka);                                                                    \
+        id_strip_factors(F, rows + 8, g, kb);                                                                \
+        _Pragma("GCC unroll 8") for (int j = 0; j < id_span(F); j++) prep512(F, rows, g + j, &ka[j], &kb[j], &out[j]); \
+        break;                                                                                               \
+    }
+    switch (f) { ID_EACH_KIND(PREP, 0) }
+#undef PREP
+}
+
+/* R rows x every group, the operands made per block into a local array (R <= ID_TILE) or read from prep. */
 ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,
                               const Prep512 *prep, __m512 *acc) {
-    for (int g = 0; g < x->G; g++) {
-        Prep512 one;
-        if (!prep) prep512(f, rows, g, &one);
-        rows512(f, x, m0, g, prep ? &prep[g] : &one, acc, R);
+    if (prep) {
+        for (int g = 0; g < x->G; g++) rows512(f, x, m0, g, &prep[g], acc, R);
+        return;
+    }
+    for (int g = 0; g < x->G; g += id_span(f)) {
+        Prep512 block[8];
+        if (id_super(f)) {
+            prep512_block(f, rows, g, block);
+        } else { /* a 32-block: made here, in registers (a call and a round trip through memory cost more) */
+            Factors8 ka, kb;
+            id_strip_factors(f, rows, g, &ka);
+            id_strip_factors(f, rows + 8, g, &kb);
+            prep512(f, rows, g, &ka, &kb, block);
+        }
+        for (int j = 0; j < id_span(f); j++) rows512(f, x, m0, g + j, &block[j], acc, R);
     }
 }
 
@@ -558,13 +700,7 @@ ID_512 static void pair512(int f, const QRows *x, int M, const uint8_t *const *r
     if (M > ID_TILE) {
         prep = scratch_get(&id_w_scratch, sizeof(Prep512) * (size_t)G);
         if (!prep) return; /* cannot happen for any K a model has (G * 896 bytes); Y is left as it was */
-        /* the kind a constant in each case: prep512's unpacking branches on it for every row of every group */
-#define PREP(F, _)                                                                                           \
-    case F:                                                                                                  \
-        for (int g = 0; g < G; g++) prep512(F, rows, g, &prep[g]);                                            \
-        break;
-        switch (f) { ID_EACH_KIND(PREP, 0) }
-#undef PREP
+        for (int g = 0; g < G; g += id_span(f)) prep512_block(f, rows, g, &prep[g]);
     }
     __m512 acc[ID_TILE];
     for (int m0 = 0; m0 < M; m0 += ID_TILE) {
@@ -613,7 +749,7 @@ typedef struct {
 
 /* Block g's operands for the chosen step: VNNI offsets signed weights (Q8_0, IQ4_*) to u8; AVX2 keeps them for the
  * sign and multiplies their magnitudes. */
-ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, int g, Prep256 *p) {
+ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, int g, const Factors8 *k, Prep256 *p) {
     id_operands(f, rows, g, p->w);
     if (id_signed(f))
         for (int j = 0; j < 8; j++) {
@@ -624,7 +760,25 @@ ID_INLINE void prep256(int f, int vnni, const uint8_t *const *rows, int g, Prep2
                 p->w[j] = _mm256_abs_epi8(p->w[j]);
             }
         }
-    p->k = id_factors(f, rows, g);
+    p->k = *k;
+}
+
+/* The operands of the block holding group g, out[j] for its group g + j (as prep512_block: one function, the kind
+ * and vnni constants in each case, a super-block's groups unrolled). */
+__attribute__((noinline)) static void prep256_block(int f, int vnni, const uint8_t *const *rows, int g, Prep256 *out) {
+#define PREP(F, VNNI)                                                                                          \
+    case F: {                                                                                                  \
+        Factors8 k[8];                                                                                         \
+        id_strip_factors(F, rows, g, k);                                                                       \
+        _Pragma("GCC unroll 8") for (int j = 0; j < id_span(F); j++) prep256(F, VNNI, rows, g + j, &k[j], &out[j]); \
+        break;                                                                                                 \
+    }
+    if (vnni) {
+        switch (f) { ID_EACH_KIND(PREP, 1) }
+    } else {
+        switch (f) { ID_EACH_KIND(PREP, 0) }
+    }
+#undef PREP
 }
 
 /* One dot-product step: s += sum over each lane's 4 (u8 w, s8 x) pairs. */
@@ -651,15 +805,20 @@ ID_INLINE __m256i dot_avx2(__m256i s, __m256i w, __m256i x) {
                     s1 = DOT(s1, p->w[j + 4], x1);                                                               \
                 }                                                                                                \
             } else { /* AVX2, unsigned weights: id_i16_quads(f) quads' pair sums added in int16, then widened */ \
-                const int n = id_i16_quads(f);                                                                   \
-                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j += n) {                                         \
+                const int n = id_i16_quads(f), half = n < 4 ? n : 4; /* quads per half (k 0-15, 16-31) */        \
+                const __m256i ones = _mm256_set1_epi16(1);                                                       \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j += half) {                                      \
                     __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();                            \
-                    _Pragma("GCC unroll 4") for (int u = j; u < j + n; u++) {                                    \
+                    _Pragma("GCC unroll 4") for (int u = j; u < j + half; u++) {                                 \
                         h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(p->w[u], _mm256_set1_epi32(xq[u])));      \
                         h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(p->w[u + 4], _mm256_set1_epi32(xq[u + 4]))); \
                     }                                                                                            \
-                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(h0, _mm256_set1_epi16(1)));                      \
-                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(h1, _mm256_set1_epi16(1)));                      \
+                    if (n == 8) { /* both halves in one int16 sum, widened once (s1 stays 0) */                  \
+                        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones));            \
+                    } else {                                                                                     \
+                        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(h0, ones));                                  \
+                        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(h1, ones));                                  \
+                    }                                                                                            \
                 }                                                                                                \
             }                                                                                                    \
             acc[i] = id_update256(f, s0, s1, &p->k, x, at, acc[i]);                                              \
@@ -673,10 +832,22 @@ ROWS256(rows_avx2, , dot_avx2, 0)
 #define PANEL256(NAME, ATTR, ROWS, VNNI)                                                                          \
     ATTR ID_INLINE void NAME##_tile(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,             \
                                     const Prep256 *prep, __m256 *acc) {                                          \
-        for (int g = 0; g < x->G; g++) {                                                                         \
-            Prep256 one;                                                                                         \
-            if (!prep) prep256(f, VNNI, rows, g, &one);                                                          \
-            ROWS(f, x, m0, g, prep ? &prep[g] : &one, acc, R);                                                   \
+        if (prep || !id_super(f)) { /* operands from prep, or a 32-block's made here, in registers */            \
+            for (int g = 0; g < x->G; g++) {                                                                     \
+                Prep256 one;                                                                                     \
+                if (!prep) {                                                                                     \
+                    Factors8 k;                                                                                  \
+                    id_strip_factors(f, rows, g, &k);                                                            \
+                    prep256(f, VNNI, rows, g, &k, &one);                                                         \
+                }                                                                                                \
+                ROWS(f, x, m0, g, prep ? &prep[g] : &one, acc, R);                                               \
+            }                                                                                                    \
+            return;                                                                                              \
+        }                                                                                                        \
+        for (int g = 0; g < x->G; g += 8) { /* a super-block's 8 groups made at once (prep256_block) */          \
+            Prep256 block[8];                                                                                    \
+            prep256_block(f, VNNI, rows, g, block);                                                              \
+            for (int j = 0; j < 8; j++) ROWS(f, x, m0, g + j, &block[j], acc, R);                                \
         }                                                                                                        \
     }                                                                                                            \
     ATTR static void NAME(int f, const QRows *x, int M, const uint8_t *const *rows, const float *bias,           \
@@ -686,7 +857,7 @@ ROWS256(rows_avx2, , dot_avx2, 0)
         if (M > ID_TILE) {                                                                                       \
             prep = scratch_get(&id_w_scratch, sizeof(Prep256) * (size_t)G);                                      \
             if (!prep) return;                                                                                   \
-            switch (f) { ID_EACH_KIND(PREP256_KIND, VNNI) } /* the kind a constant in each case, as pair512 */     \
+            switch (f) { ID_EACH_KIND(PREP256_KIND, VNNI) } /* the kind a constant in each case */              \
         }                                                                                                        \
         __m256 acc[ID_TILE];                                                                                     \
         float tmp[8];                                                                                            \
@@ -713,7 +884,14 @@ ROWS256(rows_avx2, , dot_avx2, 0)
 
 #define PREP256_KIND(F, VNNI)                                                                                      \
     case F:                                                                                                        \
-        for (int g = 0; g < G; g++) prep256(F, VNNI, rows, g, &prep[g]);                                           \
+        if (id_super(F))                                                                                           \
+            for (int g = 0; g < G; g += 8) prep256_block(F, VNNI, rows, g, &prep[g]);                              \
+        else                                                                                                       \
+            for (int g = 0; g < G; g++) {                                                                          \
+                Factors8 k;                                                                                        \
+                id_strip_factors(F, rows, g, &k);                                                                  \
+                prep256(F, VNNI, rows, g, &k, &prep[g]);                                                           \
+            }                                                                                                      \
         break;
 #define panel_vnni_KIND(F, N)                                                                                      \
     case F: panel_vnni_tile(F, x, m0, N, rows, prep, acc); break;

@@ -14,8 +14,8 @@
  * checks this and the float64 reference).
  *
  * Per strip of 8 columns (a panel: the last one's missing columns read its last column again, outputs dropped), per
- * group g: the 8 columns' values (int_dot.c's id_values) and factors (id_strip_factors: the same values as
- * id_factors, read 8 blocks at once or once per K-quant super-block), then per row i (R <= ID_ROWS_MAX, a constant
+ * group g: the 8 columns' values (int_dot.c's id_values) and factors (int_dot.c's id_strip_factors, read 8 blocks at
+ * once or once per K-quant super-block), then per row i (R <= ID_ROWS_MAX, a constant
  * after inlining) 8 products of 32 bytes, the tree, and the panel path's fp32 update. Overflow bounds (|q| <= 127
  * for x): vpmaddubsw's pairs of u8 w x s8 q never saturate (Q8_0 takes |w| <= 128 with the sign moved onto x:
  * <= 32512, the IQ4 types' |w| <= 127 32258; the nibble types 3810; the 5-bit types 7874; Q6_K 16002; Q3_K 1778,
@@ -53,147 +53,6 @@ ID_INLINE void id_rows_prefetch(int f, const uint8_t *strip, size_t bytes, int g
     const int lines = (8 * id_block_bytes(f) / (id_super(f) ? 8 : 1) + 16 + 63) / 64;
     const char *at = (const char *)strip + bytes + 8 * id_group_at(f, g);
     for (int l = 0; l < lines; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T1);
-}
-
-/* fp32 of the fp16 in the low (hi = 0) or high (hi = 1) half of each 32-bit lane. */
-ID_INLINE __m256 id_half_ps(__m256i words, int hi) {
-    const __m256i h = hi ? _mm256_srli_epi32(words, 16) : _mm256_and_si256(words, _mm256_set1_epi32(0xffff));
-    const __m256i p = _mm256_packus_epi32(h, _mm256_setzero_si256()); /* each lane's 4 halves in its low 8 bytes */
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
-}
-
-/* The 16 bytes at offset `at` of a strip's 8 columns, transposed: v[j] lane c = column c's 32-bit word j (4 loads
- * of two columns each, then a 4 x 4 transpose of words in each 128-bit half). */
-ID_INLINE void id_words16(const uint8_t *const *cols, size_t at, __m256i v[4]) {
-    __m256i r[4];
-    _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) { /* columns c | c + 4 */
-        const __m128i lo = _mm_loadu_si128((const __m128i *)(cols[c] + at));
-        r[c] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128((const __m128i *)(cols[c + 4] + at)), 1);
-    }
-    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-    v[0] = _mm256_unpacklo_epi64(t0, t2), v[1] = _mm256_unpackhi_epi64(t0, t2);
-    v[2] = _mm256_unpacklo_epi64(t1, t3), v[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-
-/* Byte b (a constant 0-3) of each 32-bit lane, zero- or sign-extended to int32. */
-ID_INLINE __m256i id_byte_u(__m256i v, int b) {
-    return b == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), _mm256_set1_epi32(255));
-}
-ID_INLINE __m256i id_byte_s(__m256i v, int b) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24); }
-/* Bytes 2 h and 2 h + 1 (h a constant 0-1) of each 32-bit lane, zero-extended to an int16 pair (id_pair16). */
-ID_INLINE __m256i id_bytes_pair16(__m256i v, int h) {
-    const __m256i two = h ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(0xffff)); /* low half */
-    return _mm256_and_si256(_mm256_or_si256(two, _mm256_slli_epi32(two, 8)), _mm256_set1_epi32(0x00ff00ff));
-}
-
-/* The 32-bit word at byte `at` of each of a strip's 8 columns, column c in lane c. */
-ID_INLINE __m256i id_words_at(const uint8_t *const *cols, size_t at) {
-    return _mm256_setr_epi32((int)u32_at(cols[0] + at), (int)u32_at(cols[1] + at), (int)u32_at(cols[2] + at),
-                             (int)u32_at(cols[3] + at), (int)u32_at(cols[4] + at), (int)u32_at(cols[5] + at),
-                             (int)u32_at(cols[6] + at), (int)u32_at(cols[7] + at));
-}
-
-/* A super-block's factors for a strip's 8 columns, k[s] for its group s, in registers (no per-column scalar work:
- * a strip's header bytes are transposed once, then every scale is a lane-wise shift and mask).
- * Q4_K / Q5_K: header d | dmin | scales[12] = 16 bytes, words w1 = bytes 0-3, w2 = 4-7, w3 = 8-11; k4_scale_min
- * lane-wise: sc 0-3 = w1 & 63, m 0-3 = w2 & 63, sc 4-7 = (w3 & 15) | (w1 >> 6) << 4, m 4-7 = (w3 >> 4) | (w2 >> 6)
- * << 4 (per byte). d sc and -(dmin m) as id_factors: one fp32 product each ((-dmin) m is -(dmin m) exactly).
- * Q6_K: scales int8[16] at 192 (word j: scales 4j .. 4j + 3; group s: scales 2s, 2s + 1), d at 208.
- * Q2_K: scales[16] at 0 (word j: sub-blocks 4j .. 4j + 3, sc the low nibble, m the high), d | dmin at 80.
- * Q3_K: scales[12] at 96 as words a0 a1 a2 -> 16 6-bit scales as ggml unpacks them (q3_k_scale, lane-wise: scales
- * 0-3 = a0 & 15 | (a2 & 3) << 4, 4-7 = a1 & 15 | (a2 >> 2 & 3) << 4, 8-11 = a0 >> 4 | (a2 >> 4 & 3) << 4, 12-15 =
- * a1 >> 4 | (a2 >> 6 & 3) << 4, per byte), minus 32; d at 108.
- * IQ4_XS: d | scales_h at 0, scales_l[4] at 4: group s's scale = (scales_l >> 4 s & 15) | (scales_h >> 2 s & 3) << 4,
- * minus 32; d sc one fp32 product, as iq4_xs_scale. Every value is id_factors' for the same group. */
-ID_INLINE void id_super_factors(int f, const uint8_t *const *cols, size_t at, Factors8 *k) {
-    __m256i w[4];
-    const __m256i zero = _mm256_setzero_si256();
-    if (f == IDF_Q6_K) {
-        id_words16(cols, at + 192, w);
-        const __m256 d = id_half_ps(id_words_at(cols, at + 206), 1); /* bytes 206-209: scales 14, 15 | d */
-        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-            k[s].d = d, k[s].m = _mm256_setzero_ps();
-            k[s].sca = id_byte_s(w[s >> 1], 2 * (s & 1)), k[s].scb = id_byte_s(w[s >> 1], 2 * (s & 1) + 1);
-            k[s].sc2 = k[s].mn2 = zero;
-        }
-        return;
-    }
-    if (f == IDF_Q2_K) {
-        id_words16(cols, at, w);
-        const __m256i dw = id_words_at(cols, at + 80), m15 = _mm256_set1_epi32(0x000f000f);
-        const __m256 d = id_half_ps(dw, 0), ndmin = _mm256_xor_ps(id_half_ps(dw, 1), _mm256_set1_ps(-0.0f));
-        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-            const __m256i ab = id_bytes_pair16(w[s >> 1], s & 1); /* (byte 2 s, byte 2 s + 1) of the scales */
-            k[s].d = d, k[s].m = ndmin;
-            k[s].sc2 = _mm256_and_si256(ab, m15), k[s].mn2 = _mm256_and_si256(_mm256_srli_epi32(ab, 4), m15);
-            k[s].sca = k[s].scb = zero;
-        }
-        return;
-    }
-    if (f == IDF_Q3_K) {
-        id_words16(cols, at + 92, w); /* bytes 92-107: w[1], w[2], w[3] = a0, a1, a2 */
-        const __m256 d = id_half_ps(id_words_at(cols, at + 106), 1);
-        const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x03030303);
-        const __m256i a0 = w[1], a1 = w[2], a2 = w[3], o32 = _mm256_set1_epi16(32);
-        const __m256i aux[4] = {
-            _mm256_or_si256(_mm256_and_si256(a0, m4), _mm256_slli_epi32(_mm256_and_si256(a2, m2), 4)),
-            _mm256_or_si256(_mm256_and_si256(a1, m4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 2), m2), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a0, 4), m4),
-                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 4), m2), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(a1, 4), m4),
-                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a2, 6), m2), 4))};
-        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-            k[s].d = d, k[s].m = _mm256_setzero_ps();
-            k[s].sc2 = _mm256_sub_epi16(id_bytes_pair16(aux[s >> 1], s & 1), o32);
-            k[s].sca = k[s].scb = k[s].mn2 = zero;
-        }
-        return;
-    }
-    if (f == IDF_IQ4_XS) {
-        const __m256i h = id_words_at(cols, at), l = id_words_at(cols, at + 4);
-        const __m256 d = id_half_ps(h, 0);
-        _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-            const __m256i low = _mm256_and_si256(_mm256_srli_epi32(l, 4 * s), _mm256_set1_epi32(15));
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi32(h, 16 + 2 * s), _mm256_set1_epi32(3));
-            const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
-            k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), k[s].m = _mm256_setzero_ps();
-            k[s].sca = k[s].scb = k[s].sc2 = k[s].mn2 = zero;
-        }
-        return;
-    }
-    id_words16(cols, at, w);
-    const __m256 d = id_half_ps(w[0], 0), ndmin = _mm256_xor_ps(id_half_ps(w[0], 1), _mm256_set1_ps(-0.0f));
-    const __m256i m63 = _mm256_set1_epi32(0x3f3f3f3f), m15 = _mm256_set1_epi32(0x0f0f0f0f);
-    const __m256i m48 = _mm256_set1_epi32(0x30303030);
-    const __m256i sc[2] = {_mm256_and_si256(w[1], m63),
-                           _mm256_or_si256(_mm256_and_si256(w[3], m15), _mm256_and_si256(_mm256_srli_epi32(w[1], 2), m48))};
-    const __m256i mn[2] = {_mm256_and_si256(w[2], m63),
-                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w[3], 4), m15),
-                                           _mm256_and_si256(_mm256_srli_epi32(w[2], 2), m48))};
-    _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {
-        k[s].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(id_byte_u(sc[s >> 2], s & 3)));
-        k[s].m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(id_byte_u(mn[s >> 2], s & 3)));
-        k[s].sca = k[s].scb = k[s].sc2 = k[s].mn2 = zero;
-    }
-}
-
-/* The factors (int_dot.c's Factors8) of a strip's 8 columns for group g and, for the 256-blocks, every group of g's
- * super-block: k[j] for group g + j, j < id_span(f). The same values as id_factors: the 32-blocks (Q8_0, Q4_0,
- * Q4_1, Q5_0, Q5_1, IQ4_NL) read the 8 blocks' first 4 bytes (d, Q4_1's / Q5_1's m) at once; a super-block's
- * header is read once for its 8 groups (id_super_factors). */
-static inline int id_span(int f) { return id_super(f) ? 8 : 1; }
-
-ID_INLINE void id_strip_factors(int f, const uint8_t *const *cols, int g, Factors8 *k) {
-    if (!id_super(f)) {
-        const size_t at = (size_t)g * id_block_bytes(f);
-        const __m256i words = id_words_at(cols, at);
-        k->d = id_half_ps(words, 0);
-        k->m = id_has_min(f) ? id_half_ps(words, 1) : _mm256_setzero_ps(); /* Q4_1, Q5_1 */
-        k->sca = k->scb = k->sc2 = k->mn2 = _mm256_setzero_si256();
-        return;
-    }
-    id_super_factors(f, cols, (size_t)(g >> 3) * id_block_bytes(f), k);
 }
 
 /* One column-group's 8 int32 quad sums (4 k each, k-ordered) added to s: int_dot.c's dot_avx2 (vpmaddubsw to pairs

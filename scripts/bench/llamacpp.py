@@ -21,6 +21,7 @@ def system_llamacpp(
     spec: str = "",
     n: str = "",
     m: str = "",
+    isa: str = "native",
 ):
     """llama.cpp's llama-server (scripts/build_llamacpp.py) on the same GGUF: -np CAPACITY slots, the
     same threads, every request's token ids to its /completion with ignore_eos, streamed with the token
@@ -32,15 +33,19 @@ def system_llamacpp(
     draft lengths (``--spec-ngram-<type>-size-n`` / ``-size-m``; ``ngram-mod``: ``--spec-ngram-mod-n-match`` /
     ``-n-max``); its drafts and accepted drafts per run come from each answer's ``timings``.
     ``kvd``: its KV cache type for K and V (``-ctk`` / ``-ctv``: f16 by default, q8_0 ...; its flash attention,
-    on by default here, reads a quantized V)."""
+    on by default here, reads a quantized V). ``isa``: which build runs (``scripts/build_llamacpp.py --isa``):
+    ``native`` (-march=native), or ``avx2``, ggml's portable AVX2 build, the peer of ``ours:isa=avx2`` on an
+    AVX-512 machine (what an AVX2-only CPU runs, on the same silicon)."""
     import httpx
     import torch
 
     from scripts.build_llamacpp import binary_path
 
-    binary = binary_path()
+    binary = binary_path(isa=isa)
     if binary is None:
-        raise RuntimeError("llama-server is not built: run python scripts/build_llamacpp.py (10-30 min, once)")
+        raise RuntimeError(
+            f"llama-server ({isa}) is not built: run python scripts/build_llamacpp.py --isa {isa} (10-30 min, once)"
+        )
     if not gguf:
         raise RuntimeError("llamacpp needs --model to be a .gguf file")
     requests, capacity = workload.requests, workload.capacity

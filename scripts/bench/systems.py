@@ -299,7 +299,7 @@ def parse_system(name: str) -> tuple[str, dict]:
     allowed = {
         "ours": {"weights", "fork", *OURS_OPTIONS},
         "ours_server": {"weights", *OURS_OPTIONS},
-        "llamacpp": {"cache", "kvd", "spec", "n", "m"},
+        "llamacpp": {"cache", "kvd", "spec", "n", "m", "isa"},
         "static_hf": {"device", "dtype"},
         "hf_cb": {"device", "dtype"},
     }.get(base, set())
@@ -317,7 +317,8 @@ def parse_system(name: str) -> tuple[str, dict]:
             "(SPECULATIVE_METHOD), ours:k=N (NUM_SPECULATIVE_TOKENS), ours:lmin=N / ours:lmax=N (PROMPT_LOOKUP_MIN / "
             "PROMPT_LOOKUP_MAX), ours:draft=N|PATH (SPECULATIVE_MODEL: the "
             "served GGUF's first N blocks, or a MODEL_ID), ours_server: as ours but fork; "
-            "llamacpp:cache=on, llamacpp:spec=ngram-simple|ngram-map-k|ngram-mod...[:n=N][:m=M]; "
+            "llamacpp:cache=on, llamacpp:spec=ngram-simple|ngram-map-k|ngram-mod...[:n=N][:m=M], llamacpp:isa=avx2 "
+            "(scripts/build_llamacpp.py --isa avx2); "
             "ours:runtime=torch|native (RUNTIME), ours:kvd=fp32|fp16|bf16|int8 (KV_CACHE_DTYPE), ours:device=cuda "
             "(DEVICE), ours_server: as ours but fork; llamacpp:cache=on, llamacpp:kvd=f16|q8_0 (-ctk / -ctv); "
             "static_hf and hf_cb: device=cuda, dtype=fp32|bf16|fp16)"
