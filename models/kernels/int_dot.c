@@ -654,7 +654,6 @@ ID_512 static inline void store512(const __m512 *acc, int R, const float *bias, 
     }
 }
 
-/* Every group's operands into prep[0..G) (the factors read once per block or super-block, id_strip_factors). */
 /* The operands of the block holding group g (g a multiple of id_span(f)): out[j] for its group g + j, j <
  * id_span(f); the factors read once per block (id_strip_factors). One function per ISA, the kind a constant in each
  * case and a super-block's 8 groups unrolled (each group's shifts and selects constants), so the tiles of every row
@@ -672,7 +671,10 @@ ID_512 __attribute__((noinline)) static void prep512_block(int f, const uint8_t 
 #undef PREP
 }
 
-/* R rows x every group, the operands made per block into a local array (R <= ID_TILE) or read from prep. */
+/* R rows x every group, the operands read from prep (M > ID_TILE), or made here per block into a local array: a
+ * 32-block's inline, a super-block's 8 groups at once (prep512_block). The 256-bit tile makes a 32-block's in a
+ * register variable instead: each form measured faster in its own ISA (docs/integer-dot.md, "Panels: a super-block's
+ * operands made at once"). */
 ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_t *const *rows,
                               const Prep512 *prep, __m512 *acc) {
     if (prep) {
@@ -683,7 +685,7 @@ ID_512 ID_INLINE void tile512(int f, const QRows *x, int m0, int R, const uint8_
         Prep512 block[8];
         if (id_super(f)) {
             prep512_block(f, rows, g, block);
-        } else { /* a 32-block: made here, in registers (a call and a round trip through memory cost more) */
+        } else { /* a 32-block: made here (a call costs more) */
             Factors8 ka, kb;
             id_strip_factors(f, rows, g, &ka);
             id_strip_factors(f, rows + 8, g, &kb);
@@ -857,7 +859,7 @@ ROWS256(rows_avx2, , dot_avx2, 0)
         if (M > ID_TILE) {                                                                                       \
             prep = scratch_get(&id_w_scratch, sizeof(Prep256) * (size_t)G);                                      \
             if (!prep) return;                                                                                   \
-            switch (f) { ID_EACH_KIND(PREP256_KIND, VNNI) } /* the kind a constant in each case */              \
+            for (int g = 0; g < G; g += id_span(f)) prep256_block(f, VNNI, rows, g, &prep[g]);                     \
         }                                                                                                        \
         __m256 acc[ID_TILE];                                                                                     \
         float tmp[8];                                                                                            \
@@ -882,17 +884,6 @@ ROWS256(rows_avx2, , dot_avx2, 0)
         }                                                                                                        \
     }
 
-#define PREP256_KIND(F, VNNI)                                                                                      \
-    case F:                                                                                                        \
-        if (id_super(F))                                                                                           \
-            for (int g = 0; g < G; g += 8) prep256_block(F, VNNI, rows, g, &prep[g]);                              \
-        else                                                                                                       \
-            for (int g = 0; g < G; g++) {                                                                          \
-                Factors8 k;                                                                                        \
-                id_strip_factors(F, rows, g, &k);                                                                  \
-                prep256(F, VNNI, rows, g, &k, &prep[g]);                                                           \
-            }                                                                                                      \
-        break;
 #define panel_vnni_KIND(F, N)                                                                                      \
     case F: panel_vnni_tile(F, x, m0, N, rows, prep, acc); break;
 #define panel_avx2_KIND(F, N)                                                                                      \
@@ -905,7 +896,6 @@ PANEL256(panel_avx2, , rows_avx2, 0)
 #undef PANEL256
 #undef panel_vnni_TILES
 #undef panel_avx2_TILES
-#undef PREP256_KIND
 #undef panel_vnni_KIND
 #undef panel_avx2_KIND
 
