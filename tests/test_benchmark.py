@@ -414,3 +414,50 @@ def test_scale_models_are_named_shape_and_type(tmp_path, monkeypatch):
         ) == dims
         assert scale_model.parse(f"{name}:q8_0") == (name, "Q8_0")
     assert scale_model.TOKENIZERS == {"gemma-3-1b": "spm-gemma"}
+
+
+# --- the kernel roofline (python -m scripts.bench.roofline): its reference reader and its paired rates ---
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_stream_read_sums_every_byte_of_ragged_sizes(threads):
+    import numpy as np
+
+    from scripts.bench import roofline
+
+    read = roofline.stream_reader()
+    rng = np.random.default_rng(threads)
+    for n in (0, 1, 127, 128, 129, 4096 + 77, 3 * 2**20 + 5):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert read(data.ctypes.data, n, threads) == int(data.sum(dtype=np.uint64)), n
+    assert roofline.read_bandwidth(threads, mib=8, repeats=2) > 0
+
+
+def test_weight_copies_outgrow_the_last_level_cache(tmp_path):
+    from scripts.bench import roofline
+
+    size = tmp_path / "size"
+    size.write_text("491520K\n")  # a Xeon VM's 480 MiB L3
+    assert roofline.cold_bytes(str(size)) == 960 * 2**20
+    size.write_text("32768K\n")
+    assert roofline.cold_bytes(str(size)) == 256 * 2**20
+    size.write_text("2G\n")
+    assert roofline.cold_bytes(str(size)) == 4 * 2**30
+    assert roofline.cold_bytes(str(tmp_path / "missing")) == 256 * 2**20
+
+
+def test_roofline_times_each_path_beside_a_read_of_the_same_copies(monkeypatch, tmp_path, capsys):
+    from scripts.bench import roofline
+
+    monkeypatch.setattr(roofline, "cold_bytes", lambda: 2**20)
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda threads: 1.0)
+    out = tmp_path / "roofline.json"
+    roofline.main(["--rows", "1,9", "--types", "Q4_K,F16", "--shapes", "64x512", "--rounds", "1", "--json", str(out)])
+    rates = json.loads(out.read_text())["rates"]
+    assert [(r["type"], r["rows"]) for r in rates] == [("Q4_K", 1), ("Q4_K", 9), ("F16", 1), ("F16", 9)]
+    for r in rates:
+        paths = {"fp32", "int8_panel", "int8_rows", "read"} if r["type"] == "Q4_K" else {"fp32", "read"}
+        assert {k[: -len("_gb_s")] for k in r if k.endswith("_gb_s")} == paths
+        assert all(r[f"{p}_gb_s"] > 0 for p in paths)
+    lines = capsys.readouterr().out.splitlines()
+    assert "read" in lines[1].split() and lines[1].endswith("of read") and len(lines) == 2 + len(rates)

@@ -161,23 +161,44 @@ def _quant_pass(quant_gemm, xs: dict, linears: list) -> None:
 
 MATVEC_SHAPES = ((8192, 2048), (2048, 8192))  # [out, in]: a 1B model's up/gate and down projections
 MATVEC_PATHS = ("fp32", "int8_panel", "int8_rows")  # quant_gemm.c; int_dot.c's panel path; its row path (int_rows.c)
-COLD_BYTES = 256 * 2**20  # weight copies per matrix: at least this many bytes, far past any last-level cache
+READ_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_read.c")
+
+
+def cold_bytes(l3_size: str = "/sys/devices/system/cpu/cpu0/cache/index3/size") -> int:
+    """Bytes of weight copies per matrix, taken in turn, so that each call streams its weight from memory as a decode
+    step does: twice the last-level cache (a Xeon VM here reports a 480 MiB L3, another machine 32 MiB), at least
+    256 MiB."""
+    try:
+        with open(l3_size) as f:
+            text = f.read().strip().upper()
+        l3 = int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    except (OSError, ValueError):
+        l3 = 0
+    return max(256 * 2**20, 2 * l3)
+
+
+def stream_reader():
+    """stream_read.c loaded: ``read(ptr, nbytes, threads) -> sum of the bytes``, the roofline's reference reader."""
+    import ctypes
+
+    from models.kernels import build
+
+    lib = build.build_and_load(READ_SOURCE, ["-O3", "-mavx2", "-fopenmp", "-shared", "-fPIC"])
+    lib.stream_read.restype = ctypes.c_uint64
+    lib.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib.stream_read
 
 
 def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
-    """GB/s this machine reads with ``threads`` threads: a sum over ``mib`` MiB of fp32 (no writes, far past the
-    caches), best of ``repeats``."""
-    import torch
+    """GB/s this machine reads with ``threads`` threads (stream_read.c over ``mib`` MiB, far past the caches), best
+    of ``repeats``: one moment's figure; matvec_rates pairs each kernel with a read of its own copies."""
+    import numpy as np
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        data = torch.ones(mib * 2**20 // 4)  # torch sums fp32 with vector loads (its int32 sum is scalar, slow)
-        data.sum()
-        best = min(_timed(data.sum) for _ in range(repeats))
-    finally:
-        torch.set_num_threads(saved)
-    return data.numel() * 4 / best / 1e9
+    read = stream_reader()
+    data = np.ones(mib * 2**20, np.uint8)
+    read(data.ctypes.data, data.nbytes, threads)
+    best = min(_timed(functools.partial(read, data.ctypes.data, data.nbytes, threads)) for _ in range(repeats))
+    return data.nbytes / best / 1e9
 
 
 def baseline_kernel(tree: str):
@@ -205,8 +226,9 @@ def matvec_rates(
     per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
     row path; with ``baseline``, a checkout's root, also that checkout's row path: ``int8_rows_base``; a type the
     integer path does not take, F16, BF16 or F32, has the fp32 path only), on
-    ``threads`` threads, each call on a weight no cache holds. The paths alternate round by round (a noisy minute
-    hits each alike); the best call counts."""
+    ``threads`` threads, each call on a weight no cache holds (``cold_bytes`` of copies). Beside them ``read``:
+    stream_read.c reading the same copies, the reference a type's share of the bandwidth is taken against. The paths
+    alternate round by round (a noisy minute hits each alike); the best call counts."""
     import numpy as np
     import torch
 
@@ -223,6 +245,8 @@ def matvec_rates(
         "int8_panel": lambda x, w: (lib.int_dot_row_path(0), int_dot.gemm(x, w, threads=threads)),
         "int8_rows": lambda x, w: (lib.int_dot_row_path(saved[1]), int_dot.gemm(x, w, threads=threads)),
     }
+    read = stream_reader()
+    calls["read"] = lambda x, w: read(w.data.data_ptr(), w.data.numel(), threads)
     paths = MATVEC_PATHS
     if baseline:
         base = baseline_kernel(baseline)
@@ -231,13 +255,11 @@ def matvec_rates(
     out = []
     try:
         for fmt in types:
-            here = paths if fmt in int_dot.FORMATS else ("fp32",)
+            here = (*(paths if fmt in int_dot.FORMATS else ("fp32",)), "read")
             for n, k in shapes:
                 t = TYPES[fmt]
                 raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(0), 0.01).reshape(n, -1)
-                # copies past the last-level cache, taken in turn: each call streams its weight from memory, as a
-                # decode step does (one matrix alone, called again, would be read from a 32 MiB L3)
-                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-COLD_BYTES // raw.nbytes))]
+                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-cold_bytes() // raw.nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                     best = dict.fromkeys(here, float("inf"))
@@ -278,6 +300,11 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(int_dot.FORMATS),
         help="GGUF types, comma-separated (default: the integer path's; any GGUF type times its fp32 path)",
     )
+    p.add_argument(
+        "--shapes",
+        default=",".join(f"{n}x{k}" for n, k in MATVEC_SHAPES),
+        help="weight shapes out x in, comma-separated (default: a 1B model's up/gate and down projections)",
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--baseline", help="another checkout's root: also time its int_dot.c row path (int8_rows_base)")
@@ -287,22 +314,25 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.isa and int_dot.force_isa(args.isa) != args.isa:
         p.error(f"this CPU has no {args.isa} (the integer path would run {int_dot.isa()})")
-    read = read_bandwidth(args.threads)
+    read = read_bandwidth(args.threads)  # the run's start; "of read" is against each row's paired read
     rates = matvec_rates(
         tuple(args.types.split(",")),
         tuple(int(r) for r in args.rows.split(",")),
         args.threads,
+        shapes=tuple(tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")),
         rounds=args.rounds,
         baseline=args.baseline,
     )
     paths = MATVEC_PATHS + (("int8_rows_base",) if args.baseline else ())
+    paths = (*paths, "read")
     print(f"# {_machine()}; int_dot ISA {int_dot.isa()}; {args.threads} threads; read bandwidth {read:.1f} GB/s")
     print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>14}" for p in paths) + "  rows/fp32  of read")
-    for r in rates:  # "of read": the best path's share of the read bandwidth (the fp32 one alone for some types)
+    for r in rates:  # "of read": the best path's share of the same copies' read (the fp32 one alone for some types)
         gbs = " ".join(f"{r[f'{p}_gb_s']:>14.1f}" if f"{p}_gb_s" in r else f"{'-':>14}" for p in paths)
         fp32, rows_ = r["fp32_gb_s"], r.get("int8_rows_gb_s")
         ratio = f"{rows_ / fp32:8.2f}x" if rows_ else f"{'-':>9}"
-        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {ratio}  {max(rows_ or 0, fp32) / read:6.0%}")
+        share = max(rows_ or 0, fp32) / r["read_gb_s"]
+        print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {ratio}  {share:6.0%}")
     if args.json:
         with open(args.json, "w") as f:
             run = {"machine": _machine(), "isa": int_dot.isa(), "threads": args.threads, "read_gb_s": read}
