@@ -78,6 +78,13 @@ def copies(seqs: list[Sequence], **kw) -> list[Sequence]:
     return out
 
 
+def untimed_drafts(engine) -> None:
+    """Adaptive draft lengths from acceptance and the linear step cost alone, not this machine's measured step
+    times: the draft counts these tests assert then do not depend on the minute (a busy CI minute priced drafts so
+    high that every one stayed a token long, and no run of 2 accepted was left to check)."""
+    engine.planner.step_cost.observe = lambda rows, seconds: None
+
+
 def assert_same(off: list[Sequence], on: list[Sequence]) -> None:
     for a, b in zip(off, on):
         assert b.output_token_ids == a.output_token_ids, a.prompt_token_ids
@@ -109,9 +116,7 @@ def test_greedy_output_with_drafts_is_the_output_without(pressure_model, runtime
     for proposer in ("oracle", "ngram"):
         engine = engine_for(pressure_model, runtime, blocks=30, **kw)
         engine.planner.speculative, engine.planner.spec_disable_batch_size = SPEC, 0  # drafts at any batch
-        # draft lengths from acceptance and the linear step cost, not this machine's step times: a busy CI minute
-        # measured the steps with drafts so dear that every draft stayed one token long (no run of 2 to check)
-        engine.planner.step_cost.observe = lambda rows, seconds: None
+        untimed_drafts(engine)
         if proposer == "oracle":
             engine.planner.proposers["ngram"] = Oracle(answers, engine.vocab_size)
         on = copies(seqs)
@@ -169,6 +174,7 @@ def test_seeded_sampling_with_drafts_keeps_its_tokens(tiny_model_dir, runtime):
         if spec:
             engine.planner.speculative, engine.planner.spec_disable_batch_size = spec, 0
             engine.planner.proposers["ngram"] = Oracle(answers, engine.vocab_size)
+            untimed_drafts(engine)
         seqs = seeded_requests(engine)
         schedule_all(engine, seqs)
         runs.append(seqs)
@@ -201,6 +207,7 @@ def test_a_grammar_cuts_the_drafts_it_rejects(tmp_path_factory):
         engine = HFEngine(cfg)
         if spec:
             engine.planner.speculative, engine.planner.spec_disable_batch_size = spec, 0
+            untimed_drafts(engine)
             oracle = Oracle(answers, engine.vocab_size)
             validated = []
 
