@@ -252,14 +252,14 @@ def matvec_rates(
         base = baseline_kernel(baseline)
         calls["int8_rows_base"] = lambda x, w: int_dot.gemm(x, w, threads=threads, lib=base)
         paths = (*MATVEC_PATHS, "int8_rows_base")
-    out = []
+    out, cold = [], cold_bytes()
     try:
         for fmt in types:
             here = (*(paths if fmt in int_dot.FORMATS else ("fp32",)), "read")
             for n, k in shapes:
                 t = TYPES[fmt]
                 raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(0), 0.01).reshape(n, -1)
-                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-cold_bytes() // raw.nbytes))]
+                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-cold // raw.nbytes))]
                 for m in rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                     best = dict.fromkeys(here, float("inf"))
@@ -323,8 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds=args.rounds,
         baseline=args.baseline,
     )
-    paths = MATVEC_PATHS + (("int8_rows_base",) if args.baseline else ())
-    paths = (*paths, "read")
+    paths = (*MATVEC_PATHS, *(("int8_rows_base",) if args.baseline else ()), "read")
     print(f"# {_machine()}; int_dot ISA {int_dot.isa()}; {args.threads} threads; read bandwidth {read:.1f} GB/s")
     print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>14}" for p in paths) + "  rows/fp32  of read")
     for r in rates:  # "of read": the best path's share of the same copies' read (the fp32 one alone for some types)
