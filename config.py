@@ -16,6 +16,7 @@ from core.fair_queue import POLICIES  # torch-free
 from core.speculative import MAX_SPEC_TOKENS, SPEC_METHODS, SpecParams  # torch-free
 from models.kernels.build import KERNEL_ISAS  # torch-free
 from models.kernels.int_dot import ACTIVATIONS  # torch-free
+from models.kernels.packing import CHOICES as PACK_CHOICES  # torch-free
 from models.kv_dtype import KV_DTYPES  # torch-free
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -111,6 +112,10 @@ class Config:
     # step size measured to gain (models/kernels/int_dot.py AUTO_ROWS). The float types always multiply fp32
     # activations. docs/integer-dot.md.
     activations: str = "auto"
+    # Q4_K linears repacked at load into panels of 32 columns that the integer path streams linearly (the same bytes,
+    # moved; the same results bit for bit): "auto" where that path runs AVX-512 VNNI and ACTIVATIONS takes Q4_K
+    # int8 from one row (the native runtime), "off" never. docs/integer-dot.md "Packed Q4_K".
+    pack_weights: str = "auto"
     # --- LoRA adapters (models/lora.py, docs/api.md "LoRA adapters") ---
     # Adapters served from startup, as name=path pairs (comma-separated), each path a PEFT adapter directory
     # (adapter_config.json + adapter_model.safetensors). A request chooses one by its name in `model`.
@@ -314,6 +319,11 @@ class Config:
             self.activations in ACTIVATIONS,
             "ACTIVATIONS",
             f"must be one of {', '.join(ACTIVATIONS)} (got {self.activations!r})",
+        )
+        _check(
+            self.pack_weights in PACK_CHOICES,
+            "PACK_WEIGHTS",
+            f"must be one of {', '.join(PACK_CHOICES)} (got {self.pack_weights!r})",
         )
         _check(
             self.runtime != "native" or self.device in ("auto", "cpu"),

@@ -29,7 +29,7 @@ from model_runner import RowsForward
 from models import kv_dtype
 from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.image_files import MODEL_FILE
-from models.kernels import step_abi
+from models.kernels import packing, step_abi
 from models.kernels.lora_step import KernelLora
 from models.kv_pool import KVPool
 from models.lora import targets_from_json
@@ -61,13 +61,20 @@ class NativeModel(RowsForward):
     """One model image with its own KV pool, stepped without torch.
 
     ``num_blocks`` KV blocks of ``block_size`` tokens of ``kv_cache_dtype`` elements (``self.kv``, a
-    ``models.kv_pool.KVPool``: the pool class the torch forward views too); ``threads`` OpenMP threads per step.
+    ``models.kv_pool.KVPool``: the pool class the torch forward views too); ``threads`` OpenMP threads per step;
+    ``pack``: repack the packable linears for the integer path (``kernels/packing.py``; None: ``packing.wanted``).
     Raises ``ImageError`` for an unusable image, ``RuntimeError`` when the kernel cannot be built or run here,
     ValueError for an unknown dtype.
     """
 
     def __init__(
-        self, image_dir: str, num_blocks: int, block_size: int, threads: int = 1, kv_cache_dtype: str = "fp32"
+        self,
+        image_dir: str,
+        num_blocks: int,
+        block_size: int,
+        threads: int = 1,
+        kv_cache_dtype: str = "fp32",
+        pack: bool | None = None,
     ) -> None:
         meta = check_image(image_dir)
         try:
@@ -87,6 +94,11 @@ class NativeModel(RowsForward):
         lib = step_abi.load()
         if lib is None:
             raise RuntimeError(f"the decode step kernel cannot run here: {step_abi.KERNEL.unavailable_reason}")
+        # Packable linears (Q4_K) repacked for the integer path, where it gains (kernels/packing.py): the mapped
+        # source's pages are released part by part, so the resident bytes stay the file's
+        self.packed_buffers, self.packed_bytes = [], 0
+        if packing.wanted(lib) if pack is None else pack:
+            addresses, self.packed_buffers, self.packed_bytes = packing.pack_linears(addresses, lib, threads)
         self.meta, self.image_dir, self.threads = meta, image_dir, threads
         self.model_type, self.vocab_size, self.n_vocab = meta["model_type"], meta["vocab_size"], meta["n_vocab"]
         self.context_window, self.eos_ids = meta["context_window"], set(meta["eos_ids"])

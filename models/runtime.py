@@ -12,7 +12,7 @@ import os
 
 from config import Config
 from engine import FakeEngine, InferenceEngine
-from models.kernels import int_dot
+from models.kernels import int_dot, packing
 from models.kernels.build import kernel_isa, set_kernel_isa
 from models.kv_dtype import bytes_per_token as bytes_per_kv_token
 from models.loading import ModelLoadError
@@ -138,6 +138,7 @@ class NativeEngine(ModelEngine):
         environment = thread_environment()  # before libgomp loads with the kernel
         set_kernel_isa(config.kernel_isa)
         int_dot.set_activations(config.activations)
+        packing.set_packing(config.pack_weights)
         from models.image import TOKENIZER_DIR, ImageError, check_image, ensure_image
         from models.native import NativeModel
         from text.tokenizer import TextTokenizer
@@ -184,6 +185,8 @@ class NativeEngine(ModelEngine):
             memory.get("VmHWM", 0),
         )
         log.info("quantized linears: %s", int_dot.describe(config.activations))
+        if self.model.packed_bytes:
+            log.info("packed for the integer path (PACK_WEIGHTS): %.1f MiB of Q4_K", self.model.packed_bytes / 2**20)
 
 
 def build_engine(config: Config) -> InferenceEngine:

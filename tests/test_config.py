@@ -55,6 +55,7 @@ ALL_VARS = (
     "RUNTIME",
     "KERNEL_ISA",
     "ACTIVATIONS",
+    "PACK_WEIGHTS",
     "MAX_PROMPTS_PER_REQUEST",
     "CORS_ALLOW_ORIGINS",
     "PREFIX_CACHING",
@@ -474,6 +475,17 @@ def test_activations(value):
 def test_bad_activations_name_the_variable_and_the_choices(value):
     with pytest.raises(ConfigError, match=r"^ACTIVATIONS must be one of auto, fp32, int8 \(got"):
         Config.from_env({"ACTIVATIONS": value})
+
+
+@pytest.mark.parametrize("value", ["auto", "off"])
+def test_pack_weights(value):
+    assert Config.from_env({"PACK_WEIGHTS": value}).pack_weights == value
+
+
+@pytest.mark.parametrize("value", ["on", "true", "Q4_K"])
+def test_bad_pack_weights_name_the_variable_and_the_choices(value):
+    with pytest.raises(ConfigError, match=r"^PACK_WEIGHTS must be one of auto, off \(got"):
+        Config.from_env({"PACK_WEIGHTS": value})
 
 
 @pytest.mark.parametrize("value", ["avx512", "AVX2", "sse4"])

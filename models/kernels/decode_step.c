@@ -49,7 +49,7 @@
 #include "decode_ops.c"
 #include "paged_attention.c"
 
-#define FMT_FP32 (-1)   /* small_gemm.c panels (a linear), fp32 rows (a token table); >= 0: a GGUF type id */
+#define FMT_FP32 (-1)   /* small_gemm.c panels (a linear), fp32 rows (a token table); >= 0: a GGUF type id, | FMT_PACKED: packed */
 #define FMT_PANELS (-2) /* a token table that is a tied lm_head's small_gemm.c panels */
 #define MAX_PARTS 3     /* parts of one linear (step_abi.MAX_PARTS) */
 
@@ -243,17 +243,22 @@ long decode_step_workspace(const Model *m, int B, int nthreads) {
 
 /* This thread's share of each part of a linear: its outputs split in eights over the threads (small_gemm's panels,
  * quant_gemm's row groups); a part's outputs start at column n0 of Y (and of bias and R). A part of a type the
- * integer path takes (ACTIVATIONS, int_dot.c) multiplies int8 activations; any other runs quant_gemm.c's exact
- * fp32 path (its direct path up to Q_DIRECT_ROWS rows, its tile path above). */
+ * integer path takes (ACTIVATIONS, int_dot.c) multiplies int8 activations, as does a part packed at load (its type |
+ * FMT_PACKED, int_packed.c: split in panels of 32); any other runs quant_gemm.c's exact fp32 path (its direct path
+ * up to Q_DIRECT_ROWS rows, its tile path above). */
 static void linear_part(const Buffers *buf, const Lin *L, const float *X, int ldx, const float *R, int ldr, float *Y,
                         int ldy, int M, int t, int nt) {
     for (int p = 0, n0 = 0; p < L->n_parts; n0 += L->part[p].N, p++) {
         const LinPart *P = &L->part[p];
-        const int units = (P->N + PANEL - 1) / PANEL;
+        const int unit = P->fmt >= 0 && (P->fmt & FMT_PACKED) ? PK_COLS : PANEL; /* packed: panels of 32 */
+        const int units = (P->N + unit - 1) / unit;
         const int u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
         if (u0 >= u1) continue;
         const float *bias = L->bias ? L->bias + n0 : NULL, *r = R ? R + n0 : NULL;
-        if (P->fmt == FMT_FP32) {
+        if (unit == PK_COLS) { /* packed at load (int_packed.c): int8 activations in every step */
+            if (int_dot_packed_linear(P->fmt, X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1))
+                __atomic_store_n(buf->failed, 1, __ATOMIC_RELAXED);
+        } else if (P->fmt == FMT_FP32) {
             panels(X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1);
         } else if (int_dot_wants(P->fmt, M) &&
                    int_dot_linear(P->fmt, X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1) == 0) {

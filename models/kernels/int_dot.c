@@ -59,6 +59,9 @@
  * registers; a super-block's 8 groups at once into a small local array, its header read once: prep*_block); more
  * rows make a panel (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
  *
+ * Q4_K weights packed at load into panels of 32 columns (int_packed.c, included below: int_dot_pack,
+ * int_dot_packed_linear) run the same math on operands laid out for vpdpbusd, the same bits.
+ *
  * Built by int_dot.py on its own (tests, and its entry int_dot_gemm) and included by decode_step.c, whose linears
  * call int_dot_linear for the types and row counts int_dot_set_rows enables (ACTIVATIONS, int_dot.py).
  */
@@ -913,6 +916,7 @@ static void range256(int isa, int f, const QRows *x, const uint8_t *W, const flo
 }
 
 #include "int_rows.c" /* the row path: 1 to ID_ROWS_MAX rows */
+#include "int_packed.c" /* packed Q4_K panels */
 
 /* ---------------- entry points ---------------- */
 

@@ -16,6 +16,9 @@ the activations' rounding changes the logits slightly (perplexity figures in doc
 ``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the thread count or the ISA
 (``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation of the same quantized math.
 
+Q4_K linears can also be packed at load (``int_packed.c``, ``kernels/packing.py``, ``PACK_WEIGHTS``): the same
+bytes laid out as ``vpdpbusd``'s operands, the same results bit for bit (``pack``, ``gemm_packed``).
+
 The ISA is chosen when a kernel loads (``int_dot_isa``: AVX-512 VNNI with BW and VL, else AVX-VNNI, else AVX2);
 ``KERNEL_ISA=avx2`` forces the AVX2 path here as it does quant_gemm's (``build.set_kernel_isa``).
 """
@@ -65,13 +68,22 @@ def _load() -> ctypes.CDLL:
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare a built int_dot.c's direct entry points (``gemm``'s; also a baseline build: scripts/bench/roofline)."""
+    """Declare a built int_dot.c's direct entry points (``gemm``'s, the packed weights' of int_packed.c; also a
+    baseline build: scripts/bench/roofline; decode_step.c's, which includes it: kernels/packing.py)."""
     lib.int_dot_gemm.restype = _I
     lib.int_dot_gemm.argtypes = [_I, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I]
     lib.int_dot_quantize.restype = None
     lib.int_dot_quantize.argtypes = [_P, _I, _I, _I, _P, _P, _P]
     lib.int_dot_row_path.restype = _I
     lib.int_dot_row_path.argtypes = [_I]
+    if not hasattr(lib, "int_dot_pack"):  # a baseline build from before int_packed.c
+        return lib
+    lib.int_dot_packable.restype = _I
+    lib.int_dot_packable.argtypes = [_I, _I, _I]  # type, N, K
+    lib.int_dot_pack.restype = _I
+    lib.int_dot_pack.argtypes = [_I, _P, _P, _I, _I, _I]  # type, W, P, N, K, threads
+    lib.int_dot_gemm_packed.restype = _I
+    lib.int_dot_gemm_packed.argtypes = lib.int_dot_gemm.argtypes
     return lib
 
 
@@ -208,4 +220,39 @@ def gemm(x, w, bias=None, residual=None, threads: int = 1, lib: ctypes.CDLL | No
     )
     if rc != 0:
         raise MemoryError("int_dot_gemm could not allocate its activation buffer")
+    return out
+
+
+PACKABLE = ("Q4_K",)  # the GGUF types int_packed.c packs (int_dot_packable)
+
+
+def pack(w, threads: int = 1, lib: ctypes.CDLL | None = None) -> np.ndarray:
+    """A ``quant_gemm.QuantWeight`` of a type in ``PACKABLE`` (N a multiple of 32, K of 256) packed into a new
+    buffer (int_packed.c's panels of 32 columns: the same weights, rearranged) -> uint8 [its nbytes]."""
+    lib = lib or load()
+    src = np.ascontiguousarray(w.data.numpy()).reshape(-1)
+    out = np.empty_like(src)
+    if w.fmt not in PACKABLE or lib.int_dot_pack(
+        FORMATS[w.fmt], src.ctypes.data, out.ctypes.data, w.out_features, w.in_features, threads
+    ):
+        raise ValueError(f"a [{w.out_features}, {w.in_features}] {w.fmt} weight cannot be packed")
+    return out
+
+
+def gemm_packed(x, packed: np.ndarray, fmt: str, n: int, bias=None, residual=None, threads: int = 1, lib=None):
+    """``gemm`` on weights ``pack`` made (GGUF type ``fmt``, ``n`` outputs): the same bits as ``gemm`` on the
+    unpacked weight."""
+    import torch
+
+    lib = lib or load()
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.int_dot_gemm_packed(
+        *(FORMATS[fmt], x.data_ptr(), k, packed.ctypes.data),
+        *(None if bias is None else bias.contiguous().data_ptr(), None if residual is None else residual.data_ptr()),
+        *(n, out.data_ptr(), n, m, k, n, threads),
+    )
+    if rc != 0:
+        raise ValueError(f"int_dot_gemm_packed refused [{m}, {k}] x a packed [{n}, {k}] {fmt} weight")
     return out

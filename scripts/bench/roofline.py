@@ -225,7 +225,8 @@ def matvec_rates(
     """GB/s of weight streamed by one decode matvec (x [rows, in] @ W^T, W random valid GGUF blocks of each type),
     per shape, row count and path (``MATVEC_PATHS``: quant_gemm's fp32 activations, int_dot's 8-row panels, its
     row path; with ``baseline``, a checkout's root, also that checkout's row path: ``int8_rows_base``; a type the
-    integer path does not take, F16, BF16 or F32, has the fp32 path only), on
+    integer path does not take, F16, BF16 or F32, has the fp32 path only; a type ``int_dot.PACKABLE``, also its
+    packed weights, ``int8_packed``, and ``read_packed``, a read of those copies), on
     ``threads`` threads, each call on a weight no cache holds (``cold_bytes`` of copies). Beside them ``read``:
     stream_read.c reading the same copies, the reference a type's share of the bandwidth is taken against. The paths
     alternate round by round (a noisy minute hits each alike); the best call counts."""
@@ -247,6 +248,9 @@ def matvec_rates(
     }
     read = stream_reader()
     calls["read"] = lambda x, w: read(w.data.data_ptr(), w.data.numel(), threads)
+    packs: dict[int, np.ndarray] = {}  # id(w) -> its packed copy (a type in int_dot.PACKABLE)
+    calls["int8_packed"] = lambda x, w: int_dot.gemm_packed(x, packs[id(w)], w.fmt, w.out_features, threads=threads)
+    calls["read_packed"] = lambda x, w: read(packs[id(w)].ctypes.data, packs[id(w)].nbytes, threads)
     paths = MATVEC_PATHS
     if baseline:
         base = baseline_kernel(baseline)
@@ -256,10 +260,17 @@ def matvec_rates(
     try:
         for fmt in types:
             here = (*(paths if fmt in int_dot.FORMATS else ("fp32",)), "read")
+            if fmt in int_dot.PACKABLE:
+                here = (*here, "int8_packed", "read_packed")
             for n, k in shapes:
                 t = TYPES[fmt]
                 raw = random_blocks(fmt, n * k // t.block, np.random.default_rng(0), 0.01).reshape(n, -1)
-                ws = [quant_gemm.from_blocks(fmt, raw.copy(), k) for _ in range(-(-cold // raw.nbytes))]
+                ws = []  # each packed copy made right after its source: the two sets share the memory
+                packs.clear()
+                for _ in range(-(-cold // raw.nbytes)):
+                    ws.append(quant_gemm.from_blocks(fmt, raw.copy(), k))
+                    if fmt in int_dot.PACKABLE:
+                        packs[id(ws[-1])] = int_dot.pack(ws[-1])
                 for m in rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                     best = dict.fromkeys(here, float("inf"))
@@ -275,6 +286,11 @@ def matvec_rates(
         torch.set_num_threads(saved[0])
         lib.int_dot_row_path(saved[1])
     return out
+
+
+def packed_share(row: dict) -> float:
+    """A roofline row's packed path against the read of the packed copies (0 for a type not packed)."""
+    return row["int8_packed_gb_s"] / row["read_packed_gb_s"] if "int8_packed_gb_s" in row else 0.0
 
 
 def _machine() -> str:
@@ -323,14 +339,15 @@ def main(argv: list[str] | None = None) -> None:
         rounds=args.rounds,
         baseline=args.baseline,
     )
-    paths = (*MATVEC_PATHS, *(("int8_rows_base",) if args.baseline else ()), "read")
+    packed = ("int8_packed", "read_packed") if any(r.get("int8_packed_gb_s") for r in rates) else ()
+    paths = (*MATVEC_PATHS, *(("int8_rows_base",) if args.baseline else ()), "read", *packed)
     print(f"# {_machine()}; int_dot ISA {int_dot.isa()}; {args.threads} threads; read bandwidth {read:.1f} GB/s")
     print(f"{'type':<6} {'shape':<10} {'rows':>4} " + " ".join(f"{p:>14}" for p in paths) + "  rows/fp32  of read")
-    for r in rates:  # "of read": the best path's share of the same copies' read (the fp32 one alone for some types)
+    for r in rates:  # "of read": the best path's share of its copies' read (the fp32 one alone for some types)
         gbs = " ".join(f"{r[f'{p}_gb_s']:>14.1f}" if f"{p}_gb_s" in r else f"{'-':>14}" for p in paths)
         fp32, rows_ = r["fp32_gb_s"], r.get("int8_rows_gb_s")
         ratio = f"{rows_ / fp32:8.2f}x" if rows_ else f"{'-':>9}"
-        share = max(rows_ or 0, fp32) / r["read_gb_s"]
+        share = max((rows_ or 0) / r["read_gb_s"], fp32 / r["read_gb_s"], packed_share(r))
         print(f"{r['type']:<6} {r['shape']:<10} {r['rows']:>4} {gbs}  {ratio}  {share:6.0%}")
     if args.json:
         with open(args.json, "w") as f:

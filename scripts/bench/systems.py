@@ -61,6 +61,7 @@ OURS_OPTIONS = {
     "isa": "KERNEL_ISA",
     "kvd": "KV_CACHE_DTYPE",
     "act": "ACTIVATIONS",
+    "pack": "PACK_WEIGHTS",
     "spec": "SPECULATIVE_METHOD",
     "k": "NUM_SPECULATIVE_TOKENS",
     "draft": "SPECULATIVE_MODEL",
@@ -85,7 +86,8 @@ def ours_env(workload: Workload, gguf: str, weights: str, options: dict) -> dict
     for key, value in options.items():
         if key == "draft":
             continue
-        flag = {"on": "true", "off": "false"} if key not in ("spec",) else {}  # SPECULATIVE_METHOD=off is a method
+        # SPECULATIVE_METHOD=off is a method, PACK_WEIGHTS=off a choice: the others' on / off are booleans
+        flag = {"on": "true", "off": "false"} if key not in ("spec", "pack") else {}
         env[OURS_OPTIONS[key]] = flag.get(value, value)
     return env
 
