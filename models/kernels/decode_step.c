@@ -250,13 +250,13 @@ static void linear_part(const Buffers *buf, const Lin *L, const float *X, int ld
                         int ldy, int M, int t, int nt) {
     for (int p = 0, n0 = 0; p < L->n_parts; n0 += L->part[p].N, p++) {
         const LinPart *P = &L->part[p];
-        const int unit = P->fmt >= 0 && (P->fmt & FMT_PACKED) ? PK_COLS : PANEL; /* packed: panels of 32 */
+        const int packed = id_packed(P->fmt), unit = packed ? PK_COLS : PANEL; /* packed: panels of 32 */
         const int units = (P->N + unit - 1) / unit;
         const int u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
         if (u0 >= u1) continue;
         const float *bias = L->bias ? L->bias + n0 : NULL, *r = R ? R + n0 : NULL;
-        if (unit == PK_COLS) { /* packed at load (int_packed.c): int8 activations in every step */
-            if (int_dot_packed_linear(P->fmt, X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1))
+        if (packed) { /* packed at load (int_packed.c): int8 activations in every step */
+            if (int_dot_linear(P->fmt, X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1))
                 __atomic_store_n(buf->failed, 1, __ATOMIC_RELAXED);
         } else if (P->fmt == FMT_FP32) {
             panels(X, ldx, P->w, bias, r, ldr, Y + n0, ldy, M, L->K, P->N, u0, u1);

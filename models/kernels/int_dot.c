@@ -59,8 +59,8 @@
  * registers; a super-block's 8 groups at once into a small local array, its header read once: prep*_block); more
  * rows make a panel (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
  *
- * Q4_K weights packed at load into panels of 32 columns (int_packed.c, included below: int_dot_pack,
- * int_dot_packed_linear) run the same math on operands laid out for vpdpbusd, the same bits.
+ * Q4_K weights packed at load into panels of 32 columns (int_packed.c, included below: int_dot_pack; the entries
+ * take its format, the type | FMT_PACKED) run the same math on operands laid out for vpdpbusd, the same bits.
  *
  * Built by int_dot.py on its own (tests, and its entry int_dot_gemm) and included by decode_step.c, whose linears
  * call int_dot_linear for the types and row counts int_dot_set_rows enables (ACTIVATIONS, int_dot.py).
@@ -938,37 +938,44 @@ static void id_range(const QRows *x, int f, const uint8_t *W, const float *bias,
     else range256(isa, f, x, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
 }
 
-/* Panels [p0, p1) of Y = X W^T (+ bias) (+ R) for W of GGUF type `type` (K whole blocks), X quantized here into
- * this thread's own buffer (every thread of a step quantizes the same rows the same way: no barrier).
- * decode_step.c's linears call this. Returns -1 when the buffer cannot be allocated or the type or K is not this
- * path's (Y untouched), else 0. */
+/* Units [p0, p1) of Y = X W^T (+ bias) (+ R) for W of GGUF type `type` (K whole blocks) in the file's rows (units:
+ * panels of 8 columns), or packed by int_dot_pack (`type` | FMT_PACKED, int_packed.c: panels of PK_COLS), X
+ * quantized here into this thread's own buffer (every thread of a step quantizes the same rows the same way: no
+ * barrier). decode_step.c's linears call this. Returns -1 when a buffer cannot be allocated or the type or shape is
+ * not this path's (Y untouched), else 0. */
 static int int_dot_linear(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R,
                           int ldr, float *Y, int ldy, int M, int K, int N, int p0, int p1) {
-    const int f = id_kind(type);
+    const int packed = id_packed(type), f = id_kind(packed ? type & ~FMT_PACKED : type);
     if (f < 0 || K % (id_super(f) ? 8 * ID_GROUP : ID_GROUP)) return -1;
+    if (packed && !int_dot_packable(type & ~FMT_PACKED, N, K)) return -1;
     void *mem = scratch_get(&id_act_scratch, qrows_bytes(M, K));
-    if (!mem) return -1;
+    float(*out)[PK_COLS] = packed ? pk_out(M) : NULL;
+    if (!mem || (packed && !out)) return -1;
     QRows x = qrows_carve(mem, M, K);
     quantize_rows(X, ldx, M, K, &x);
-    id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+    if (packed) id_packed_range(&x, W, bias, R, ldr, Y, ldy, M, p0, p1, out);
+    else id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     return 0;
 }
 
-/* Y = X W^T (+ bias) (+ R) by integer dot products, on nthreads threads splitting the panels.
- * Returns 0, or -1 when a buffer cannot be allocated or the type or K is not this path's. */
+/* Y = X W^T (+ bias) (+ R) by integer dot products, W as int_dot_linear takes it (a GGUF type's rows, or packed:
+ * `type` | FMT_PACKED), on nthreads threads splitting the panels. Returns 0, or -1 when a buffer cannot be
+ * allocated or the type or shape is not this path's. */
 int int_dot_gemm(int type, const float *X, int ldx, const uint8_t *W, const float *bias, const float *R, int ldr,
                  float *Y, int ldy, int M, int K, int N, int nthreads) {
-    const int f = id_kind(type);
+    const int packed = id_packed(type), f = id_kind(packed ? type & ~FMT_PACKED : type);
     if (f < 0 || K % (id_super(f) ? 8 * ID_GROUP : ID_GROUP)) return -1;
+    if (packed && !int_dot_packable(type & ~FMT_PACKED, N, K)) return -1;
     if (M <= 0 || N <= 0) return 0;
     void *mem = malloc(qrows_bytes(M, K));
     if (!mem) return -1;
     QRows x = qrows_carve(mem, M, K);
     quantize_rows(X, ldx, M, K, &x);
-    const int npanels = (N + ID_PANEL - 1) / ID_PANEL;
+    const int npanels = packed ? N / PK_COLS : (N + ID_PANEL - 1) / ID_PANEL;
+    int failed = 0;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > npanels) nthreads = npanels;
-#pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
     { /* panels split as decode_step.c splits them (a range may start or end mid-pair) */
         int t = 0, nt = 1;
 #ifdef _OPENMP
@@ -976,8 +983,11 @@ int int_dot_gemm(int type, const float *X, int ldx, const uint8_t *W, const floa
         nt = omp_get_num_threads();
 #endif
         const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
-        if (p0 < p1) id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
+        float(*out)[PK_COLS] = packed ? pk_out(M) : NULL;
+        if (packed && !out) failed = 1;
+        else if (p0 < p1 && packed) id_packed_range(&x, W, bias, R, ldr, Y, ldy, M, p0, p1, out);
+        else if (p0 < p1) id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     }
     free(mem);
-    return 0;
+    return failed ? -1 : 0;
 }

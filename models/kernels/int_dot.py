@@ -82,8 +82,6 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int_dot_packable.argtypes = [_I, _I, _I]  # type, N, K
     lib.int_dot_pack.restype = _I
     lib.int_dot_pack.argtypes = [_I, _P, _P, _I, _I, _I]  # type, W, P, N, K, threads
-    lib.int_dot_gemm_packed.restype = _I
-    lib.int_dot_gemm_packed.argtypes = lib.int_dot_gemm.argtypes
     return lib
 
 
@@ -224,6 +222,7 @@ def gemm(x, w, bias=None, residual=None, threads: int = 1, lib: ctypes.CDLL | No
 
 
 PACKABLE = ("Q4_K",)  # the GGUF types int_packed.c packs (int_dot_packable)
+PACKED = 0x100  # FMT_PACKED in int_packed.c: a packed weight's format is its GGUF type id | PACKED
 
 
 def pack(w, threads: int = 1, lib: ctypes.CDLL | None = None) -> np.ndarray:
@@ -248,11 +247,11 @@ def gemm_packed(x, packed: np.ndarray, fmt: str, n: int, bias=None, residual=Non
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.int_dot_gemm_packed(
-        *(FORMATS[fmt], x.data_ptr(), k, packed.ctypes.data),
+    rc = lib.int_dot_gemm(
+        *(FORMATS[fmt] | PACKED, x.data_ptr(), k, packed.ctypes.data),
         *(None if bias is None else bias.contiguous().data_ptr(), None if residual is None else residual.data_ptr()),
         *(n, out.data_ptr(), n, m, k, n, threads),
     )
     if rc != 0:
-        raise ValueError(f"int_dot_gemm_packed refused [{m}, {k}] x a packed [{n}, {k}] {fmt} weight")
+        raise ValueError(f"int_dot_gemm refused [{m}, {k}] x a packed [{n}, {k}] {fmt} weight")
     return out

@@ -35,6 +35,9 @@
 
 static inline size_t pk_super_bytes(int f) { return (size_t)PK_COLS * id_block_bytes(f); }
 
+/* 1 for a packed format (a GGUF type | FMT_PACKED): its columns go in panels of PK_COLS */
+static inline int id_packed(int fmt) { return fmt >= 0 && (fmt & FMT_PACKED); }
+
 /* 1 when rows of GGUF type `type`, N outputs of K inputs, can be packed (int_dot_pack), else 0. */
 int int_dot_packable(int type, int N, int K) {
     return type == T_Q4_K && N > 0 && N % PK_COLS == 0 && K > 0 && K % (8 * ID_GROUP) == 0;
@@ -233,7 +236,7 @@ PKTILE256(pk_tile_avx2, , 0)
 #undef PKTILE256
 
 /* Panels [u0, u1) (PK_COLS columns each) of Y = X P^T (+ bias) (+ R) for packed weights P, M rows, on the ISA in use;
- * out: a scratch of M x 16 floats. */
+ * out: a scratch of M x PK_COLS floats. */
 static void id_packed_range(const QRows *x, const uint8_t *P, const float *bias, const float *Rr, int ldr, float *Y,
                             int ldy, int M, int u0, int u1, float (*out)[PK_COLS]) {
     const int isa = __atomic_load_n(&id_isa, __ATOMIC_RELAXED);
@@ -250,49 +253,6 @@ static void id_packed_range(const QRows *x, const uint8_t *P, const float *bias,
     }
 }
 
+/* This thread's scratch for a packed panel's M rows of outputs (NULL when it cannot be allocated). */
 static __thread Scratch_ id_pk_scratch;
-
-/* Panels [u0, u1) of a packed linear (fmt: the GGUF type | FMT_PACKED), X quantized into this thread's buffer, as
- * int_dot_linear. decode_step.c's linears call this for their packed parts. Returns -1 when a buffer cannot be
- * allocated or the format or K is not this path's (Y untouched), else 0. */
-static int int_dot_packed_linear(int fmt, const float *X, int ldx, const uint8_t *P, const float *bias,
-                                 const float *R, int ldr, float *Y, int ldy, int M, int K, int N, int u0, int u1) {
-    if (!(fmt & FMT_PACKED) || !int_dot_packable(fmt & ~FMT_PACKED, N, K)) return -1;
-    void *mem = scratch_get(&id_act_scratch, qrows_bytes(M, K));
-    float(*out)[PK_COLS] = scratch_get(&id_pk_scratch, sizeof(float) * PK_COLS * (size_t)M);
-    if (!mem || !out) return -1;
-    QRows x = qrows_carve(mem, M, K);
-    quantize_rows(X, ldx, M, K, &x);
-    id_packed_range(&x, P, bias, R, ldr, Y, ldy, M, u0, u1, out);
-    return 0;
-}
-
-/* Y = X P^T (+ bias) (+ R) for weights of GGUF type `type` packed by int_dot_pack, on nthreads threads splitting the
- * panels. Returns 0, or -1 when a buffer cannot be allocated or the type or shape is not packable. */
-int int_dot_gemm_packed(int type, const float *X, int ldx, const uint8_t *P, const float *bias, const float *R,
-                        int ldr, float *Y, int ldy, int M, int K, int N, int nthreads) {
-    if (!int_dot_packable(type, N, K)) return -1;
-    if (M <= 0) return 0;
-    void *mem = malloc(qrows_bytes(M, K));
-    if (!mem) return -1;
-    QRows x = qrows_carve(mem, M, K);
-    quantize_rows(X, ldx, M, K, &x);
-    const int panels = N / PK_COLS;
-    int failed = 0;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > panels) nthreads = panels;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        const int u0 = (int)((long)panels * t / nt), u1 = (int)((long)panels * (t + 1) / nt);
-        float(*out)[PK_COLS] = scratch_get(&id_pk_scratch, sizeof(float) * PK_COLS * (size_t)M);
-        if (!out) failed = 1;
-        else if (u0 < u1) id_packed_range(&x, P, bias, R, ldr, Y, ldy, M, u0, u1, out);
-    }
-    free(mem);
-    return failed ? -1 : 0;
-}
+static float (*pk_out(int M))[PK_COLS] { return scratch_get(&id_pk_scratch, sizeof(float) * PK_COLS * (size_t)M); }

@@ -10,9 +10,9 @@ it is packed only where the integer path takes Q4_K in every step anyway, on the
     PACK_WEIGHTS=off    never (the file's own rows, read in place)
 
 ``pack_linears`` copies each packable part of a model image's spec (every linear but a tied lm_head, which is also
-the token table) into its own buffer and tells the kernel its format is ``type | PACKED``; the source's pages are
-released as each part is done (``madvise``), so resident bytes stay those of the file and a load's peak is one part
-above them. Torch-free.
+the token table) into its own buffer and tells the kernel its format is ``type | int_dot.PACKED``; the source's
+pages are released as each part is done (``madvise``), so resident bytes stay those of the file and a load's peak
+is one part above them. Torch-free.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import mmap
 
 import numpy as np
 
+from models.gguf.blocks import BY_ID
+
 from . import int_dot, step_abi
 
-PACKED = 0x100  # FMT_PACKED in int_packed.c: a LinPart's fmt is its GGUF type | PACKED
 CHOICES = ("auto", "off")
 ALIGN = 64
 
 _choice = "auto"
+_LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: madvise
 
 
 def set_packing(choice: str) -> None:
@@ -38,10 +40,6 @@ def set_packing(choice: str) -> None:
     if choice not in CHOICES:
         raise ValueError(f"PACK_WEIGHTS must be one of {', '.join(CHOICES)} (got {choice!r})")
     _choice = choice
-
-
-def packing() -> str:
-    return _choice
 
 
 def wanted(lib) -> bool:
@@ -60,13 +58,6 @@ def aligned_empty(nbytes: int) -> tuple[np.ndarray, int]:
     return owner, address + (-address % ALIGN)
 
 
-def row_bytes(fmt: int, K: int) -> int:
-    """Bytes of one row of K weights of GGUF type id ``fmt`` (a packable type: 144 per 256 for Q4_K)."""
-    if fmt != int_dot.FORMATS["Q4_K"]:
-        raise ValueError(f"GGUF type {fmt} is not packable")
-    return K // 256 * 144
-
-
 def release(address: int, nbytes: int) -> None:
     """Drop this process's pages of a read-only mapped range (whole pages inside it): its resident bytes go, the
     file's bytes stay (a later read faults them in again)."""
@@ -74,32 +65,29 @@ def release(address: int, nbytes: int) -> None:
     start = address + (-address % page)
     end = (address + nbytes) // page * page
     if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
 
 
-def pack_linears(spec: step_abi.ModelSpec, lib, threads: int = 1, release_source: bool = True):
-    """``spec`` (handles are addresses) with every packable linear part packed into a new buffer -> (the new spec,
-    the buffers it points at: hold them while it is used, the bytes packed). A tied lm_head (its weight the token
-    table's) stays as it is. ``release_source``: drop the source's pages once packed (a mapped image's)."""
+def pack_linears(spec: step_abi.ModelSpec, lib, threads: int = 1):
+    """``spec`` (handles are addresses into read-only file mappings) with every packable linear part packed into a
+    new buffer, the source's pages released once packed -> (the new spec, the buffers it points at: hold them while
+    it is used, the bytes packed). A tied lm_head (its weight the token table's) stays as it is."""
     int_dot.declare(lib)
     buffers: list[np.ndarray] = []
-    packable = {int_dot.FORMATS[t] for t in int_dot.PACKABLE}
     total = 0
 
     def part(x: step_abi.LinSpec, p: step_abi.PartSpec) -> step_abi.PartSpec:
         nonlocal total
-        if p.fmt not in packable or p.w == spec.embed or not lib.int_dot_packable(p.fmt, p.N, x.K):
+        if p.w == spec.embed or not lib.int_dot_packable(p.fmt, p.N, x.K):
             return p
-        nbytes = p.N * row_bytes(p.fmt, x.K)
+        nbytes = p.N * BY_ID[p.fmt].row_bytes(x.K)
         owner, address = aligned_empty(nbytes)
         if lib.int_dot_pack(p.fmt, p.w, address, p.N, x.K, threads) != 0:
             raise RuntimeError(f"int_dot_pack refused a [{p.N}, {x.K}] part of GGUF type {p.fmt}")
-        if release_source:
-            release(p.w, nbytes)
+        release(p.w, nbytes)
         buffers.append(owner)
         total += nbytes
-        return dataclasses.replace(p, w=address, fmt=p.fmt | PACKED)
+        return dataclasses.replace(p, w=address, fmt=p.fmt | int_dot.PACKED)
 
     def linear(x: step_abi.LinSpec) -> step_abi.LinSpec:
         return dataclasses.replace(x, parts=[part(x, p) for p in x.parts])
