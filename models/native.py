@@ -29,7 +29,7 @@ from model_runner import RowsForward
 from models import kv_dtype
 from models.image import TOKENIZER_DIR, WEIGHTS_FILE, ImageError, check_image
 from models.image_files import MODEL_FILE
-from models.kernels import packing, step_abi
+from models.kernels import int_dot, packing, step_abi
 from models.kernels.lora_step import KernelLora
 from models.kv_pool import KVPool
 from models.lora import targets_from_json
@@ -94,11 +94,12 @@ class NativeModel(RowsForward):
         lib = step_abi.load()
         if lib is None:
             raise RuntimeError(f"the decode step kernel cannot run here: {step_abi.KERNEL.unavailable_reason}")
-        # Packable linears (Q4_K) repacked for the integer path, where it gains (kernels/packing.py): the mapped
-        # source's pages are released part by part, so the resident bytes stay the file's
+        # Packable linears (Q4_K, Q6_K) repacked for the integer path, where it gains (kernels/packing.py): the
+        # mapped source's pages are released chunk by chunk, so the resident bytes stay the file's
         self.packed_buffers, self.packed_bytes = [], 0
-        if packing.wanted(lib) if pack is None else pack:
-            addresses, self.packed_buffers, self.packed_bytes = packing.pack_linears(addresses, lib, threads)
+        types = packing.wanted(lib) if pack is None else int_dot.PACKABLE if pack else ()
+        if types:
+            addresses, self.packed_buffers, self.packed_bytes = packing.pack_linears(addresses, lib, threads, types)
         self.meta, self.image_dir, self.threads = meta, image_dir, threads
         self.model_type, self.vocab_size, self.n_vocab = meta["model_type"], meta["vocab_size"], meta["n_vocab"]
         self.context_window, self.eos_ids = meta["context_window"], set(meta["eos_ids"])

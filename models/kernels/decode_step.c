@@ -104,7 +104,8 @@ typedef struct {
     const float *normf_w, *normf_b;
     Lin lm_head;
     const Layer *layers;
-    const void *embed;       /* token table [V, C]: rows of GGUF blocks (a type id), fp32 rows (-1) or panels (-2) */
+    const void *embed;       /* token table [V, C]: rows of GGUF blocks (a type id), packed (a type id | FMT_PACKED: a
+                              * tied lm_head's panels, int_packed.c), fp32 rows (-1) or panels (-2) */
     int embed_fmt;
     const float *pos_embed;  /* learned positions [max_len, C] (GPT-2), or NULL */
 } Model;
@@ -515,7 +516,8 @@ static void layer(const Model *m, int l, const Step *s, const Buffers *buf, floa
 }
 
 /* x[b] = row ids[b] of the token table (+ row pos[b] of the position table): a quantized row dequantized by
- * quant_gemm.c's quant_row into tile (the values quant_gemm.dequantize_rows gives). */
+ * quant_gemm.c's quant_row into tile (the values quant_gemm.dequantize_rows gives; a packed table's row block by
+ * block, the same values). */
 static void embed(const Model *m, const long *ids, const long *pos, float *x, int B, float *tile) {
     const int C = m->C;
     for (int b = 0; b < B; b++) {
@@ -525,6 +527,13 @@ static void embed(const Model *m, const long *ids, const long *pos, float *x, in
         } else if (m->embed_fmt == FMT_PANELS) { /* column ids % 8 of panel ids / 8 */
             const float *panel = (const float *)m->embed + ids[b] / PANEL * C * PANEL + ids[b] % PANEL;
             for (int k = 0; k < C; k++) xb[k] = panel[(long)k * PANEL];
+        } else if (id_packed(m->embed_fmt)) { /* a tied lm_head packed at load: its row's blocks one at a time */
+            const int type = m->embed_fmt & ~FMT_PACKED, f = id_kind(type);
+            uint8_t blk[256]; /* a Q4_K (144) or Q6_K (210) block */
+            for (int sb = 0; sb < C / 256; sb++) {
+                pk_unpack_block(f, (const uint8_t *)m->embed, C, (int)ids[b], sb, blk);
+                quant_row(type, blk, 256, xb + 256 * sb);
+            }
         } else {
             quant_row(m->embed_fmt, (const uint8_t *)m->embed + ids[b] * quant_row_bytes(m->embed_fmt, C), C, tile);
             memcpy(xb, tile, sizeof(float) * C);

@@ -59,7 +59,7 @@
  * registers; a super-block's 8 groups at once into a small local array, its header read once: prep*_block); more
  * rows make a panel (pair)'s operands once into a per-thread buffer and run it in tiles of 8 rows.
  *
- * Q4_K weights packed at load into panels of 32 columns (int_packed.c, included below: int_dot_pack; the entries
+ * Q4_K and Q6_K weights packed at load into panels of 32 columns (int_packed.c, included below: int_dot_pack; the entries
  * take its format, the type | FMT_PACKED) run the same math on operands laid out for vpdpbusd, the same bits.
  *
  * Built by int_dot.py on its own (tests, and its entry int_dot_gemm) and included by decode_step.c, whose linears
@@ -953,7 +953,7 @@ static int int_dot_linear(int type, const float *X, int ldx, const uint8_t *W, c
     if (!mem || (packed && !out)) return -1;
     QRows x = qrows_carve(mem, M, K);
     quantize_rows(X, ldx, M, K, &x);
-    if (packed) id_packed_range(&x, W, bias, R, ldr, Y, ldy, M, p0, p1, out);
+    if (packed) id_packed_range(f, &x, W, bias, R, ldr, Y, ldy, M, p0, p1, out);
     else id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     return 0;
 }
@@ -985,7 +985,7 @@ int int_dot_gemm(int type, const float *X, int ldx, const uint8_t *W, const floa
         const int p0 = (int)((long)npanels * t / nt), p1 = (int)((long)npanels * (t + 1) / nt);
         float(*out)[PK_COLS] = packed ? pk_out(M) : NULL;
         if (packed && !out) failed = 1;
-        else if (p0 < p1 && packed) id_packed_range(&x, W, bias, R, ldr, Y, ldy, M, p0, p1, out);
+        else if (p0 < p1 && packed) id_packed_range(f, &x, W, bias, R, ldr, Y, ldy, M, p0, p1, out);
         else if (p0 < p1) id_range(&x, f, W, bias, R, ldr, Y, ldy, M, N, p0, p1);
     }
     free(mem);

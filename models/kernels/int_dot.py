@@ -16,7 +16,7 @@ the activations' rounding changes the logits slightly (perplexity figures in doc
 ``ACTIVATIONS=fp32`` is the exact path. Results do not depend on the batch, the thread count or the ISA
 (``int_dot.c``), and tests/test_int_dot.py checks each ISA against a float64 evaluation of the same quantized math.
 
-Q4_K linears can also be packed at load (``int_packed.c``, ``kernels/packing.py``, ``PACK_WEIGHTS``): the same
+Q4_K and Q6_K linears can also be packed at load (``int_packed.c``, ``kernels/packing.py``, ``PACK_WEIGHTS``): the same
 bytes laid out as ``vpdpbusd``'s operands, the same results bit for bit (``pack``, ``gemm_packed``).
 
 The ISA is chosen when a kernel loads (``int_dot_isa``: AVX-512 VNNI with BW and VL, else AVX-VNNI, else AVX2);
@@ -82,6 +82,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int_dot_packable.argtypes = [_I, _I, _I]  # type, N, K
     lib.int_dot_pack.restype = _I
     lib.int_dot_pack.argtypes = [_I, _P, _P, _I, _I, _I]  # type, W, P, N, K, threads
+    if hasattr(lib, "int_dot_unpack_row"):  # a baseline build from before packed token tables
+        lib.int_dot_unpack_row.restype = _I
+        lib.int_dot_unpack_row.argtypes = [_I, _P, _I, _I, _P]  # type, P, K, n, out
     return lib
 
 
@@ -221,7 +224,7 @@ def gemm(x, w, bias=None, residual=None, threads: int = 1, lib: ctypes.CDLL | No
     return out
 
 
-PACKABLE = ("Q4_K",)  # the GGUF types int_packed.c packs (int_dot_packable)
+PACKABLE = ("Q4_K", "Q6_K")  # the GGUF types int_packed.c packs (int_dot_packable)
 PACKED = 0x100  # FMT_PACKED in int_packed.c: a packed weight's format is its GGUF type id | PACKED
 
 
